@@ -1,0 +1,228 @@
+"""Configuration: one frozen `EngineConfig`, validated once, passed through constructors.
+
+`ModelConfig` is read from a Hugging Face `config.json` and describes the Llama-family
+architecture (Llama 2/3, Mistral, Qwen2) that `slora.model.llama` implements.
+No torch import here: the simulator and the scheduler read these too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+BACKENDS = ("auto", "torch", "triton", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+POLICIES = ("fcfs", "cluster", "abort", "fair")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+# The seven linear modules LoRA may target, in the order adapters are laid out in their pages.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field and the reason."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to know, fixed at construction.
+
+    model: a local Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+        None means the embedded default (SmolLM2-135M-Instruct, see `slora.model.smollm`).
+    device: "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N".
+    dtype: "auto" (bfloat16 on CUDA, float32 on CPU) or an explicit torch dtype name.
+    block_size: tokens per KV page. A page holds K and V of `block_size` tokens for every layer.
+    num_pages: pages in the pool. None sizes the pool from `gpu_memory_fraction` on CUDA or
+        `cpu_pool_gb` on CPU.
+    max_num_seqs / max_batch_tokens: per-step batch limits (sequences, tokens computed).
+    max_model_len: longest sequence (prompt + output); None means the model's limit, capped by
+        what the pool can hold.
+    backend: kernels. "auto" is triton on CUDA and torch on CPU.
+    host_cache_gb: bound of the host-memory LRU tier that holds adapters between disk and the pool.
+    policy: queue order, one of `POLICIES` (see slora.core.policies).
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_pages: int | None = None
+    gpu_memory_fraction: float = 0.85
+    cpu_pool_gb: float = 1.0
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 8192
+    max_model_len: int | None = None
+    backend: str = "auto"
+    host_cache_gb: float = 8.0
+    policy: str = "fcfs"
+    # adapter clustering: the most steps a request may be passed over before it goes first.
+    max_skips: int = 64
+    # S-LoRA's SLO: first token within this many seconds (early-abort policy, metrics).
+    slo_ttft_s: float = 6.0
+    # Prefetch: adapters of the first `prefetch_window` waiting requests are loaded ahead of
+    # admission, while at least `prefetch_reserve` pages stay free for KV.
+    prefetch_window: int = 8
+    prefetch_reserve: int = 64
+    cuda_graphs: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
+
+        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+             "device", "expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        need(self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             "block_size", "must be a power of two")
+        need(self.num_pages is None or self.num_pages >= 2, "num_pages", "must be at least 2")
+        need(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction", "must be in (0, 1]")
+        need(self.cpu_pool_gb > 0, "cpu_pool_gb", "must be positive")
+        need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        need(self.max_batch_tokens >= 1, "max_batch_tokens", "must be at least 1")
+        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+             "must be at least 2")
+        need(self.backend in BACKENDS, "backend", f"expected one of {BACKENDS}")
+        need(self.host_cache_gb >= 0, "host_cache_gb", "must be >= 0")
+        need(self.policy in POLICIES, "policy", f"expected one of {POLICIES}")
+        need(self.max_skips >= 0, "max_skips", "must be >= 0")
+        need(self.slo_ttft_s > 0, "slo_ttft_s", "must be positive")
+        need(self.prefetch_window >= 0, "prefetch_window", "must be >= 0")
+        need(self.prefetch_reserve >= 0, "prefetch_reserve", "must be >= 0")
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return int(self.host_cache_gb * (1 << 30))
+
+    def replace(self, **changes) -> "EngineConfig":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return EngineConfig(**values)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Llama-family architecture, as read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (Qwen2 always; Llama when attention_bias is set)
+    o_bias: bool  # bias on o_proj (Llama's attention_bias covers o too; Qwen2 has none)
+    mlp_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"model directory {path}: no config.json (expected a Hugging Face "
+                              "model directory with config.json, *.safetensors and tokenizer.json)")
+        return cls.from_dict(json.loads(cfg_file.read_text()), source=str(cfg_file))
+
+    @classmethod
+    def from_dict(cls, c: dict, source: str = "config") -> "ModelConfig":
+        archs = c.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(f"{source}: architecture {archs or c.get('model_type')!r} is not "
+                              f"supported; slora serves {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = c["num_attention_heads"]
+        hidden = c["hidden_size"]
+        head_dim = c.get("head_dim") or hidden // heads
+        qwen = arch == "Qwen2ForCausalLM"
+        llama_bias = bool(c.get("attention_bias", False))
+        scaling = c.get("rope_scaling")
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported "
+                                  "(supported: linear, llama3)")
+            if kind == "default":
+                scaling = None
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta", 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=qwen or llama_bias,
+            o_bias=llama_bias and not qwen,
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def module_dims(self, module: str) -> tuple[int, int]:
+        """(d_in, d_out) of one LoRA-targetable linear module."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }[module]
+
+    def page_size(self, block_size: int) -> int:
+        """Elements of one pool page in one layer: K and V of `block_size` tokens."""
+        return block_size * 2 * self.kv_size
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return (L * per_layer + emb + h) * dtype_bytes
+
+
+def round_up(x: int, to: int) -> int:
+    return (x + to - 1) // to * to
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2_divisor(x: int, cap: int) -> int:
+    """Largest power of two that divides x, at most cap."""
+    return min(cap, x & -x) if x else cap
+
+
+__all__ = ["EngineConfig", "ModelConfig", "ConfigError", "LORA_MODULES", "round_up", "cdiv",
+           "pow2_divisor", "DTYPE_BYTES", "math"]

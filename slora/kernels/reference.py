@@ -1,0 +1,178 @@
+"""Torch twins of every kernel: the specification, and the CPU path.
+
+Page layout (see shared/DESIGN.md). The runner owns one tensor
+
+    pool[num_layers, num_pages, P]      P = block_size * 2 * num_kv_heads * head_dim
+
+and each kernel gets one layer's slice `pool_l = pool[l]` of shape [num_pages, P].
+
+KV: page p of layer l holds K and V of `block_size` tokens:
+    pool_l[p].view(2, block_size, num_kv_heads, head_dim)      [0] = K, [1] = V
+`kv_views(pool_l, ...)` returns the strided K and V views [num_pages, block_size, kv_heads, head_dim].
+
+Adapters: an adapter owns a page list `pages[0..n)`; the same page ids in every layer. Its
+per-layer "virtual buffer" is the concatenation pool_l[pages[0]] ++ pool_l[pages[1]] ++ ...
+so virtual element v lives at  pool_l[pages[v // P], v % P].  In that buffer, for each target
+module m in LORA_MODULES order, the adapter stores
+    A_m   : r_m rows of d_in(m) elements,   row i at offset_a[m] + i * stride_in(m)
+    B_m^T : r_m rows of d_out(m) elements,  row i at offset_b[m] + i * stride_out(m)
+with B already multiplied by the PEFT scaling (alpha / r or alpha / sqrt(r)), so
+    y_m += (x @ A_m^T) @ (B_m^T)
+Row strides and module offsets are multiples of LORA_ALIGN = 64 elements, and P is too (the
+engine checks), so any tile of 64 (or 32, 16, ...) elements starting at a multiple of its own
+size inside a row lies in one page: a kernel looks up the page once per (row, tile), never per
+element. The padding costs under 64 elements per row.
+
+Batch metadata for LoRA (`LoraMeta`, built by the runner once per step, shared by all layers):
+    pages      int32 [n_a, max_pages]   page lists of the n_a distinct adapters in the batch
+    offsets    int64 [n_a, 7, 2]        (offset_a, offset_b) per module; module absent -> rank 0
+    ranks      int32 [L, n_a, 7]        rank of each module in each layer (0 = no LoRA there)
+    token_slot int32 [T]                adapter row in `pages` for each token, -1 = base model
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LORA_ALIGN = 64
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+def kv_views(pool_l: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int):
+    """K and V views of one layer's pool slice: each [num_pages, block_size, kv_heads, head_dim]."""
+    paged = pool_l.view(pool_l.shape[0], 2, block_size, num_kv_heads, head_dim)
+    return paged[:, 0], paged[:, 1]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store K/V of T new tokens: token t goes to page slot // block_size, row slot % block_size."""
+    block_size = k_cache.shape[1]
+    page, row = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[page, row] = k
+    v_cache[page, row] = v
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, q_start: list[int], ctx_lens: list[int],
+                    scale: float) -> torch.Tensor:
+    """Causal attention of new tokens over paged KV (prefill, decode, or a mix).
+
+    q [T, H, D]: the new tokens of S sequences, sequence s at rows q_start[s]:q_start[s+1].
+    Sequence s has ctx_lens[s] tokens in the cache (its new tokens included, already written),
+    in pages block_tables[s, :]. New token i of s sits at position ctx_lens[s] - n_new + i and
+    attends to every cached position <= its own. GQA: query head h reads KV head h // (H / KVH).
+    Softmax in float32. Returns [T, H, D] in q's dtype.
+    """
+    T, H, D = q.shape
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for s, ctx in enumerate(ctx_lens):
+        lo, hi = q_start[s], q_start[s + 1]
+        n_new = hi - lo
+        n_blocks = -(-ctx // block_size)
+        blocks = block_tables[s, :n_blocks].long()
+        k = k_cache[blocks].reshape(-1, kvh, D)[:ctx]
+        v = v_cache[blocks].reshape(-1, kvh, D)[:ctx]
+        k = k.repeat_interleave(H // kvh, dim=1).transpose(0, 1).float()  # [H, ctx, D]
+        v = v.repeat_interleave(H // kvh, dim=1).transpose(0, 1).float()
+        qs = q[lo:hi].transpose(0, 1).float()  # [H, n_new, D]
+        scores = qs @ k.transpose(1, 2) * scale  # [H, n_new, ctx]
+        qpos = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
+        kpos = torch.arange(ctx, device=q.device)[None, :]
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        out[lo:hi] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, ctx_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Decode: one new token per sequence (q [B, H, D]); the twin of the Triton decode kernel."""
+    B = q.shape[0]
+    return paged_attention(q, k_cache, v_cache, block_tables, list(range(B + 1)),
+                           [int(c) for c in ctx_lens], scale)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+def gather_rows(pool_l: torch.Tensor, pages: torch.Tensor, start: int, rows: int, stride: int,
+                width: int) -> torch.Tensor:
+    """Rows [rows, width] of an adapter's virtual buffer: row i starts at start + i * stride."""
+    P = pool_l.shape[1]
+    v = (start + torch.arange(rows, device=pool_l.device)[:, None] * stride
+         + torch.arange(width, device=pool_l.device)[None, :])
+    phys = pages.long()[v // P] * P + v % P
+    return pool_l.reshape(-1)[phys]
+
+
+def lora_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+                offsets_a: torch.Tensor, ranks: torch.Tensor, token_slot: torch.Tensor,
+                stride: int, max_rank: int) -> torch.Tensor:
+    """xa[t, g, :r] = x[t] @ A_g^T for the G modules of one group that share the input x.
+
+    x [T, d_in]; offsets_a int64 [n_a, G]; ranks int32 [n_a, G] (this layer); token_slot [T].
+    Returns xa [T, G, max_rank] in float32, zero past each rank and on base-only rows
+    (MBGMV when each token is its own row, MBGMM when runs of tokens share a slot).
+    """
+    T, d_in = x.shape
+    G = offsets_a.shape[1]
+    xa = torch.zeros(T, G, max_rank, dtype=torch.float32, device=x.device)
+    for s in torch.unique(token_slot).tolist():
+        if s < 0:
+            continue
+        rows = (token_slot == s).nonzero().squeeze(1)
+        for g in range(G):
+            r = int(ranks[s, g])
+            if r == 0:
+                continue
+            A = gather_rows(pool_l, pages[s], int(offsets_a[s, g]), r, stride, d_in)
+            xa[rows, g, :r] = (x[rows] @ A.T).float()
+    return xa
+
+
+def lora_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+                offsets_b: torch.Tensor, ranks: torch.Tensor, token_slot: torch.Tensor,
+                out_dims: tuple[int, ...], strides: tuple[int, ...]) -> None:
+    """out[t, cols_g] += xa[t, g, :r] @ B_g^T for each module g of the group, in place.
+
+    out [T, sum(out_dims)]: module g's columns start at sum(out_dims[:g]).
+    Accumulates in float32, adds in out's dtype. Base-only rows are left untouched.
+    """
+    col = 0
+    for g, (d_out, stride) in enumerate(zip(out_dims, strides)):
+        for s in torch.unique(token_slot).tolist():
+            if s < 0:
+                continue
+            r = int(ranks[s, g])
+            if r == 0:
+                continue
+            rows = (token_slot == s).nonzero().squeeze(1)
+            BT = gather_rows(pool_l, pages[s], int(offsets_b[s, g]), r, stride, d_out)
+            delta = xa[rows, g, :r] @ BT.float()
+            out[rows, col:col + d_out] += delta.to(out.dtype)
+        col += d_out
+
+
+# ----------------------------------------------------------------------------- model pieces
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm as HF computes it: normalise in float32, scale in the input dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: silu(gate) * up over the concatenated [gate | up] output."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half rotary embedding; x [T, heads, D], cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
