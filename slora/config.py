@@ -8,7 +8,6 @@ No torch import here: the simulator and the scheduler read these too.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -67,6 +66,9 @@ class EngineConfig:
     prefetch_window: int = 8
     prefetch_reserve: int = 64
     cuda_graphs: bool = True
+    # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
+    # on a config.json alone, as vLLM's load_format="dummy").
+    load_format: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -93,6 +95,7 @@ class EngineConfig:
         need(self.slo_ttft_s > 0, "slo_ttft_s", "must be positive")
         need(self.prefetch_window >= 0, "prefetch_window", "must be >= 0")
         need(self.prefetch_reserve >= 0, "prefetch_reserve", "must be >= 0")
+        need(self.load_format in ("auto", "dummy"), "load_format", "expected 'auto' or 'dummy'")
 
     @property
     def host_cache_bytes(self) -> int:
@@ -148,7 +151,11 @@ class ModelConfig:
         head_dim = c.get("head_dim") or hidden // heads
         qwen = arch == "Qwen2ForCausalLM"
         llama_bias = bool(c.get("attention_bias", False))
-        scaling = c.get("rope_scaling")
+        # transformers >= 5 writes rope_parameters {rope_theta, rope_type, factor, ...};
+        # older configs have rope_theta and rope_scaling.
+        rope = c.get("rope_parameters") or {}
+        theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = c.get("rope_scaling") or (rope or None)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind not in ("default", "linear", "llama3"):
@@ -168,7 +175,7 @@ class ModelConfig:
             num_kv_heads=c.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=c.get("rope_theta", 10000.0),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
@@ -219,10 +226,5 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def pow2_divisor(x: int, cap: int) -> int:
-    """Largest power of two that divides x, at most cap."""
-    return min(cap, x & -x) if x else cap
 
 
-__all__ = ["EngineConfig", "ModelConfig", "ConfigError", "LORA_MODULES", "round_up", "cdiv",
-           "pow2_divisor", "DTYPE_BYTES", "math"]

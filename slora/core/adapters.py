@@ -1,0 +1,175 @@
+"""Adapter registry and tiered residency: disk -> host (LRU, bytes-bounded) -> device pool.
+
+This module holds the *state* (which adapter is where, who uses it, in which order it was
+used); the runner holds the tensors and performs the copies the scheduler's plan asks for.
+
+Device tier: a resident adapter owns `num_pages` pages of the shared pool. Running requests
+hold references; an adapter with references is never evicted. Idle resident adapters (kept
+warm for future requests, or prefetched) are evicted in least-recently-used order when the
+pool needs pages, for KV or for another adapter.
+
+Host tier: the adapter's flat weights in host memory (pinned on a GPU host), bounded by
+`host_cache_bytes`; least recently used entries are dropped first. Missing from host means
+the next load reads the files again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from slora.core.pages import ADAPTER, PageAllocator
+
+
+@dataclass
+class AdapterInfo:
+    name: str
+    num_pages: int  # pool pages it needs when resident
+    nbytes: int  # host bytes of its flat weights (all layers)
+    source: str  # a path, or "synthetic"
+    pages: list[int] | None = None  # device pages while resident
+    refcount: int = 0  # running requests using it
+    meta: dict = field(default_factory=dict)  # runner-side layout facts (ranks, offsets)
+
+    @property
+    def resident(self) -> bool:
+        return self.pages is not None
+
+
+class AdapterManager:
+    def __init__(self, allocator: PageAllocator, host_cache_bytes: int) -> None:
+        self.allocator = allocator
+        self.host_cache_bytes = host_cache_bytes
+        self.adapters: dict[str, AdapterInfo] = {}
+        self._idle: OrderedDict[str, None] = OrderedDict()  # resident, refcount 0; LRU first
+        self._host: OrderedDict[str, int] = OrderedDict()  # name -> bytes; LRU first
+        self.host_bytes = 0
+        self.loads = 0
+        self.evictions = 0
+        self.host_loads = 0
+        self.host_evictions = 0
+
+    # -- registry
+    def register(self, info: AdapterInfo) -> None:
+        if info.name in self.adapters:
+            raise ValueError(f"adapter {info.name!r} is already registered; remove_adapter first")
+        if info.num_pages > self.allocator.total:
+            raise ValueError(f"adapter {info.name!r} needs {info.num_pages} pages but the pool has "
+                             f"only {self.allocator.total}; raise num_pages or use a smaller rank")
+        self.adapters[info.name] = info
+
+    def unregister(self, name: str) -> list[int]:
+        """Forget an adapter; returns its device pages (freed). Fails while requests use it."""
+        info = self.get(name)
+        if info.refcount:
+            raise ValueError(f"adapter {name!r} is used by {info.refcount} running request(s); "
+                             "remove it after they finish")
+        freed = self._evict(name) if info.resident else []
+        self.drop_host(name)
+        del self.adapters[name]
+        return freed
+
+    def get(self, name: str) -> AdapterInfo:
+        try:
+            return self.adapters[name]
+        except KeyError:
+            known = ", ".join(sorted(self.adapters)[:10]) or "none registered"
+            raise KeyError(f"unknown adapter {name!r} (registered: {known}); "
+                           "call engine.add_adapter(name, path) first") from None
+
+    # -- device tier
+    def pages_needed(self, name: str | None) -> int:
+        """Pages to allocate before a request on `name` can run (0 if resident or base)."""
+        if name is None:
+            return 0
+        info = self.adapters[name]
+        return 0 if info.resident else info.num_pages
+
+    def load(self, name: str) -> list[int] | None:
+        """Allocate pages for a non-resident adapter (no eviction); None if the pool is short."""
+        info = self.adapters[name]
+        assert not info.resident, f"adapter {name!r} is already resident"
+        pages = self.allocator.alloc(info.num_pages, ADAPTER)
+        if pages is None:
+            return None
+        info.pages = pages
+        self._idle[name] = None
+        self.loads += 1
+        return pages
+
+    def acquire(self, name: str) -> None:
+        info = self.adapters[name]
+        assert info.resident, f"adapter {name!r} must be resident before use"
+        info.refcount += 1
+        self._idle.pop(name, None)
+
+    def release(self, name: str) -> None:
+        info = self.adapters[name]
+        assert info.refcount > 0, f"adapter {name!r} released more often than acquired"
+        info.refcount -= 1
+        if info.refcount == 0:
+            self._idle[name] = None  # most recently used: evicted last
+
+    def touch(self, name: str) -> None:
+        """Mark an idle resident adapter as recently used (prefetch hits, for example)."""
+        if name in self._idle:
+            self._idle.move_to_end(name)
+
+    def evict_for(self, n: int, keep: frozenset[str] | set[str] = frozenset()) -> list[str] | None:
+        """Evict idle adapters (LRU first, never those in `keep`) until n pages are free.
+
+        Returns the evicted names, or None (evicting nothing) if even evicting every idle
+        adapter would not free enough.
+        """
+        free = self.allocator.num_free
+        if free >= n:
+            return []
+        victims = []
+        for name in self._idle:
+            if name in keep:
+                continue
+            victims.append(name)
+            free += self.adapters[name].num_pages
+            if free >= n:
+                break
+        if free < n:
+            return None
+        for name in victims:
+            self.allocator.free(self._evict(name))
+        return victims
+
+    def _evict(self, name: str) -> list[int]:
+        info = self.adapters[name]
+        assert info.refcount == 0, f"adapter {name!r} is in use and cannot be evicted"
+        pages, info.pages = info.pages, None
+        self._idle.pop(name, None)
+        self.evictions += 1
+        return pages
+
+    def idle_pages(self) -> int:
+        return sum(self.adapters[n].num_pages for n in self._idle)
+
+    # -- host tier
+    def on_host(self, name: str) -> bool:
+        return name in self._host
+
+    def admit_host(self, name: str) -> list[str]:
+        """Record `name` as cached on the host; returns the names to drop (LRU, over budget)."""
+        if name in self._host:
+            self._host.move_to_end(name)
+            return []
+        size = self.adapters[name].nbytes
+        self._host[name] = size
+        self.host_bytes += size
+        self.host_loads += 1
+        dropped = []
+        while self.host_bytes > self.host_cache_bytes and len(self._host) > 1:
+            old = next(iter(self._host))
+            self.drop_host(old)
+            dropped.append(old)
+        return dropped
+
+    def drop_host(self, name: str) -> None:
+        if name in self._host:
+            self.host_bytes -= self._host.pop(name)
+            self.host_evictions += 1

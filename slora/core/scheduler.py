@@ -1,0 +1,265 @@
+"""Continuous batching with coordinated memory: KV pages and adapter pages share one pool.
+
+Each step, `schedule(now)` returns a `SchedulerPlan`; the runner executes it; `update(plan,
+tokens, logprobs, now)` advances the requests. The order within `schedule`:
+
+1. Running requests decode first (they already hold memory). A request whose next token
+   starts a new block needs a page: take a free one, else evict idle adapters (LRU), else
+   preempt the lowest-priority running request (the latest arrival): free its pages, put
+   it at the front of the queue, and recompute it later. Nothing runs out of memory.
+2. Waiting requests are admitted in the policy's order within `max_num_seqs` and
+   `max_batch_tokens`. Admission needs pages for the request's KV and, if its adapter is not
+   resident, for the adapter; idle adapters are evicted (LRU) to make room, but an adapter a
+   running request uses never is. A prompt that can never fit fails alone, with the reason.
+3. Prefetch: adapters of the next waiting requests are loaded ahead of admission while at
+   least `prefetch_reserve` pages stay free, so their copy overlaps this step's compute.
+
+Pure Python over ints: no torch. The simulator drives this class unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from slora.config import EngineConfig, cdiv
+from slora.core.adapters import AdapterManager
+from slora.core.pages import KV, PageAllocator
+from slora.core.policies import make_policy
+from slora.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerPlan:
+    """One step's work. `seqs` = decode rows first, then prefill segments: the batch order."""
+
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[Request] = field(default_factory=list)
+    adapter_loads: list[tuple[str, list[int]]] = field(default_factory=list)  # before forward
+    prefetch: list[tuple[str, list[int]]] = field(default_factory=list)  # may overlap forward
+    evicted: list[str] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # failed or aborted while scheduling
+
+    @property
+    def seqs(self) -> list[Request]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(r.num_new for r in self.prefill)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: PageAllocator,
+                 adapters: AdapterManager) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.allocator = allocator
+        self.adapters = adapters
+        self.policy = make_policy(config.policy, config.max_skips, config.slo_ttft_s)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order = priority order
+        self.preemptions = 0
+        self.failed = 0
+
+    # -- requests
+    def add(self, req: Request) -> None:
+        """Queue a request. One that could never fit the pool is failed at once (see update)."""
+        adapter_pages = self.adapters.adapters[req.adapter].num_pages if req.adapter else 0
+        pool_tokens = (self.allocator.total - adapter_pages) * self.block_size
+        req.max_len = min(req.max_len, pool_tokens)
+        self.waiting.append(req)
+
+    def abort(self, req: Request, reason: str = "abort", now: float = 0.0) -> None:
+        if req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, reason, now)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step
+    def schedule(self, now: float) -> SchedulerPlan:
+        plan = SchedulerPlan()
+        self._schedule_running(plan, now)
+        self._admit(plan, now)
+        self._prefetch(plan)
+        return plan
+
+    def _schedule_running(self, plan: SchedulerPlan, now: float) -> None:
+        queue = list(self.running)
+        while queue:
+            req = queue.pop(0)
+            need = cdiv(req.num_tokens, self.block_size) - len(req.block_table)
+            while not self._grow(req, need, plan):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is req:
+                    break
+                queue.remove(victim)
+            else:
+                plan.decode.append(req)
+
+    def _grow(self, req: Request, need: int, plan: SchedulerPlan) -> bool:
+        if need <= 0:
+            return True
+        evicted = self.adapters.evict_for(need)
+        if evicted is None:
+            return False
+        plan.evicted += evicted
+        req.block_table += self.allocator.alloc(need, KV)
+        return True
+
+    def _preempt(self, req: Request, plan: SchedulerPlan) -> None:
+        """Free a running request's KV and requeue it at the front; it is recomputed later."""
+        self.running.remove(req)
+        self.allocator.free(req.block_table)
+        req.block_table, req.num_computed = [], 0
+        if req.adapter:
+            self.adapters.release(req.adapter)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        plan.preempted.append(req)
+        self.preemptions += 1
+
+    def _admit(self, plan: SchedulerPlan, now: float) -> None:
+        cfg = self.config
+        resident = {n for n, a in self.adapters.adapters.items() if a.resident} | {None}
+        budget = cfg.max_batch_tokens - len(plan.decode)
+        admitted = []
+        passed_over = []
+        for req in self.policy.order(self.waiting, resident):
+            if len(self.running) + len(admitted) >= cfg.max_num_seqs:
+                break
+            if self.policy.expired(req, now):
+                self.waiting.remove(req)
+                self._finish(req, "abort", now, "aborted: the first token can no longer meet the "
+                             f"{cfg.slo_ttft_s:g} s SLO (early-abort policy)")
+                plan.finished.append(req)
+                continue
+            # A prompt longer than the budget still runs, alone, rather than never.
+            fits_budget = req.num_new <= budget or (not plan.seqs and not admitted)
+            if fits_budget and self._reserve(req, plan):
+                admitted.append(req)
+                budget -= req.num_new
+                if budget <= 0:
+                    break
+            elif self._never_fits(req):
+                self.waiting.remove(req)
+                self._finish(req, "error", now, self._too_big(req))
+                plan.finished.append(req)
+            else:
+                passed_over.append(req)
+                if self.policy.blocking:
+                    break
+        for req in admitted:
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            if req.metrics.scheduled_time is None:
+                req.metrics.scheduled_time = now
+            plan.prefill.append(req) if req.num_new > 1 else plan.decode.append(req)
+        if admitted:
+            for req in passed_over:
+                req.skipped += 1
+
+    def _reserve(self, req: Request, plan: SchedulerPlan) -> bool:
+        """Take the pages `req` needs (its adapter if not resident, its KV) or nothing."""
+        kv = cdiv(req.num_tokens, self.block_size)
+        name = req.adapter
+        adapter = self.adapters.pages_needed(name)
+        keep = {name} if name else set()
+        evicted = self.adapters.evict_for(kv + adapter, keep=keep)
+        if evicted is None:
+            return False
+        plan.evicted += evicted
+        if adapter:
+            plan.adapter_loads.append((name, self.adapters.load(name)))
+        if name:
+            self.adapters.acquire(name)
+        req.block_table = self.allocator.alloc(kv, KV)
+        return True
+
+    def _never_fits(self, req: Request) -> bool:
+        adapter = self.adapters.adapters[req.adapter].num_pages if req.adapter else 0
+        return cdiv(req.num_tokens, self.block_size) + adapter > self.allocator.total
+
+    def _too_big(self, req: Request) -> str:
+        return (f"request {req.request_id}: {req.num_tokens} tokens"
+                f"{' plus adapter ' + repr(req.adapter) if req.adapter else ''} need more pages "
+                f"than the whole pool holds ({self.allocator.total} pages of {self.block_size} "
+                "tokens); shorten the prompt or raise num_pages")
+
+    def _prefetch(self, plan: SchedulerPlan) -> None:
+        window = list(self.waiting)[: self.config.prefetch_window]
+        for req in window:
+            name = req.adapter
+            if name is None:
+                continue
+            info = self.adapters.adapters[name]
+            if info.resident:
+                self.adapters.touch(name)
+                continue
+            if self.allocator.num_free - info.num_pages < self.config.prefetch_reserve:
+                break
+            plan.prefetch.append((name, self.adapters.load(name)))
+
+    # -- after the forward
+    def update(self, plan: SchedulerPlan, tokens: list[int],
+               logprobs: list[dict[int, float] | None], now: float) -> list[Request]:
+        """Append each sequence's sampled token; finish requests that stop. Returns them all."""
+        for req, tok, lp in zip(plan.seqs, tokens, logprobs):
+            self.policy.served(req, req.num_new)
+            req.num_computed = req.num_tokens
+            req.output_token_ids.append(tok)
+            if lp is not None:
+                req.logprobs.append(lp)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            reason = req.check_stop()
+            if reason:
+                self._finish(req, reason, now)
+        return plan.seqs + plan.finished
+
+    def _finish(self, req: Request, reason: str, now: float, error: str | None = None) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.allocator.free(req.block_table)
+            req.block_table = []
+            if req.adapter:
+                self.adapters.release(req.adapter)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.metrics.finish_time = now
+        if reason == "error":
+            self.failed += 1
+
+    def stats(self) -> dict:
+        a = self.adapters
+        return {
+            "pages_total": self.allocator.total,
+            "pages_free": self.allocator.num_free,
+            "pages_kv": self.allocator.used[KV],
+            "pages_adapter": self.allocator.used["adapter"],
+            "adapter_loads": a.loads,
+            "adapter_evictions": a.evictions,
+            "host_loads": a.host_loads,
+            "host_evictions": a.host_evictions,
+            "adapters_registered": len(a.adapters),
+            "adapters_resident": sum(1 for x in a.adapters.values() if x.resident),
+            "preemptions": self.preemptions,
+            "failed": self.failed,
+            "num_waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "policy": self.policy.name,
+            **self.policy.stats(),
+        }

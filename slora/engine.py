@@ -1,0 +1,231 @@
+"""The engine: the public API over one step loop.
+
+    Engine.generate / stream / add_request
+      -> Scheduler.schedule(now)            who runs, which pages, which adapter loads/evictions
+      -> ModelRunner.execute(plan)          adapter copies, batch metadata, model, sampling
+      -> Scheduler.update(plan, tokens)     append tokens, free pages of finished requests
+      -> outputs (detokenised, stop strings applied)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from slora.config import EngineConfig, ModelConfig
+from slora.core.adapters import AdapterInfo, AdapterManager
+from slora.core.pages import PageAllocator
+from slora.core.scheduler import Scheduler
+from slora.model.loader import PeftAdapter, synthetic_layout, synthetic_pack
+from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
+from slora.runner import ModelRunner
+from slora.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
+        if config.model is None:
+            from slora.model.smollm import default_model_dir
+
+            config = config.replace(model=str(default_model_dir()))
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        has_tok = (Path(config.model) / "tokenizer.json").is_file()
+        self.tokenizer = (Tokenizer(config.model, self.model_config.eos_token_ids)
+                          if has_tok or config.load_format != "dummy" else None)
+        self.runner = ModelRunner(config, self.model_config, config.model)
+        self.allocator = PageAllocator(self.runner.num_pages)
+        self.adapters = AdapterManager(self.allocator, config.host_cache_bytes)
+        self.scheduler = Scheduler(config, self.allocator, self.adapters)
+        limit = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(limit, self.runner.num_pages * config.block_size)
+        self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer
+                              else self.model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._failed_now: list[Request] = []  # failed at add_request, reported next step
+
+    # -- adapters
+    def add_adapter(self, name: str, path: str | Path) -> None:
+        """Register a PEFT LoRA directory under `name`: validated now, loaded when first used."""
+        peft = PeftAdapter(name, path, self.model_config)
+        self._register(name, peft.layout, str(path), peft.pack)
+
+    def add_synthetic_adapter(self, name: str, rank: int,
+                              target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+                              seed: int = 0) -> None:
+        """An adapter of random weights (benchmarks, S-LoRA's dummy mode). Adapters of one
+        (rank, targets) share one host buffer, so thousands cost the host one copy each shape,
+        while every load still copies the full adapter size to the device."""
+        layout = synthetic_layout(self.model_config, rank, tuple(target_modules))
+        key = (rank, tuple(target_modules))
+        shared = self.__dict__.setdefault("_synthetic", {})
+
+        def pack(page_size, dtype):
+            if key not in shared:
+                shared[key] = synthetic_pack(self.model_config, layout, page_size, dtype, seed)
+            return shared[key]
+
+        self._register(name, layout, "synthetic", pack)
+
+    def _register(self, name, layout, source, pack) -> None:
+        pages = layout.num_pages(self.runner.page_size)
+        self.adapters.register(AdapterInfo(
+            name=name, num_pages=pages, nbytes=pages * self.runner.page_bytes, source=source,
+            meta={"layout": layout, "pack": pack}))
+
+    def remove_adapter(self, name: str) -> None:
+        self.allocator.free(self.adapters.unregister(name))
+        self.runner.host.pop(name, None)
+
+    def list_adapters(self) -> list[str]:
+        return sorted(self.adapters.adapters)
+
+    # -- requests
+    def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue one request; returns its id. Unknown adapters and empty prompts raise here;
+        a prompt too long for the model or the pool is returned as a failed output."""
+        sampling = sampling or SamplingParams()
+        if adapter is not None:
+            self.adapters.get(adapter)  # raises a clear KeyError for unknown names
+        ids = self._encode(prompt)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, sampling, adapter,
+                      arrival_time if arrival_time is not None else time.monotonic(),
+                      eos_token_ids=self.eos_token_ids, max_len=self.max_model_len)
+        self.requests[rid] = req
+        if len(ids) >= self.max_model_len:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "error"
+            req.metrics.finish_time = req.arrival_time
+            req.error = (f"request {rid}: prompt of {len(ids)} tokens does not fit "
+                         f"max_model_len={self.max_model_len} (the model's limit or the pool's "
+                         "size); shorten the prompt or raise num_pages / max_model_len")
+            self._failed_now.append(req)
+        else:
+            self.scheduler.add(req)
+        return rid
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (load_format='dummy' without "
+                                 "tokenizer.json): pass token-id lists")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(self.requests[request_id], "abort", time.monotonic())
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._failed_now)
+
+    # -- the loop
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + forward step; outputs of the requests that progressed or ended."""
+        plan = self.scheduler.schedule(time.monotonic())
+        tokens, logprobs = self.runner.execute(plan, self.adapters)
+        touched = self.scheduler.update(plan, tokens, logprobs, time.monotonic())
+        touched += self._failed_now
+        self._failed_now = []
+        return [self._output(r) for r in touched]
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = self._detokenize(req)
+        if req.finished:
+            self.runner.release(req.request_id)
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, adapter=req.adapter,
+            prompt_token_ids=req.prompt_token_ids, text=text,
+            token_ids=list(req.output_token_ids),
+            logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None,
+            finish_reason=req.finish_reason, finished=req.finished, metrics=req.metrics,
+            error=req.error)
+
+    def _detokenize(self, req: Request) -> str:
+        """Text of the output so far; a stop string ends the request and is cut off."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(req.output_token_ids)
+        for stop in req.sampling.stop:
+            at = text.find(stop)
+            if at >= 0:
+                text = text[:at]
+                self.scheduler.abort(req, "stop", time.monotonic())
+        return text
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 adapters: str | None | Sequence[str | None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion in one continuous batch; outputs in prompt order.
+
+        `prompts`: a string, a token-id list, or a list of either. `sampling`: one for all or
+        one per prompt. `adapters`: one name (or None = base model) for all, or one per prompt.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        sampling = sampling or SamplingParams()
+        sps = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
+        names = [adapters] * n if adapters is None or isinstance(adapters, str) else list(adapters)
+        if len(sps) != n or len(names) != n:
+            raise ValueError(f"generate: {n} prompts but {len(sps)} sampling params and "
+                             f"{len(names)} adapters")
+        for name in set(names) - {None}:
+            self.adapters.get(name)  # fail before anything is queued
+        ids = [self.add_request(p, sp, a) for p, sp, a in zip(prompts, sps, names)]
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(n) if use_tqdm else None
+        while len(done) < n:
+            for out in self.step():
+                if out.finished and out.request_id in ids and out.request_id not in done:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def stream(self, prompt: Prompt, sampling: SamplingParams | None = None,
+               adapter: str | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step in which it progressed."""
+        rid = self.add_request(prompt, sampling, adapter)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        s["page_bytes"] = self.runner.page_bytes
+        s["block_size"] = self.config.block_size
+        return s
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="req")

@@ -1,0 +1,118 @@
+"""Kernel backends behind one small interface.
+
+`TorchBackend` runs the twins in `reference.py` (the CPU path, and the specification).
+`TritonBackend` runs the Triton kernels: MBGMV for decode rows, MBGMM for prefill segments,
+paged decode attention. Both take the same `Batch` / `LoraMeta` built by the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slora.kernels import reference as ref
+
+
+@dataclass
+class GroupMeta:
+    """One LoRA module group (modules sharing an input) for the adapters of this batch."""
+
+    offsets_a: torch.Tensor  # int64 [n_a, G]
+    offsets_b: torch.Tensor  # int64 [n_a, G]
+    ranks: torch.Tensor  # int32 [L, n_a, G]
+    max_rank: int
+    stride_in: int
+    strides_out: tuple[int, ...]
+    out_dims: tuple[int, ...]
+
+
+@dataclass
+class LoraMeta:
+    """Per-step LoRA batch metadata, shared by every layer (see reference.py's docstring).
+
+    Tokens 0..num_decode-1 are decode rows (MBGMV, one slot each); the rest are prefill
+    segments seg_start[i]:seg_start[i+1] sharing adapter row seg_slot[i] (MBGMM).
+    """
+
+    pages: torch.Tensor  # int32 [n_a, max_pages]
+    token_slot: torch.Tensor  # int32 [T]
+    num_decode: int
+    seg_start: torch.Tensor  # int32 [S+1], absolute token indices
+    seg_slot: torch.Tensor  # int32 [S]
+    groups: dict[str, GroupMeta]
+
+
+class TorchBackend:
+    name = "torch"
+
+    write_kv = staticmethod(ref.write_kv)
+
+    def attention(self, q, k_cache, v_cache, b, scale):
+        return ref.paged_attention(q, k_cache, v_cache, b.block_tables, b.q_start,
+                                   b.ctx_lens_list, scale)
+
+    def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
+        g = meta.groups.get(group)
+        if g is None:
+            return
+        ranks = g.ranks[layer]
+        xa = ref.lora_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, meta.token_slot,
+                             g.stride_in, g.max_rank)
+        ref.lora_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks, meta.token_slot,
+                        g.out_dims, g.strides_out)
+
+
+class TritonBackend(TorchBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from slora.kernels import attention, lora  # triton imported only for this backend
+
+        self._attn, self._lora = attention, lora
+
+    def attention(self, q, k_cache, v_cache, b, scale):
+        nd = b.num_decode
+        if nd == len(b.q_start) - 1:  # decode only
+            return self._attn.paged_decode_attention(q, k_cache, v_cache, b.block_tables,
+                                                     b.ctx_lens, scale)
+        if nd == 0:  # prefill only
+            return super().attention(q, k_cache, v_cache, b, scale)
+        out = torch.empty_like(q)
+        out[:nd] = self._attn.paged_decode_attention(q[:nd], k_cache, v_cache,
+                                                     b.block_tables[:nd], b.ctx_lens[:nd], scale)
+        qs = [s - nd for s in b.q_start[nd:]]
+        out[nd:] = ref.paged_attention(q[nd:], k_cache, v_cache, b.block_tables[nd:], qs,
+                                       b.ctx_lens_list[nd:], scale)
+        return out
+
+    def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
+        g = meta.groups.get(group)
+        if g is None:
+            return
+        ranks = g.ranks[layer]
+        nd = meta.num_decode
+        if nd:
+            xa = self._lora.mbgmv_shrink(x[:nd], pool_l, meta.pages, g.offsets_a, ranks,
+                                         meta.token_slot[:nd], g.stride_in, g.max_rank)
+            self._lora.mbgmv_expand(xa, out[:nd], pool_l, meta.pages, g.offsets_b, ranks,
+                                    meta.token_slot[:nd], g.out_dims, g.strides_out)
+        if meta.seg_slot.numel():
+            xa = self._lora.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
+                                         meta.seg_start, meta.seg_slot, g.stride_in, g.max_rank)
+            self._lora.mbgmm_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks,
+                                    meta.seg_start, meta.seg_slot, g.out_dims, g.strides_out)
+
+
+def make_backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchBackend()
+    if name == "triton":
+        return TritonBackend()
+    if name == "cuda":
+        from slora.kernels.cuda import CudaBackend
+
+        return CudaBackend()
+    raise ValueError(f"unknown backend {name!r}")

@@ -1,0 +1,192 @@
+"""Triton paged attention over the pool's KV pages.
+
+Semantics: exactly `reference.paged_decode_attention` (decode) and `reference.paged_attention`
+(prefill / mixed), the torch twins. K and V are the strided views `kv_views(pool_l, ...)`
+returns, [num_pages, block_size, kv_heads, head_dim] with a page stride of 2 * block_size *
+kv_heads * head_dim elements (K and V of a page are interleaved in one pool page): the kernels
+address them through their strides and never copy.
+
+Decode tiling, and why:
+  * One program per (sequence, KV head, split): it loads q for all H / KVH query heads of that
+    KV head's group as one [BLOCK_H, D] tile, so each K/V row is read from memory once for the
+    whole group (GQA) and the scores are one tl.dot (the group is padded to 16 rows on the GPU,
+    where tl.dot needs it; decode is memory-bound, so the padding costs nothing).
+  * Tokens are walked BLOCK_N at a time; token n's page is block_tables[b, n // block_size],
+    looked up once per token (not per element), and its D elements are contiguous.
+  * Online softmax in fp32 (running max and sum, exp2 with log2(e) folded into the scale).
+  * Split-K (flash-decoding): when batch x KV heads is too small to fill the GPU, each
+    sequence's context is cut into `num_splits` equal parts (sized in the kernel from the
+    sequence's own length, so short sequences don't leave empty programs holding long ones),
+    each part writes an unnormalised partial (acc, max, sum) and a second small kernel merges
+    them. With one split the kernel writes the normalised output directly.
+  * head_dim may be any size: the D axis is padded to a power of two and masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NUM_SMS_H200 = 132
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
+    qk_scale,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt, block_size,
+    stride_ob, stride_oh,
+    D,
+    QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    # This split's share of the sequence, in whole BLOCK_N tiles.
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = sp * per_split
+    hi = tl.minimum(lo + per_split, ctx)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < QH
+    d_ok = offs_d < D
+    heads = kvh * QH + offs_h
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % block_size
+        kmask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))  # log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    omask = h_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+                 + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # partials: part [B, H, NUM_SPLITS, D] fp32, ml [B, H, NUM_SPLITS, 2] fp32 (max, sum)
+        row = (b * (tl.num_programs(1) * QH) + heads) * NUM_SPLITS + sp
+        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=omask)
+        tl.store(ml_ptr + row * 2, m_i, mask=h_ok)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D,
+                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    row = (b * H + h) * NUM_SPLITS + offs_s
+    m = tl.load(ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(s_ok & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
+    part = tl.load(part_ptr + row[:, None] * D + offs_d[None, :],
+                   mask=(w > 0)[:, None] & (offs_d < D)[None, :], other=0.0)
+    denom = tl.sum(w * l, axis=0)
+    o = tl.sum(part * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _default_splits(B: int, kvh: int, max_ctx: int, block_n: int, device: torch.device) -> int:
+    """Split only when (sequence, KV head) programs can't fill the GPU and the context is long:
+    aim at ~2 programs per SM with at least 4 KV tiles per split."""
+    if device.type != "cuda":
+        return 1
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(2 * n_sm, B * kvh)
+    return int(max(1, min(want, max_ctx // (4 * block_n), 64)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention: one new token per sequence over its paged KV (twin:
+    `reference.paged_decode_attention`).
+
+    q [B, H, D]; k_cache / v_cache [num_pages, block_size, KVH, D] strided pool views (unit
+    stride over D); block_tables int32 [B, max_blocks]; ctx_lens int32 [B] on q's device, each
+    >= 1, the new token's K/V already written. Query head h reads KV head h // (H / KVH).
+    Returns [B, H, D] in q's dtype. `num_splits` (optional) overrides the split-K heuristic;
+    the heuristic bounds the context by block_tables' width, so it needs no device sync.
+    """
+    B, H, D = q.shape
+    _, block_size, kvh, Dk = k_cache.shape
+    assert Dk == D and H % kvh == 0 and q.stride(2) == 1
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and v_cache.shape == k_cache.shape
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    qh = H // kvh
+    cuda = q.device.type == "cuda"
+    block_h = max(16 if cuda else 1, _pow2(qh))
+    block_d = _pow2(D)
+    block_n = (64 if D <= 128 else 32) if cuda else 16
+    if num_splits is None:
+        num_splits = _default_splits(B, kvh, block_tables.shape[1] * block_size, block_n, q.device)
+    dot_f32 = not cuda or q.dtype == torch.float32
+    if num_splits > 1:
+        part = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B, H, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out  # unused
+    _decode_kernel[(B, kvh, num_splits)](
+        q, k_cache, v_cache, block_tables, ctx_lens, out, part, ml,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), block_size,
+        out.stride(0), out.stride(1),
+        D,
+        QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, DOT_F32=dot_f32,
+        num_warps=4, num_stages=2 if cuda else 1)
+    if num_splits > 1:
+        _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D,
+                              NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d)
+    return out

@@ -1,0 +1,468 @@
+"""Triton multi-LoRA kernels that read adapter weights straight from the paged pool.
+
+Semantics: exactly `reference.lora_shrink` / `reference.lora_expand` (the torch twins).
+
+    shrink:  xa[t, g, :r] = x[t] @ A_g^T            (fp32, zero past the rank and on base rows)
+    expand:  out[t, cols_g] += xa[t, g, :r] @ B_g^T  (fp32 accumulation, added in out's dtype)
+
+for the G modules of one group that share an input (q/k/v, or gate/up, or a single module).
+Two batch shapes, two kernels each:
+
+    MBGMV (decode):  token_slot[t] picks each token's adapter row (-1 = base model only).
+    MBGMM (prefill): segments of consecutive tokens share a slot; seg_start int32 [S+1] holds
+                     token offsets, seg_slot int32 [S] the slot of each (-1 = base-only segment).
+
+Page layout (see reference.py). Adapter `a` owns pages `pages[a, :]`; its per-layer virtual
+buffer is pool_l[pages[a, 0]] ++ pool_l[pages[a, 1]] ++ ..., so virtual element v sits at
+pool_l[pages[a, v // P], v % P]. Module g's A row i starts at offsets_a[a, g] + i * stride,
+its B^T row i at offsets_b[a, g] + i * strides[g]. Offsets, strides and P are multiples of
+LORA_ALIGN = 64 elements, so every 64-element chunk that starts at a multiple of 64 inside a
+row lies in one page.
+
+Tiling, and why:
+  * Every tile is built from such aligned 64-element chunks: the page id is looked up once per
+    (row, chunk), never per element, and the 64 elements are contiguous in memory, so the loads
+    become 16-byte vectors (the compiler is told the chunk base is a multiple of 64).
+  * MBGMV is memory-bound: each token reads its own adapter's A (r x d_in) and B^T (r x d_out),
+    once. Shrink programs own (token, module, rank tile) and stream the whole d_in in CH chunks
+    per iteration ([BLOCK_R, CH, 64] tiles), keeping an fp32 partial per lane and reducing once
+    at the end. Expand programs own (token, module, 64*CHN output columns) and stream the rank
+    rows ([BLOCK_R, CHN, 64] tiles), again reducing once at the end. Both grids are sized to keep
+    thousands of programs in flight at batch >= 64 (the H200 needs ~30 KB in flight per SM).
+  * MBGMM uses tl.dot on (BLOCK_M tokens x 64) by (64 x BLOCK_R ranks) tiles (shrink) and
+    (BLOCK_M x BLOCK_R) by (BLOCK_R x 64 columns) tiles (expand); 64-wide K or N tiles keep one
+    page lookup per rank row. Dot tiles are at least 16 in every dimension on the GPU.
+  * Rows (MBGMV) and segments (MBGMM) with slot -1 return at their first instruction; ranks
+    differ per adapter and per module and every load is masked to the row's own rank, so the
+    grid is sized for `max_rank` but an adapter of rank r reads r rows, not max_rank.
+
+Under the Triton interpreter (CPU tensors) dot operands are cast to fp32, because bf16 tl.dot
+is silently wrong there (triton#11584); on the GPU fp32 dots run in IEEE precision, so the
+fp32 path matches the twin rather than tf32.
+
+Batch metadata: pages int32 [n_a, max_pages]; offsets_a / offsets_b int64 [n_a, G]; ranks
+int32 [n_a, G] (this layer). Any strides are accepted for these three (so the runner can pass
+slices of its [n_a, 7, 2] / [L, n_a, 7] tensors without copies). x, out: 2-D with unit column
+stride; pool_l: [num_pages, P] contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import LORA_ALIGN
+
+CHUNK = LORA_ALIGN  # elements in one aligned chunk: one page lookup each
+MAX_GROUP = 4  # modules per launch (q/k/v is the largest group a model has)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _add_rounded(o, delta):
+    """o + delta rounded to o's dtype first, as the twin adds (out += delta.to(out.dtype)).
+    The sum itself runs in fp32: the interpreter gets bf16 arithmetic wrong."""
+    return (o.to(tl.float32) + delta.to(o.dtype).to(tl.float32)).to(o.dtype)
+
+
+@triton.jit
+def _select(g, a0, a1, a2, a3):
+    return tl.where(g == 0, a0, tl.where(g == 1, a1, tl.where(g == 2, a2, a3)))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _check_meta(x, pool_l, pages, offsets, ranks):
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be 2-D with unit column stride"
+    assert pool_l.dim() == 2 and pool_l.is_contiguous(), "pool_l must be a contiguous [pages, P]"
+    assert pool_l.shape[1] % CHUNK == 0, f"page size must be a multiple of {CHUNK}"
+    assert pages.dtype == torch.int32 and offsets.dtype == torch.int64
+    assert ranks.dtype == torch.int32 and offsets.shape == ranks.shape
+    assert offsets.shape[1] <= MAX_GROUP, f"at most {MAX_GROUP} modules per launch"
+
+
+def _dims4(out_dims, strides):
+    assert len(out_dims) == len(strides) <= MAX_GROUP
+    assert all(s % CHUNK == 0 and s >= d for d, s in zip(out_dims, strides))
+    d = list(out_dims) + [0] * (MAX_GROUP - len(out_dims))
+    s = list(strides) + [0] * (MAX_GROUP - len(strides))
+    return d, s
+
+
+# ----------------------------------------------------------------------------- MBGMV
+
+@triton.jit
+def _mbgmv_shrink_kernel(
+    x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, slot_ptr, xa_ptr,
+    stride_x, d_in, stride, P,
+    stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
+    G, max_rank,
+    BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    r0 = tl.program_id(2) * BLOCK_R
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    xa_row = xa_ptr + (t * G + g) * max_rank + offs_r
+    slot = tl.load(slot_ptr + t)
+    rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=slot >= 0, other=0)
+    if r0 >= rank:  # base-only row, or a rank tile past this adapter's rank: zeros, done
+        tl.store(xa_row, tl.zeros((BLOCK_R,), tl.float32), mask=offs_r < max_rank)
+        return
+
+    off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
+    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
+    r3 = offs_r[:, None, None]
+    c3 = tl.arange(0, CH)[None, :, None] * CHUNK
+    e3 = tl.arange(0, CHUNK)[None, None, :]
+    row_ok = r3 < rank
+    row_v = off_a + r3 * stride  # [R, 1, 1] virtual row starts
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+    acc = tl.zeros((BLOCK_R, CH, CHUNK), tl.float32)
+    for k0 in range(0, d_in, CH * CHUNK):
+        kc = k0 + c3  # [1, CH, 1] chunk starts
+        cmask = row_ok & (kc < d_in)
+        v = row_v + kc
+        page = tl.load(pages_row + v // P, mask=cmask, other=0)
+        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CHUNK, CHUNK, CHUNK])
+        if EVEN_K:
+            amask = cmask
+            xmask = kc < d_in
+        else:
+            amask = cmask & (kc + e3 < d_in)
+            xmask = kc + e3 < d_in
+        a = tl.load(pool_ptr + base + e3, mask=amask, other=0.0)
+        xv = tl.load(x_row + kc + e3, mask=xmask, other=0.0)
+        acc += a.to(tl.float32) * xv.to(tl.float32)
+    res = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(xa_row, res, mask=offs_r < max_rank)
+
+
+@triton.jit
+def _mbgmv_expand_kernel(
+    xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, slot_ptr,
+    stride_out, P,
+    stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
+    G, max_rank,
+    d0, d1, d2, d3, s0, s1, s2, s3,
+    BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    n0 = tl.program_id(2) * (CHN * CHUNK)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    d_out = _select(g, d0, d1, d2, d3)
+    rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1)
+    if (rank == 0) | (n0 >= d_out):
+        return
+    stride = _select(g, s0, s1, s2, s3)
+    col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
+
+    off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
+    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
+    r3 = tl.arange(0, BLOCK_R)[:, None, None]
+    nc = n0 + tl.arange(0, CHN)[None, :, None] * CHUNK  # [1, CHN, 1] chunk starts
+    e3 = tl.arange(0, CHUNK)[None, None, :]
+    xa_row = xa_ptr + (t * G + g) * max_rank
+    acc = tl.zeros((BLOCK_R, CHN, CHUNK), tl.float32)
+    for rr in range(0, rank, BLOCK_R):
+        rows = rr + r3
+        cmask = (rows < rank) & (nc < d_out)
+        v = off_b + rows * stride + nc
+        page = tl.load(pages_row + v // P, mask=cmask, other=0)
+        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CHUNK, CHUNK, CHUNK])
+        if EVEN_N:
+            bmask = cmask
+        else:
+            bmask = cmask & (nc + e3 < d_out)
+        b = tl.load(pool_ptr + base + e3, mask=bmask, other=0.0)
+        w = tl.load(xa_row + rows, mask=rows < rank, other=0.0)
+        acc += b.to(tl.float32) * w
+    delta = tl.sum(acc, axis=0)  # [CHN, CHUNK]
+    c2 = n0 + tl.arange(0, CHN)[:, None] * CHUNK
+    cols = c2 + tl.arange(0, CHUNK)[None, :]
+    ptrs = out_ptr + t.to(tl.int64) * stride_out + col + cols
+    if EVEN_N:
+        omask = c2 < d_out  # per chunk: keeps the out accesses 16-byte vectors
+    else:
+        omask = cols < d_out
+    o = tl.load(ptrs, mask=omask, other=0.0)
+    tl.store(ptrs, _add_rounded(o, delta), mask=omask)
+
+
+def _mbgmv_shrink_cfg(T: int, G: int, max_rank: int, d_in: int) -> dict:
+    """Rank rows per program: as many as keep >= ~2048 programs in flight (H200: 132 SMs x 16),
+    at least 2 so x (re-read from L2 by each program) costs at most half the adapter bytes."""
+    ch = min(8, _pow2(triton.cdiv(d_in, CHUNK)))
+    block_r = 16
+    while block_r > 2 and T * G * triton.cdiv(max_rank, block_r) < 2048:
+        block_r //= 2
+    block_r = min(block_r, _pow2(max_rank))
+    return dict(BLOCK_R=block_r, CH=ch, num_warps=4)
+
+
+def _mbgmv_expand_cfg(T: int, G: int, max_rank: int, max_out: int) -> dict:
+    chn = min(4, _pow2(triton.cdiv(max_out, CHUNK)))
+    return dict(BLOCK_R=min(16, _pow2(max_rank)), CHN=chn, num_warps=4)
+
+
+def mbgmv_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+                 offsets_a: torch.Tensor, ranks: torch.Tensor, token_slot: torch.Tensor,
+                 stride: int, max_rank: int) -> torch.Tensor:
+    """MBGMV shrink (decode): xa[t, g, :r] = x[t] @ A_g^T of token t's own adapter.
+
+    x [T, d_in]; token_slot int32 [T] (-1 = base model). Returns xa [T, G, max_rank] float32,
+    zero past each rank and on base-only rows. Twin: `reference.lora_shrink`.
+    Grid: (token, module, rank tile); see the module docstring for the tiling.
+    """
+    _check_meta(x, pool_l, pages, offsets_a, ranks)
+    T, d_in = x.shape
+    G = offsets_a.shape[1]
+    assert stride % CHUNK == 0 and stride >= d_in
+    xa = torch.empty(T, G, max_rank, dtype=torch.float32, device=x.device)
+    if T == 0 or max_rank == 0:
+        return xa.zero_()
+    cfg = _mbgmv_shrink_cfg(T, G, max_rank, d_in)
+    grid = (T, G, triton.cdiv(max_rank, cfg["BLOCK_R"]))
+    _mbgmv_shrink_kernel[grid](
+        x, pool_l, pages, offsets_a, ranks, token_slot, xa,
+        x.stride(0), d_in, stride, pool_l.shape[1],
+        pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
+        G, max_rank, EVEN_K=d_in % CHUNK == 0, **cfg)
+    return xa
+
+
+def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+                 offsets_b: torch.Tensor, ranks: torch.Tensor, token_slot: torch.Tensor,
+                 out_dims: tuple[int, ...], strides: tuple[int, ...]) -> None:
+    """MBGMV expand (decode), in place: out[t, cols_g] += xa[t, g, :r] @ B_g^T.
+
+    out [T, sum(out_dims)], module g's columns start at sum(out_dims[:g]); strides[g] is the
+    B^T row stride of module g in the virtual buffer. Base-only rows are not touched.
+    Twin: `reference.lora_expand`. Grid: (token, module, 64*CHN output columns).
+    """
+    _check_meta(out, pool_l, pages, offsets_b, ranks)
+    T, G, max_rank = xa.shape
+    assert xa.dtype == torch.float32 and xa.is_contiguous()
+    assert out.shape == (T, sum(out_dims)) and len(out_dims) == G
+    if T == 0 or max_rank == 0:
+        return
+    d, s = _dims4(out_dims, strides)
+    cfg = _mbgmv_expand_cfg(T, G, max_rank, max(out_dims))
+    grid = (T, G, triton.cdiv(max(out_dims), cfg["CHN"] * CHUNK))
+    _mbgmv_expand_kernel[grid](
+        xa, out, pool_l, pages, offsets_b, ranks, token_slot,
+        out.stride(0), pool_l.shape[1],
+        pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
+        G, max_rank, *d, *s, EVEN_N=all(x % CHUNK == 0 for x in out_dims), **cfg)
+
+
+# ----------------------------------------------------------------------------- MBGMM
+
+@triton.jit
+def _mbgmm_shrink_kernel(
+    x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, xa_ptr,
+    stride_x, d_in, stride, P,
+    stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
+    G, max_rank, n_rt,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    s = tl.program_id(1)
+    slot = tl.load(seg_slot_ptr + s)
+    if slot < 0:
+        return
+    m0 = tl.load(seg_start_ptr + s) + tl.program_id(0) * BLOCK_M
+    m_end = tl.load(seg_start_ptr + s + 1)
+    if m0 >= m_end:
+        return
+    g = tl.program_id(2) // n_rt
+    r0 = (tl.program_id(2) % n_rt) * BLOCK_R
+    rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1)
+    if r0 >= rank:
+        return
+
+    off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
+    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < m_end
+    r_ok = offs_r < rank
+    row_v = off_a + offs_r * stride
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+    for k0 in range(0, d_in, BLOCK_K):
+        # BLOCK_K divides CHUNK, so each row's tile lies in one page: one lookup per row.
+        v = row_v + k0
+        page = tl.load(pages_row + v // P, mask=r_ok, other=0)
+        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [BLOCK_K])
+        if EVEN_K:
+            amask = r_ok[:, None]
+            xmask = m_ok[:, None]
+        else:
+            amask = r_ok[:, None] & (k0 + offs_k[None, :] < d_in)
+            xmask = m_ok[:, None] & (k0 + offs_k[None, :] < d_in)
+        a = tl.load(pool_ptr + base[:, None] + offs_k[None, :], mask=amask, other=0.0)
+        xt = tl.load(x_rows + k0 + offs_k[None, :], mask=xmask, other=0.0)
+        if DOT_F32:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, tl.trans(a))
+    ptrs = xa_ptr + (offs_m[:, None] * G + g) * max_rank + offs_r[None, :]
+    tl.store(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _mbgmm_expand_kernel(
+    xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr,
+    stride_out, P,
+    stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
+    G, max_rank, n_nt,
+    d0, d1, d2, d3, s0, s1, s2, s3,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    s = tl.program_id(1)
+    slot = tl.load(seg_slot_ptr + s)
+    if slot < 0:
+        return
+    m0 = tl.load(seg_start_ptr + s) + tl.program_id(0) * BLOCK_M
+    m_end = tl.load(seg_start_ptr + s + 1)
+    if m0 >= m_end:
+        return
+    g = tl.program_id(2) // n_nt
+    n0 = (tl.program_id(2) % n_nt) * BLOCK_N
+    d_out = _select(g, d0, d1, d2, d3)
+    rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1)
+    if (rank == 0) | (n0 >= d_out):
+        return
+    stride = _select(g, s0, s1, s2, s3)
+    col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
+
+    off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
+    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    m_ok = offs_m < m_end
+    n_ok = offs_n < d_out
+    xa_rows = xa_ptr + (offs_m[:, None] * G + g) * max_rank
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for rr in range(0, rank, BLOCK_R):
+        rows = rr + offs_r
+        r_ok = rows < rank
+        w = tl.load(xa_rows + rows[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        # BLOCK_N divides CHUNK, so each rank row's tile lies in one page: one lookup per row.
+        v = off_b + rows * stride + n0
+        page = tl.load(pages_row + v // P, mask=r_ok, other=0)
+        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [BLOCK_N])
+        b_ptrs = pool_ptr + base[:, None] + tl.arange(0, BLOCK_N)[None, :]
+        if EVEN_N:  # n0 < d_out and BLOCK_N = CHUNK: the tile is whole, no column mask
+            b = tl.load(b_ptrs, mask=r_ok[:, None], other=0.0)
+        else:
+            b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(w, b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(b.dtype), b)
+    ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + col + offs_n[None, :]
+    if EVEN_N:
+        omask = m_ok[:, None]
+    else:
+        omask = m_ok[:, None] & n_ok[None, :]
+    o = tl.load(ptrs, mask=omask, other=0.0)
+    tl.store(ptrs, _add_rounded(o, acc), mask=omask)
+
+
+def _dot_min(device: torch.device) -> int:
+    # The GPU compiler needs every tl.dot dimension >= 16; the interpreter does not, and its
+    # cost grows with tile size, so CPU runs use the smallest tiles that cover the data.
+    return 16 if device.type == "cuda" else 1
+
+
+def _mbgmm_cfg(T: int, max_rank: int, device: torch.device) -> dict:
+    lo = _dot_min(device)
+    block_m = 64 if device.type == "cuda" else max(lo, min(16, _pow2(T)))
+    block_r = max(lo, min(64, _pow2(max_rank)))
+    return dict(BLOCK_M=block_m, BLOCK_R=block_r, num_warps=4,
+                num_stages=3 if device.type == "cuda" else 1)
+
+
+def _grid_m(T: int, max_seg_len: int | None, block_m: int) -> int:
+    return max(1, triton.cdiv(T if max_seg_len is None else min(T, max_seg_len), block_m))
+
+
+def _dot_f32(x: torch.Tensor, pool_l: torch.Tensor) -> bool:
+    # Interpreter (CPU tensors): bf16 tl.dot is wrong there, so fp32 operands. GPU fp32: IEEE.
+    return x.device.type != "cuda" or pool_l.dtype == torch.float32
+
+
+def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+                 offsets_a: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
+                 seg_slot: torch.Tensor, stride: int, max_rank: int,
+                 max_seg_len: int | None = None) -> torch.Tensor:
+    """MBGMM shrink (prefill): xa[t, g, :r] = x[t] @ A_g^T for every token t of a segment.
+
+    seg_start int32 [S+1] token offsets, seg_slot int32 [S] (-1 = base-only segment, skipped).
+    Returns xa [T, G, max_rank] float32, zero past each rank and outside adapter segments.
+    Twin: `reference.lora_shrink` with token_slot expanded from the segments.
+    Grid: (token tile within a segment, segment, module x rank tile). `max_seg_len` (optional,
+    a host int) bounds the first grid axis; without it the bound is T and the token tiles past
+    a segment's end return at once.
+    """
+    _check_meta(x, pool_l, pages, offsets_a, ranks)
+    T, d_in = x.shape
+    G = offsets_a.shape[1]
+    S = seg_slot.shape[0]
+    assert stride % CHUNK == 0 and stride >= d_in
+    assert seg_start.dtype == torch.int32 and seg_start.shape[0] == S + 1
+    xa = torch.zeros(T, G, max_rank, dtype=torch.float32, device=x.device)
+    if T == 0 or S == 0 or max_rank == 0:
+        return xa
+    cfg = _mbgmm_cfg(T, max_rank, x.device)
+    n_rt = triton.cdiv(max_rank, cfg["BLOCK_R"])
+    grid = (_grid_m(T, max_seg_len, cfg["BLOCK_M"]), S, G * n_rt)
+    _mbgmm_shrink_kernel[grid](
+        x, pool_l, pages, offsets_a, ranks, seg_start, seg_slot, xa,
+        x.stride(0), d_in, stride, pool_l.shape[1],
+        pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
+        G, max_rank, n_rt, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
+        DOT_F32=_dot_f32(x, pool_l), **cfg)
+    return xa
+
+
+def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+                 offsets_b: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
+                 seg_slot: torch.Tensor, out_dims: tuple[int, ...], strides: tuple[int, ...],
+                 max_seg_len: int | None = None) -> None:
+    """MBGMM expand (prefill), in place: out[t, cols_g] += xa[t, g, :r] @ B_g^T per segment.
+
+    Same segment metadata as `mbgmm_shrink`; same output layout as `mbgmv_expand`.
+    On the GPU the dot runs in B's dtype (xa rounded to it) with fp32 accumulation; fp32 runs
+    in IEEE precision. Grid: (token tile, segment, module x 64-column tile).
+    """
+    _check_meta(out, pool_l, pages, offsets_b, ranks)
+    T, G, max_rank = xa.shape
+    S = seg_slot.shape[0]
+    assert xa.dtype == torch.float32 and xa.is_contiguous()
+    assert out.shape == (T, sum(out_dims)) and len(out_dims) == G
+    assert seg_start.dtype == torch.int32 and seg_start.shape[0] == S + 1
+    if T == 0 or S == 0 or max_rank == 0:
+        return
+    d, s = _dims4(out_dims, strides)
+    cfg = _mbgmm_cfg(T, max_rank, out.device)
+    n_nt = triton.cdiv(max(out_dims), CHUNK)
+    grid = (_grid_m(T, max_seg_len, cfg["BLOCK_M"]), S, G * n_nt)
+    _mbgmm_expand_kernel[grid](
+        xa, out, pool_l, pages, offsets_b, ranks, seg_start, seg_slot,
+        out.stride(0), pool_l.shape[1],
+        pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
+        G, max_rank, n_nt, *d, *s, BLOCK_N=CHUNK, EVEN_N=all(x % CHUNK == 0 for x in out_dims),
+        DOT_F32=_dot_f32(out, pool_l), **cfg)

@@ -1,0 +1,123 @@
+"""Serving metrics from per-request timings: what S-LoRA's harness reports, and what we compare.
+
+The real engine (`slora.replay`) and the simulator both produce `RequestRecord`s; `summarize`
+turns them into one `Summary`, and `result_dict` into the result JSON that `slora plot` reads.
+So a replay and a simulation of the same trace are measured by the same code.
+
+Definitions (S-LoRA's, except where noted):
+- duration: from the trace's time zero to the last finish, unless given (S-LoRA's benchmark time).
+- throughput_req_s: completed requests / duration; throughput_tok_s: their output tokens / duration.
+- avg_latency_s: mean of finish - arrival over completed requests.
+- avg_tpot_s: mean time per output token after the first, (finish - first token) / (output - 1),
+  over completed requests with more than one output token (vLLM's TPOT; S-LoRA divides the
+  whole latency by the output length, which mixes queueing and prefill into it).
+- ttft_p50_s / p90_s / p99_s: first-token latency (first token - arrival) percentiles over
+  completed requests, numpy's linear interpolation.
+- slo_attainment: the fraction of all requests whose first token came within `slo_ttft_s`
+  (6 s, S-LoRA's bound); failed requests count as misses.
+Statistics over an empty set are None (null in JSON), not NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+DEFAULT_SLO_TTFT_S = 6.0
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request's outcome. Times are seconds on one clock (e.g. since the trace's start).
+
+    failed: aborted or errored (the reason in `error`); a failed request may still have a first
+    token. A completed request has both `first_token_time` and `finish_time`.
+    """
+
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    prompt_tokens: int
+    output_tokens: int
+    failed: bool = False
+    adapter: str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.failed and (self.first_token_time is None or self.finish_time is None):
+            raise ValueError("RequestRecord: a completed request needs first_token_time and "
+                             "finish_time (mark it failed=True otherwise)")
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class Summary:
+    throughput_req_s: float
+    throughput_tok_s: float
+    avg_latency_s: float | None
+    avg_tpot_s: float | None
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+    slo_attainment: float
+    slo_ttft_s: float
+    duration_s: float
+    num_requests: int
+    num_completed: int
+    num_failed: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(records: list[RequestRecord], slo_ttft_s: float = DEFAULT_SLO_TTFT_S,
+              duration_s: float | None = None) -> Summary:
+    """Metrics over `records`; `duration_s` defaults to the last finish time (clock zero = start)."""
+    if not records:
+        raise ValueError("summarize: no request records")
+    done = [r for r in records if not r.failed]
+    if duration_s is None:
+        duration_s = max((r.finish_time for r in records if r.finish_time is not None), default=0.0)
+    if duration_s <= 0:
+        raise ValueError(f"summarize: duration_s={duration_s!r} must be positive")
+    ttfts = np.array([r.ttft for r in done], dtype=float)
+    tpots = [(r.finish_time - r.first_token_time) / (r.output_tokens - 1)
+             for r in done if r.output_tokens > 1]
+    in_slo = sum(1 for r in records if r.ttft is not None and r.ttft <= slo_ttft_s and not r.failed)
+
+    def pct(q: float) -> float | None:
+        return float(np.percentile(ttfts, q)) if len(ttfts) else None
+
+    return Summary(
+        throughput_req_s=len(done) / duration_s,
+        throughput_tok_s=sum(r.output_tokens for r in done) / duration_s,
+        avg_latency_s=_mean([r.finish_time - r.arrival_time for r in done]),
+        avg_tpot_s=_mean(tpots),
+        ttft_p50_s=pct(50),
+        ttft_p90_s=pct(90),
+        ttft_p99_s=pct(99),
+        slo_attainment=in_slo / len(records),
+        slo_ttft_s=slo_ttft_s,
+        duration_s=duration_s,
+        num_requests=len(records),
+        num_completed=len(done),
+        num_failed=len(records) - len(done),
+    )
+
+
+def _mean(xs: list[float]) -> float | None:
+    return float(np.mean(xs)) if xs else None
+
+
+def result_dict(summary: Summary, *, source: str, config: dict, stats: dict | None = None) -> dict:
+    """The result JSON: metrics at the top level, then what produced them.
+
+    source: "replay" (the real engine) or "simulate"; `slora plot` draws them as separate series.
+    config: {"trace": path, "workload": trace params, "engine": EngineConfig fields, ...}.
+    stats: the engine's counters at the end (`Engine.stats()`).
+    """
+    return {**summary.to_dict(), "source": source, "config": config, "stats": stats or {}}

@@ -1,0 +1,133 @@
+"""One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2.
+
+They differ only by configuration (`ModelConfig`): GQA/MQA head counts, head_dim, q/k/v (and
+o) biases, tied embeddings, rope theta and scaling (linear, llama3). The model runs on a flat
+batch of tokens from many sequences (decode rows first, then prefill segments), reads and
+writes KV in the shared page pool, and adds each token's LoRA delta through the backend's
+MBGMV/MBGMM kernels. Weights of modules that share an input are fused (q|k|v, gate|up) so
+each is one GEMM; the LoRA groups follow the same fusion.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from slora.config import ModelConfig
+from slora.kernels import reference as ref
+
+# LoRA module groups: modules that share an input, as indices into LORA_MODULES.
+GROUPS = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor
+    qkv: torch.Tensor  # [q + 2 kv, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    ln2: torch.Tensor
+    gate_up: torch.Tensor  # [2 intermediate, hidden]
+    down: torch.Tensor
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # the embedding itself when tied
+
+
+@dataclass
+class Batch:
+    """One step's flat token batch, built by the runner.
+
+    Sequence s owns tokens q_start[s]:q_start[s+1]; the first `num_decode` sequences are
+    decode rows (one token each). ctx_lens[s] counts its cached tokens including the new
+    ones. `logits_index` picks each sequence's last token.
+    """
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] page * block_size + row
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    ctx_lens: torch.Tensor  # int32 [S]
+    ctx_lens_list: list[int]
+    q_start: list[int]
+    num_decode: int
+    logits_index: torch.Tensor  # [S]
+    lora: object | None  # kernels.LoraMeta, None when no row has an adapter
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies, with linear or llama3 scaling, as HF computes them."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    kind = s.get("rope_type", s.get("type"))
+    factor = s["factor"]
+    if kind == "linear":
+        return inv / factor
+    # llama3: long wavelengths scaled by `factor`, short ones kept, a smooth ramp between.
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: Weights, backend, block_size: int) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.backend = backend
+        self.block_size = block_size
+        self.inv_freq = rope_inv_freq(cfg).to(weights.embed.device)
+        self.scale = cfg.head_dim ** -0.5
+        self.split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+
+    @torch.inference_mode()
+    def forward(self, b: Batch, pool: torch.Tensor) -> torch.Tensor:
+        """Logits [S, vocab] in float32 for each sequence's last token."""
+        cfg, w, be = self.cfg, self.w, self.backend
+        T = b.input_ids.shape[0]
+        x = w.embed[b.input_ids]
+        freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer, lw in enumerate(w.layers):
+            kc, vc = ref.kv_views(pool[layer], self.block_size, cfg.num_kv_heads, cfg.head_dim)
+            h = ref.rms_norm(x, lw.ln1, cfg.rms_norm_eps)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            if b.lora is not None:
+                be.lora(qkv, h, pool[layer], b.lora, layer, "qkv")
+            q, k, v = qkv.split(self.split, dim=-1)
+            q = ref.rotary(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = ref.rotary(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            be.write_kv(kc, vc, k, v.view(T, cfg.num_kv_heads, cfg.head_dim), b.slot_mapping)
+            attn = be.attention(q, kc, vc, b, self.scale).reshape(T, cfg.q_size)
+            o = F.linear(attn, lw.o, lw.o_bias)
+            if b.lora is not None:
+                be.lora(o, attn, pool[layer], b.lora, layer, "o")
+            x = x + o
+            h = ref.rms_norm(x, lw.ln2, cfg.rms_norm_eps)
+            gate_up = F.linear(h, lw.gate_up)
+            if b.lora is not None:
+                be.lora(gate_up, h, pool[layer], b.lora, layer, "gate_up")
+            act = ref.silu_mul(gate_up)
+            down = F.linear(act, lw.down)
+            if b.lora is not None:
+                be.lora(down, act, pool[layer], b.lora, layer, "down")
+            x = x + down
+        x = ref.rms_norm(x[b.logits_index], w.norm, cfg.rms_norm_eps)
+        return F.linear(x, w.lm_head).float()

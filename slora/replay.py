@@ -1,0 +1,170 @@
+"""Trace replay: issue a trace's requests to an engine at their arrival times, record outcomes.
+
+The loop is the open-loop client of S-LoRA's harness, run in-process: requests arrive on the
+clock whether or not the engine keeps up, so queueing shows in the latencies.
+
+    add every request now due -> step while anything is unfinished -> when idle, sleep until
+    the next arrival
+
+`replay` takes anything with the engine's `add_request / step / has_unfinished` and a clock, so
+the simulator drives the same loop on its virtual clock and the two share the metrics path.
+A request is submitted with its *scheduled* arrival time, so a step that delays submission still
+counts against the request's latency, as it would for a real client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from slora.metrics import RequestRecord, result_dict, summarize
+from slora.request import SamplingParams
+from slora.workload import Trace, TraceRequest
+
+FAILED_REASONS = ("abort", "error")
+
+
+@dataclass
+class ReplayRun:
+    """Records (times in seconds since the replay's start) and the span from start to last finish."""
+
+    records: list[RequestRecord]
+    duration_s: float
+
+
+def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bool = False,
+           clock: Callable[[], float] = time.monotonic,
+           sleep: Callable[[float], None] = time.sleep) -> ReplayRun:
+    """Replay `trace` on `engine` on the wall clock (or the given clock) and record every request.
+
+    vocab_size: prompts given as `prompt_len` become that many token ids drawn uniformly from
+        [0, vocab_size) with `seed` (the content does not matter to throughput; greedy decoding
+        with `ignore_eos` makes every request produce exactly `output_len` tokens).
+    Every request ends as a record: completed, failed with the engine's reason, or failed because
+    the engine refused it at submission (ValueError) or never reported it finished.
+    """
+    rng = np.random.default_rng(seed)
+    pending = deque(trace.requests)
+    submitted: dict[str, TraceRequest] = {}
+    records: dict[str, RequestRecord] = {}
+    bar = _progress_bar(len(trace), progress)
+    start = clock()
+    while pending or engine.has_unfinished():
+        now = clock() - start
+        while pending and pending[0].arrival_time <= now:
+            req = pending.popleft()
+            prompt = req.prompt if req.prompt is not None else _random_ids(rng, req.prompt_len, vocab_size)
+            try:
+                rid = engine.add_request(prompt, SamplingParams(max_tokens=req.output_len, ignore_eos=True),
+                                         adapter=req.adapter, arrival_time=start + req.arrival_time)
+            except ValueError as e:
+                records[f"rejected-{len(records)}"] = _failed(req, f"rejected at submission: {e}")
+                bar.update(1)
+                continue
+            submitted[rid] = req
+        if engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    records[out.request_id] = _record(out, start)
+                    bar.update(1)
+        elif pending:
+            sleep(max(0.0, pending[0].arrival_time - (clock() - start)))
+    end = clock()
+    bar.close()
+    for rid, req in submitted.items():
+        if rid not in records:
+            records[rid] = _failed(req, "the engine never reported this request finished")
+    return ReplayRun(list(records.values()), end - start)
+
+
+def _random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    return rng.integers(0, vocab_size, n).tolist()
+
+
+def _record(out, start: float) -> RequestRecord:
+    m = out.metrics
+    failed = out.finish_reason in FAILED_REASONS
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else t - start
+
+    return RequestRecord(
+        arrival_time=m.arrival_time - start, first_token_time=rel(m.first_token_time),
+        finish_time=rel(m.finish_time), prompt_tokens=len(out.prompt_token_ids),
+        output_tokens=len(out.token_ids), failed=failed, adapter=out.adapter,
+        error=(out.error or out.finish_reason) if failed else None)
+
+
+def _failed(req: TraceRequest, why: str) -> RequestRecord:
+    return RequestRecord(arrival_time=req.arrival_time, first_token_time=None, finish_time=None,
+                         prompt_tokens=req.input_len or 0, output_tokens=0, failed=True,
+                         adapter=req.adapter, error=why)
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="replay", disable=not enabled, dynamic_ncols=True)
+
+
+def register_adapters(engine, trace: Trace, *, synthetic: bool, adapter_dir: str | None) -> None:
+    """Make the trace's adapters known to `engine` (validated now, loaded lazily by the engine).
+
+    synthetic: register every adapter of the trace header with its rank (random weights, seeded by
+        position), as S-LoRA's harness starts its server with all `num_adapters` of a setting.
+    adapter_dir: a directory holding one PEFT adapter directory per adapter name the trace uses.
+    """
+    used = trace.adapter_names()
+    if synthetic:
+        unranked = [n for n in used if n not in trace.adapters]
+        if unranked:
+            raise ValueError(f"synthetic adapters need a rank, and the trace header gives none for "
+                             f"{', '.join(map(repr, unranked[:5]))}{' ...' if len(unranked) > 5 else ''}: "
+                             f"add them to the header's \"adapters\" map, or serve real adapters "
+                             f"with --adapter-dir")
+        for i, (name, rank) in enumerate(trace.adapters.items()):
+            engine.add_synthetic_adapter(name, rank, seed=i)
+    elif adapter_dir is not None:
+        for name in used:
+            engine.add_adapter(name, str(Path(adapter_dir) / name))
+    elif used:
+        raise ValueError(f"the trace uses {len(used)} adapters (e.g. {used[0]!r}): choose synthetic "
+                         f"adapters or an adapter directory")
+
+
+def warm_up(engine, trace: Trace, vocab_size: int) -> None:
+    """Two short requests (the first adapter of the trace and the base model) before the clock
+    starts, so one-time costs such as kernel compilation do not land on the first requests."""
+    prompt = _random_ids(np.random.default_rng(0), 8, vocab_size)
+    adapters = [trace.requests[0].adapter, None]
+    engine.generate([prompt, prompt], SamplingParams(max_tokens=4, ignore_eos=True), adapters=adapters)
+
+
+def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adapters: bool = False,
+               adapter_dir: str | None = None, trace_path: str | None = None, seed: int = 0,
+               warmup: bool = True, progress: bool = False) -> dict:
+    """Build an engine, replay `trace` on it, and return the result dict (`slora.metrics.result_dict`).
+
+    engine_options: EngineConfig fields besides `model` (device, dtype, num_pages, policy, ...);
+    the SLO bound of the metrics is the engine's `slo_ttft_s`, the bound its abort policy uses.
+    """
+    from slora.config import EngineConfig, ModelConfig
+
+    config = EngineConfig(model=model, **engine_options)
+    vocab_size = ModelConfig.from_dir(model).vocab_size
+    from slora import Engine
+
+    engine = Engine(config)
+    register_adapters(engine, trace, synthetic=synthetic_adapters, adapter_dir=adapter_dir)
+    if warmup:
+        warm_up(engine, trace, vocab_size)
+    run = replay(engine, trace, vocab_size=vocab_size, seed=seed, progress=progress)
+    summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
+    return result_dict(summary, source="replay", stats=engine.stats(), config={
+        "trace": trace_path, "workload": trace.params, "engine": asdict(config),
+        "adapters": "synthetic" if synthetic_adapters else adapter_dir, "seed": seed})

