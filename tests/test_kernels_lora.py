@@ -1,0 +1,247 @@
+"""MBGMV / MBGMM Triton kernels against their torch twins (reference.lora_shrink / lora_expand).
+
+Without CUDA the kernels run under the Triton interpreter on small shapes; with CUDA the same
+tests run on the GPU (bf16 included). Adapters are laid out in scattered, shuffled pool pages
+exactly as reference.py's docstring says, with NaN in every element no adapter row owns (row
+padding, unused pages, page-table slack), so a kernel that reads outside a row's rank or
+width fails loudly.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+pytest.importorskip("triton")
+
+from slora.kernels import reference as ref  # noqa: E402
+from slora.kernels.lora import (mbgmm_expand, mbgmm_shrink, mbgmv_expand,  # noqa: E402
+                                mbgmv_shrink)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ALIGN = ref.LORA_ALIGN
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (d_in, out_dims): one module, a pair like gate/up, a q/k/v-like triple with GQA-sized k/v;
+# widths that are not multiples of 64 exercise the padded row tails.
+GROUPS = {
+    "one": (64, (96,)),
+    "pair": (96, (128, 64)),
+    "qkv": (128, (128, 32, 32)),
+}
+RANKS = (1, 12, 20, 80)  # 1, non-powers of two, one above 64
+
+
+def pad(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Group:
+    """A random pool with n_a adapters for one module group, laid out per reference.py."""
+
+    def __init__(self, n_a, d_in, out_dims, dtype, gen, page_size=256, extra_pages=7):
+        G = len(out_dims)
+        self.d_in, self.out_dims = d_in, tuple(out_dims)
+        self.stride, self.strides = pad(d_in), tuple(pad(d) for d in out_dims)
+        ranks = torch.tensor([[RANKS[int(i)] for i in torch.randint(len(RANKS), (G,), generator=gen)]
+                              for _ in range(n_a)], dtype=torch.int32)
+        if n_a > 1 and G > 1:
+            ranks[1, G - 1] = 0  # an adapter without the group's last module
+        self.max_rank = int(ranks.max())
+        offsets = torch.zeros(n_a, G, 2, dtype=torch.int64)
+        buffers = []
+        for a in range(n_a):
+            # A gap of a few aligned chunks before the group: other modules in the real layout.
+            off = ALIGN * int(torch.randint(0, 3, (1,), generator=gen))
+            for g in range(G):
+                r = int(ranks[a, g])
+                offsets[a, g, 0] = off
+                off += r * self.stride
+                offsets[a, g, 1] = off
+                off += r * self.strides[g]
+            buffers.append(off)
+        need = [-(-n // page_size) for n in buffers]
+        num_pages = sum(need) + extra_pages
+        self.pool = torch.full((num_pages, page_size), float("nan"), dtype=dtype)
+        perm = torch.randperm(num_pages, generator=gen)
+        max_pages = max(need) + 2
+        # Slack entries point at real (NaN-filled or foreign) pages: reading them is an error
+        # the results show, not a crash.
+        self.pages = perm[torch.randint(num_pages, (n_a, max_pages), generator=gen)].to(torch.int32)
+        used = 0
+        for a in range(n_a):
+            self.pages[a, :need[a]] = perm[used:used + need[a]].to(torch.int32)
+            used += need[a]
+            virt = torch.full((need[a] * page_size,), float("nan"), dtype=dtype)
+            for g in range(G):
+                r = int(ranks[a, g])
+                for start, width, stride in ((offsets[a, g, 0], d_in, self.stride),
+                                             (offsets[a, g, 1], out_dims[g], self.strides[g])):
+                    w = torch.randn(r, width, generator=gen) * 0.3
+                    for i in range(r):
+                        s = int(start) + i * stride
+                        virt[s:s + width] = w[i].to(dtype)
+            self.pool[self.pages[a, :need[a]].long()] = virt.view(need[a], page_size)
+        self.ranks, self.offsets = ranks, offsets
+        self.to(DEVICE)
+
+    def to(self, device):
+        for k in ("pool", "pages", "ranks", "offsets"):
+            setattr(self, k, getattr(self, k).to(device))
+        return self
+
+    @property
+    def offsets_a(self):
+        return self.offsets[:, :, 0]  # a strided view, as the runner's [n_a, 7, 2] slices are
+
+    @property
+    def offsets_b(self):
+        return self.offsets[:, :, 1]
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+def random_slots(T, n_a, gen):
+    slots = torch.randint(-1, n_a, (T,), generator=gen, dtype=torch.int32)
+    if T >= 3:
+        slots[0] = -1  # at least one base-only row
+        slots[1] = 0
+    return slots
+
+
+def check_shrink(xa, xa_ref, slots, grp, dtype):
+    assert xa.shape == xa_ref.shape and xa.dtype == torch.float32
+    assert not torch.isnan(xa).any()
+    assert rel_err(xa, xa_ref) < tol(dtype)
+    # Exact zeros past each row's rank and on base-only rows (the twin's contract).
+    for t, s in enumerate(slots.tolist()):
+        for g in range(xa.shape[1]):
+            r = 0 if s < 0 else int(grp.ranks[s, g])
+            assert (xa[t, g, r:] == 0).all()
+
+
+def check_expand(out, out_ref, out0, slots, dtype):
+    assert not torch.isnan(out).any()
+    assert rel_err(out - out0.to(out.dtype), out_ref - out0.to(out.dtype)) < tol(dtype) * 2
+    base = slots < 0
+    assert torch.equal(out[base], out0[base])  # base-only rows untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_mbgmv_matches_twin(T, group, dtype):
+    gen = torch.Generator().manual_seed(1000 * T + len(group) + DTYPES.index(dtype))
+    d_in, out_dims = GROUPS[group]
+    n_a = min(T, 3)
+    grp = Group(n_a, d_in, out_dims, dtype, gen)
+    slots = random_slots(T, n_a, gen).to(DEVICE)
+    x = (torch.randn(T, d_in, generator=gen)).to(dtype).to(DEVICE)
+
+    xa = mbgmv_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots, grp.stride,
+                      grp.max_rank)
+    xa_ref = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots,
+                             grp.stride, grp.max_rank)
+    check_shrink(xa, xa_ref, slots.cpu(), grp, dtype)
+
+    out0 = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(DEVICE)
+    out, out_ref = out0.clone(), out0.clone()
+    mbgmv_expand(xa_ref, out, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
+                 out_dims, grp.strides)
+    ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
+                    out_dims, grp.strides)
+    check_expand(out, out_ref, out0, slots, dtype)
+
+
+def random_segments(n_a, gen, n_seg=4, max_len=11):
+    lens = torch.randint(1, max_len + 1, (n_seg,), generator=gen)
+    seg_slot = torch.randint(0, n_a, (n_seg,), generator=gen, dtype=torch.int32)
+    seg_slot[1] = -1  # a base-only segment
+    seg_start = torch.zeros(n_seg + 1, dtype=torch.int32)
+    seg_start[1:] = lens.cumsum(0)
+    token_slot = torch.repeat_interleave(seg_slot, lens)
+    return seg_start, seg_slot, token_slot, int(lens.max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_mbgmm_matches_twin(group, dtype):
+    gen = torch.Generator().manual_seed(7 + len(group) + DTYPES.index(dtype))
+    d_in, out_dims = GROUPS[group]
+    n_a = 3
+    grp = Group(n_a, d_in, out_dims, dtype, gen)
+    seg_start, seg_slot, token_slot, max_len = random_segments(n_a, gen)
+    T = int(seg_start[-1])
+    seg_start, seg_slot, token_slot = (t.to(DEVICE) for t in (seg_start, seg_slot, token_slot))
+    x = torch.randn(T, d_in, generator=gen).to(dtype).to(DEVICE)
+
+    xa = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
+                      grp.stride, grp.max_rank)
+    xa_ref = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, token_slot,
+                             grp.stride, grp.max_rank)
+    check_shrink(xa, xa_ref, token_slot.cpu(), grp, dtype)
+    # The optional host bound on segment length gives the same result with a smaller grid.
+    xa2 = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
+                       grp.stride, grp.max_rank, max_seg_len=max_len)
+    assert torch.equal(xa, xa2)
+
+    out0 = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(DEVICE)
+    out, out_ref = out0.clone(), out0.clone()
+    mbgmm_expand(xa_ref, out, grp.pool, grp.pages, grp.offsets_b, grp.ranks, seg_start, seg_slot,
+                 out_dims, grp.strides, max_seg_len=max_len)
+    ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, token_slot,
+                    out_dims, grp.strides)
+    check_expand(out, out_ref, out0, token_slot, dtype)
+
+
+def test_all_base_rows_cost_nothing_and_change_nothing():
+    gen = torch.Generator().manual_seed(3)
+    d_in, out_dims = GROUPS["qkv"]
+    grp = Group(2, d_in, out_dims, torch.float32, gen)
+    T = 4
+    slots = torch.full((T,), -1, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(T, d_in, generator=gen).to(DEVICE)
+    xa = mbgmv_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots, grp.stride,
+                      grp.max_rank)
+    assert (xa == 0).all()
+    out0 = torch.randn(T, sum(out_dims), generator=gen).to(DEVICE)
+    out = out0.clone()
+    mbgmv_expand(torch.randn_like(xa), out, grp.pool, grp.pages, grp.offsets_b, grp.ranks,
+                 slots, out_dims, grp.strides)
+    assert torch.equal(out, out0)
+
+
+def test_runner_style_strided_metadata():
+    """The runner passes slices of its [n_a, 7, 2] offsets and [L, n_a, 7] ranks: no copies."""
+    gen = torch.Generator().manual_seed(11)
+    d_in, out_dims = GROUPS["pair"]
+    grp = Group(3, d_in, out_dims, torch.float16, gen)
+    G = len(out_dims)
+    offsets7 = torch.zeros(3, 7, 2, dtype=torch.int64, device=DEVICE)
+    offsets7[:, 4:4 + G] = grp.offsets  # gate/up sit at module slots 4, 5
+    ranks7 = torch.zeros(2, 3, 7, dtype=torch.int32, device=DEVICE)
+    ranks7[1, :, 4:4 + G] = grp.ranks
+    offs_a, offs_b, ranks = offsets7[:, 4:4 + G, 0], offsets7[:, 4:4 + G, 1], ranks7[1, :, 4:4 + G]
+    assert not offs_a.is_contiguous() and not ranks.is_contiguous()
+    T = 5
+    slots = random_slots(T, 3, gen).to(DEVICE)
+    x = torch.randn(T, d_in, generator=gen).half().to(DEVICE)
+    xa = mbgmv_shrink(x, grp.pool, grp.pages, offs_a, ranks, slots, grp.stride, grp.max_rank)
+    xa_ref = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots, grp.stride,
+                             grp.max_rank)
+    check_shrink(xa, xa_ref, slots.cpu(), grp, torch.float16)
+    out0 = torch.randn(T, sum(out_dims), generator=gen).half().to(DEVICE)
+    out, out_ref = out0.clone(), out0.clone()
+    mbgmv_expand(xa_ref, out, grp.pool, grp.pages, offs_b, ranks, slots, out_dims, grp.strides)
+    ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
+                    out_dims, grp.strides)
+    check_expand(out, out_ref, out0, slots, torch.float16)
