@@ -1,0 +1,117 @@
+"""Engine API behaviour on a tiny model: sampling knobs, stops, streaming, errors, stats."""
+
+import pytest
+
+from slora import Engine, EngineConfig, SamplingParams
+from slora.config import ConfigError
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                               num_pages=64))
+
+
+def test_generate_accepts_strings_ids_and_per_prompt_params(engine):
+    ids = engine.tokenizer.encode("Hello world")
+    outs = engine.generate(["Hello world", ids],
+                           [SamplingParams(max_tokens=5, ignore_eos=True),
+                            SamplingParams(max_tokens=3, ignore_eos=True)])
+    assert len(outs[0].token_ids) == 5 and len(outs[1].token_ids) == 3
+    assert outs[0].token_ids[:3] == outs[1].token_ids  # same prompt, greedy
+    assert outs[0].text == engine.tokenizer.decode(outs[0].token_ids)
+    m = outs[0].metrics
+    assert m.arrival_time <= m.scheduled_time <= m.first_token_time <= m.finish_time
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(engine):
+    sp = SamplingParams(max_tokens=12, temperature=1.5, seed=7, ignore_eos=True)
+    a = engine.generate("The quick", sp)[0].token_ids
+    b = engine.generate("The quick", sp)[0].token_ids
+    c = engine.generate("The quick", SamplingParams(max_tokens=12, temperature=1.5, seed=8,
+                                                    ignore_eos=True))[0].token_ids
+    assert a == b and a != c
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate("Paris is", SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    topk = engine.generate("Paris is", SamplingParams(max_tokens=8, temperature=2.0, top_k=1,
+                                                      seed=1, ignore_eos=True))[0]
+    tiny_p = engine.generate("Paris is", SamplingParams(max_tokens=8, temperature=2.0,
+                                                        top_p=1e-6, seed=1, ignore_eos=True))[0]
+    assert greedy.token_ids == topk.token_ids == tiny_p.token_ids
+
+
+def test_stop_token_ids_and_strings(engine):
+    full = engine.generate("Hello", SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    stop_tok = full.token_ids[3]
+    first = full.token_ids.index(stop_tok)
+    out = engine.generate("Hello", SamplingParams(max_tokens=10, ignore_eos=True,
+                                                  stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == full.token_ids[:first + 1] and out.finish_reason == "stop"
+    stop = full.text[len(full.text) // 2:][:3]
+    if stop.strip():
+        out = engine.generate("Hello", SamplingParams(max_tokens=10, ignore_eos=True, stop=stop))[0]
+        assert out.finish_reason == "stop" and stop not in out.text
+        assert full.text.startswith(out.text)
+
+
+def test_eos_stops_unless_ignored(engine):
+    eos = engine.eos_token_ids[0]
+    full = engine.generate("Hello", SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert eos not in full.token_ids or full.finish_reason == "length"
+
+
+def test_stream_yields_each_token(engine):
+    outs = list(engine.stream("Berlin is", SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert [len(o.token_ids) for o in outs] == [1, 2, 3, 4]
+    assert outs[-1].finished and not outs[0].finished
+
+
+def test_add_request_and_step_loop(engine):
+    rid = engine.add_request("The quick", SamplingParams(max_tokens=3, ignore_eos=True))
+    finished = []
+    while engine.has_unfinished():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == [rid]
+
+
+def test_unknown_adapter_is_a_clear_error_and_engine_keeps_serving(engine):
+    with pytest.raises(KeyError, match="unknown adapter 'nope'"):
+        engine.generate("Hello", adapters="nope")
+    assert not engine.has_unfinished()
+    assert len(engine.generate("Hello", SamplingParams(max_tokens=2))[0].token_ids) >= 1
+
+
+def test_too_long_prompt_fails_alone(tiny_model_dir):
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=4, block_size=16))
+    outs = e.generate([list(range(2, 100)), "Hello"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert outs[0].finish_reason == "error" and "max_model_len" in outs[0].error
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 3
+
+
+def test_bad_inputs_are_clear_errors(engine):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineConfig(block_size=3)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([10**6])
+
+
+def test_logprobs_hold_top_n_and_chosen(engine):
+    out = engine.generate("Hello", SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and 3 <= len(lp) <= 4
+        assert lp[tok] == max(lp.values())  # greedy picks the most likely token
+
+
+def test_stats_keys(engine):
+    s = engine.stats()
+    for k in ("pages_total", "pages_free", "pages_kv", "pages_adapter", "adapter_loads",
+              "adapter_evictions", "preemptions"):
+        assert k in s
+    assert s["pages_free"] + s["pages_kv"] + s["pages_adapter"] == s["pages_total"]
