@@ -158,7 +158,9 @@ class Scheduler:
                 plan.finished.append(req)
             else:
                 passed_over.append(req)
-                if self.policy.blocking:
+                # A starving request (passed over max_skips times) blocks the queue until
+                # it fits: that bounds how often any request can be overtaken.
+                if self.policy.blocking or req.skipped >= cfg.max_skips:
                     break
         for req in admitted:
             self.waiting.remove(req)
@@ -167,8 +169,10 @@ class Scheduler:
             if req.metrics.scheduled_time is None:
                 req.metrics.scheduled_time = now
             plan.prefill.append(req) if req.num_new > 1 else plan.decode.append(req)
-        if admitted:
-            for req in passed_over:
+        # Overtaken = a later arrival was admitted while this request keeps waiting.
+        latest = max((r.arrival_time for r in admitted), default=None)
+        for req in passed_over:
+            if latest is not None and latest > req.arrival_time:
                 req.skipped += 1
 
     def _reserve(self, req: Request, plan: SchedulerPlan) -> bool:
