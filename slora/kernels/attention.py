@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NUM_SMS_H200 = 132
 
 
 @triton.jit
@@ -134,12 +133,12 @@ def _pow2(n: int) -> int:
 
 def _default_splits(B: int, kvh: int, max_ctx: int, block_n: int, device: torch.device) -> int:
     """Split only when (sequence, KV head) programs can't fill the GPU and the context is long:
-    aim at ~2 programs per SM with at least 4 KV tiles per split."""
+    aim at ~4 programs per SM with at least 2 KV tiles per split."""
     if device.type != "cuda":
         return 1
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * n_sm, B * kvh)
-    return int(max(1, min(want, max_ctx // (4 * block_n), 64)))
+    want = triton.cdiv(4 * n_sm, B * kvh)
+    return int(max(1, min(want, max_ctx // (2 * block_n), 64)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

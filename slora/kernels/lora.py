@@ -24,11 +24,13 @@ Tiling, and why:
     (row, chunk), never per element, and the 64 elements are contiguous in memory, so the loads
     become 16-byte vectors (the compiler is told the chunk base is a multiple of 64).
   * MBGMV is memory-bound: each token reads its own adapter's A (r x d_in) and B^T (r x d_out),
-    once. Shrink programs own (token, module, rank tile) and stream the whole d_in in CH chunks
-    per iteration ([BLOCK_R, CH, 64] tiles), keeping an fp32 partial per lane and reducing once
-    at the end. Expand programs own (token, module, 64*CHN output columns) and stream the rank
-    rows ([BLOCK_R, CHN, 64] tiles), again reducing once at the end. Both grids are sized to keep
-    thousands of programs in flight at batch >= 64 (the H200 needs ~30 KB in flight per SM).
+    once. Shrink programs own (token, module, rank tile) and stream the whole d_in, CH chunks
+    per iteration ([BLOCK_R, CH, 64] tiles), reducing each chunk at once into a small fp32
+    [BLOCK_R, CH] accumulator. Expand programs own (token, module, 64*CHN output columns),
+    read their out tile first (its latency hides behind the adapter reads) and stream the rank
+    rows ([BLOCK_R, CHN, 64] tiles). Small tiles, few registers: on the H200 occupancy (loads
+    in flight per SM) decided speed more than tile size did; see the *_cfg functions for the
+    measured choices.
   * MBGMM uses tl.dot on (BLOCK_M tokens x 64) by (64 x BLOCK_R ranks) tiles (shrink) and
     (BLOCK_M x BLOCK_R) by (BLOCK_R x 64 columns) tiles (expand); 64-wide K or N tiles keep one
     page lookup per rank row. Dot tiles are at least 16 in every dimension on the GPU.
@@ -55,6 +57,7 @@ import triton.language as tl
 from .reference import LORA_ALIGN
 
 CHUNK = LORA_ALIGN  # elements in one aligned chunk: one page lookup each
+CK = tl.constexpr(CHUNK)  # the same, for use inside kernels
 MAX_GROUP = 4  # modules per launch (q/k/v is the largest group a model has)
 
 
@@ -110,25 +113,26 @@ def _mbgmv_shrink_kernel(
     xa_row = xa_ptr + (t * G + g) * max_rank + offs_r
     slot = tl.load(slot_ptr + t)
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=slot >= 0, other=0)
+    off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1, mask=slot >= 0,
+                    other=0).to(tl.int32)
     if r0 >= rank:  # base-only row, or a rank tile past this adapter's rank: zeros, done
         tl.store(xa_row, tl.zeros((BLOCK_R,), tl.float32), mask=offs_r < max_rank)
         return
 
-    off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     r3 = offs_r[:, None, None]
-    c3 = tl.arange(0, CH)[None, :, None] * CHUNK
-    e3 = tl.arange(0, CHUNK)[None, None, :]
+    c3 = tl.arange(0, CH)[None, :, None] * CK
+    e3 = tl.arange(0, CK)[None, None, :]
     row_ok = r3 < rank
     row_v = off_a + r3 * stride  # [R, 1, 1] virtual row starts
     x_row = x_ptr + t.to(tl.int64) * stride_x
-    acc = tl.zeros((BLOCK_R, CH, CHUNK), tl.float32)
-    for k0 in range(0, d_in, CH * CHUNK):
+    acc = tl.zeros((BLOCK_R, CH), tl.float32)
+    for k0 in range(0, d_in, CH * CK):
         kc = k0 + c3  # [1, CH, 1] chunk starts
         cmask = row_ok & (kc < d_in)
         v = row_v + kc
         page = tl.load(pages_row + v // P, mask=cmask, other=0)
-        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CHUNK, CHUNK, CHUNK])
+        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CK, CK, CK])
         if EVEN_K:
             amask = cmask
             xmask = kc < d_in
@@ -137,8 +141,10 @@ def _mbgmv_shrink_kernel(
             xmask = kc + e3 < d_in
         a = tl.load(pool_ptr + base + e3, mask=amask, other=0.0)
         xv = tl.load(x_row + kc + e3, mask=xmask, other=0.0)
-        acc += a.to(tl.float32) * xv.to(tl.float32)
-    res = tl.sum(tl.sum(acc, axis=2), axis=1)
+        # Reduce each chunk at once (in-thread, then 3 warp shuffles): a small accumulator
+        # keeps registers low, so more programs fit on an SM and more loads are in flight.
+        acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32), axis=2)
+    res = tl.sum(acc, axis=1)
     tl.store(xa_row, res, mask=offs_r < max_rank)
 
 
@@ -153,30 +159,41 @@ def _mbgmv_expand_kernel(
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
-    n0 = tl.program_id(2) * (CHN * CHUNK)
+    n0 = tl.program_id(2) * (CHN * CK)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
         return
     d_out = _select(g, d0, d1, d2, d3)
+    # rank and offset loads issued together: one memory latency, not two in a row
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1)
+    off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
     if (rank == 0) | (n0 >= d_out):
         return
     stride = _select(g, s0, s1, s2, s3)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
 
-    off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
+    # The out tile is read first, so its latency overlaps the adapter reads below.
+    c2 = n0 + tl.arange(0, CHN)[:, None] * CK
+    cols = c2 + tl.arange(0, CK)[None, :]
+    ptrs = out_ptr + t.to(tl.int64) * stride_out + col + cols
+    if EVEN_N:
+        omask = c2 < d_out  # per chunk: keeps the out accesses 16-byte vectors
+    else:
+        omask = cols < d_out
+    o = tl.load(ptrs, mask=omask, other=0.0)
+
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     r3 = tl.arange(0, BLOCK_R)[:, None, None]
-    nc = n0 + tl.arange(0, CHN)[None, :, None] * CHUNK  # [1, CHN, 1] chunk starts
-    e3 = tl.arange(0, CHUNK)[None, None, :]
+    nc = n0 + tl.arange(0, CHN)[None, :, None] * CK  # [1, CHN, 1] chunk starts
+    e3 = tl.arange(0, CK)[None, None, :]
     xa_row = xa_ptr + (t * G + g) * max_rank
-    acc = tl.zeros((BLOCK_R, CHN, CHUNK), tl.float32)
+    acc = tl.zeros((BLOCK_R, CHN, CK), tl.float32)
     for rr in range(0, rank, BLOCK_R):
         rows = rr + r3
         cmask = (rows < rank) & (nc < d_out)
         v = off_b + rows * stride + nc
         page = tl.load(pages_row + v // P, mask=cmask, other=0)
-        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CHUNK, CHUNK, CHUNK])
+        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CK, CK, CK])
         if EVEN_N:
             bmask = cmask
         else:
@@ -184,32 +201,29 @@ def _mbgmv_expand_kernel(
         b = tl.load(pool_ptr + base + e3, mask=bmask, other=0.0)
         w = tl.load(xa_row + rows, mask=rows < rank, other=0.0)
         acc += b.to(tl.float32) * w
-    delta = tl.sum(acc, axis=0)  # [CHN, CHUNK]
-    c2 = n0 + tl.arange(0, CHN)[:, None] * CHUNK
-    cols = c2 + tl.arange(0, CHUNK)[None, :]
-    ptrs = out_ptr + t.to(tl.int64) * stride_out + col + cols
-    if EVEN_N:
-        omask = c2 < d_out  # per chunk: keeps the out accesses 16-byte vectors
-    else:
-        omask = cols < d_out
-    o = tl.load(ptrs, mask=omask, other=0.0)
+    delta = tl.sum(acc, axis=0)  # [CHN, CK]
     tl.store(ptrs, _add_rounded(o, delta), mask=omask)
 
 
 def _mbgmv_shrink_cfg(T: int, G: int, max_rank: int, d_in: int) -> dict:
-    """Rank rows per program: as many as keep >= ~2048 programs in flight (H200: 132 SMs x 16),
-    at least 2 so x (re-read from L2 by each program) costs at most half the adapter bytes."""
-    ch = min(8, _pow2(triton.cdiv(d_in, CHUNK)))
-    block_r = 16
-    while block_r > 2 and T * G * triton.cdiv(max_rank, block_r) < 2048:
+    """Tiles measured on the H200 (experiments/bench_kernels.py --tune, bf16, hidden 4096):
+    [4 rank rows x 32 chunks] per iteration with 4 warps was best or within 3% of best at batch
+    64 and 256, ranks 16-128. Fewer rank rows per program when that leaves < 512 programs
+    (batch 16: 1 row x 32 chunks, 8 warps, -38% time), so enough loads are in flight."""
+    block_r = 4
+    while block_r > 1 and T * G * triton.cdiv(max_rank, block_r) < 512:
         block_r //= 2
     block_r = min(block_r, _pow2(max_rank))
-    return dict(BLOCK_R=block_r, CH=ch, num_warps=4)
+    ch = min(32, _pow2(triton.cdiv(d_in, CHUNK)))
+    return dict(BLOCK_R=block_r, CH=ch, num_warps=4 if block_r > 1 else 8)
 
 
 def _mbgmv_expand_cfg(T: int, G: int, max_rank: int, max_out: int) -> dict:
-    chn = min(4, _pow2(triton.cdiv(max_out, CHUNK)))
-    return dict(BLOCK_R=min(16, _pow2(max_rank)), CHN=chn, num_warps=4)
+    """Measured on the H200 likewise: [2 rank rows x 8 chunks] tiles with 4 warps were best or
+    within 2% of best at every shape tried (batch 16-256, ranks 16-128): small tiles keep
+    registers low (~32), so 16 programs fit per SM; 16-row tiles took 2-3.7x longer."""
+    chn = min(8, _pow2(triton.cdiv(max_out, CHUNK)))
+    return dict(BLOCK_R=min(2, _pow2(max_rank)), CHN=chn, num_warps=4)
 
 
 def mbgmv_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
@@ -364,7 +378,7 @@ def _mbgmm_expand_kernel(
         page = tl.load(pages_row + v // P, mask=r_ok, other=0)
         base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [BLOCK_N])
         b_ptrs = pool_ptr + base[:, None] + tl.arange(0, BLOCK_N)[None, :]
-        if EVEN_N:  # n0 < d_out and BLOCK_N = CHUNK: the tile is whole, no column mask
+        if EVEN_N:  # n0 < d_out and BLOCK_N = CK: the tile is whole, no column mask
             b = tl.load(b_ptrs, mask=r_ok[:, None], other=0.0)
         else:
             b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)

@@ -1,0 +1,435 @@
+"""Kernel benchmark for the H200: LoRA (MBGMV, MBGMM) and paged decode attention, in physical rates.
+
+    python experiments/bench_kernels.py [--out DIR] [--tune] [--smoke]
+
+Measures, in one run:
+  1. ceilings: device copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) and
+     the bf16 GEMM rate (8192^3 torch.matmul);
+  2. MBGMV (decode): one q/k/v group of 3 modules, each 4096 -> r -> 4096 (Llama-2-7B's MHA
+     shapes), batch T in 1/16/64/256 x rank 8/16/32/64/128, every token its own adapter, shrink
+     + expand. Achieved GB/s over the bytes that must move: x, the T adapters' A and B^T rows,
+     y read and written. Beside it: plain torch, a chunk-granular index_select gather of the
+     same pages + bmm (the metadata that indexes it is built outside the timing);
+  3. MBGMM (prefill): 8 segments x 512 tokens, each its own adapter, the same q/k/v group, ranks
+     16 and 64: TFLOP/s and GB/s, beside torch gather + matmul per segment;
+  4. paged decode attention (Llama-2-7B: 32 heads, head_dim 128, MHA and GQA 8 KV heads),
+     achieved GB/s over the K/V bytes read.
+
+Every timed op is captured in a CUDA graph and timed by triton.testing.do_bench (median of the
+replays). So that adapters are not served from the 50 MB L2 (in a real step the whole model
+streams through between two uses of a layer's adapter), each graph runs the op over `layers`
+distinct pool slices, at least 256 MB of adapter bytes in all, and reports the time per layer.
+Prints a short table last and writes the full results as JSON to --out (default $OUT or results/).
+
+--smoke runs tiny shapes on the CPU under the Triton interpreter (no timing worth reading): it
+checks that the shape logic, the layouts and the torch baselines agree with the twins.
+--tune sweeps the MBGMV tile configurations at batch 64 and 256 before the main sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slora.kernels import lora  # noqa: E402
+from slora.kernels import reference as ref  # noqa: E402
+from slora.kernels.attention import paged_decode_attention  # noqa: E402
+
+ALIGN = ref.LORA_ALIGN
+
+
+# ----------------------------------------------------------------------------- timing
+
+def bench_graph(fn, device, warmup_ms=25, rep_ms=100) -> float:
+    """Median milliseconds of one call of `fn`, replayed from a CUDA graph (host clock on CPU)."""
+    if device.type != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(g.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def ceilings(device) -> dict:
+    if device.type != "cuda":
+        return {"copy_GBps": float("nan"), "gemm_bf16_TFLOPs": float("nan")}
+    n = 1 << 30  # 2 GiB of bf16
+    a = torch.randn(n, device=device, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    copy = 2 * a.numel() * 2 / ms / 1e6
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: x @ y, warmup=25, rep=200, return_mode="median")
+    return {"copy_GBps": copy, "gemm_bf16_TFLOPs": 2 * m ** 3 / ms / 1e9}
+
+
+# ----------------------------------------------------------------------------- adapter layout
+
+class Pool:
+    """`layers` pool slices holding n_a adapters of one q/k/v group (all of rank r), each in
+    its own shuffled pages, laid out as reference.py says: per module A (r x d_in rows) then
+    B^T (r x d_out rows), row strides padded to 64 elements."""
+
+    def __init__(self, n_a, r, d_in, out_dims, page_size, layers, dtype, device, gen):
+        G = len(out_dims)
+        self.d_in, self.out_dims, self.G, self.r = d_in, tuple(out_dims), G, r
+        pad = lambda n: -(-n // ALIGN) * ALIGN  # noqa: E731
+        self.stride, self.strides = pad(d_in), tuple(pad(d) for d in out_dims)
+        offs, off = [], 0
+        for g in range(G):
+            offs.append((off, off + r * self.stride))
+            off += r * (self.stride + self.strides[g])
+        self.per_adapter = off
+        need = -(-off // page_size)
+        num_pages = n_a * need + max(1, n_a // 4)
+        self.pool = torch.empty(layers, num_pages, page_size, dtype=dtype, device=device)
+        self.pool.normal_(0.0, 0.05)  # on the device: GBs of CPU randn would take longer than the run
+        perm = torch.randperm(num_pages, generator=gen)[:n_a * need]
+        self.pages = perm.view(n_a, need).to(torch.int32).to(device)
+        o = torch.tensor(offs, dtype=torch.int64)
+        self.offsets = o[None].expand(n_a, G, 2).contiguous().to(device)
+        self.ranks = torch.full((n_a, G), r, dtype=torch.int32, device=device)
+        self.page_size = page_size
+        # Torch baseline metadata: the 64-element chunk ids of every A / B^T row, per adapter.
+        self._chunk_index(device)
+
+    def _chunk_index(self, device):
+        P, n_chunk_page = self.page_size, self.page_size // ALIGN
+
+        def rows(start, stride, width):
+            v = (start + torch.arange(self.r)[:, None] * stride
+                 + torch.arange(0, width, ALIGN)[None, :])  # chunk starts [r, width/64]
+            phys_page = self.pages.cpu().long()[:, v // P]  # [n_a, r, nch]
+            return phys_page * n_chunk_page + (v % P) // ALIGN
+
+        offs = self.offsets[0].cpu()
+        self.idx_a = torch.stack([rows(int(offs[g, 0]), self.stride, self.d_in)
+                                  for g in range(self.G)], 1).to(device)  # [n_a, G, r, nch]
+        self.idx_b = [rows(int(offs[g, 1]), self.strides[g], self.out_dims[g]).to(device)
+                      for g in range(self.G)]
+
+    def adapter_bytes(self, n_distinct):
+        el = self.pool.element_size()
+        return n_distinct * self.r * (self.G * self.d_in + sum(self.out_dims)) * el
+
+
+def torch_gather_bmm(x, out, pool_l, P: Pool, token_slot):
+    """Plain torch MBGMV: gather each token's adapter rows (64-element chunks) and bmm."""
+    T, d = x.shape
+    chunks = pool_l.view(-1, ALIGN)
+    A = chunks.index_select(0, P.idx_a[token_slot.long()].reshape(-1))
+    A = A.view(T, P.G * P.r, d)
+    xa = torch.bmm(A, x.view(T, d, 1)).view(T, P.G, 1, P.r)
+    col = 0
+    for g, d_out in enumerate(P.out_dims):
+        BT = chunks.index_select(0, P.idx_b[g][token_slot.long()].reshape(-1)).view(T, P.r, d_out)
+        out[:, col:col + d_out] += torch.bmm(xa[:, g], BT).view(T, d_out)
+        col += d_out
+
+
+def torch_gather_mm(x, out, pool_l, P: Pool, seg_bounds, seg_slots):
+    """Plain torch MBGMM: per segment, gather its adapter's rows once and matmul."""
+    chunks = pool_l.view(-1, ALIGN)
+    for (lo, hi), s in zip(seg_bounds, seg_slots):
+        A = chunks.index_select(0, P.idx_a[s].reshape(-1)).view(P.G * P.r, P.d_in)
+        xa = x[lo:hi] @ A.T
+        col = 0
+        for g, d_out in enumerate(P.out_dims):
+            BT = chunks.index_select(0, P.idx_b[g][s].reshape(-1)).view(P.r, d_out)
+            out[lo:hi, col:col + d_out] += xa[:, g * P.r:(g + 1) * P.r] @ BT
+            col += d_out
+
+
+def rel_err(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------- MBGMV
+
+def layers_for(bytes_per_layer, smoke):
+    return 2 if smoke else int(min(512, max(2, -(-(256 << 20) // max(1, bytes_per_layer)))))
+
+
+def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
+    d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
+    n_a = T  # every token its own adapter
+    est = n_a * r * (3 * d + sum(out_dims)) * 2
+    L = layers_for(est, cfg["smoke"])
+    P = Pool(n_a, r, d, out_dims, cfg["page_size"], L, dtype, device, gen)
+    slots = torch.randperm(T, generator=gen).to(torch.int32).to(device)
+    x = torch.randn(T, d, generator=gen).to(dtype).to(device)
+    y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
+    offa, offb = P.offsets[:, :, 0], P.offsets[:, :, 1]
+
+    def ours():
+        for l in range(L):
+            xa = lora.mbgmv_shrink(x, P.pool[l], P.pages, offa, P.ranks, slots, P.stride, r)
+            lora.mbgmv_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, slots, out_dims, P.strides)
+
+    def base():
+        for l in range(L):
+            torch_gather_bmm(x, y, P.pool[l], P, slots)
+
+    errs = {}
+    if check:
+        y0 = y.clone()
+        xa_ref = ref.lora_shrink(x, P.pool[0], P.pages, offa, P.ranks, slots, P.stride, r)
+        y_ref = y0.clone()
+        ref.lora_expand(xa_ref, y_ref, P.pool[0], P.pages, offb, P.ranks, slots, out_dims,
+                        P.strides)
+        xa = lora.mbgmv_shrink(x, P.pool[0], P.pages, offa, P.ranks, slots, P.stride, r)
+        lora.mbgmv_expand(xa, y, P.pool[0], P.pages, offb, P.ranks, slots, out_dims, P.strides)
+        errs["err_ours"] = rel_err(y - y0, y_ref - y0)
+        y.copy_(y0)
+        torch_gather_bmm(x, y, P.pool[0], P, slots)
+        errs["err_torch"] = rel_err(y - y0, y_ref - y0)
+        y.copy_(y0)
+    t_ours = bench_graph(ours, device) / L
+    t_base = bench_graph(base, device) / L
+    el = x.element_size()
+    nbytes = x.numel() * el + P.adapter_bytes(n_a) + 2 * y.numel() * el
+    flops = 2 * T * r * (3 * d + sum(out_dims))
+    del P
+    return dict(T=T, rank=r, layers=L, bytes=nbytes, flops=flops, us_ours=t_ours * 1e3,
+                us_torch=t_base * 1e3, GBps_ours=nbytes / t_ours / 1e6,
+                GBps_torch=nbytes / t_base / 1e6, **errs)
+
+
+def tune_mbgmv(cfg, device, dtype, gen):
+    """Sweep shrink/expand tile configs at a few decode shapes; returns rows for the JSON."""
+    rows = []
+    orig_s, orig_e = lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg
+    shrink_cfgs = [dict(BLOCK_R=br, CH=ch, num_warps=nw) for br in (1, 2, 4, 8)
+                   for ch in (8, 16, 32) for nw in (4, 8)]
+    expand_cfgs = [dict(BLOCK_R=br, CHN=chn, num_warps=nw) for br in (2, 4, 8)
+                   for chn in (2, 4, 8) for nw in (2, 4)]
+    shapes = [(16, 16), (64, 16), (64, 64), (256, 16), (256, 128)] if not cfg["smoke"] else [(2, 8)]
+    d = cfg["hidden"]
+    out_dims = (d,) * 3
+    for T, r in shapes:
+        P = Pool(T, r, d, out_dims, cfg["page_size"], layers_for(T * r * 6 * d * 2, cfg["smoke"]),
+                 dtype, device, gen)
+        L = P.pool.shape[0]
+        slots = torch.randperm(T, generator=gen).to(torch.int32).to(device)
+        x = torch.randn(T, d, generator=gen).to(dtype).to(device)
+        y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
+        xa = lora.mbgmv_shrink(x, P.pool[0], P.pages, P.offsets[:, :, 0], P.ranks, slots,
+                               P.stride, r)
+        el = x.element_size()
+        a_bytes = T * r * 3 * d * el + x.numel() * el
+        b_bytes = T * r * sum(out_dims) * el + 2 * y.numel() * el
+        for kind, cfgs, nbytes in (("shrink", shrink_cfgs, a_bytes), ("expand", expand_cfgs, b_bytes)):
+            best = None
+            for c in (cfgs if not cfg["smoke"] else cfgs[:2]):
+                lora._mbgmv_shrink_cfg = (lambda *a, c=c: dict(c)) if kind == "shrink" else orig_s
+                lora._mbgmv_expand_cfg = (lambda *a, c=c: dict(c)) if kind == "expand" else orig_e
+
+                def fn():
+                    for l in range(L):
+                        if kind == "shrink":
+                            lora.mbgmv_shrink(x, P.pool[l], P.pages, P.offsets[:, :, 0], P.ranks,
+                                              slots, P.stride, r)
+                        else:
+                            lora.mbgmv_expand(xa, y, P.pool[l], P.pages, P.offsets[:, :, 1],
+                                              P.ranks, slots, out_dims, P.strides)
+                try:
+                    us = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / L * 1e3
+                except Exception as e:  # a config the compiler rejects (registers, shared memory)
+                    print(f"  {kind} {c}: {type(e).__name__}", flush=True)
+                    continue
+                row = dict(kind=kind, T=T, rank=r, **c, us=us, GBps=nbytes / us / 1e3)
+                rows.append(row)
+                if best is None or us < best["us"]:
+                    best = row
+            lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg = orig_s, orig_e
+            default = bench_graph(lambda: [
+                lora.mbgmv_shrink(x, P.pool[l], P.pages, P.offsets[:, :, 0], P.ranks, slots,
+                                  P.stride, r) if kind == "shrink" else
+                lora.mbgmv_expand(xa, y, P.pool[l], P.pages, P.offsets[:, :, 1], P.ranks, slots,
+                                  out_dims, P.strides) for l in range(L)], device,
+                warmup_ms=5, rep_ms=20) / L * 1e3
+            top = sorted((w for w in rows if w["kind"] == kind and w["T"] == T and w["rank"] == r),
+                         key=lambda w: w["us"])[:4]
+            print(f"tune {kind:6s} T={T:3d} r={r:3d}: default {default:.2f} us "
+                  f"({nbytes / default / 1e3:.0f} GB/s); best:", flush=True)
+            for w in top:
+                cfg_s = {k: v for k, v in w.items() if k not in ("kind", "T", "rank", "us", "GBps")}
+                print(f"    {cfg_s} {w['us']:.2f} us {w['GBps']:.0f} GB/s", flush=True)
+        del P
+    return rows
+
+
+# ----------------------------------------------------------------------------- MBGMM
+
+def run_mbgmm(r, cfg, device, dtype, gen):
+    d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
+    n_seg, seg_len = cfg["segments"]
+    T = n_seg * seg_len
+    est = n_seg * r * 6 * d * 2
+    L = 2 if cfg["smoke"] else 4
+    P = Pool(n_seg, r, d, out_dims, cfg["page_size"], L, dtype, device, gen)
+    seg_start = torch.arange(0, T + 1, seg_len, dtype=torch.int32, device=device)
+    seg_slot = torch.randperm(n_seg, generator=gen).to(torch.int32).to(device)
+    bounds = [(i * seg_len, (i + 1) * seg_len) for i in range(n_seg)]
+    slots_host = seg_slot.tolist()
+    token_slot = torch.repeat_interleave(seg_slot, seg_len)
+    x = torch.randn(T, d, generator=gen).to(dtype).to(device)
+    y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
+    offa, offb = P.offsets[:, :, 0], P.offsets[:, :, 1]
+
+    def ours_l(l):
+        xa = lora.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start, seg_slot,
+                               P.stride, r, max_seg_len=seg_len)
+        lora.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start, seg_slot,
+                          out_dims, P.strides, max_seg_len=seg_len)
+
+    y0 = y.clone()
+    y_ref = y0.clone()
+    xa_ref = ref.lora_shrink(x, P.pool[0], P.pages, offa, P.ranks, token_slot, P.stride, r)
+    ref.lora_expand(xa_ref, y_ref, P.pool[0], P.pages, offb, P.ranks, token_slot, out_dims,
+                    P.strides)
+    ours_l(0)
+    err_ours = rel_err(y - y0, y_ref - y0)
+    y.copy_(y0)
+    torch_gather_mm(x, y, P.pool[0], P, bounds, slots_host)
+    err_torch = rel_err(y - y0, y_ref - y0)
+    y.copy_(y0)
+    t_ours = bench_graph(lambda: [ours_l(l) for l in range(L)], device) / L
+    t_base = bench_graph(lambda: [torch_gather_mm(x, y, P.pool[l], P, bounds, slots_host)
+                                  for l in range(L)], device) / L
+    flops = 2 * T * r * (3 * d + sum(out_dims))
+    el = x.element_size()
+    nbytes = x.numel() * el + P.adapter_bytes(n_seg) + 2 * y.numel() * el
+    del P, est
+    return dict(T=T, segments=n_seg, rank=r, flops=flops, bytes=nbytes,
+                us_ours=t_ours * 1e3, us_torch=t_base * 1e3,
+                TFLOPs_ours=flops / t_ours / 1e9, TFLOPs_torch=flops / t_base / 1e9,
+                GBps_ours=nbytes / t_ours / 1e6, GBps_torch=nbytes / t_base / 1e6,
+                err_ours=err_ours, err_torch=err_torch)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
+    block_size = cfg["block_size"]
+    nb = -(-ctx // block_size)
+    num_pages = B * nb + 8
+    pool_l = torch.empty(num_pages, block_size * 2 * kvh * D, dtype=dtype, device=device)
+    pool_l.normal_(0.0, 0.5)
+    k, v = ref.kv_views(pool_l, block_size, kvh, D)
+    tables = torch.randperm(num_pages, generator=gen)[:B * nb].view(B, nb).to(torch.int32)
+    tables = tables.to(device)
+    ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(B, H, D, generator=gen).to(dtype).to(device)
+    scale = D ** -0.5
+    out = paged_decode_attention(q, k, v, tables, ctx_lens, scale)
+    expect = ref.paged_decode_attention(q, k, v, tables, ctx_lens, scale)
+    err = rel_err(out, expect)
+    t = bench_graph(lambda: paged_decode_attention(q, k, v, tables, ctx_lens, scale), device)
+    nbytes = 2 * B * ctx * kvh * D * q.element_size() + 2 * q.numel() * q.element_size()
+    return dict(B=B, ctx=ctx, H=H, kvh=kvh, D=D, us=t * 1e3, GBps=nbytes / t / 1e6, err=err)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
+    ap.add_argument("--tune", action="store_true", help="sweep MBGMV tile configs first")
+    ap.add_argument("--tune-only", action="store_true", help="stop after the tile sweep")
+    ap.add_argument("--skip-attention", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    if args.smoke:
+        cfg = dict(smoke=True, hidden=128, page_size=512, batches=(1, 3), ranks=(8, 20),
+                   segments=(2, 5), mbgmm_ranks=(8,), block_size=4,
+                   attn=[(2, 13, 4, 2, 16)])
+    else:
+        cfg = dict(smoke=False, hidden=4096, page_size=16 * 2 * 32 * 128,  # Llama-2-7B block 16
+                   batches=(1, 16, 64, 256), ranks=(8, 16, 32, 64, 128),
+                   segments=(8, 512), mbgmm_ranks=(16, 64), block_size=16,
+                   attn=[(32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
+                         (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)])
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    t_start = time.time()
+    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
+           "dtype": str(dtype), "torch": torch.__version__, "triton": triton.__version__,
+           "config": {k: v for k, v in cfg.items()}}
+    res["ceilings"] = ceilings(device)
+    print(f"ceilings: {res['ceilings']}", flush=True)
+    if args.tune:
+        res["tune"] = tune_mbgmv(cfg, device, dtype, gen)
+        if args.tune_only:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "bench_kernels_tune.json").write_text(json.dumps(res, indent=1))
+            return
+    res["mbgmv"] = []
+    for T in cfg["batches"]:
+        for r in cfg["ranks"]:
+            row = run_mbgmv(T, r, cfg, device, dtype, gen)
+            res["mbgmv"].append(row)
+            print(f"mbgmv T={T:4d} r={r:4d}: {row['us_ours']:8.2f} us {row['GBps_ours']:7.0f} GB/s"
+                  f" | torch {row['us_torch']:8.2f} us {row['GBps_torch']:7.0f} GB/s"
+                  f" | err {row.get('err_ours', 0):.1e} / {row.get('err_torch', 0):.1e}", flush=True)
+    res["mbgmm"] = [run_mbgmm(r, cfg, device, dtype, gen) for r in cfg["mbgmm_ranks"]]
+    if not args.skip_attention:
+        res["attention"] = [run_attention(*a, cfg, device, dtype, gen) for a in cfg["attn"]]
+    res["seconds"] = time.time() - t_start
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / ("bench_kernels_smoke.json" if args.smoke else "bench_kernels.json")
+    path.write_text(json.dumps(res, indent=1, default=str))
+
+    copy = res["ceilings"]["copy_GBps"]
+    pct = (lambda g: f"{100 * g / copy:5.1f}%") if copy == copy else (lambda g: "   - ")
+    print(f"\n{res['device']}, {dtype}; copy {copy:.0f} GB/s, bf16 GEMM "
+          f"{res['ceilings']['gemm_bf16_TFLOPs']:.0f} TFLOP/s; results in {path}")
+    print("MBGMV q/k/v 3 x (4096 -> r -> 4096), every token its own adapter, shrink + expand"
+          if not args.smoke else "MBGMV (smoke shapes)")
+    print(f"{'T':>5} {'rank':>5} {'us':>8} {'GB/s':>7} {'%copy':>6} | {'torch us':>9} {'GB/s':>7}"
+          f" {'%copy':>6} | {'speedup':>7}")
+    for w in res["mbgmv"]:
+        print(f"{w['T']:5d} {w['rank']:5d} {w['us_ours']:8.2f} {w['GBps_ours']:7.0f} "
+              f"{pct(w['GBps_ours'])} | {w['us_torch']:9.2f} {w['GBps_torch']:7.0f} "
+              f"{pct(w['GBps_torch'])} | {w['us_torch'] / w['us_ours']:6.2f}x")
+    print(f"MBGMM prefill {cfg['segments'][0]} x {cfg['segments'][1]} tokens, q/k/v group")
+    for m in res["mbgmm"]:
+        print(f"  rank {m['rank']:3d}: {m['us_ours']:8.1f} us {m['TFLOPs_ours']:6.1f} TFLOP/s "
+              f"{m['GBps_ours']:6.0f} GB/s | torch {m['us_torch']:8.1f} us "
+              f"{m['TFLOPs_torch']:6.1f} TFLOP/s | err {m['err_ours']:.1e}")
+    for a in res.get("attention", []):
+        print(f"decode attn B={a['B']:3d} ctx={a['ctx']:5d} H={a['H']} KVH={a['kvh']} D={a['D']}: "
+              f"{a['us']:8.1f} us {a['GBps']:6.0f} GB/s {pct(a['GBps'])} err {a['err']:.1e}")
+
+
+if __name__ == "__main__":
+    main()
