@@ -1,0 +1,161 @@
+"""End-to-end GPU benchmark: slora beside HF transformers (and HF PEFT) on the same GPU run.
+
+Models are config.json files under experiments/models/ with random bf16 weights
+(EngineConfig(load_format="dummy")), so nothing is downloaded: throughput depends on shapes,
+not on weight values. For each model and batch size: B prompts of --prompt-len random token
+ids, --gen-len new tokens each (ignore_eos), greedy.
+
+Reported: generate tok/s = B * gen_len / wall time of the whole call (prefill included, the
+way HF's generate is timed), and slora's decode tok/s (tokens after the first / time after
+the last first token). --race adds issue 5's PEFT race: 32 distinct rank-16 q/k/v/o adapters
+in one batch.
+
+    python experiments/bench_engine.py --models smollm2-135m,llama-2-7b --batches 1,32 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+MODELS = Path(__file__).resolve().parent / "models"
+
+
+def prompts(n, length, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, **cfg):
+    """tok/s of one engine.generate over `batch` prompts (after a warm-up call)."""
+    eng = Engine(EngineConfig(model=str(MODELS / model), load_format="dummy", device="cuda",
+                              dtype="bfloat16", max_num_seqs=max(batch, 8), **cfg))
+    names = [None] * batch
+    if adapters:
+        for i in range(adapters):
+            eng.add_synthetic_adapter(f"a{i}", rank, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=i)
+        names = [f"a{i % adapters}" for i in range(batch)]
+    ps = prompts(batch, prompt_len, eng.model_config.vocab_size)
+    sp = SamplingParams(max_tokens=gen_len, ignore_eos=True)
+    eng.generate(ps, SamplingParams(max_tokens=4, ignore_eos=True), adapters=names)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = eng.generate(ps, sp, adapters=names)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    last_first = max(o.metrics.first_token_time for o in outs)
+    end = max(o.metrics.finish_time for o in outs)
+    decode_toks = sum(len(o.token_ids) - 1 for o in outs)
+    res = {"system": "slora" + (f"+{adapters}x r{rank}" if adapters else ""), "model": model,
+           "batch": batch, "gen_tok_s": batch * gen_len / wall,
+           "decode_tok_s": decode_toks / max(end - last_first, 1e-9), "wall_s": wall,
+           "stats": eng.stats()}
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def hf_model(model):
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(MODELS / model)
+    with torch.device("cuda"):
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return m.eval()
+
+
+def hf_run(m, model, batch, prompt_len, gen_len, label="hf", **gen_kwargs):
+    ps = torch.tensor(prompts(batch, prompt_len, m.config.vocab_size), device="cuda")
+    kw = dict(attention_mask=torch.ones_like(ps), do_sample=False, eos_token_id=None,
+              pad_token_id=0, **gen_kwargs)
+    with torch.inference_mode():
+        m.generate(ps, max_new_tokens=4, min_new_tokens=4, **kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = m.generate(ps, max_new_tokens=gen_len, min_new_tokens=gen_len, **kw)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    assert out.shape[1] == prompt_len + gen_len
+    return {"system": label, "model": model, "batch": batch, "gen_tok_s": batch * gen_len / wall,
+            "wall_s": wall}
+
+
+def peft_race(model, batch, prompt_len, gen_len, n_adapters=32, rank=16):
+    """HF PEFT with `n_adapters` distinct adapters in one batch (mixed-batch adapter_names)."""
+    import peft
+
+    m = hf_model(model)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    pm = peft.get_peft_model(m, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                init_lora_weights=False), adapter_name="a0")
+    for i in range(1, n_adapters):
+        pm.add_adapter(f"a{i}", peft.LoraConfig(r=rank, lora_alpha=2 * rank,
+                                                target_modules=targets, init_lora_weights=False))
+    pm = pm.to(torch.bfloat16).eval()
+    names = [f"a{i % n_adapters}" for i in range(batch)]
+    res = hf_run(pm, model, batch, prompt_len, gen_len, label=f"hf-peft+{n_adapters}x r{rank}",
+                 adapter_names=names)
+    del pm, m
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="smollm2-135m,llama-2-7b")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--race", action="store_true", help="issue 5's PEFT race on llama-2-7b")
+    ap.add_argument("--race-peft-gen", type=int, default=16,
+                    help="HF PEFT output tokens in the race (it is slow; tok/s is what counts)")
+    ap.add_argument("--num-pages", type=int, default=2048)
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = ap.parse_args()
+    from bench_kernels import ceilings
+
+    dev = torch.device("cuda")
+    rows = []
+    ceil = ceilings(dev)
+    print("ceilings:", ceil, flush=True)
+    for model in args.models.split(","):
+        for b in map(int, args.batches.split(",")):
+            rows.append(slora_run(model, b, args.prompt_len, args.gen_len, num_pages=args.num_pages))
+            print(rows[-1], flush=True)
+        m = hf_model(model)
+        for b in map(int, args.batches.split(",")):
+            rows.append(hf_run(m, model, b, args.prompt_len, args.gen_len))
+            print(rows[-1], flush=True)
+        del m
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.race:
+        rows.append(slora_run("llama-2-7b", 32, 128, 128, adapters=32, num_pages=args.num_pages))
+        print(rows[-1], flush=True)
+        rows.append(peft_race("llama-2-7b", 32, 128, args.race_peft_gen))
+        print(rows[-1], flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "bench_engine.json").write_text(json.dumps(
+        {"ceilings": ceil, "rows": rows, "gpu": torch.cuda.get_device_name()}, indent=1))
+    print(f"\n{'system':<22}{'model':<14}{'batch':>6}{'gen tok/s':>12}{'decode tok/s':>14}")
+    for r in rows:
+        dec = f"{r['decode_tok_s']:14.0f}" if "decode_tok_s" in r else f"{'':>14}"
+        print(f"{r['system']:<22}{r['model']:<14}{r['batch']:>6}{r['gen_tok_s']:12.0f}{dec}")
+
+
+if __name__ == "__main__":
+    main()
