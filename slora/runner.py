@@ -18,6 +18,7 @@ from slora.core.adapters import AdapterInfo, AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.kernels import GroupMeta, LoraMeta, make_backend
 from slora.kernels.reference import LORA_ALIGN
+from slora.graphs import DecodeGraphs
 from slora.model.llama import GROUPS, Batch, LlamaModel
 from slora.model.loader import load_weights, random_weights, strides
 from slora.request import Request, SamplingParams
@@ -59,8 +60,15 @@ class ModelRunner:
         self.backend = make_backend(config.backend, self.device)
         self.model = LlamaModel(model_config, weights, self.backend, config.block_size)
         self.num_pages = self._pool_pages()
-        self.pool = torch.zeros(model_config.num_layers, self.num_pages, self.page_size,
+        # One page more than the allocator hands out: padded rows of a captured decode batch
+        # write their KV there (`scratch_page`), never into a live page.
+        self.pool = torch.zeros(model_config.num_layers, self.num_pages + 1, self.page_size,
                                 dtype=self.dtype, device=self.device)
+        self.scratch_page = self.num_pages
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.graphs = (DecodeGraphs(self, config.max_num_seqs)
+                       if cuda and config.cuda_graphs and self.backend.name != "torch" else None)
         self.host: dict[str, torch.Tensor] = {}  # the host tier's tensors
         self.generators: dict[str, torch.Generator] = {}  # per request, for sampling
         self.rng = torch.Generator().manual_seed(config.seed)  # seeds unseeded requests
@@ -109,15 +117,32 @@ class ModelRunner:
 
     # -- the step
     def execute(self, plan: SchedulerPlan, adapters: AdapterManager):
-        self._load_adapters(plan.adapter_loads + plan.prefetch, adapters)
+        if self.copy_stream is not None:  # prefetches of the last step land before we read
+            torch.cuda.current_stream().wait_stream(self.copy_stream)
+        self._load_adapters(plan.adapter_loads, adapters)
+        if plan.prefetch:
+            self._prefetch(plan.prefetch, adapters)
         if plan.empty:
             return [], []
         batch = self.prepare(plan, adapters)
-        logits = self.model.forward(batch, self.pool)
+        if self.graphs is not None and not plan.prefill and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model.forward(batch.to(self.device), self.pool)
         return self.sample(logits, plan.seqs)
 
+    def _prefetch(self, loads, adapters: AdapterManager) -> None:
+        """Copy prefetched adapters on a side stream: the copy overlaps this step's forward.
+        (Their pages were free at scheduling time, so nothing running reads them.)"""
+        if self.copy_stream is None:
+            return self._load_adapters(loads, adapters)
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            self._load_adapters(loads, adapters)
+
     def prepare(self, plan: SchedulerPlan, adapters: AdapterManager) -> Batch:
-        seqs, bs, dev = plan.seqs, self.block_size, self.device
+        """The step's batch as host tensors (the caller moves it, or copies it into graphs)."""
+        seqs, bs = plan.seqs, self.block_size
         ids, q_start, ctx = [], [0], []
         for r in seqs:
             ids += r.all_token_ids[r.num_computed:]
@@ -131,15 +156,15 @@ class ModelRunner:
                                                torch.tensor([r.num_new for r in seqs]))
         slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
         return Batch(
-            input_ids=torch.tensor(ids, device=dev),
-            positions=positions.to(dev),
-            slot_mapping=slots.to(dev),
-            block_tables=tables.to(dev),
-            ctx_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            input_ids=torch.tensor(ids),
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=tables,
+            ctx_lens=torch.tensor(ctx, dtype=torch.int32),
             ctx_lens_list=ctx,
             q_start=q_start,
             num_decode=len(plan.decode),
-            logits_index=torch.tensor(q_start[1:], device=dev) - 1,
+            logits_index=torch.tensor(q_start[1:]) - 1,
             lora=self.lora_meta(seqs, q_start, len(plan.decode), adapters),
         )
 
@@ -165,23 +190,21 @@ class ModelRunner:
             r = ranks[:, :, list(mods)].contiguous()
             if not r.any():
                 continue
-            outs = [self.cfg.module_dims(LORA_MODULES[m])[1] for m in mods]
-            dev = self.device
             groups[gname] = GroupMeta(
-                offsets_a=offsets[:, list(mods), 0].contiguous().to(dev),
-                offsets_b=offsets[:, list(mods), 1].contiguous().to(dev),
-                ranks=r.to(dev),
+                offsets_a=offsets[:, list(mods), 0].contiguous(),
+                offsets_b=offsets[:, list(mods), 1].contiguous(),
+                ranks=r,
                 max_rank=int(r.max()),
                 stride_in=strides(self.cfg, LORA_MODULES[mods[0]])[0],
                 strides_out=tuple(strides(self.cfg, LORA_MODULES[m])[1] for m in mods),
-                out_dims=tuple(outs),
+                out_dims=tuple(self.cfg.module_dims(LORA_MODULES[m])[1] for m in mods),
             )
         return LoraMeta(
-            pages=pages.to(self.device),
-            token_slot=token_slot.to(self.device),
+            pages=pages,
+            token_slot=token_slot,
             num_decode=num_decode,
-            seg_start=torch.tensor(q_start[num_decode:], dtype=torch.int32, device=self.device),
-            seg_slot=torch.tensor(seq_slot[num_decode:], dtype=torch.int32, device=self.device),
+            seg_start=torch.tensor(q_start[num_decode:], dtype=torch.int32),
+            seg_slot=torch.tensor(seq_slot[num_decode:], dtype=torch.int32),
             groups=groups,
         )
 

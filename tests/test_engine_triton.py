@@ -44,3 +44,22 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
         n = min(len(la), len(lb), 1)  # first token: same inputs in both, compare closely
         tol = 1e-3 if dtype == "float32" else 5e-2
         assert la[:n] == pytest.approx(lb[:n], abs=tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory):
+    paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
+             "r40": adapter_factory(tiny_model_dir, r=40, target_modules="all-linear", seed=1)}
+    prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin", "I"]
+    adapters = ["r3", None, "r40", "r3", None]
+    results = {}
+    for graphs in (False, True):
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="bfloat16",
+                                num_pages=64, cuda_graphs=graphs))
+        for n, p in paths.items():
+            e.add_adapter(n, p)
+        sps = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 3, 12, 5, 7)]
+        results[graphs] = [o.token_ids for o in e.generate(prompts, sps, adapters=adapters)]
+        if graphs:
+            assert e.runner.graphs.graphs, "decode steps ran through captured graphs"
+    assert results[True] == results[False]

@@ -5,6 +5,9 @@ for that request run alone with its adapter (fp32, CPU)."""
 import pytest
 import torch
 
+# On a GPU the same comparison runs on CUDA (Triton kernels), in fp32 on both sides.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 from slora import Engine, EngineConfig, SamplingParams
 
 NEW = 16
@@ -33,11 +36,11 @@ def peft_greedy(model_dir, adapter_path, ids, n):
     import peft
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE)
     if adapter_path is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_path)
+        model = peft.PeftModel.from_pretrained(model, adapter_path).to(DEVICE)
     model.eval()
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=DEVICE)
     out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                          do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
@@ -45,7 +48,7 @@ def peft_greedy(model_dir, adapter_path, ids, n):
 
 def test_heterogeneous_batch_matches_peft(setup):
     model_dir, paths = setup
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+    engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
                                  num_pages=128))
     for name, path in paths.items():
         engine.add_adapter(name, path)
@@ -78,7 +81,7 @@ def test_adapter_pages_are_rank_granular(setup):
     from slora.kernels.reference import LORA_ALIGN
 
     model_dir, _ = setup
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_pages=64))
+    engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32", num_pages=64))
     cfg, P = engine.model_config, engine.runner.page_size
     mods = ("q_proj", "k_proj", "v_proj", "o_proj")
     pages = []

@@ -4,6 +4,9 @@ for a batch of prompts of different lengths, and the chosen-token log-probs agre
 import pytest
 import torch
 
+# On a GPU the same comparison runs on CUDA (Triton kernels), in fp32 on both sides.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 from slora import Engine, EngineConfig, SamplingParams
 from tests.conftest import TINY
 
@@ -16,8 +19,8 @@ def hf_greedy(model_dir, prompt_ids, new_tokens):
     """HF's own greedy decode of one prompt; returns tokens and chosen-token log-probs."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids])
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+    ids = torch.tensor([prompt_ids], device=DEVICE)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          do_sample=False,
                          eos_token_id=None, pad_token_id=0, output_logits=True,
@@ -30,7 +33,7 @@ def hf_greedy(model_dir, prompt_ids, new_tokens):
 @pytest.mark.parametrize("kind", sorted(TINY))
 def test_greedy_matches_transformers(tiny_models, kind):
     model_dir = tiny_models(kind)
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+    engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
                                  num_pages=64, block_size=16))
     sp = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=2)
     outs = engine.generate(PROMPTS, sp)

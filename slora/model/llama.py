@@ -11,7 +11,7 @@ each is one GEMM; the LoRA groups follow the same fusion.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,24 @@ class Batch:
     num_decode: int
     logits_index: torch.Tensor  # [S]
     lora: object | None  # kernels.LoraMeta, None when no row has an adapter
+
+    def to(self, device: torch.device) -> "Batch":
+        """The same batch with every tensor on `device` (host-side lists stay)."""
+        return _to(self, device)
+
+
+def _to(obj, device):
+    """Copy of a dataclass with its tensors (and nested dataclasses') moved to `device`."""
+    changes = {}
+    for name, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            changes[name] = value.to(device, non_blocking=True)
+        elif hasattr(value, "__dataclass_fields__"):
+            changes[name] = _to(value, device)
+        elif isinstance(value, dict):
+            changes[name] = {k: _to(v, device) if hasattr(v, "__dataclass_fields__") else v
+                             for k, v in value.items()}
+    return replace(obj, **changes)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
