@@ -23,7 +23,8 @@ Prints a short table last and writes the full results as JSON to --out (default 
 
 --smoke runs tiny shapes on the CPU under the Triton interpreter (no timing worth reading): it
 checks that the shape logic, the layouts and the torch baselines agree with the twins.
---tune sweeps the MBGMV tile configurations at batch 64 and 256 before the main sweep.
+--tune sweeps the MBGMV tile configurations (batch 16-256) and the MBGMM ones before the main
+sweep (--tune-only stops there).
 """
 
 from __future__ import annotations
@@ -286,6 +287,54 @@ def tune_mbgmv(cfg, device, dtype, gen):
 
 # ----------------------------------------------------------------------------- MBGMM
 
+def tune_mbgmm(cfg, device, dtype, gen):
+    """Sweep MBGMM tile configs (token tile, warps, pipeline stages) for shrink and expand."""
+    rows = []
+    orig = lora._mbgmm_cfg
+    d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
+    n_seg, seg_len = cfg["segments"]
+    T = n_seg * seg_len
+    cfgs = ([dict(BLOCK_M=bm, num_warps=nw, num_stages=st) for bm in (32, 64, 128)
+             for nw in (4, 8) for st in (2, 4)] if not cfg["smoke"] else [dict(BLOCK_M=4)])
+    for r in cfg["mbgmm_ranks"]:
+        P = Pool(n_seg, r, d, out_dims, cfg["page_size"], 2, dtype, device, gen)
+        seg_start = torch.arange(0, T + 1, seg_len, dtype=torch.int32, device=device)
+        seg_slot = torch.randperm(n_seg, generator=gen).to(torch.int32).to(device)
+        x = torch.randn(T, d, generator=gen).to(dtype).to(device)
+        y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
+        offa, offb = P.offsets[:, :, 0], P.offsets[:, :, 1]
+        xa = lora.mbgmm_shrink(x, P.pool[0], P.pages, offa, P.ranks, seg_start, seg_slot,
+                               P.stride, r, max_seg_len=seg_len)
+        for kind in ("shrink", "expand"):
+            for c in cfgs:
+                def patched(k, *a, c=c, kind=kind):
+                    base = orig(k, *a)
+                    return {**base, **c} if k == kind else base
+                lora._mbgmm_cfg = patched
+
+                def fn():
+                    for l in range(2):
+                        if kind == "shrink":
+                            lora.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start,
+                                              seg_slot, P.stride, r, max_seg_len=seg_len)
+                        else:
+                            lora.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start,
+                                              seg_slot, out_dims, P.strides, max_seg_len=seg_len)
+                try:
+                    us = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / 2 * 1e3
+                except Exception as e:  # a config the compiler rejects
+                    print(f"  mbgmm {kind} {c}: {type(e).__name__}", flush=True)
+                    continue
+                rows.append(dict(kind="mbgmm_" + kind, rank=r, **c, us=us))
+            lora._mbgmm_cfg = orig
+            top = sorted((w for w in rows if w["kind"] == "mbgmm_" + kind and w["rank"] == r),
+                         key=lambda w: w["us"])[:3]
+            print(f"tune mbgmm {kind} r={r}: default {orig(kind, T, r, device)}; best: "
+                  + "; ".join(f"{ {k: w[k] for k in c} } {w['us']:.1f} us" for w in top), flush=True)
+        del P
+    return rows
+
+
 def run_mbgmm(r, cfg, device, dtype, gen):
     d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
     n_seg, seg_len = cfg["segments"]
@@ -361,7 +410,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
-    ap.add_argument("--tune", action="store_true", help="sweep MBGMV tile configs first")
+    ap.add_argument("--tune", nargs="?", const="all", choices=("all", "mbgmv", "mbgmm"),
+                    help="sweep tile configs first (all, or only mbgmv / mbgmm)")
     ap.add_argument("--tune-only", action="store_true", help="stop after the tile sweep")
     ap.add_argument("--skip-attention", action="store_true")
     args = ap.parse_args()
@@ -386,7 +436,8 @@ def main():
     res["ceilings"] = ceilings(device)
     print(f"ceilings: {res['ceilings']}", flush=True)
     if args.tune:
-        res["tune"] = tune_mbgmv(cfg, device, dtype, gen)
+        res["tune"] = ((tune_mbgmv(cfg, device, dtype, gen) if args.tune != "mbgmm" else [])
+                       + (tune_mbgmm(cfg, device, dtype, gen) if args.tune != "mbgmv" else []))
         if args.tune_only:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "bench_kernels_tune.json").write_text(json.dumps(res, indent=1))
