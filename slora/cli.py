@@ -183,13 +183,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-tokens", type=int, help="most tokens computed in a step")
     g.add_argument("--policy", choices=POLICIES, help="queue order (default fcfs)")
     g.add_argument("--backend", choices=BACKENDS, help="kernels (default auto)")
+    g.add_argument("--load-format", choices=("auto", "dummy"),
+                   help="dummy: random weights from config.json alone, to benchmark a model shape "
+                   "without its weights (as S-LoRA's --dummy)")
     g.add_argument("--slo", dest="slo_ttft_s", type=float,
                    help="first-token SLO in seconds, for the abort policy and the metrics (default 6)")
 
 
 def _engine_options(args) -> dict:
     keys = ("device", "dtype", "num_pages", "max_num_seqs", "max_batch_tokens", "policy", "backend",
-            "slo_ttft_s")
+            "load_format", "slo_ttft_s")
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 

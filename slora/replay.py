@@ -3,8 +3,8 @@
 The loop is the open-loop client of S-LoRA's harness, run in-process: requests arrive on the
 clock whether or not the engine keeps up, so queueing shows in the latencies.
 
-    add every request now due -> step while anything is unfinished -> when idle, sleep until
-    the next arrival
+    when idle, sleep until the next arrival -> add every request now due -> step while anything
+    is unfinished
 
 `replay` takes anything with the engine's `add_request / step / has_unfinished` and a clock, so
 the simulator drives the same loop on its virtual clock and the two share the metrics path.
@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 
+from slora.config import EngineConfig, ModelConfig
 from slora.metrics import RequestRecord, result_dict, summarize
 from slora.request import SamplingParams
 from slora.workload import Trace, TraceRequest
@@ -51,11 +52,16 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
     rng = np.random.default_rng(seed)
     pending = deque(trace.requests)
     submitted: dict[str, TraceRequest] = {}
-    records: dict[str, RequestRecord] = {}
+    records: dict[str, RequestRecord] = {}  # by request id
+    rejected: list[RequestRecord] = []
     bar = _progress_bar(len(trace), progress)
     start = clock()
     while pending or engine.has_unfinished():
         now = clock() - start
+        if pending and pending[0].arrival_time > now and not engine.has_unfinished():
+            sleep(pending[0].arrival_time - now)
+            # Slept until that arrival: it is due even if the clock reads a hair short of it.
+            now = max(clock() - start, pending[0].arrival_time)
         while pending and pending[0].arrival_time <= now:
             req = pending.popleft()
             prompt = req.prompt if req.prompt is not None else _random_ids(rng, req.prompt_len, vocab_size)
@@ -63,7 +69,7 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
                 rid = engine.add_request(prompt, SamplingParams(max_tokens=req.output_len, ignore_eos=True),
                                          adapter=req.adapter, arrival_time=start + req.arrival_time)
             except ValueError as e:
-                records[f"rejected-{len(records)}"] = _failed(req, f"rejected at submission: {e}")
+                rejected.append(_failed(req, f"rejected at submission: {e}"))
                 bar.update(1)
                 continue
             submitted[rid] = req
@@ -72,14 +78,12 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
                 if out.finished:
                     records[out.request_id] = _record(out, start)
                     bar.update(1)
-        elif pending:
-            sleep(max(0.0, pending[0].arrival_time - (clock() - start)))
     end = clock()
     bar.close()
     for rid, req in submitted.items():
         if rid not in records:
             records[rid] = _failed(req, "the engine never reported this request finished")
-    return ReplayRun(list(records.values()), end - start)
+    return ReplayRun(list(records.values()) + rejected, end - start)
 
 
 def _random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
@@ -139,7 +143,8 @@ def register_adapters(engine, trace: Trace, *, synthetic: bool, adapter_dir: str
 
 def warm_up(engine, trace: Trace, vocab_size: int) -> None:
     """Two short requests (the first adapter of the trace and the base model) before the clock
-    starts, so one-time costs such as kernel compilation do not land on the first requests."""
+    starts, so one-time costs such as kernel compilation do not land on the first requests.
+    The adapter load they cause shows in `engine.stats()`."""
     prompt = _random_ids(np.random.default_rng(0), 8, vocab_size)
     adapters = [trace.requests[0].adapter, None]
     engine.generate([prompt, prompt], SamplingParams(max_tokens=4, ignore_eos=True), adapters=adapters)
@@ -153,12 +158,10 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
     engine_options: EngineConfig fields besides `model` (device, dtype, num_pages, policy, ...);
     the SLO bound of the metrics is the engine's `slo_ttft_s`, the bound its abort policy uses.
     """
-    from slora.config import EngineConfig, ModelConfig
+    from slora import Engine  # torch: imported only when the real engine runs
 
     config = EngineConfig(model=model, **engine_options)
     vocab_size = ModelConfig.from_dir(model).vocab_size
-    from slora import Engine
-
     engine = Engine(config)
     register_adapters(engine, trace, synthetic=synthetic_adapters, adapter_dir=adapter_dir)
     if warmup:

@@ -126,11 +126,10 @@ def synthesize(
     seed: int = 42,
     rank_assignment: str = "round-robin",
     lengths: np.ndarray | None = None,
-    adapter_prefix: str = "lora-",
 ) -> Trace:
     """An S-LoRA synthetic trace of `int(rate * duration)` requests.
 
-    num_adapters: adapters named `{adapter_prefix}{j}`; 0 means every request uses the base model.
+    num_adapters: adapters named `lora-{j}`, j = 0 .. n-1; 0 means every request uses the base model.
     lengths: optional (m, 2) array of (prompt_len, output_len) pairs, e.g. `sharegpt_lengths()`;
         requests draw pairs from those within `input_len` / `output_len` (S-LoRA drops the rest
         of its real trace the same way) instead of uniform lengths.
@@ -162,7 +161,7 @@ def synthesize(
     gaps = rs.gamma(1.0 / (cv * cv), cv * cv / rate, num)
     arrivals = np.cumsum(gaps)
 
-    names = [f"{adapter_prefix}{j}" for j in range(num_adapters)]
+    names = [f"lora-{j}" for j in range(num_adapters)]
     if rank_assignment == "round-robin":
         adapter_ranks = [int(ranks[j % len(ranks)]) for j in range(num_adapters)]
     else:

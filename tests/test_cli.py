@@ -1,0 +1,116 @@
+"""The `slora` command, called in-process: help texts, trace synthesis, clear errors, plots, and a
+replay of a short trace on a tiny model."""
+
+import json
+
+import pytest
+
+from slora.cli import main
+from slora.metrics import RequestRecord, result_dict, summarize
+from slora.workload import read_trace
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["trace", "--help"], ["trace", "synth", "--help"],
+                                  ["replay", "--help"], ["plot", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: slora" in out and ("examples:" in out or argv == ["trace", "--help"])
+
+
+def test_top_level_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("generate", "trace", "replay", "plot"):
+        assert command in out
+
+
+def test_generate_help_comes_from_the_demo(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0 and "usage: slora generate" in capsys.readouterr().out
+
+
+def test_trace_synth(tmp_path, capsys):
+    out = tmp_path / "t.jsonl"
+    assert main(["trace", "synth", "--num-adapters", "8", "--rate", "4", "--cv", "2", "--alpha", "0.5",
+                 "--duration", "10", "--input-len", "4", "16", "--output-len", "2", "8",
+                 "--ranks", "8,16", "--seed", "3", "-o", str(out)]) == 0
+    trace = read_trace(out)
+    assert len(trace) == 40 and trace.adapters == {f"lora-{j}": (8, 16)[j % 2] for j in range(8)}
+    assert all(4 <= r.prompt_len <= 16 and 2 <= r.output_len <= 8 for r in trace.requests)
+    assert trace.params["cv"] == 2 and "wrote" in capsys.readouterr().out
+
+
+def test_bad_ranks_and_misplaced_tokenizer(tmp_path, capsys):
+    base = ["trace", "synth", "--num-adapters", "2", "--rate", "1", "--duration", "5", "-o",
+            str(tmp_path / "t.jsonl")]
+    with pytest.raises(SystemExit):
+        main(base + ["--ranks", "8,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(base + ["--tokenizer", str(tmp_path)]) == 1
+    assert "--tokenizer only applies with --sharegpt" in capsys.readouterr().err
+
+
+def test_replay_of_a_malformed_trace_names_the_line(tmp_path, capsys):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"arrival_time": 0, "adapter": null, "prompt_len": 3, "output_len": 2}\n'
+                     '{"arrival_time": 1, "adapter": null, "prompt_len": 3}\n')
+    assert main(["replay", str(trace), "--model", str(tmp_path), "-o", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"{trace}:2: missing 'output_len'" in err
+
+
+def fake_result(source, num_adapters, policy="fcfs", scale=1.0):
+    records = [RequestRecord(i * 0.5, i * 0.5 + 0.2 * scale, i * 0.5 + num_adapters * 0.01 * scale, 8, 4)
+               for i in range(10)]
+    return result_dict(summarize(records), source=source, config={
+        "workload": {"num_adapters": num_adapters, "rate": 2.0, "ranks": [8, 16]},
+        "engine": {"policy": policy}})
+
+
+def write_results(tmp_path, results):
+    paths = []
+    for i, r in enumerate(results):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    return [str(p) for p in paths]
+
+
+def test_plot_writes_a_png(tmp_path):
+    results = [fake_result(src, n, scale=s) for src, s in (("replay", 1.0), ("simulate", 1.1))
+               for n in (5, 100, 1000)]
+    fig = tmp_path / "fig.png"
+    assert main(["plot", *write_results(tmp_path, results), "-o", str(fig)]) == 0
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_categorical_axis_and_explicit_series(tmp_path):
+    results = [fake_result("replay", n, policy=p) for p in ("fcfs", "cluster", "abort") for n in (5, 50)]
+    fig = tmp_path / "sub" / "policies.png"
+    assert main(["plot", *write_results(tmp_path, results), "-o", str(fig), "--x", "policy",
+                 "--series", "num_adapters"]) == 0
+    assert fig.stat().st_size > 1000
+
+
+def test_plot_needs_an_axis_that_varies(tmp_path, capsys):
+    paths = write_results(tmp_path, [fake_result("replay", 5), fake_result("replay", 5)])
+    assert main(["plot", *paths, "-o", str(tmp_path / "f.png")]) == 1
+    assert "name the x axis with --x" in capsys.readouterr().err
+
+
+def test_replay_on_tiny_model(tiny_model_dir, tmp_path, capsys):
+    trace, out = tmp_path / "t.jsonl", tmp_path / "result.json"
+    assert main(["trace", "synth", "--num-adapters", "3", "--rate", "6", "--duration", "1",
+                 "--input-len", "3", "12", "--output-len", "1", "6", "--ranks", "4,8", "-o", str(trace)]) == 0
+    assert main(["replay", str(trace), "--model", str(tiny_model_dir), "--synthetic-adapters",
+                 "--device", "cpu", "--num-pages", "64", "--no-progress", "-o", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == result["num_completed"] == 6 and result["num_failed"] == 0
+    assert result["source"] == "replay" and result["config"]["workload"]["num_adapters"] == 3
+    assert result["config"]["engine"]["num_pages"] == 64 and "pages_total" in result["stats"]
+    assert 0 <= result["ttft_p50_s"] <= result["ttft_p90_s"] <= result["ttft_p99_s"]
+    assert "SLO attainment" in capsys.readouterr().out
