@@ -245,3 +245,33 @@ def test_runner_style_strided_metadata():
     ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
                     out_dims, grp.strides)
     check_expand(out, out_ref, out0, slots, torch.float16)
+
+
+@pytest.mark.parametrize("tiles", [(1, 1, 2, 1), (2, 2, 2, 8), (4, 4, 1, 2)],
+                         ids=lambda t: "shrink%dx%d-expand%dx%d" % t)
+def test_mbgmv_other_tilings(monkeypatch, tiles):
+    """The GPU's tile choices (1-4 rank rows per program) on the interpreter too, whose own
+    default tiles are larger to keep it fast: every tiling must compute the same function."""
+    from slora.kernels import lora
+
+    br_s, ch, br_e, chn = tiles
+    monkeypatch.setattr(lora, "_mbgmv_shrink_cfg", lambda *a: dict(BLOCK_R=br_s, CH=ch))
+    monkeypatch.setattr(lora, "_mbgmv_expand_cfg", lambda *a: dict(BLOCK_R=br_e, CHN=chn))
+    gen = torch.Generator().manual_seed(sum(tiles))
+    d_in, out_dims = GROUPS["qkv"]
+    grp = Group(3, d_in, out_dims, torch.float16, gen)
+    T = 4
+    slots = random_slots(T, 3, gen).to(DEVICE)
+    x = torch.randn(T, d_in, generator=gen).half().to(DEVICE)
+    xa = mbgmv_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots, grp.stride,
+                      grp.max_rank)
+    xa_ref = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots,
+                             grp.stride, grp.max_rank)
+    check_shrink(xa, xa_ref, slots.cpu(), grp, torch.float16)
+    out0 = torch.randn(T, sum(out_dims), generator=gen).half().to(DEVICE)
+    out, out_ref = out0.clone(), out0.clone()
+    mbgmv_expand(xa_ref, out, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
+                 out_dims, grp.strides)
+    ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
+                    out_dims, grp.strides)
+    check_expand(out, out_ref, out0, slots, torch.float16)

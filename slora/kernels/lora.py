@@ -205,11 +205,13 @@ def _mbgmv_expand_kernel(
     tl.store(ptrs, _add_rounded(o, delta), mask=omask)
 
 
-def _mbgmv_shrink_cfg(T: int, G: int, max_rank: int, d_in: int) -> dict:
+def _mbgmv_shrink_cfg(T: int, G: int, max_rank: int, d_in: int, device: torch.device) -> dict:
     """Tiles measured on the H200 (experiments/bench_kernels.py --tune, bf16, hidden 4096):
     [4 rank rows x 32 chunks] per iteration with 4 warps was best or within 3% of best at batch
     64 and 256, ranks 16-128. Fewer rank rows per program when that leaves < 512 programs
     (batch 16: 1 row x 32 chunks, 8 warps, -38% time), so enough loads are in flight."""
+    if device.type != "cuda":  # interpreter: its cost grows with programs x loop trips
+        return dict(BLOCK_R=min(16, _pow2(max_rank)), CH=min(8, _pow2(triton.cdiv(d_in, CHUNK))))
     block_r = 4
     while block_r > 1 and T * G * triton.cdiv(max_rank, block_r) < 512:
         block_r //= 2
@@ -218,11 +220,13 @@ def _mbgmv_shrink_cfg(T: int, G: int, max_rank: int, d_in: int) -> dict:
     return dict(BLOCK_R=block_r, CH=ch, num_warps=4 if block_r > 1 else 8)
 
 
-def _mbgmv_expand_cfg(T: int, G: int, max_rank: int, max_out: int) -> dict:
+def _mbgmv_expand_cfg(T: int, G: int, max_rank: int, max_out: int, device: torch.device) -> dict:
     """Measured on the H200 likewise: [2 rank rows x 8 chunks] tiles with 4 warps were best or
     within 2% of best at every shape tried (batch 16-256, ranks 16-128): small tiles keep
     registers low (~32), so 16 programs fit per SM; 16-row tiles took 2-3.7x longer."""
     chn = min(8, _pow2(triton.cdiv(max_out, CHUNK)))
+    if device.type != "cuda":  # interpreter: fewer, larger programs
+        return dict(BLOCK_R=min(16, _pow2(max_rank)), CHN=min(4, chn))
     return dict(BLOCK_R=min(2, _pow2(max_rank)), CHN=chn, num_warps=4)
 
 
@@ -242,7 +246,7 @@ def mbgmv_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     xa = torch.empty(T, G, max_rank, dtype=torch.float32, device=x.device)
     if T == 0 or max_rank == 0:
         return xa.zero_()
-    cfg = _mbgmv_shrink_cfg(T, G, max_rank, d_in)
+    cfg = _mbgmv_shrink_cfg(T, G, max_rank, d_in, x.device)
     grid = (T, G, triton.cdiv(max_rank, cfg["BLOCK_R"]))
     _mbgmv_shrink_kernel[grid](
         x, pool_l, pages, offsets_a, ranks, token_slot, xa,
@@ -268,7 +272,7 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
     if T == 0 or max_rank == 0:
         return
     d, s = _dims4(out_dims, strides)
-    cfg = _mbgmv_expand_cfg(T, G, max_rank, max(out_dims))
+    cfg = _mbgmv_expand_cfg(T, G, max_rank, max(out_dims), out.device)
     grid = (T, G, triton.cdiv(max(out_dims), cfg["CHN"] * CHUNK))
     _mbgmv_expand_kernel[grid](
         xa, out, pool_l, pages, offsets_b, ranks, token_slot,
