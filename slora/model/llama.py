@@ -73,7 +73,7 @@ def _to(obj, device):
     changes = {}
     for name, value in vars(obj).items():
         if isinstance(value, torch.Tensor):
-            changes[name] = value.to(device, non_blocking=True)
+            changes[name] = value.to(device)
         elif hasattr(value, "__dataclass_fields__"):
             changes[name] = _to(value, device)
         elif isinstance(value, dict):
