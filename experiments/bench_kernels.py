@@ -13,7 +13,8 @@ Measures, in one run:
   3. MBGMM (prefill): 8 segments x 512 tokens, each its own adapter, the same q/k/v group, ranks
      16 and 64: TFLOP/s and GB/s, beside torch gather + matmul per segment;
   4. paged decode attention (Llama-2-7B: 32 heads, head_dim 128, MHA and GQA 8 KV heads),
-     achieved GB/s over the K/V bytes read.
+     achieved GB/s over the K/V bytes read; paged prefill attention (8 x 512 and 2 x 2048
+     tokens), TFLOP/s over the causal half, beside the torch twin.
 
 Every timed op is captured in a CUDA graph and timed by triton.testing.do_bench (median of the
 replays). So that adapters are not served from the 50 MB L2 (in a real step the whole model
@@ -46,7 +47,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slora.kernels import lora  # noqa: E402
 from slora.kernels import reference as ref  # noqa: E402
-from slora.kernels.attention import paged_decode_attention  # noqa: E402
+from slora.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 ALIGN = ref.LORA_ALIGN
 
@@ -404,6 +405,40 @@ def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
     return dict(B=B, ctx=ctx, H=H, kvh=kvh, D=D, us=t * 1e3, GBps=nbytes / t / 1e6, err=err)
 
 
+def run_prefill_attention(n_seq, n_tok, H, kvh, D, cfg, device, dtype, gen):
+    """Causal prefill of n_seq prompts of n_tok tokens (KV already written), vs the twin."""
+    block_size = cfg["block_size"]
+    nb = -(-n_tok // block_size)
+    num_pages = n_seq * nb + 8
+    pool_l = torch.empty(num_pages, block_size * 2 * kvh * D, dtype=dtype, device=device)
+    pool_l.normal_(0.0, 0.5)
+    k, v = ref.kv_views(pool_l, block_size, kvh, D)
+    tables = torch.randperm(num_pages, generator=gen)[:n_seq * nb].view(n_seq, nb)
+    tables = tables.to(torch.int32).to(device)
+    q_start = list(range(0, n_seq * n_tok + 1, n_tok))
+    ctx = [n_tok] * n_seq
+    q_start_t = torch.tensor(q_start, dtype=torch.int32, device=device)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
+    q = torch.randn(n_seq * n_tok, H, D, generator=gen).to(dtype).to(device)
+    scale = D ** -0.5
+
+    def ours():
+        return paged_prefill_attention(q, k, v, tables, q_start_t, ctx_t, scale, max_q_len=n_tok)
+
+    def twin():
+        return ref.paged_attention(q, k, v, tables, q_start, ctx, scale)
+
+    err = rel_err(ours(), twin())
+    t = bench_graph(ours, device)
+    if device.type == "cuda":
+        t_twin = triton.testing.do_bench(twin, warmup=10, rep=50, return_mode="median")
+    else:
+        t_twin = bench_graph(twin, device)
+    flops = 4 * n_seq * H * D * n_tok * (n_tok + 1) / 2  # QK^T and PV over the causal half
+    return dict(n_seq=n_seq, n_tok=n_tok, H=H, kvh=kvh, D=D, us=t * 1e3, us_twin=t_twin * 1e3,
+                TFLOPs=flops / t / 1e9, err=err)
+
+
 # ----------------------------------------------------------------------------- main
 
 def main():
@@ -420,13 +455,14 @@ def main():
     if args.smoke:
         cfg = dict(smoke=True, hidden=128, page_size=512, batches=(1, 3), ranks=(8, 20),
                    segments=(2, 5), mbgmm_ranks=(8,), block_size=4,
-                   attn=[(2, 13, 4, 2, 16)])
+                   attn=[(2, 13, 4, 2, 16)], prefill_attn=[(2, 9, 4, 2, 16)])
     else:
         cfg = dict(smoke=False, hidden=4096, page_size=16 * 2 * 32 * 128,  # Llama-2-7B block 16
                    batches=(1, 16, 64, 256), ranks=(8, 16, 32, 64, 128),
                    segments=(8, 512), mbgmm_ranks=(16, 64), block_size=16,
                    attn=[(32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
-                         (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)])
+                         (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],
+                   prefill_attn=[(8, 512, 32, 32, 128), (2, 2048, 32, 8, 128)])
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     t_start = time.time()
@@ -453,6 +489,8 @@ def main():
     res["mbgmm"] = [run_mbgmm(r, cfg, device, dtype, gen) for r in cfg["mbgmm_ranks"]]
     if not args.skip_attention:
         res["attention"] = [run_attention(*a, cfg, device, dtype, gen) for a in cfg["attn"]]
+        res["prefill_attention"] = [run_prefill_attention(*a, cfg, device, dtype, gen)
+                                    for a in cfg["prefill_attn"]]
     res["seconds"] = time.time() - t_start
 
     out_dir = Path(args.out)
@@ -480,6 +518,10 @@ def main():
     for a in res.get("attention", []):
         print(f"decode attn B={a['B']:3d} ctx={a['ctx']:5d} H={a['H']} KVH={a['kvh']} D={a['D']}: "
               f"{a['us']:8.1f} us {a['GBps']:6.0f} GB/s {pct(a['GBps'])} err {a['err']:.1e}")
+    for a in res.get("prefill_attention", []):
+        print(f"prefill attn {a['n_seq']} x {a['n_tok']} H={a['H']} KVH={a['kvh']} D={a['D']}: "
+              f"{a['us']:8.1f} us {a['TFLOPs']:6.1f} TFLOP/s | twin {a['us_twin']:8.1f} us "
+              f"| err {a['err']:.1e}")
 
 
 if __name__ == "__main__":

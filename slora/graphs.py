@@ -85,29 +85,29 @@ class DecodeGraphs:
 
     def _fill(self, b: Batch, n: int, bucket: int) -> None:
         scratch, bs = self.runner.scratch_page, self.runner.block_size
-        self.ids[:n].copy_(b.input_ids, non_blocking=True)
-        self.positions[:n].copy_(b.positions, non_blocking=True)
-        self.slots[:n].copy_(b.slot_mapping, non_blocking=True)
+        self.ids[:n].copy_(b.input_ids)
+        self.positions[:n].copy_(b.positions)
+        self.slots[:n].copy_(b.slot_mapping)
         self.slots[n:bucket].fill_(scratch * bs)
         self.tables[:n].fill_(scratch)
-        self.tables[:n, :b.block_tables.shape[1]].copy_(b.block_tables, non_blocking=True)
-        self.ctx[:n].copy_(b.ctx_lens, non_blocking=True)
+        self.tables[:n, :b.block_tables.shape[1]].copy_(b.block_tables)
+        self.ctx[:n].copy_(b.ctx_lens)
         self.ctx[n:bucket].fill_(1)
         self.token_slot[:bucket].fill_(-1)
         lora = b.lora
         if lora is None:
             return
-        self.token_slot[:n].copy_(lora.token_slot, non_blocking=True)
+        self.token_slot[:n].copy_(lora.token_slot)
         n_a, width = lora.pages.shape
-        self.pages[:n_a, :width].copy_(lora.pages, non_blocking=True)
+        self.pages[:n_a, :width].copy_(lora.pages)
         for gname, (off_a, off_b, ranks) in self.group_bufs.items():
             g = lora.groups.get(gname)
             if g is None:  # no adapter of this batch targets the group: rank 0 skips it
                 ranks[:, :n_a].zero_()
                 continue
-            off_a[:n_a].copy_(g.offsets_a, non_blocking=True)
-            off_b[:n_a].copy_(g.offsets_b, non_blocking=True)
-            ranks[:, :n_a].copy_(g.ranks, non_blocking=True)
+            off_a[:n_a].copy_(g.offsets_a)
+            off_b[:n_a].copy_(g.offsets_b)
+            ranks[:, :n_a].copy_(g.ranks)
 
     def _static_batch(self, bucket: int, rank_bucket: int) -> Batch:
         lora = None

@@ -1,4 +1,4 @@
-"""Triton paged attention over the pool's KV pages.
+"""Triton paged attention over the pool's KV pages: decode (split-K) and prefill.
 
 Semantics: exactly `reference.paged_decode_attention` (decode) and `reference.paged_attention`
 (prefill / mixed), the torch twins. K and V are the strided views `kv_views(pool_l, ...)`
@@ -20,6 +20,11 @@ Decode tiling, and why:
     each part writes an unnormalised partial (acc, max, sum) and a second small kernel merges
     them. With one split the kernel writes the normalised output directly.
   * head_dim may be any size: the D axis is padded to a power of two and masked.
+
+Prefill (`paged_prefill_attention`, flash-attention style): one program per (query tile,
+sequence, query head), keys walked BLOCK_N at a time through the page table up to the tile's
+last causal position, online softmax in fp32. It handles whole prompts, chunked prefill over a
+cached prefix and decode rows in one launch.
 """
 
 from __future__ import annotations
@@ -190,4 +195,115 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D,
                               NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d)
+    return out
+
+
+# ----------------------------------------------------------------------------- prefill
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt, block_size,
+    stride_ot, stride_oh,
+    D,
+    QH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q_lo = tl.load(q_start_ptr + s)
+    q_hi = tl.load(q_start_ptr + s + 1)
+    m0 = q_lo + tl.program_id(0) * BLOCK_M
+    if m0 >= q_hi:
+        return
+    ctx = tl.load(ctx_ptr + s)
+    kvh = h // QH
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < q_hi
+    d_ok = offs_d < D
+    qpos = ctx - (q_hi - q_lo) + (offs_m - q_lo)  # cache position of each new token
+    q = tl.load(q_ptr + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh
+                + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    # Causal: this tile's last token sees positions <= its own, so keys stop there.
+    hi = tl.minimum(ctx, tl.max(tl.where(m_ok, qpos, 0), axis=0) + 1)
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % block_size
+        kmask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        if DOT_F32:
+            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        ok = n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
+        sc = tl.where(ok, sc * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing seen yet
+        p = tl.exp2(sc - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, q_start: torch.Tensor,
+                            ctx_lens: torch.Tensor, scale: float,
+                            max_q_len: int | None = None) -> torch.Tensor:
+    """Causal attention of new tokens over paged KV: prefill, chunked prefill with a cached
+    prefix, decode rows, or a mix (twin: `reference.paged_attention`).
+
+    Unlike the twin, q_start (int32 [S+1]) and ctx_lens (int32 [S]) are tensors on q's device,
+    so the call needs no host sync. New token i of sequence s sits at cache position
+    ctx_lens[s] - n_new + i and attends to positions <= its own. `max_q_len` (optional host
+    int: the most new tokens of any sequence) bounds the grid; without it the bound is T.
+    Grid: (query tile, sequence, query head); KV read through the page table per token.
+    """
+    T, H, D = q.shape
+    _, block_size, kvh, Dk = k_cache.shape
+    assert Dk == D and H % kvh == 0 and q.stride(2) == 1
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    out = torch.empty_like(q)
+    S = ctx_lens.shape[0]
+    if T == 0 or S == 0:
+        return out
+    cuda = q.device.type == "cuda"
+    block_m = 64 if cuda else 16
+    block_n = (64 if D <= 128 else 32) if cuda else 16
+    grid_m = triton.cdiv(T if max_q_len is None else min(T, max_q_len), block_m)
+    _prefill_kernel[(grid_m, S, H)](
+        q, k_cache, v_cache, block_tables, q_start, ctx_lens, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), block_size,
+        out.stride(0), out.stride(1),
+        D,
+        QH=H // kvh, BLOCK_M=block_m, BLOCK_D=_pow2(D), BLOCK_N=block_n,
+        DOT_F32=not cuda or q.dtype == torch.float32,
+        num_warps=4, num_stages=2 if cuda else 1)
     return out
