@@ -35,7 +35,7 @@ class DecodeGraphs:
         self.max_batch = max_num_seqs
         self.max_blocks = cdiv(runner.config.max_model_len or runner.cfg.max_position_embeddings,
                                runner.block_size)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple] = {}  # key -> (graph, logits, batch)
         self.mempool = torch.cuda.graph_pool_handle()
         self.max_pages = 0
         self._alloc(max_pages=1)
@@ -79,7 +79,7 @@ class DecodeGraphs:
         key = (bucket, rank_bucket, self.max_pages)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, rank_bucket)
-        graph, logits = self.graphs[key]
+        graph, logits, _ = self.graphs[key]
         graph.replay()
         return logits[:n]
 
@@ -145,4 +145,5 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits = model.forward(batch, pool)
-        return graph, logits
+        # NOTE: the graph reads every tensor of `batch` by address: keep them all alive.
+        return graph, logits, batch
