@@ -110,7 +110,7 @@ class Pool:
         need = -(-off // page_size)
         num_pages = n_a * need + max(1, n_a // 4)
         self.pool = torch.empty(layers, num_pages, page_size, dtype=dtype, device=device)
-        self.pool.normal_(0.0, 0.05)  # on the device: GBs of CPU randn would take longer than the run
+        self.pool.normal_(0.0, 0.05)  # on the device: GBs of CPU randn take longer than the run
         perm = torch.randperm(num_pages, generator=gen)[:n_a * need]
         self.pages = perm.view(n_a, need).to(torch.int32).to(device)
         o = torch.tensor(offs, dtype=torch.int64)
@@ -245,8 +245,8 @@ def tune_mbgmv(cfg, device, dtype, gen):
         el = x.element_size()
         a_bytes = T * r * 3 * d * el + x.numel() * el
         b_bytes = T * r * sum(out_dims) * el + 2 * y.numel() * el
-        for kind, cfgs, nbytes in (("shrink", shrink_cfgs, a_bytes), ("expand", expand_cfgs, b_bytes)):
-            best = None
+        for kind, cfgs, nbytes in (("shrink", shrink_cfgs, a_bytes),
+                                   ("expand", expand_cfgs, b_bytes)):
             for c in (cfgs if not cfg["smoke"] else cfgs[:2]):
                 lora._mbgmv_shrink_cfg = (lambda *a, c=c: dict(c)) if kind == "shrink" else orig_s
                 lora._mbgmv_expand_cfg = (lambda *a, c=c: dict(c)) if kind == "expand" else orig_e
@@ -264,10 +264,7 @@ def tune_mbgmv(cfg, device, dtype, gen):
                 except Exception as e:  # a config the compiler rejects (registers, shared memory)
                     print(f"  {kind} {c}: {type(e).__name__}", flush=True)
                     continue
-                row = dict(kind=kind, T=T, rank=r, **c, us=us, GBps=nbytes / us / 1e3)
-                rows.append(row)
-                if best is None or us < best["us"]:
-                    best = row
+                rows.append(dict(kind=kind, T=T, rank=r, **c, us=us, GBps=nbytes / us / 1e3))
             lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg = orig_s, orig_e
             default = bench_graph(lambda: [
                 lora.mbgmv_shrink(x, P.pool[l], P.pages, P.offsets[:, :, 0], P.ranks, slots,
@@ -331,7 +328,8 @@ def tune_mbgmm(cfg, device, dtype, gen):
             top = sorted((w for w in rows if w["kind"] == "mbgmm_" + kind and w["rank"] == r),
                          key=lambda w: w["us"])[:3]
             print(f"tune mbgmm {kind} r={r}: default {orig(kind, T, r, device)}; best: "
-                  + "; ".join(f"{ {k: w[k] for k in c} } {w['us']:.1f} us" for w in top), flush=True)
+                  + "; ".join(f"{ {k: w[k] for k in c} } {w['us']:.1f} us" for w in top),
+                  flush=True)
         del P
     return rows
 
@@ -340,7 +338,6 @@ def run_mbgmm(r, cfg, device, dtype, gen):
     d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
     n_seg, seg_len = cfg["segments"]
     T = n_seg * seg_len
-    est = n_seg * r * 6 * d * 2
     L = 2 if cfg["smoke"] else 4
     P = Pool(n_seg, r, d, out_dims, cfg["page_size"], L, dtype, device, gen)
     seg_start = torch.arange(0, T + 1, seg_len, dtype=torch.int32, device=device)
@@ -375,7 +372,7 @@ def run_mbgmm(r, cfg, device, dtype, gen):
     flops = 2 * T * r * (3 * d + sum(out_dims))
     el = x.element_size()
     nbytes = x.numel() * el + P.adapter_bytes(n_seg) + 2 * y.numel() * el
-    del P, est
+    del P
     return dict(T=T, segments=n_seg, rank=r, flops=flops, bytes=nbytes,
                 us_ours=t_ours * 1e3, us_torch=t_base * 1e3,
                 TFLOPs_ours=flops / t_ours / 1e9, TFLOPs_torch=flops / t_base / 1e9,
@@ -485,7 +482,8 @@ def main():
             res["mbgmv"].append(row)
             print(f"mbgmv T={T:4d} r={r:4d}: {row['us_ours']:8.2f} us {row['GBps_ours']:7.0f} GB/s"
                   f" | torch {row['us_torch']:8.2f} us {row['GBps_torch']:7.0f} GB/s"
-                  f" | err {row.get('err_ours', 0):.1e} / {row.get('err_torch', 0):.1e}", flush=True)
+                  f" | err {row.get('err_ours', 0):.1e} / {row.get('err_torch', 0):.1e}",
+                  flush=True)
     res["mbgmm"] = [run_mbgmm(r, cfg, device, dtype, gen) for r in cfg["mbgmm_ranks"]]
     if not args.skip_attention:
         res["attention"] = [run_attention(*a, cfg, device, dtype, gen) for a in cfg["attn"]]

@@ -45,8 +45,8 @@ class Group:
         G = len(out_dims)
         self.d_in, self.out_dims = d_in, tuple(out_dims)
         self.stride, self.strides = pad(d_in), tuple(pad(d) for d in out_dims)
-        ranks = torch.tensor([[RANKS[int(i)] for i in torch.randint(len(RANKS), (G,), generator=gen)]
-                              for _ in range(n_a)], dtype=torch.int32)
+        pick = torch.randint(len(RANKS), (n_a, G), generator=gen)
+        ranks = torch.tensor([[RANKS[int(i)] for i in row] for row in pick], dtype=torch.int32)
         if n_a > 1 and G > 1:
             ranks[1, G - 1] = 0  # an adapter without the group's last module
         self.max_rank = int(ranks.max())
