@@ -1,0 +1,108 @@
+"""Does the simulator agree with the real engine? Replay and simulate the same traces, compare.
+
+    python experiments/sim_vs_replay.py --model experiments/models/llama-2-7b \\
+        --profile experiments/profiles/h200-llama2-7b.json
+
+For each trace (three by default: different rates, alphas and adapter counts), the real engine
+replays it on the wall clock (random weights for a config.json-only model), then the simulator
+runs it with the profile on a pool of exactly the replay's page count. Results go to
+results/sim-vs-replay/<trace>-{replay,simulate}.json (a trace whose results exist is skipped,
+so a run cut short resumes); the table of throughput, average latency and first-token p90,
+with the simulator's relative error, is printed at the end and written as table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from slora.cli import format_summary
+from slora.config import ModelConfig
+from slora.sim import Profile, simulate
+from slora.workload import read_trace, synthesize, write_trace
+
+# name -> synthesize() arguments: S-LoRA S2 shapes (ranks 64/32/16/8, lengths [8, 511]).
+TRACES = {
+    "n100-a1-r4": dict(num_adapters=100, rate=4, cv=1, alpha=1),
+    "n1000-a0.5-r8": dict(num_adapters=1000, rate=8, cv=1, alpha=0.5),
+    "n2000-a1-r10": dict(num_adapters=2000, rate=10, cv=1, alpha=1),
+}
+METRICS = (("throughput_req_s", "req/s"), ("avg_latency_s", "avg latency s"),
+           ("ttft_p90_s", "ttft p90 s"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model directory (config.json; weights optional)")
+    p.add_argument("--profile", required=True, help="profile JSON (slora profile) of this model and GPU")
+    p.add_argument("--duration", type=float, default=60, help="seconds of traffic per trace (default 60)")
+    p.add_argument("--lengths", type=int, nargs=2, default=(8, 511), metavar=("LO", "HI"),
+                   help="prompt and output lengths, uniform in [LO, HI] (default 8 511, S-LoRA's)")
+    p.add_argument("--engine", default="{}", help="EngineConfig fields as JSON, e.g. '{\"device\": \"cpu\"}'")
+    p.add_argument("--only", nargs="*", choices=sorted(TRACES), help="run these traces only")
+    p.add_argument("--results", default="results/sim-vs-replay")
+    p.add_argument("--force", action="store_true", help="redo traces whose results exist")
+    p.add_argument("--progress", action="store_true", help="progress bars during replays")
+    args = p.parse_args(argv)
+
+    from slora.replay import run_replay
+
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = Profile.load(args.profile)
+    dummy = not any(Path(args.model).glob("*.safetensors"))
+    for name in args.only or TRACES:
+        trace_path = out / f"{name}.jsonl"
+        replay_path, sim_path = out / f"{name}-replay.json", out / f"{name}-simulate.json"
+        if not args.force and replay_path.exists() and sim_path.exists():
+            continue
+        lengths = tuple(args.lengths)
+        spec = dict(TRACES[name], duration=args.duration, input_len=lengths, output_len=lengths,
+                    ranks=(64, 32, 16, 8), seed=42)
+        write_trace(synthesize(**spec), trace_path)
+        trace = read_trace(trace_path)
+        print(f"[{name}] replay: {len(trace)} requests over {trace.duration:.0f} s", flush=True)
+        options = {"load_format": "dummy"} if dummy else {}
+        options.update(json.loads(args.engine))
+        real = run_replay(trace, model=args.model, synthetic_adapters=True, trace_path=str(trace_path),
+                          engine_options=options, progress=args.progress)
+        replay_path.write_text(json.dumps(real, indent=2, default=str) + "\n")
+        print(format_summary(real))
+        pages = real["stats"]["pages_total"]
+        sim = simulate(trace, profile, num_pages=pages, trace_path=str(trace_path),
+                       engine_options=options, model=ModelConfig.from_dir(args.model)).result
+        sim_path.write_text(json.dumps(sim, indent=2, default=str) + "\n")
+        print(f"[{name}] simulate ({sim['stats']['sim_wall_s']:.1f} s)\n{format_summary(sim)}")
+    table = comparison_table(out, args.only or list(TRACES), profile)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def comparison_table(out: Path, names: list[str], profile: Profile) -> str:
+    head = ["trace"] + [f"{label} replay / sim (err)" for _, label in METRICS]
+    rows = [head, ["---"] * len(head)]
+    for name in names:
+        try:
+            real = json.loads((out / f"{name}-replay.json").read_text())
+            sim = json.loads((out / f"{name}-simulate.json").read_text())
+        except OSError:
+            continue
+        row = [name]
+        for key, _ in METRICS:
+            a, b = real.get(key), sim.get(key)
+            err = "n/a" if not a or b is None else f"{(b - a) / a:+.1%}"
+            row.append(f"{_num(a)} / {_num(b)} ({err})")
+        rows.append(row)
+    title = f"replay vs simulate, {profile.model} on {profile.gpu}"
+    return title + "\n\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

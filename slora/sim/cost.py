@@ -1,0 +1,246 @@
+"""The cost model: how long one engine step takes, from the shape of the scheduler's plan.
+
+A step's forward time is linear in eight features of the plan (`FEATURES`), each a sum the
+runner's kernels scale with:
+
+    forward = c0                                   fixed: launch, scheduling, sampling overhead
+            + c_prefill_tokens * prefill_tokens    GEMMs over the new tokens of prefill rows
+            + c_prefill_attn   * prefill_attn      prefill attention: sum of new x context tokens
+            + c_decode_seqs    * decode_seqs       per decode row (GEMM rows, metadata, sampling)
+            + c_decode_ctx     * decode_ctx        decode attention: KV tokens read, summed
+            + c_adapters       * adapters          distinct adapters in the batch (LoRA metadata,
+                                                   kernel segments)
+            + c_lora_prefill   * lora_prefill      MBGMM: sum over prefill rows of new tokens x
+                                                   adapter pages (pages ~ rank x sum(d_in + d_out))
+            + c_lora_decode    * lora_decode       MBGMV: sum over decode rows of adapter pages
+
+Adapter pages stand in for rank because they are proportional to the bytes the LoRA kernels
+read and the FLOPs they do (rank x the target modules' widths), for any choice of targets.
+
+Adapter copies (the runner does them before the forward, in plan order: loads, then prefetch):
+
+    disk   = sum over host-cache misses of nbytes / disk_gbps     (read + pack + pin, on the CPU)
+    h2d(x) = load_overhead_s + nbytes / h2d_gbps                  (one copy into pool pages)
+    step   = disk + h2d(blocking loads) + overlap(forward, h2d(prefetch))
+    overlap(f, p) = f + p - prefetch_overlap * min(f, p)
+
+`prefetch_overlap` is measured: 1 means prefetch copies hide under the forward (max(f, p)),
+0 means they serialise with it (f + p), as copies on the compute stream do.
+
+`fit(samples)` chooses the coefficients by least squares on *relative* error (weights 1/t), so
+the many short decode steps count as much as the few long prefills, and keeps every
+coefficient >= 0 (a feature whose coefficient comes out negative is dropped and the rest refit),
+so no batch shape is predicted to take negative time.
+
+No torch here; numpy only inside `fit`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FEATURES = ("const", "prefill_tokens", "prefill_attn", "decode_seqs", "decode_ctx", "adapters",
+            "lora_prefill", "lora_decode")
+PROFILE_FORMAT = "slora-profile/1"
+MIN_STEP_S = 1e-6  # a step always advances the clock, so an idle-looking loop cannot spin
+
+
+def plan_features(plan, adapters) -> tuple[float, ...]:
+    """The FEATURES of a `SchedulerPlan` (between schedule and update: `num_new` is this step's).
+
+    `adapters` is the `AdapterManager` (for each adapter's page count).
+    """
+    infos = adapters.adapters
+    prefill_tokens = prefill_attn = lora_prefill = 0
+    for r in plan.prefill:
+        new = r.num_new
+        prefill_tokens += new
+        prefill_attn += new * r.num_tokens
+        if r.adapter is not None:
+            lora_prefill += new * infos[r.adapter].num_pages
+    decode_ctx = lora_decode = 0
+    for r in plan.decode:
+        decode_ctx += len(r.prompt_token_ids) + len(r.output_token_ids)
+        if r.adapter is not None:
+            lora_decode += infos[r.adapter].num_pages
+    names = {r.adapter for r in plan.decode}
+    names.update(r.adapter for r in plan.prefill)
+    names.discard(None)
+    return (1.0, prefill_tokens, prefill_attn, len(plan.decode), decode_ctx, len(names),
+            lora_prefill, lora_decode)
+
+
+@dataclass
+class CostModel:
+    """Coefficients of the step-time model (seconds per unit of each feature) and transfers."""
+
+    coeffs: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FEATURES, 0.0))
+    h2d_gbps: float = 20.0  # host -> device copy bandwidth, GB/s (1e9 bytes)
+    disk_gbps: float | None = 2.0  # disk -> host (read, pack, pin) on a host-cache miss; None: free
+    load_overhead_s: float = 0.0  # fixed cost of one adapter copy
+    prefetch_overlap: float = 1.0  # 1: prefetch copies hide under the forward; 0: they add
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coeffs) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"cost model: unknown coefficient(s) {sorted(unknown)}; "
+                             f"features are {', '.join(FEATURES)}")
+        self.coeffs = {k: float(self.coeffs.get(k, 0.0)) for k in FEATURES}
+        if self.h2d_gbps <= 0 or (self.disk_gbps is not None and self.disk_gbps <= 0):
+            raise ValueError("cost model: bandwidths must be positive (disk_gbps may be null: free)")
+        if not 0.0 <= self.prefetch_overlap <= 1.0:
+            raise ValueError(f"cost model: prefetch_overlap={self.prefetch_overlap} must be in [0, 1]")
+        self._c = tuple(self.coeffs[k] for k in FEATURES)
+
+    def forward_time(self, features: tuple[float, ...]) -> float:
+        c = self._c
+        return (c[0] + c[1] * features[1] + c[2] * features[2] + c[3] * features[3]
+                + c[4] * features[4] + c[5] * features[5] + c[6] * features[6]
+                + c[7] * features[7])
+
+    def copy_time(self, nbytes: int) -> float:
+        return self.load_overhead_s + nbytes / (self.h2d_gbps * 1e9)
+
+    def disk_time(self, nbytes: int) -> float:
+        return 0.0 if self.disk_gbps is None else nbytes / (self.disk_gbps * 1e9)
+
+    def step_time(self, forward: float, blocking: float, prefetch: float, disk: float) -> float:
+        overlapped = forward + prefetch - self.prefetch_overlap * min(forward, prefetch)
+        return max(MIN_STEP_S, disk + blocking + overlapped)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting
+
+
+def fit(samples: list[tuple[tuple[float, ...], float]], features: tuple[str, ...] = FEATURES
+        ) -> tuple[dict[str, float], dict]:
+    """Non-negative least squares on relative error: coefficients and fit statistics.
+
+    samples: (features as `plan_features` returns them, measured seconds). Features that never
+    vary from zero in the samples get coefficient 0. Returns ({feature: coefficient}, stats) with
+    stats = {"samples", "mean_rel_err", "max_rel_err", "dropped"}.
+    """
+    import numpy as np
+
+    if len(samples) < 2:
+        raise ValueError(f"fit: need at least 2 samples, got {len(samples)}")
+    X = np.array([s[0] for s in samples], dtype=float)
+    y = np.array([s[1] for s in samples], dtype=float)
+    if (y <= 0).any():
+        raise ValueError("fit: measured step times must be positive")
+    w = 1.0 / y
+    Xw, yw = X * w[:, None], y * w  # relative error: (x.c - y) / y
+    active = [j for j in range(X.shape[1]) if j == 0 or np.any(X[:, j] != 0)]
+    dropped = [features[j] for j in range(X.shape[1]) if j not in active]
+    coef = np.zeros(X.shape[1])
+    while active:
+        A = Xw[:, active]
+        scale = np.abs(A).max(axis=0)
+        scale[scale == 0] = 1.0
+        sol, *_ = np.linalg.lstsq(A / scale, yw, rcond=None)
+        sol = sol / scale
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        worst = active[int(np.argmin(sol))]  # the most negative goes; refit the rest
+        active.remove(worst)
+        dropped.append(features[worst])
+    rel = np.abs(X @ coef - y) / y
+    stats = {"samples": len(samples), "mean_rel_err": float(rel.mean()),
+             "max_rel_err": float(rel.max()), "dropped": dropped}
+    return {k: float(v) for k, v in zip(features, coef)}, stats
+
+
+def fit_bandwidth(points: list[tuple[int, float]]) -> tuple[float, float | None]:
+    """Fit t = overhead + bytes / (gbps * 1e9) to (bytes, seconds) points: (overhead_s, gbps).
+
+    gbps is None when the time does not grow with size (free at this resolution).
+    """
+    n = len(points)
+    if n == 0:
+        raise ValueError("fit_bandwidth: no points")
+    mx = sum(b for b, _ in points) / n
+    my = sum(t for _, t in points) / n
+    sxx = sum((b - mx) ** 2 for b, _ in points)
+    slope = sum((b - mx) * (t - my) for b, t in points) / sxx if sxx > 0 else 0.0
+    if slope <= 0:
+        return max(0.0, my), None
+    overhead = my - slope * mx
+    if overhead < 0:  # through the origin instead
+        slope = sum(b * t for b, t in points) / sum(b * b for b, _ in points)
+        overhead = 0.0
+    return overhead, 1.0 / (slope * 1e9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles
+
+
+@dataclass
+class Profile:
+    """A calibrated cost model and the facts about the model and device it was measured on.
+
+    model: a name or path; model_config: the model's config.json (the simulator reads shapes
+    from it: page size, adapter pages, weight bytes); dtype and block_size the engine ran with;
+    num_pages: the pool the engine sized on that device (the simulator's default);
+    gpu_memory_gb: the device's total memory; samples: the measurements the fit used,
+    [{"features": {...}, "seconds": t}, ...].
+    """
+
+    model: str
+    gpu: str
+    cost: CostModel
+    model_config: dict
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    num_pages: int | None = None
+    gpu_memory_gb: float | None = None
+    fit_stats: dict = field(default_factory=dict)
+    samples: list[dict] = field(default_factory=list)
+    transfer_samples: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        c = self.cost
+        return {"format": PROFILE_FORMAT, "model": self.model, "gpu": self.gpu,
+                "dtype": self.dtype, "block_size": self.block_size, "num_pages": self.num_pages,
+                "gpu_memory_gb": self.gpu_memory_gb, "coeffs": c.coeffs, "h2d_gbps": c.h2d_gbps,
+                "disk_gbps": c.disk_gbps, "load_overhead_s": c.load_overhead_s,
+                "prefetch_overlap": c.prefetch_overlap, "fit": self.fit_stats,
+                "model_config": self.model_config, "samples": self.samples,
+                "transfer_samples": self.transfer_samples}
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "profile") -> "Profile":
+        missing = [k for k in ("model", "coeffs", "h2d_gbps", "model_config") if k not in d]
+        if missing:
+            raise ValueError(f"{source}: not a slora profile (missing {', '.join(missing)}); "
+                             "make one with `slora profile --model DIR -o profile.json`")
+        cost = CostModel(coeffs=d["coeffs"], h2d_gbps=d["h2d_gbps"],
+                         disk_gbps=d.get("disk_gbps"), load_overhead_s=d.get("load_overhead_s", 0.0),
+                         prefetch_overlap=d.get("prefetch_overlap", 1.0))
+        return cls(model=d["model"], gpu=d.get("gpu", "unknown"), cost=cost,
+                   model_config=d["model_config"], dtype=d.get("dtype", "bfloat16"),
+                   block_size=d.get("block_size", 16), num_pages=d.get("num_pages"),
+                   gpu_memory_gb=d.get("gpu_memory_gb"), fit_stats=d.get("fit", {}),
+                   samples=d.get("samples", []), transfer_samples=d.get("transfer_samples", {}))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"profile {path}: cannot read it as JSON ({e})") from None
+        return cls.from_dict(d, source=f"profile {path}")

@@ -1,0 +1,309 @@
+"""Calibration: measure a real engine's step latencies and adapter copies, fit the cost model.
+
+    slora profile --model DIR -o profile.json          (on the GPU the simulation is about)
+
+What it measures, on the engine as it serves (the same `Engine.step()` a replay runs, so
+scheduling, batch metadata, the forward, sampling and output building are all in the time):
+
+1. Steps over a grid of batch shapes: for each (batch size, prompt length, adapter mix), half
+   the requests arrive first and the rest one step later, so the steps are pure prefill, mixed
+   prefill + decode, then pure decode at growing context. Adapter mixes: base model only, one
+   adapter for all, distinct adapters of mixed ranks. Every case runs twice and only the second
+   run is kept (kernel compilation and allocator growth land in the first). Steps that copied
+   an adapter are left out: copies are measured on their own.
+2. Host -> device copies of adapters of each rank into their pool pages, and host-cache misses
+   (the runner's read-and-pack path; for synthetic adapters that is the pinned host copy),
+   fitted as overhead + bytes / bandwidth.
+3. Prefetch overlap: a decode step timed alone, with an adapter copy injected as prefetch, and
+   the copy alone; the overlap fraction is how much of the shorter one hides under the other.
+
+Then `cost.fit` gives the coefficients. torch is imported only here (through the engine).
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from slora.sim.cost import FEATURES, CostModel, Profile, fit, fit_bandwidth, plan_features
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The batch shapes a profile measures. Cases whose tokens exceed `max_case_tokens` or the
+    pool are skipped."""
+
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    prompt_lens: tuple[int, ...] = (16, 128, 512, 1024)
+    mixes: tuple[str, ...] = ("base", "one", "distinct")
+    ranks: tuple[int, ...] = (8, 16, 32, 64)
+    decode_steps: int = 4  # decode steps per case after the prefill
+    max_case_tokens: int = 65536
+    max_adapters: int = 64  # distinct adapters registered for the "distinct" mix
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    transfer_repeats: int = 5
+    overlap_repeats: int = 5
+
+
+GPU_GRID = Grid()
+# The CPU grid: small shapes for tiny models (the tests calibrate on it in seconds).
+CPU_GRID = Grid(batches=(1, 2, 4, 8), prompt_lens=(4, 16, 48), ranks=(4, 8, 16), decode_steps=3,
+                max_case_tokens=2048, max_adapters=12, transfer_repeats=3, overlap_repeats=3)
+
+
+def _sync(engine) -> None:
+    if engine.runner.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(engine.runner.device)
+
+
+class _PlanTap:
+    """Wraps `engine.scheduler.schedule` to see each plan's features as it is made (before
+    update changes the requests), and optionally to inject a prefetch copy."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.schedule = engine.scheduler.schedule
+        self.features = None
+        self.copies = False
+        self.empty = True
+        self.inject: tuple[str, list[int]] | None = None
+        engine.scheduler.schedule = self
+
+    def __call__(self, now):
+        plan = self.schedule(now)
+        if self.inject is not None:
+            plan.prefetch.append(self.inject)
+        self.features = plan_features(plan, self.engine.adapters)
+        self.copies = bool(plan.adapter_loads or plan.prefetch)
+        self.empty = plan.empty
+        return plan
+
+    def close(self) -> None:
+        self.engine.scheduler.schedule = self.schedule
+
+
+def _timed_step(engine, tap: _PlanTap) -> float:
+    _sync(engine)
+    t = time.perf_counter()
+    engine.step()
+    _sync(engine)
+    return time.perf_counter() - t
+
+
+def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 0) -> list[dict]:
+    """Step samples over `grid`: [{"features": {...}, "seconds": t, "case": ...}, ...]."""
+    from slora.request import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    names = _profile_adapters(engine, grid)
+    _warm_adapters(engine, names)
+    tap = _PlanTap(engine)
+    samples = []
+    bs = engine.config.block_size
+    free_tokens = engine.allocator.num_free * bs  # without evicting the profiling adapters
+    cases = [(n, plen, mix) for mix in grid.mixes for plen in grid.prompt_lens for n in grid.batches
+             if n * (plen + grid.decode_steps + bs) <= min(grid.max_case_tokens, free_tokens // 2)
+             and plen + grid.decode_steps + 1 < engine.max_model_len]
+    try:
+        for i, (n, plen, mix) in enumerate(cases):
+            for keep in (False, True):
+                adapters = [None] * n if mix == "base" else (
+                    [names[i % len(names)]] * n if mix == "one"
+                    else [names[(i + j) % len(names)] for j in range(n)])
+                prompts = [[rng.randrange(vocab) for _ in range(plen)] for _ in range(n)]
+                sp = SamplingParams(max_tokens=grid.decode_steps + 1, ignore_eos=True)
+                first = max(1, n // 2)
+                for p, a in zip(prompts[:first], adapters[:first]):
+                    engine.add_request(p, sp, a)
+                pending = list(zip(prompts[first:], adapters[first:]))
+                kind = "prefill"
+                while engine.has_unfinished():
+                    t = _timed_step(engine, tap)
+                    if keep and not tap.copies and not tap.empty:
+                        samples.append({"features": dict(zip(FEATURES, tap.features)), "seconds": t,
+                                        "case": {"batch": n, "prompt_len": plen, "mix": mix,
+                                                 "step": kind}})
+                    for p, a in pending:
+                        engine.add_request(p, sp, a)
+                    kind = "mixed" if pending else "decode"
+                    pending = []
+            log(f"  case {i + 1}/{len(cases)}: batch {n}, prompt {plen}, {mix}: "
+                f"last step {t * 1e3:.2f} ms")
+    finally:
+        tap.close()
+    return samples
+
+
+def _profile_adapters(engine, grid: Grid) -> list[str]:
+    names = []
+    for j in range(grid.max_adapters):
+        name = f"__profile_{j}"
+        if name not in engine.adapters.adapters:
+            engine.add_synthetic_adapter(name, grid.ranks[j % len(grid.ranks)], grid.targets, seed=j)
+        names.append(name)
+    return names
+
+
+def _warm_adapters(engine, names: list[str]) -> None:
+    """Make every profiling adapter resident (and its host copy built) before timing."""
+    from slora.request import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    for start in range(0, len(names), 16):
+        engine.generate([[1, 2]] * len(names[start:start + 16]), sp, adapters=names[start:start + 16])
+
+
+def measure_transfers(engine, grid: Grid, log: Callable[[str], None] = print) -> dict:
+    """Adapter copies: host -> pool pages, and host-cache misses. Returns the fitted numbers
+    and the points: {"h2d": [[bytes, s], ...], "disk": [...], ...}."""
+    names = {}
+    for name, info in engine.adapters.adapters.items():
+        if name.startswith("__profile_") and info.resident:
+            names.setdefault(info.meta["layout"].max_rank, name)
+    h2d, disk = [], []
+    runner, adapters = engine.runner, engine.adapters
+    for rank, name in sorted(names.items()):
+        info = adapters.adapters[name]
+        runner.adapter_host_copy(info, adapters)  # ensure a host copy
+        for _ in range(grid.transfer_repeats + 1):
+            _sync(engine)
+            t = time.perf_counter()
+            runner._load_adapters([(name, info.pages)], adapters)
+            _sync(engine)
+            h2d.append((info.nbytes, time.perf_counter() - t))
+        del h2d[-grid.transfer_repeats - 1]  # the first of each size warms up
+        for _ in range(grid.transfer_repeats):
+            runner.host.pop(name, None)
+            adapters.drop_host(name)
+            t = time.perf_counter()
+            runner.adapter_host_copy(info, adapters)
+            disk.append((info.nbytes, time.perf_counter() - t))
+        log(f"  rank {rank}: {info.nbytes / 1e6:.1f} MB, copy "
+            f"{statistics.median(t for b, t in h2d if b == info.nbytes) * 1e3:.3f} ms, host miss "
+            f"{statistics.median(t for b, t in disk if b == info.nbytes) * 1e3:.3f} ms")
+    overhead, h2d_gbps = fit_bandwidth(h2d)
+    _, disk_gbps = fit_bandwidth(disk)
+    return {"load_overhead_s": overhead, "h2d_gbps": h2d_gbps or 1e4, "disk_gbps": disk_gbps,
+            "h2d": [list(p) for p in h2d], "disk": [list(p) for p in disk]}
+
+
+def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 0) -> dict:
+    """How much of a prefetch copy hides under a decode step: 0 (they add) .. 1 (max of the two)."""
+    from slora.request import SamplingParams
+
+    rng = random.Random(seed)
+    adapters, runner = engine.adapters, engine.runner
+    resident = [(i.num_pages, n) for n, i in adapters.adapters.items()
+                if n.startswith("__profile_") and i.resident]
+    name = max(resident)[1]
+    info = adapters.adapters[name]
+    runner.adapter_host_copy(info, adapters)
+    n = max(b for b in grid.batches if b <= 64)
+    plen = sorted(grid.prompt_lens)[len(grid.prompt_lens) // 2]
+    steps = 2 * grid.overlap_repeats + 2
+    sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    for _ in range(n):
+        engine.add_request([rng.randrange(engine.model_config.vocab_size) for _ in range(plen)], sp)
+    tap = _PlanTap(engine)
+    alone, both, copy = [], [], []
+    try:
+        engine.step()  # the prefill
+        for k in range(steps):
+            tap.inject = (name, info.pages) if k % 2 else None
+            t = _timed_step(engine, tap)
+            if k >= 2:
+                (both if k % 2 else alone).append(t)
+            _sync(engine)
+            t = time.perf_counter()
+            runner._load_adapters([(name, info.pages)], adapters)
+            _sync(engine)
+            copy.append(time.perf_counter() - t)
+        while engine.has_unfinished():
+            tap.inject = None
+            engine.step()
+    finally:
+        tap.close()
+    t_step, t_both, t_copy = (statistics.median(x) for x in (alone, both, copy))
+    hidden = (t_step + t_copy - t_both) / min(t_step, t_copy)
+    # A copy far shorter than the step cannot be told from timing noise; call it serial (the
+    # conservative choice, and what a copy on the compute stream is). It matters little then.
+    overlap = min(1.0, max(0.0, hidden)) if t_copy >= 0.1 * t_step else 0.0
+    log(f"  decode step {t_step * 1e3:.2f} ms, copy {t_copy * 1e3:.2f} ms, step with prefetch "
+        f"{t_both * 1e3:.2f} ms: overlap {overlap:.2f}")
+    return {"prefetch_overlap": overlap, "step_s": t_step, "copy_s": t_copy, "both_s": t_both}
+
+
+def device_name(engine) -> str:
+    dev = engine.runner.device
+    if dev.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(dev)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def device_memory_gb(engine) -> float | None:
+    dev = engine.runner.device
+    if dev.type != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(dev).total_memory / (1 << 30)
+
+
+def profile_engine(engine, grid: Grid | None = None, model_name: str | None = None,
+                   log: Callable[[str], None] = print) -> Profile:
+    """Measure `engine` over `grid` (default: GPU_GRID on CUDA, CPU_GRID on CPU) and fit a Profile.
+
+    The engine should be fresh (nothing queued); profiling adapters named `__profile_<j>` are
+    registered on it.
+    """
+    import json
+
+    grid = grid or (GPU_GRID if engine.runner.device.type == "cuda" else CPU_GRID)
+    t0 = time.perf_counter()
+    log(f"profiling {model_name or engine.config.model} on {device_name(engine)}: steps")
+    samples = measure_steps(engine, grid, log)
+    log("adapter copies")
+    transfers = measure_transfers(engine, grid, log)
+    log("prefetch overlap")
+    overlap = measure_overlap(engine, grid, log)
+    coeffs, stats = fit([(tuple(s["features"][k] for k in FEATURES), s["seconds"]) for s in samples])
+    stats["overlap"] = overlap
+    stats["profile_s"] = time.perf_counter() - t0
+    cost = CostModel(coeffs=coeffs, h2d_gbps=transfers["h2d_gbps"], disk_gbps=transfers["disk_gbps"],
+                     load_overhead_s=transfers["load_overhead_s"],
+                     prefetch_overlap=overlap["prefetch_overlap"])
+    model_config = json.loads((Path(engine.config.model) / "config.json").read_text())
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
+    log(f"fit over {len(samples)} steps: mean relative error {stats['mean_rel_err']:.1%}, max "
+        f"{stats['max_rel_err']:.1%}; h2d {cost.h2d_gbps:.1f} GB/s, host miss "
+        f"{'free' if cost.disk_gbps is None else f'{cost.disk_gbps:.1f} GB/s'}")
+    return Profile(model=model_name or str(engine.config.model), gpu=device_name(engine), cost=cost,
+                   model_config=model_config, dtype=dtype, block_size=engine.config.block_size,
+                   num_pages=engine.runner.num_pages, gpu_memory_gb=device_memory_gb(engine),
+                   fit_stats=stats, samples=samples,
+                   transfer_samples={"h2d": transfers["h2d"], "disk": transfers["disk"]})
+
+
+def run_profile(model: str, output: str | Path | None = None, *, engine_options: dict | None = None,
+                grid: Grid | None = None, model_name: str | None = None,
+                log: Callable[[str], None] = print) -> Profile:
+    """Build an engine for `model` (a directory with config.json; weights, or load_format="dummy"
+    for random ones), profile it, and write the profile to `output` if given."""
+    from slora import Engine, EngineConfig
+
+    options = dict(engine_options or {})
+    engine = Engine(EngineConfig(model=str(model), **options))
+    profile = profile_engine(engine, grid, model_name or Path(model).name, log)
+    if output is not None:
+        log(f"wrote {profile.save(output)}")
+    return profile

@@ -1,0 +1,430 @@
+"""The simulator: the engine's step loop on a virtual clock, the real scheduler, a cost model.
+
+    SimEngine.step():
+        plan = Scheduler.schedule(now)          slora.core, unchanged: admission, eviction,
+                                                prefetch, preemption, page accounting
+        dt   = SimRunner.execute(plan)          no compute: the cost model's time for this plan,
+                                                adapter copies included (host tier via
+                                                AdapterManager.on_host / admit_host)
+        now += dt
+        Scheduler.update(plan, fake tokens, now)
+
+`SimEngine` has the engine's `add_request / step / has_unfinished / stats` and
+`add_synthetic_adapter`, so `slora.replay.replay` drives it exactly as it drives the real
+engine, with the virtual clock as its clock: requests arrive at their trace times, an idle
+engine jumps to the next arrival, and the records and metrics come from the same code.
+
+Tokens are fake (id 0); replayed requests use `ignore_eos` and `max_tokens = output_len`, so
+every request's length is the trace's, whatever the ids. Adapter page counts follow the
+runner's layout (see `adapter_pages`), computed from the model's config.json alone.
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Sequence
+
+from slora.config import DTYPE_BYTES, LORA_MODULES, EngineConfig, ModelConfig, cdiv, round_up
+from slora.core.adapters import AdapterInfo, AdapterManager
+from slora.core.pages import PageAllocator
+from slora.core.scheduler import Scheduler, SchedulerPlan
+from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
+from slora.sim.cost import CostModel, Profile, plan_features
+
+# Row alignment of adapter weights in pool pages: slora.kernels.reference.LORA_ALIGN (which
+# imports torch); tests/test_sim.py checks the two agree, and that `adapter_pages` matches the
+# runner's layout.
+LORA_ALIGN = 64
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Engine.add_synthetic_adapter's
+FAKE_TOKEN = 0
+ACTIVATION_RESERVE_BYTES = 1 << 30  # what the runner keeps free for activations when it sizes the pool
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes from config.json
+
+
+def adapter_pages(model: ModelConfig, rank: int, block_size: int,
+                  targets: Sequence[str] = DEFAULT_TARGETS) -> int:
+    """Pool pages of a rank-`rank` adapter on `targets`, as `slora.model.loader.AdapterLayout`
+    lays it out: per layer, for each module, r rows of A (d_in) then r rows of B^T (d_out),
+    each row padded to LORA_ALIGN elements; pages of `page_size` elements hold every layer."""
+    unknown = [t for t in targets if t not in LORA_MODULES]
+    if unknown or rank < 1:
+        raise ValueError(f"adapter: rank {rank} must be >= 1 and target modules {unknown} must be "
+                         f"among {LORA_MODULES}")
+    elems = 0
+    for name in LORA_MODULES:
+        if name in targets:
+            d_in, d_out = model.module_dims(name)
+            elems += rank * (round_up(d_in, LORA_ALIGN) + round_up(d_out, LORA_ALIGN))
+    return cdiv(elems, model.page_size(block_size))
+
+
+def page_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
+    """Bytes of one page id across all layers (the runner's `page_bytes`)."""
+    return model.num_layers * model.page_size(block_size) * DTYPE_BYTES[dtype]
+
+
+def pages_for_memory(model: ModelConfig, block_size: int, dtype: str, gpu_memory_gb: float,
+                     gpu_memory_fraction: float = 0.85) -> int:
+    """Pool pages on a device of `gpu_memory_gb` GiB, sized as the runner sizes it: a fraction of
+    the memory left after the weights, less 1 GiB for activations. Approximate (the CUDA context
+    and allocator slack are not counted): a replay's `stats.pages_total` is the exact figure."""
+    free = gpu_memory_gb * (1 << 30) - model.weight_bytes(DTYPE_BYTES[dtype])
+    budget = free * gpu_memory_fraction - ACTIVATION_RESERVE_BYTES
+    pages = int(budget // page_bytes(model, block_size, dtype))
+    if pages < 2:
+        raise ValueError(f"--gpu-memory {gpu_memory_gb:g} GiB leaves no room for a pool after "
+                         f"{model.weight_bytes(DTYPE_BYTES[dtype]) / (1 << 30):.1f} GiB of weights")
+    return pages
+
+
+# ---------------------------------------------------------------------------------------------
+# The virtual clock and the runner
+
+
+class VirtualClock:
+    """Seconds on the simulator's clock; `sleep` jumps ahead (an idle engine waits for arrivals)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+class SimRunner:
+    """The runner's timing without its work: the seconds one plan's step takes.
+
+    Copies happen in the runner's order (`plan.adapter_loads`, then `plan.prefetch`); a copy of
+    an adapter missing from the host tier first reads it (disk time) and records it there with
+    `AdapterManager.admit_host`, exactly as `ModelRunner.adapter_host_copy` does, so the host
+    tier's LRU state is the engine's.
+    """
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self.busy_s = 0.0
+        self.copy_s = 0.0
+        self.disk_s = 0.0
+
+    def step_time(self, plan: SchedulerPlan, adapters: AdapterManager) -> float:
+        cost, infos = self.cost, adapters.adapters
+        disk = blocking = prefetch = 0.0
+        for loads, is_prefetch in ((plan.adapter_loads, False), (plan.prefetch, True)):
+            for name, _ in loads:
+                nbytes = infos[name].nbytes
+                if not adapters.on_host(name):
+                    disk += cost.disk_time(nbytes)
+                adapters.admit_host(name)
+                if is_prefetch:
+                    prefetch += cost.copy_time(nbytes)
+                else:
+                    blocking += cost.copy_time(nbytes)
+        forward = 0.0 if plan.empty else cost.forward_time(plan_features(plan, adapters))
+        dt = cost.step_time(forward, blocking, prefetch, disk)
+        self.busy_s += dt
+        self.copy_s += blocking + prefetch
+        self.disk_s += disk
+        return dt
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine-shaped simulator
+
+
+class SimEngine:
+    """The engine's request API and step loop over the real scheduler, on a virtual clock.
+
+    config: the EngineConfig the simulated engine runs with; `num_pages` must be set (see
+        `pages_for_memory`). Device, dtype, backend and CUDA-graph settings do not apply.
+    model: the model's shapes (page size, adapter pages, max_position_embeddings).
+    dtype: the pool's dtype, for adapter bytes.
+    check: assert the page invariant (`PageAllocator.check`) after every step.
+    on_step: called after every step as on_step(plan, start, seconds) (tests record decisions).
+    `step()` returns outputs of the requests that *finished* (replay reads only those); the
+    real engine also returns outputs of those that progressed.
+    """
+
+    def __init__(self, config: EngineConfig, model: ModelConfig, cost: CostModel,
+                 dtype: str = "bfloat16", check: bool = False,
+                 on_step: Callable[[SchedulerPlan, float, float], None] | None = None) -> None:
+        if config.num_pages is None:
+            raise ValueError("the simulator needs the pool size: set num_pages (or gpu memory)")
+        self.config = config
+        self.model = model
+        self.dtype = dtype
+        self.page_bytes = page_bytes(model, config.block_size, dtype)
+        self.clock = VirtualClock()
+        self.allocator = PageAllocator(config.num_pages)
+        self.adapters = AdapterManager(self.allocator, config.host_cache_bytes)
+        self.scheduler = Scheduler(config, self.allocator, self.adapters)
+        self.runner = SimRunner(cost)
+        limit = config.max_model_len or model.max_position_embeddings
+        self.max_model_len = min(limit, config.num_pages * config.block_size)
+        self.check = check
+        self.on_step = on_step
+        self.steps = 0
+        self._ids = itertools.count()
+        self._failed_now: list[Request] = []
+
+    # -- adapters
+    def add_synthetic_adapter(self, name: str, rank: int,
+                              target_modules: Sequence[str] = DEFAULT_TARGETS, seed: int = 0) -> None:
+        pages = adapter_pages(self.model, rank, self.config.block_size, tuple(target_modules))
+        self.adapters.register(AdapterInfo(name=name, num_pages=pages,
+                                           nbytes=pages * self.page_bytes, source="synthetic",
+                                           meta={"rank": rank}))
+
+    # -- requests
+    def add_request(self, prompt: list[int], sampling: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue one request (token ids only). A prompt too long for the model or the pool
+        fails, reported at the next step, as in the engine."""
+        sampling = sampling or SamplingParams()
+        if adapter is not None:
+            self.adapters.get(adapter)
+        if isinstance(prompt, str) or not prompt:
+            raise ValueError("the simulator takes non-empty token-id prompts (traces with text "
+                             "prompts need prompt_len instead)")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        req = Request(rid, prompt, sampling, adapter,
+                      self.clock.now if arrival_time is None else arrival_time,
+                      max_len=self.max_model_len)
+        if len(prompt) >= self.max_model_len:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "error"
+            req.metrics.finish_time = req.arrival_time
+            req.error = (f"request {rid}: prompt of {len(prompt)} tokens does not fit "
+                         f"max_model_len={self.max_model_len} (the model's limit or the pool's size)")
+            self._failed_now.append(req)
+        else:
+            self.scheduler.add(req)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._failed_now)
+
+    # -- the loop
+    def step(self) -> list[RequestOutput]:
+        start = self.clock.now
+        plan = self.scheduler.schedule(start)
+        dt = self.runner.step_time(plan, self.adapters)
+        self.clock.now = start + dt
+        n = len(plan.decode) + len(plan.prefill)
+        touched = self.scheduler.update(plan, [FAKE_TOKEN] * n, [None] * n, self.clock.now)
+        self.steps += 1
+        if self.check:
+            self.allocator.check()
+        if self.on_step is not None:
+            self.on_step(plan, start, dt)
+        done = [_output(r) for r in touched if r.status is RequestStatus.FINISHED]
+        if self._failed_now:
+            done += [_output(r) for r in self._failed_now]
+            self._failed_now = []
+        return done
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        s["page_bytes"] = self.page_bytes
+        s["block_size"] = self.config.block_size
+        s["sim_steps"] = self.steps
+        s["sim_busy_s"] = self.runner.busy_s
+        s["sim_copy_s"] = self.runner.copy_s
+        s["sim_disk_s"] = self.runner.disk_s
+        return s
+
+
+def _output(req: Request) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id, adapter=req.adapter, prompt_token_ids=req.prompt_token_ids,
+        text="", token_ids=req.output_token_ids, logprobs=None, finish_reason=req.finish_reason,
+        finished=True, metrics=req.metrics, error=req.error)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a trace
+
+
+def resolve_pages(profile: Profile, model: ModelConfig, block_size: int, dtype: str,
+                  num_pages: int | None, gpu_memory_gb: float | None,
+                  gpu_memory_fraction: float = 0.85) -> int:
+    """The simulated pool: `num_pages` if given, else sized for `gpu_memory_gb`, else the pool the
+    engine sized on the profiled device (rescaled if the page size differs)."""
+    if num_pages is not None and gpu_memory_gb is not None:
+        raise ValueError("give the pool as num_pages or as gpu memory, not both")
+    if num_pages is not None:
+        return num_pages
+    if gpu_memory_gb is not None:
+        return pages_for_memory(model, block_size, dtype, gpu_memory_gb, gpu_memory_fraction)
+    if profile.num_pages is None:
+        raise ValueError("the profile records no pool size: give --num-pages or --gpu-memory")
+    profiled = ModelConfig.from_dict(profile.model_config)
+    pool = profile.num_pages * page_bytes(profiled, profile.block_size, profile.dtype)
+    return max(2, pool // page_bytes(model, block_size, dtype))
+
+
+def register_trace_adapters(sim: SimEngine, trace, default_rank: int | None = None,
+                            targets: Sequence[str] = DEFAULT_TARGETS) -> None:
+    """Register the trace header's adapters with their ranks (as `replay --synthetic-adapters`
+    does); adapters the requests use without a rank get `default_rank`, or raise."""
+    for i, (name, rank) in enumerate(trace.adapters.items()):
+        sim.add_synthetic_adapter(name, rank, targets, seed=i)
+    unranked = [n for n in trace.adapter_names() if n not in trace.adapters]
+    if unranked and default_rank is None:
+        raise ValueError(f"the trace header gives no rank for {len(unranked)} adapter(s) the "
+                         f"requests use (e.g. {unranked[0]!r}): add them to its \"adapters\" map, "
+                         "or give a default rank (--adapter-rank)")
+    for name in unranked:
+        sim.add_synthetic_adapter(name, default_rank, targets)
+
+
+@dataclass
+class SimRun:
+    """A finished simulation: the result dict (`slora replay`'s keys, source "simulate"), the
+    per-request records it summarises, and the simulated engine (its scheduler's final state)."""
+
+    result: dict
+    records: list
+    engine: SimEngine
+
+
+def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
+             num_pages: int | None = None, gpu_memory_gb: float | None = None,
+             model: ModelConfig | None = None, default_rank: int | None = None,
+             trace_path: str | None = None, seed: int = 0, check: bool = False,
+             progress: bool = False, on_step=None, extra_config: dict | None = None) -> SimRun:
+    """Simulate `trace` with `profile`'s cost model.
+
+    engine_options: EngineConfig fields (policy, max_num_seqs, max_batch_tokens, slo_ttft_s,
+        host_cache_gb, prefetch_window, ...); dtype and block_size default to the profile's.
+    num_pages / gpu_memory_gb: the pool (see `resolve_pages`).
+    model: the model's shapes; default: the profile's config.json.
+    seed: of the random prompt token ids (as replay's; they do not change the timing).
+    """
+    from slora.metrics import result_dict, summarize
+    from slora.replay import replay
+
+    options = {k: v for k, v in (engine_options or {}).items() if v is not None}
+    model = model or ModelConfig.from_dict(profile.model_config, source="profile model_config")
+    dtype = options.get("dtype") or "auto"
+    dtype = profile.dtype if dtype == "auto" else dtype
+    options["dtype"] = dtype
+    options.setdefault("block_size", profile.block_size)
+    options.pop("num_pages", None)
+    options.pop("model", None)
+    fraction = options.get("gpu_memory_fraction", 0.85)
+    pages = resolve_pages(profile, model, options["block_size"], dtype, num_pages, gpu_memory_gb,
+                          fraction)
+    config = EngineConfig(model=profile.model, num_pages=pages, **options)
+    sim = SimEngine(config, model, profile.cost, dtype, check=check, on_step=on_step)
+    register_trace_adapters(sim, trace, default_rank)
+    wall = time.perf_counter()
+    run = replay(sim, trace, vocab_size=model.vocab_size, seed=seed, progress=progress,
+                 clock=sim.clock, sleep=sim.clock.sleep)
+    wall = time.perf_counter() - wall
+    summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
+    stats = {**sim.stats(), "sim_wall_s": wall}
+    config_out = {"trace": trace_path, "workload": dict(trace.params), "engine": asdict(config),
+                  "adapters": "synthetic", "seed": seed,
+                  "profile": {"model": profile.model, "gpu": profile.gpu, "dtype": profile.dtype,
+                              "cost": profile.cost.to_dict()},
+                  "gpu_memory_gb": gpu_memory_gb, **(extra_config or {})}
+    return SimRun(result_dict(summary, source="simulate", config=config_out, stats=stats),
+                  run.records, sim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps
+
+# Swept keys besides EngineConfig fields: the trace's request rate, and the device's memory.
+SWEEP_KEYS = ("rate", "gpu_memory", "num_pages", "max_num_seqs", "max_batch_tokens", "policy",
+              "slo_ttft_s", "host_cache_gb", "prefetch_window", "prefetch_reserve", "block_size",
+              "max_skips")
+_STR_KEYS = ("policy",)
+_INT_KEYS = ("num_pages", "max_num_seqs", "max_batch_tokens", "prefetch_window",
+             "prefetch_reserve", "block_size", "max_skips")
+
+
+def parse_sweep(specs: Sequence[str]) -> list[dict]:
+    """["rate=1,2,4", "policy=fcfs,cluster"] -> the grid's points, as dicts (product order)."""
+    axes = {}
+    for spec in specs:
+        key, sep, text = spec.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in SWEEP_KEYS or not text:
+            raise ValueError(f"--sweep {spec!r}: expected KEY=V1,V2,... with KEY one of "
+                             f"{', '.join(SWEEP_KEYS)}")
+        if key in axes:
+            raise ValueError(f"--sweep {key} given twice")
+        values = []
+        for v in text.split(","):
+            try:
+                values.append(v if key in _STR_KEYS else int(v) if key in _INT_KEYS else float(v))
+            except ValueError:
+                raise ValueError(f"--sweep {key}: {v!r} is not a number") from None
+        axes[key] = values
+    return [dict(zip(axes, vs)) for vs in itertools.product(*axes.values())]
+
+
+def trace_rate(trace) -> float:
+    """The trace's mean request rate: its synthesis parameter, else requests over its span."""
+    rate = trace.params.get("rate")
+    if rate:
+        return float(rate)
+    if trace.duration <= 0:
+        raise ValueError("cannot rescale the rate of a trace whose requests all arrive at time 0")
+    return len(trace) / trace.duration
+
+
+def rescale_rate(trace, rate: float):
+    """The same requests with arrival times scaled so that the mean rate becomes `rate`."""
+    from slora.workload import Trace
+
+    if rate <= 0:
+        raise ValueError(f"rate={rate} must be positive")
+    factor = trace_rate(trace) / rate
+    params = {**trace.params, "rate": rate}
+    if "duration" in params:
+        params["duration"] = params["duration"] * factor
+    reqs = [replace(r, arrival_time=r.arrival_time * factor) for r in trace.requests]
+    return Trace(reqs, dict(trace.adapters), params)
+
+
+def point_name(point: dict) -> str:
+    return "_".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in point.items()) or "default"
+
+
+def simulate_point(trace, profile: Profile, point: dict, *, engine_options: dict | None = None,
+                   num_pages: int | None = None, gpu_memory_gb: float | None = None,
+                   **kwargs) -> SimRun:
+    """`simulate` at one sweep point: rate rescales the trace, gpu_memory / num_pages size the
+    pool, the other keys are EngineConfig fields."""
+    options = dict(engine_options or {})
+    swept, point = dict(point), dict(point)
+    if "rate" in point:
+        trace = rescale_rate(trace, point["rate"])
+    if "gpu_memory" in point:
+        gpu_memory_gb, num_pages = point.pop("gpu_memory"), None
+    if "num_pages" in point:
+        num_pages, gpu_memory_gb = point.pop("num_pages"), None
+    options.update({k: v for k, v in point.items() if k != "rate"})
+    extra = {**(kwargs.pop("extra_config", None) or {}), "sweep": swept}
+    return simulate(trace, profile, engine_options=options, num_pages=num_pages,
+                    gpu_memory_gb=gpu_memory_gb, extra_config=extra, **kwargs)
+
+
+def best_point(results: list[tuple[dict, dict]], slo_target: float, key: str = "rate"):
+    """The point with the largest `key` whose SLO attainment is at least `slo_target`, or None."""
+    ok = [(p, r) for p, r in results if key in p and r["slo_attainment"] >= slo_target]
+    return max(ok, key=lambda pr: pr[0][key], default=None)
