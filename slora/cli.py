@@ -4,6 +4,8 @@
     slora trace synth ... -o trace.jsonl    make an S-LoRA synthetic trace (slora.workload)
     slora replay trace.jsonl --model DIR    replay a trace on the real engine, write metrics JSON
     slora plot result*.json -o fig.png      throughput and latency against the swept axis
+    slora simulate trace.jsonl --profile P  the trace in the simulator (slora.sim): same metrics JSON
+    slora profile --model DIR -o P          calibrate the simulator's cost model on this device
 
 Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets its
 handler; the simulator's `simulate` and `profile` (issue 7) join the same way, reusing
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace(sub)
     _add_replay(sub)
     _add_plot(sub)
+    _add_simulate(sub)
+    _add_profile(sub)
     return parser
 
 
@@ -270,6 +274,118 @@ def _plot(args) -> int:
                        title=args.title)
     print(f"wrote {out}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# simulate and profile (slora.sim)
+
+
+def _add_simulate(sub) -> None:
+    p = sub.add_parser(
+        "simulate", help="replay a trace in the simulator: the real scheduler, a fitted cost model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a trace through the engine's own scheduler on a virtual clock, each step "
+        "timed by the cost model of a profile (slora profile). Writes the metrics JSON of "
+        "`slora replay` (source: simulate), so `slora plot` draws both. No GPU, no torch: "
+        "thousands of adapters and hours of traffic in seconds.",
+        epilog="examples:\n"
+        "  slora simulate trace.jsonl --profile experiments/profiles/h200-llama2-7b.json -o sim.json\n"
+        "  # capacity planning: which request rate keeps 90% of first tokens within the SLO?\n"
+        "  slora simulate trace.jsonl --profile p.json --gpu-memory 80 --sweep rate=2,4,8,16 \\\n"
+        "      --slo-target 0.9 -o results/capacity/")
+    p.add_argument("trace", help="JSONL trace (slora trace synth, or your own)")
+    p.add_argument("--profile", required=True, help="profile JSON (slora profile) of the model and GPU")
+    p.add_argument("--model", help="take the model's shapes from DIR/config.json (default: the profile's)")
+    p.add_argument("--gpu-memory", type=float, metavar="GB",
+                   help="size the pool for a device of GB GiB, as the engine would (instead of "
+                   "--num-pages; default: the pool the engine had on the profiled device)")
+    _add_engine_args(p)
+    g = p.add_argument_group("simulation")
+    g.add_argument("--host-cache-gb", type=float, help="host-memory adapter cache (default 8)")
+    g.add_argument("--prefetch-window", type=int, help="waiting requests whose adapters are prefetched")
+    g.add_argument("--prefetch-reserve", type=int, help="free pages prefetching leaves for KV")
+    g.add_argument("--adapter-rank", type=int, metavar="R",
+                   help="rank of adapters the requests use but the trace header does not list")
+    g.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="simulate every point of a grid (repeat for a product): rate (rescales "
+                   "arrival times), gpu_memory, num_pages, policy, max_num_seqs, ... ; -o is then a "
+                   "directory that gets one result per point")
+    g.add_argument("--slo-target", type=float, metavar="FRACTION",
+                   help="with --sweep rate=...: report the highest rate whose SLO attainment reaches this")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("-o", "--output", required=True, help="result JSON (with --sweep: a directory)")
+    p.set_defaults(handler=_simulate)
+
+
+def _simulate(args) -> int:
+    from slora.config import ModelConfig
+    from slora.sim import Profile
+    from slora.sim.simulator import best_point, parse_sweep, point_name, simulate_point
+    from slora.workload import read_trace
+
+    trace, profile = read_trace(args.trace), Profile.load(args.profile)
+    options = _engine_options(args)
+    options.update({k: getattr(args, k) for k in ("host_cache_gb", "prefetch_window", "prefetch_reserve")
+                    if getattr(args, k) is not None})
+    num_pages = options.pop("num_pages", None)
+    model = ModelConfig.from_dir(args.model) if args.model else None
+    points = parse_sweep(args.sweep) if args.sweep else [{}]
+    results = []
+    for point in points:
+        run = simulate_point(trace, profile, point, engine_options=options, num_pages=num_pages,
+                             gpu_memory_gb=args.gpu_memory, model=model, default_rank=args.adapter_rank,
+                             trace_path=args.trace, seed=args.seed,
+                             progress=args.progress and not args.sweep)
+        stats = run.result["stats"]
+        print(f"{point_name(point) + ': ' if args.sweep else ''}simulated {len(trace)} requests, "
+              f"{run.result['duration_s']:.1f} s of serving, in {stats['sim_wall_s']:.1f} s "
+              f"({stats['sim_steps']} steps, pool {stats['pages_total']} pages)")
+        out = Path(args.output) / f"{point_name(point)}.json" if args.sweep else Path(args.output)
+        _finish_result(run.result, str(out))
+        results.append((point, run.result))
+    if args.slo_target is not None:
+        best = best_point(results, args.slo_target)
+        answer = "none of those swept" if best is None else f"{best[0]['rate']:g} req/s"
+        print(f"highest rate with SLO attainment >= {args.slo_target:g}: {answer}")
+    return 0
+
+
+def _add_profile(sub) -> None:
+    p = sub.add_parser(
+        "profile", help="calibrate the simulator: time engine steps and adapter copies, fit a cost model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Build an engine for the model on this device, time its steps over a grid of "
+        "batch shapes and adapter mixes and its adapter copies, and fit the simulator's cost model "
+        "(see slora/sim/cost.py). Takes a few minutes on a GPU, seconds for a tiny model on CPU.",
+        epilog="examples:\n"
+        "  slora profile --model experiments/models/llama-2-7b --load-format dummy \\\n"
+        "      -o experiments/profiles/h200-llama2-7b.json")
+    p.add_argument("--model", required=True, help="model directory (config.json; weights unless dummy)")
+    p.add_argument("--load-format", choices=("auto", "dummy"),
+                   help="dummy: random weights of the config's shapes (no weight files needed)")
+    p.add_argument("--name", help="model name recorded in the profile (default: the directory name)")
+    p.add_argument("--grid", choices=("gpu", "cpu"),
+                   help="batch shapes to time (default: gpu on CUDA, the small cpu grid otherwise)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--backend", choices=BACKENDS)
+    g.add_argument("--num-pages", type=int, help="pool pages (default: sized to memory)")
+    g.add_argument("--block-size", type=int, help="tokens per KV page (default 16)")
+    p.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    p.set_defaults(handler=_profile)
+
+
+def _profile(args) -> int:
+    from slora.sim.profile import CPU_GRID, GPU_GRID, run_profile
+
+    keys = ("load_format", "device", "dtype", "backend", "num_pages", "block_size")
+    options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    grid = {"gpu": GPU_GRID, "cpu": CPU_GRID, None: None}[args.grid]
+    run_profile(args.model, args.output, engine_options=options, grid=grid, model_name=args.name)
+    return 0
+
 
 
 if __name__ == "__main__":
