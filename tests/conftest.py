@@ -8,6 +8,18 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Triton reads TRITON_INTERPRET when its kernels are first imported: set it before any test
+# module imports slora.kernels, so without a GPU every Triton kernel runs interpreted on CPU.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
