@@ -44,7 +44,7 @@ class Grid:
     ranks: tuple[int, ...] = (8, 16, 32, 64)
     decode_steps: int = 4  # decode steps per case after the prefill
     max_case_tokens: int = 65536
-    max_adapters: int = 64  # distinct adapters registered for the "distinct" mix
+    max_adapters: int = 128  # distinct adapters registered for the "distinct" mix
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     transfer_repeats: int = 5
     overlap_repeats: int = 5
@@ -52,8 +52,8 @@ class Grid:
 
 GPU_GRID = Grid()
 # The CPU grid: small shapes for tiny models (the tests calibrate on it in seconds).
-CPU_GRID = Grid(batches=(1, 2, 4, 8), prompt_lens=(4, 16, 48), ranks=(4, 8, 16), decode_steps=3,
-                max_case_tokens=2048, max_adapters=12, transfer_repeats=3, overlap_repeats=3)
+CPU_GRID = Grid(batches=(1, 2, 4, 8, 16), prompt_lens=(4, 16, 48), ranks=(4, 8, 16), decode_steps=3,
+                max_case_tokens=2048, max_adapters=16, transfer_repeats=3, overlap_repeats=3)
 
 
 def _sync(engine) -> None:
@@ -209,13 +209,16 @@ def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed
     n = max(b for b in grid.batches if b <= 64)
     plen = sorted(grid.prompt_lens)[len(grid.prompt_lens) // 2]
     steps = 2 * grid.overlap_repeats + 2
-    sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    sp = SamplingParams(max_tokens=steps + 2 + n * plen // engine.config.max_batch_tokens,
+                        ignore_eos=True)
     for _ in range(n):
         engine.add_request([rng.randrange(engine.model_config.vocab_size) for _ in range(plen)], sp)
     tap = _PlanTap(engine)
     alone, both, copy = [], [], []
     try:
-        engine.step()  # the prefill
+        engine.step()
+        while engine.scheduler.waiting:  # prefill everyone: the timed steps are pure decode
+            engine.step()
         for k in range(steps):
             tap.inject = (name, info.pages) if k % 2 else None
             t = _timed_step(engine, tap)
