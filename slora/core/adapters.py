@@ -43,6 +43,7 @@ class AdapterManager:
         self.adapters: dict[str, AdapterInfo] = {}
         self._idle: OrderedDict[str, None] = OrderedDict()  # resident, refcount 0; LRU first
         self._host: OrderedDict[str, int] = OrderedDict()  # name -> bytes; LRU first
+        self.resident: set[str] = set()  # names holding device pages (kept by load / _evict)
         self.host_bytes = 0
         self.loads = 0
         self.evictions = 0
@@ -93,6 +94,7 @@ class AdapterManager:
         if pages is None:
             return None
         info.pages = pages
+        self.resident.add(name)
         self._idle[name] = None
         self.loads += 1
         return pages
@@ -142,6 +144,7 @@ class AdapterManager:
         info = self.adapters[name]
         assert info.refcount == 0, f"adapter {name!r} is in use and cannot be evicted"
         pages, info.pages = info.pages, None
+        self.resident.discard(name)
         self._idle.pop(name, None)
         self.evictions += 1
         return pages

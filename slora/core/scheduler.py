@@ -132,7 +132,7 @@ class Scheduler:
 
     def _admit(self, plan: SchedulerPlan, now: float) -> None:
         cfg = self.config
-        resident = {n for n, a in self.adapters.adapters.items() if a.resident} | {None}
+        resident = self.adapters.resident | {None}
         budget = cfg.max_batch_tokens - len(plan.decode)
         admitted = []
         passed_over = []

@@ -46,7 +46,10 @@ class LoraMeta:
 class TorchBackend:
     name = "torch"
 
-    write_kv = staticmethod(ref.write_kv)
+    rms_norm = staticmethod(ref.rms_norm)
+    add_rms_norm = staticmethod(ref.add_rms_norm)
+    rope_write_kv = staticmethod(ref.rope_write_kv)
+    silu_mul = staticmethod(ref.silu_mul)
 
     def attention(self, q, k_cache, v_cache, b, scale):
         return ref.paged_attention(q, k_cache, v_cache, b.block_tables, b.q_start,
@@ -67,9 +70,13 @@ class TritonBackend(TorchBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from slora.kernels import attention, lora  # triton imported only for this backend
+        from slora.kernels import attention, fused, lora  # triton imported only for this backend
 
         self._attn, self._lora = attention, lora
+        self.rms_norm = fused.rms_norm
+        self.add_rms_norm = fused.add_rms_norm
+        self.rope_write_kv = fused.rope_write_kv
+        self.silu_mul = fused.silu_mul
 
     def attention(self, q, k_cache, v_cache, b, scale):
         nd = b.num_decode

@@ -176,3 +176,33 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The residual add (in x's dtype, as HF adds) and the RMSNorm of the sum: (sum, normed)."""
+    s = x + delta
+    return s, rms_norm(s, weight, eps)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos/sin [T, D] of each token's position, as HF computes them (float32, then dtype)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Rotary on q and k of a fused [q | k | v] output; K and V stored at the tokens' slots.
+
+    qkv [T, (H + 2 KVH) * D]. Returns the rotated q [T, H, D].
+    """
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
+    cos, sin = rope_cos_sin(positions, inv_freq, qkv.dtype)
+    q, k, v = qkv.split((num_heads * D, num_kv_heads * D, num_kv_heads * D), dim=-1)
+    q = rotary(q.view(T, num_heads, D), cos, sin)
+    k = rotary(k.view(T, num_kv_heads, D), cos, sin)
+    write_kv(k_cache, v_cache, k, v.view(T, num_kv_heads, D), slot_mapping)
+    return q

@@ -112,40 +112,36 @@ class LlamaModel:
         self.block_size = block_size
         self.inv_freq = rope_inv_freq(cfg).to(weights.embed.device)
         self.scale = cfg.head_dim ** -0.5
-        self.split = (cfg.q_size, cfg.kv_size, cfg.kv_size)
 
     @torch.inference_mode()
     def forward(self, b: Batch, pool: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] in float32 for each sequence's last token."""
         cfg, w, be = self.cfg, self.w, self.backend
-        T = b.input_ids.shape[0]
         x = w.embed[b.input_ids]
-        freqs = b.positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        down = None  # the last layer's MLP output, added to x by the next fused add + norm
         for layer, lw in enumerate(w.layers):
             kc, vc = ref.kv_views(pool[layer], self.block_size, cfg.num_kv_heads, cfg.head_dim)
-            h = ref.rms_norm(x, lw.ln1, cfg.rms_norm_eps)
+            if down is None:
+                h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps)
+            else:
+                x, h = be.add_rms_norm(x, down, lw.ln1, cfg.rms_norm_eps)
             qkv = F.linear(h, lw.qkv, lw.qkv_bias)
             if b.lora is not None:
                 be.lora(qkv, h, pool[layer], b.lora, layer, "qkv")
-            q, k, v = qkv.split(self.split, dim=-1)
-            q = ref.rotary(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = ref.rotary(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            be.write_kv(kc, vc, k, v.view(T, cfg.num_kv_heads, cfg.head_dim), b.slot_mapping)
-            attn = be.attention(q, kc, vc, b, self.scale).reshape(T, cfg.q_size)
+            q = be.rope_write_kv(qkv, b.positions, self.inv_freq, kc, vc, b.slot_mapping,
+                                 cfg.num_heads, cfg.num_kv_heads)
+            attn = be.attention(q, kc, vc, b, self.scale).reshape(-1, cfg.q_size)
             o = F.linear(attn, lw.o, lw.o_bias)
             if b.lora is not None:
                 be.lora(o, attn, pool[layer], b.lora, layer, "o")
-            x = x + o
-            h = ref.rms_norm(x, lw.ln2, cfg.rms_norm_eps)
+            x, h = be.add_rms_norm(x, o, lw.ln2, cfg.rms_norm_eps)
             gate_up = F.linear(h, lw.gate_up)
             if b.lora is not None:
                 be.lora(gate_up, h, pool[layer], b.lora, layer, "gate_up")
-            act = ref.silu_mul(gate_up)
+            act = be.silu_mul(gate_up)
             down = F.linear(act, lw.down)
             if b.lora is not None:
                 be.lora(down, act, pool[layer], b.lora, layer, "down")
-            x = x + down
-        x = ref.rms_norm(x[b.logits_index], w.norm, cfg.rms_norm_eps)
+        x = (x + down)[b.logits_index]
+        x = be.rms_norm(x, w.norm, cfg.rms_norm_eps)
         return F.linear(x, w.lm_head).float()

@@ -1,0 +1,137 @@
+"""Fused elementwise kernels (Triton): a decode step is hundreds of tiny launches, and each
+costs a few microseconds however little it does; these fold the chains into one launch each.
+
+- `add_rms_norm`: residual add + RMSNorm (7 launches -> 1), twin `reference.add_rms_norm`.
+- `rms_norm`: the same without the add, twin `reference.rms_norm`.
+- `rope_write_kv`: rotary on q and k of the fused qkv output (cos/sin computed in the kernel
+  from positions) + K/V store into their pool pages (about 16 launches -> 1), twin
+  `reference.rope_write_kv`. q is rotated in place inside qkv and returned as a view.
+- `silu_mul`: SwiGLU over [gate | up] (2 launches -> 1), twin `reference.silu_mul`.
+
+Numerics follow the twins: statistics in float32, results rounded to the input dtype where
+HF rounds (the residual sum, the normalised value before the weight, cos/sin).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, eps, stride_x, stride_d,
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * N + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + row * N + offs, (w.to(tl.float32) * y.to(tl.float32)).to(w.dtype), mask=m)
+
+
+def _norm(x, delta, weight, eps):
+    T, N = x.shape
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if delta is not None else x
+    if T:
+        _rms_norm_kernel[(T,)](x, delta if delta is not None else x, weight, total, out, N, eps,
+                               x.stride(0), delta.stride(0) if delta is not None else 0,
+                               HAS_DELTA=delta is not None, BLOCK=_pow2(N), num_warps=4)
+    return total, out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps)[1]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _norm(x, delta, weight, eps)
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t,
+                    kc_page, kc_row, kc_head, vc_page, vc_row, vc_head, block_size,
+                    H, KVH, HALF, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    m = offs < HALF
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    f = pos * tl.load(inv_ptr + offs, mask=m, other=0.0)
+    dt = qkv_ptr.dtype.element_ty
+    c = tl.cos(f).to(dt).to(tl.float32)
+    s = tl.sin(f).to(dt).to(tl.float32)
+    D = 2 * HALF
+    row = qkv_ptr + t * stride_t
+    if h < H:  # a query head: rotate in place
+        base = row + h * D
+        x1 = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(base + offs, (x1 * c - x2 * s).to(dt), mask=m)
+        tl.store(base + HALF + offs, (x2 * c + x1 * s).to(dt), mask=m)
+    else:  # a KV head: rotate K, store K and V at the token's slot
+        kh = h - H
+        slot = tl.load(slot_ptr + t)
+        page = slot // block_size
+        r = slot % block_size
+        kbase = row + (H + kh) * D
+        x1 = tl.load(kbase + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(kbase + HALF + offs, mask=m, other=0.0).to(tl.float32)
+        kdst = kc_ptr + page * kc_page + r * kc_row + kh * kc_head
+        tl.store(kdst + offs, (x1 * c - x2 * s).to(dt), mask=m)
+        tl.store(kdst + HALF + offs, (x2 * c + x1 * s).to(dt), mask=m)
+        vbase = row + (H + KVH + kh) * D
+        vdst = vc_ptr + page * vc_page + r * vc_row + kh * vc_head
+        tl.store(vdst + offs, tl.load(vbase + offs, mask=m), mask=m)
+        tl.store(vdst + HALF + offs, tl.load(vbase + HALF + offs, mask=m), mask=m)
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
+    assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert D % 2 == 0 and inv_freq.dtype == torch.float32
+    if T:
+        _rope_kv_kernel[(T, num_heads + num_kv_heads)](
+            qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, qkv.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[1],
+            num_heads, num_kv_heads, D // 2, BLOCK=_pow2(D // 2), num_warps=1)
+    return qkv[:, : num_heads * D].view(T, num_heads, D)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_gu, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(gu_ptr + row * stride_gu + offs, mask=m, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + N + offs, mask=m, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    tl.store(out_ptr + row * N + offs, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    T, N2 = gate_up.shape
+    N = N2 // 2
+    out = torch.empty(T, N, dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        block = min(1024, _pow2(N))
+        _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, N, gate_up.stride(0),
+                                                    BLOCK=block, num_warps=4)
+    return out
