@@ -16,6 +16,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICIES = ("fcfs", "cluster", "abort", "fair")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
+# Adapter rows in pool pages start at multiples of this many elements (see kernels/reference.py).
+LORA_ALIGN = 64
+
 # The seven linear modules LoRA may target, in the order adapters are laid out in their pages.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from slora.config import EngineConfig, ModelConfig
-from slora.core.adapters import AdapterInfo, AdapterManager
+from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
-from slora.model.loader import PeftAdapter, synthetic_layout, synthetic_pack
+from slora.model.loader import PeftAdapter, synthetic_pack
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.runner import ModelRunner
 from slora.tokenizer import Tokenizer
@@ -62,7 +62,7 @@ class Engine:
         """An adapter of random weights (benchmarks, S-LoRA's dummy mode). Adapters of one
         (rank, targets) share one host buffer, so thousands cost the host one copy each shape,
         while every load still copies the full adapter size to the device."""
-        layout = synthetic_layout(self.model_config, rank, tuple(target_modules))
+        layout = AdapterLayout.uniform(self.model_config, rank, tuple(target_modules))
         key = (rank, tuple(target_modules))
         shared = self.__dict__.setdefault("_synthetic", {})
 

@@ -68,20 +68,18 @@ def test_sim_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama_tied_llama3", "llama_headdim_linear", "qwen2"])
-def test_adapter_pages_match_the_runner_layout(tiny_models, kind):
-    from slora.kernels.reference import LORA_ALIGN
-    from slora.model.loader import synthetic_layout
-    from slora.sim.simulator import LORA_ALIGN as SIM_ALIGN
+def test_adapter_pages_match_what_the_engine_registers(tiny_model_dir):
+    """The simulator and the engine share AdapterLayout; check the page counts end to end."""
+    from slora import Engine, EngineConfig
 
-    assert SIM_ALIGN == LORA_ALIGN
-    for cfg in (ModelConfig.from_dir(tiny_models(kind)), ModelConfig.from_dir(LLAMA_7B)):
-        for bs in (8, 16):
-            for rank in (1, 3, 8, 64):
-                for targets in (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"),
-                                ("gate_proj", "up_proj", "down_proj", "o_proj")):
-                    want = synthetic_layout(cfg, rank, targets).num_pages(cfg.page_size(bs))
-                    assert adapter_pages(cfg, rank, bs, targets) == want
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", num_pages=64))
+    for rank in (1, 3, 8, 64):
+        for targets in (("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj", "o_proj")):
+            name = f"r{rank}-{len(targets)}"
+            engine.add_synthetic_adapter(name, rank, targets)
+            want = engine.adapters.get(name).num_pages
+            assert adapter_pages(cfg, rank, engine.config.block_size, targets) == want
 
 
 def test_fit_recovers_coefficients_and_stays_non_negative():

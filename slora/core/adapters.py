@@ -18,7 +18,50 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from slora.config import LORA_ALIGN, LORA_MODULES, ModelConfig, cdiv, round_up
 from slora.core.pages import ADAPTER, PageAllocator
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """Where an adapter's rows live in its per-layer virtual buffer (see kernels.reference).
+
+    Offsets are the same in every layer (sized by each module's largest rank over layers);
+    `ranks[l][m]` may be smaller in some layers (rank_pattern) or 0 (layers_to_transform).
+    """
+
+    ranks: tuple[tuple[int, ...], ...]  # [num_layers][7]
+    offsets: tuple[tuple[int, int], ...]  # [7] (offset of A rows, offset of B^T rows)
+    elems: int  # elements per layer, a multiple of LORA_ALIGN
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, ranks: list[list[int]]) -> "AdapterLayout":
+        offsets, pos = [], 0
+        for m, name in enumerate(LORA_MODULES):
+            r = max(layer[m] for layer in ranks)
+            d_in, d_out = cfg.module_dims(name)
+            a = pos
+            pos += r * round_up(d_in, LORA_ALIGN)
+            offsets.append((a, pos))
+            pos += r * round_up(d_out, LORA_ALIGN)
+        return cls(tuple(tuple(r) for r in ranks), tuple(offsets), pos)
+
+    def num_pages(self, page_size: int) -> int:
+        return cdiv(self.elems, page_size)
+
+    @property
+    def max_rank(self) -> int:
+        return max(max(r) for r in self.ranks)
+
+    @classmethod
+    def uniform(cls, cfg: ModelConfig, rank: int, targets) -> "AdapterLayout":
+        """Every layer: `rank` on each module in `targets` (synthetic adapters, the simulator)."""
+        unknown = [t for t in targets if t not in LORA_MODULES]
+        if unknown or rank < 1:
+            raise ValueError(f"adapter: rank {rank} must be >= 1 and target modules {unknown} "
+                             f"must be among {LORA_MODULES}")
+        row = [rank if m in targets else 0 for m in LORA_MODULES]
+        return cls.build(cfg, [row] * cfg.num_layers)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LORA_ALIGN = 64
+from slora.config import LORA_ALIGN  # noqa: F401  (part of the layout this module specifies)
 
 
 # ----------------------------------------------------------------------------- KV cache

@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from slora.config import LORA_MODULES, ModelConfig, cdiv, round_up
-from slora.kernels.reference import LORA_ALIGN
+from slora.config import LORA_ALIGN, LORA_MODULES, ModelConfig, round_up
+from slora.core.adapters import AdapterLayout
 from slora.model.llama import LayerWeights, Weights
 
 
@@ -110,38 +109,6 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 # ----------------------------------------------------------------------------- adapters
-
-@dataclass(frozen=True)
-class AdapterLayout:
-    """Where an adapter's rows live in its per-layer virtual buffer (see kernels.reference).
-
-    Offsets are the same in every layer (sized by each module's largest rank over layers);
-    `ranks[l][m]` may be smaller in some layers (rank_pattern) or 0 (layers_to_transform).
-    """
-
-    ranks: tuple[tuple[int, ...], ...]  # [num_layers][7]
-    offsets: tuple[tuple[int, int], ...]  # [7] (offset of A rows, offset of B^T rows)
-    elems: int  # elements per layer, a multiple of LORA_ALIGN
-
-    @classmethod
-    def build(cls, cfg: ModelConfig, ranks: list[list[int]]) -> "AdapterLayout":
-        offsets, pos = [], 0
-        for m, name in enumerate(LORA_MODULES):
-            r = max(layer[m] for layer in ranks)
-            d_in, d_out = cfg.module_dims(name)
-            a = pos
-            pos += r * round_up(d_in, LORA_ALIGN)
-            offsets.append((a, pos))
-            pos += r * round_up(d_out, LORA_ALIGN)
-        return cls(tuple(tuple(r) for r in ranks), tuple(offsets), pos)
-
-    def num_pages(self, page_size: int) -> int:
-        return cdiv(self.elems, page_size)
-
-    @property
-    def max_rank(self) -> int:
-        return max(max(r) for r in self.ranks)
-
 
 def strides(cfg: ModelConfig, module: str) -> tuple[int, int]:
     d_in, d_out = cfg.module_dims(module)
@@ -314,15 +281,6 @@ class PeftAdapter:
             return A, B
 
         return pack_adapter(self.cfg, self.layout, page_size, dtype, get_ab)
-
-
-def synthetic_layout(cfg: ModelConfig, rank: int, targets) -> AdapterLayout:
-    unknown = [t for t in targets if t not in LORA_MODULES]
-    if unknown or rank < 1:
-        raise AdapterError(f"synthetic adapter: rank {rank} must be >= 1 and target modules "
-                           f"{unknown} must be among {LORA_MODULES}")
-    row = [rank if m in targets else 0 for m in LORA_MODULES]
-    return AdapterLayout.build(cfg, [row] * cfg.num_layers)
 
 
 def synthetic_pack(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtype: torch.dtype,

@@ -28,17 +28,13 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
-from slora.config import DTYPE_BYTES, LORA_MODULES, EngineConfig, ModelConfig, cdiv, round_up
-from slora.core.adapters import AdapterInfo, AdapterManager
+from slora.config import DTYPE_BYTES, EngineConfig, ModelConfig
+from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler, SchedulerPlan
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.sim.cost import CostModel, Profile, plan_features
 
-# Row alignment of adapter weights in pool pages: slora.kernels.reference.LORA_ALIGN (which
-# imports torch); tests/test_sim.py checks the two agree, and that `adapter_pages` matches the
-# runner's layout.
-LORA_ALIGN = 64
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Engine.add_synthetic_adapter's
 FAKE_TOKEN = 0
 ACTIVATION_RESERVE_BYTES = 1 << 30  # what the runner keeps free for activations when it sizes the pool
@@ -50,19 +46,8 @@ ACTIVATION_RESERVE_BYTES = 1 << 30  # what the runner keeps free for activations
 
 def adapter_pages(model: ModelConfig, rank: int, block_size: int,
                   targets: Sequence[str] = DEFAULT_TARGETS) -> int:
-    """Pool pages of a rank-`rank` adapter on `targets`, as `slora.model.loader.AdapterLayout`
-    lays it out: per layer, for each module, r rows of A (d_in) then r rows of B^T (d_out),
-    each row padded to LORA_ALIGN elements; pages of `page_size` elements hold every layer."""
-    unknown = [t for t in targets if t not in LORA_MODULES]
-    if unknown or rank < 1:
-        raise ValueError(f"adapter: rank {rank} must be >= 1 and target modules {unknown} must be "
-                         f"among {LORA_MODULES}")
-    elems = 0
-    for name in LORA_MODULES:
-        if name in targets:
-            d_in, d_out = model.module_dims(name)
-            elems += rank * (round_up(d_in, LORA_ALIGN) + round_up(d_out, LORA_ALIGN))
-    return cdiv(elems, model.page_size(block_size))
+    """Pool pages of a rank-`rank` adapter on `targets`, laid out as the engine lays it out."""
+    return AdapterLayout.uniform(model, rank, tuple(targets)).num_pages(model.page_size(block_size))
 
 
 def page_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
