@@ -131,7 +131,8 @@ class DecodeGraphs:
         return Batch(input_ids=self.ids[:bucket], positions=self.positions[:bucket],
                      slot_mapping=self.slots[:bucket], block_tables=self.tables[:bucket],
                      ctx_lens=self.ctx[:bucket], ctx_lens_list=[1] * bucket,
-                     q_start=list(range(bucket + 1)), num_decode=bucket,
+                     q_start=list(range(bucket + 1)), q_start_t=self.token_slot.new_zeros(0),
+                     num_decode=bucket,
                      logits_index=torch.arange(bucket, device=self.ids.device), lora=lora)
 
     def _capture(self, bucket: int, rank_bucket: int):

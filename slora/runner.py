@@ -163,6 +163,7 @@ class ModelRunner:
             ctx_lens=torch.tensor(ctx, dtype=torch.int32),
             ctx_lens_list=ctx,
             q_start=q_start,
+            q_start_t=torch.tensor(q_start, dtype=torch.int32),
             num_decode=len(plan.decode),
             logits_index=torch.tensor(q_start[1:]) - 1,
             lora=self.lora_meta(seqs, q_start, len(plan.decode), adapters),

@@ -79,19 +79,13 @@ class TritonBackend(TorchBackend):
         self.silu_mul = fused.silu_mul
 
     def attention(self, q, k_cache, v_cache, b, scale):
-        nd = b.num_decode
-        if nd == len(b.q_start) - 1:  # decode only
+        if b.num_decode == len(b.q_start) - 1:  # decode only: the split-K decode kernel
             return self._attn.paged_decode_attention(q, k_cache, v_cache, b.block_tables,
                                                      b.ctx_lens, scale)
-        if nd == 0:  # prefill only
-            return super().attention(q, k_cache, v_cache, b, scale)
-        out = torch.empty_like(q)
-        out[:nd] = self._attn.paged_decode_attention(q[:nd], k_cache, v_cache,
-                                                     b.block_tables[:nd], b.ctx_lens[:nd], scale)
-        qs = [s - nd for s in b.q_start[nd:]]
-        out[nd:] = ref.paged_attention(q[nd:], k_cache, v_cache, b.block_tables[nd:], qs,
-                                       b.ctx_lens_list[nd:], scale)
-        return out
+        # prefill, or prefill mixed with decode rows: one flash-style launch for all of them
+        return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
+                                                  b.q_start_t, b.ctx_lens, scale,
+                                                  max_q_len=b.max_q_len)
 
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         g = meta.groups.get(group)

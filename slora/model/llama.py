@@ -59,9 +59,14 @@ class Batch:
     ctx_lens: torch.Tensor  # int32 [S]
     ctx_lens_list: list[int]
     q_start: list[int]
+    q_start_t: torch.Tensor  # int32 [S+1], q_start as a tensor (for the Triton prefill kernel)
     num_decode: int
     logits_index: torch.Tensor  # [S]
     lora: object | None  # kernels.LoraMeta, None when no row has an adapter
+
+    @property
+    def max_q_len(self) -> int:
+        return max(b - a for a, b in zip(self.q_start, self.q_start[1:]))
 
     def to(self, device: torch.device) -> "Batch":
         """The same batch with every tensor on `device` (host-side lists stay)."""
