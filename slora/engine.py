@@ -28,7 +28,7 @@ Prompt = str | list[int]
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        config = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
+        config = (config or EngineConfig()).replace(**overrides)
         if config.model is None:
             from slora.model.smollm import default_model_dir
 
@@ -49,6 +49,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._failed_now: list[Request] = []  # failed at add_request, reported next step
+        self._synthetic: dict[tuple, object] = {}  # (rank, targets, seed) -> shared host buffer
 
     # -- adapters
     def add_adapter(self, name: str, path: str | Path) -> None:
@@ -63,13 +64,13 @@ class Engine:
         (rank, targets) share one host buffer, so thousands cost the host one copy each shape,
         while every load still copies the full adapter size to the device."""
         layout = AdapterLayout.uniform(self.model_config, rank, tuple(target_modules))
-        key = (rank, tuple(target_modules))
-        shared = self.__dict__.setdefault("_synthetic", {})
+        key = (rank, tuple(target_modules), seed)
 
         def pack(page_size, dtype):
-            if key not in shared:
-                shared[key] = synthetic_pack(self.model_config, layout, page_size, dtype, seed)
-            return shared[key]
+            if key not in self._synthetic:
+                self._synthetic[key] = synthetic_pack(self.model_config, layout, page_size, dtype,
+                                                      seed)
+            return self._synthetic[key]
 
         self._register(name, layout, "synthetic", pack)
 
