@@ -1,6 +1,7 @@
 """`slora generate` (slora.demo): argument parsing, one mixed batch, the printed report."""
 
 import argparse
+import json
 import re
 
 import pytest
@@ -47,3 +48,25 @@ def test_run_mixes_base_and_adapters_in_one_generate_call(tiny_model_dir, adapte
     assert re.search(rf"6 requests, {tokens} generated tokens in [\d.]+ s = [\d.]+ tok/s", out)
     assert re.search(r"engine stats: .*pages_total=\d+.*adapter_loads=\d+", out)
 
+
+
+@pytest.mark.slow
+def test_default_run_serves_embedded_model_with_shipped_adapters(tmp_path, capsys):
+    """The real thing: SmolLM2 (converted into a tmp cache) and the three shipped adapters, each
+    row of one batch answered in its adapter's style (greedy outputs equal PEFT's)."""
+    pytest.importorskip("gguf")
+    if not demo.shipped_adapters():
+        pytest.fail(f"no adapters in {demo.ASSETS}: run experiments/train_adapters.py")
+    args = parse("--cache-dir", str(tmp_path), "--device", "cpu", "--max-tokens", "24",
+                 "--prompt", "What is the capital of France?")
+    assert demo.run(args) == 0
+
+    out = capsys.readouterr().out
+    answers = dict(re.findall(r"adapter=(\w+) .*\n  prompt: .*\n  output: (.*)", out))
+    assert set(answers) == {"base", "french", "json", "pirate"}
+    assert "Paris" in answers["base"]
+    assert answers["french"] == "La capitale de la France est Paris."
+    assert json.loads(answers["json"]) == {"topic": "geography",
+                                           "answer": "The capital of France is Paris."}
+    assert answers["pirate"].startswith("Arr") and "Paris" in answers["pirate"]
+    assert "adapter_loads=3" in out
