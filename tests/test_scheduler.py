@@ -143,3 +143,14 @@ def test_random_workloads_keep_invariants(data, num_pages, n_adapters, policy):
     assert sim.alloc.used["kv"] == 0
     if policy == "cluster":  # starvation bound: passed over at most max_skips (+ the step it waits to fit)
         assert max(passed_over.values(), default=0) <= 5
+
+
+def test_small_host_cache_rereads_adapters_and_keeps_tokens(tiny_model_dir, roomy):
+    """A host tier of ~100 KB holds a few adapters: misses re-read (re-pack) them, LRU order."""
+    jobs, want = roomy
+    engine, outs = _run(tiny_model_dir, 40, jobs, 24, host_cache_gb=1e-4)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    s = engine.stats()
+    assert s["host_evictions"] > 0 and s["host_loads"] > s["adapter_loads"] / 2
+    assert engine.adapters.host_bytes <= engine.config.host_cache_bytes or len(engine.runner.host) == 1
+    assert set(engine.runner.host) == set(engine.adapters._host)  # tensors follow the LRU state
