@@ -4,6 +4,7 @@ Slow-ish by nature (~40 s on 2 cores: one conversion, one transformers GGUF load
 answer), so the converted directory and the reference are built once per session.
 """
 
+import json
 import os
 
 import pytest
@@ -58,6 +59,21 @@ def test_half_written_dir_is_converted_again(tmp_path, monkeypatch):
     monkeypatch.setattr(smollm, "convert_gguf", lambda src, out: (out / "x").write_text("new"))
     path = smollm.default_model_dir(tmp_path, progress=lambda m: None)
     assert sorted(p.name for p in path.iterdir()) == sorted(["x", smollm.MARKER])
+
+
+def test_concurrent_conversion_keeps_the_directory_finished_first(tmp_path, monkeypatch):
+    target = tmp_path / smollm.MODEL_NAME
+
+    def convert(src, out):  # another process completes the target while this one converts
+        target.mkdir()
+        (target / "first").write_text("")
+        (target / smollm.MARKER).write_text(json.dumps({"format": smollm.FORMAT_VERSION}))
+        (out / "second").write_text("")
+
+    monkeypatch.setattr(smollm, "convert_gguf", convert)
+    assert smollm.default_model_dir(tmp_path, progress=lambda m: None) == target
+    assert sorted(p.name for p in tmp_path.iterdir()) == [smollm.MODEL_NAME]  # no tmp dir left
+    assert sorted(p.name for p in target.iterdir()) == sorted(["first", smollm.MARKER])
 
 
 def test_missing_package_says_what_to_install(monkeypatch):

@@ -77,13 +77,15 @@ def default_model_dir(cache_dir: Path | str | None = None, progress=print) -> Pa
     try:
         convert_gguf(gguf_path, tmp)
         (tmp / MARKER).write_text(json.dumps({"format": FORMAT_VERSION, "source": gguf_path.name}))
-        if target.exists():  # a stale or half-written directory from an older version
-            shutil.rmtree(target)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):  # not a concurrent caller that finished first
-                raise
+        # A concurrent caller may have finished first: keep its directory (someone may be
+        # reading it). Anything else there is stale (an older format or a manual copy).
+        if not _is_complete(target):
+            shutil.rmtree(target, ignore_errors=True)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not _is_complete(target):  # lost the race for the rename: fine, else raise
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     progress(f"slora: converted in {time.perf_counter() - start:.1f} s")
