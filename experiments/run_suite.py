@@ -177,8 +177,18 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# One runner per mode; the simulator (issue 7) adds "simulate" with the same signature.
-RUNNERS = {"replay": _replay_point}
+def _simulate_point(point: Point, trace: Trace, trace_path: Path, args) -> dict:
+    from slora.sim import Profile, simulate
+
+    if not args.profile:
+        raise SystemExit("--mode simulate needs --profile PROFILE.json (see experiments/SIMULATOR.md)")
+    engine = dict(point.engine)
+    return simulate(trace, Profile.load(args.profile), engine_options=engine,
+                    num_pages=engine.pop("num_pages", None), trace_path=str(trace_path)).result
+
+
+# One runner per mode: the real engine on the wall clock, or the simulator on a virtual one.
+RUNNERS = {"replay": _replay_point, "simulate": _simulate_point}
 
 
 def run_suite(suite: Suite, args) -> list[Path]:
@@ -230,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                    "suite's model_shape, run with random weights)")
     p.add_argument("--mode", choices=sorted(RUNNERS), default="replay",
                    help="replay: the real engine on the wall clock")
+    p.add_argument("--profile", help="simulator profile (with --mode simulate)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a workload or engine setting, or a sweep (e.g. duration=30, "
                    "num_adapters=[5,100], device=cuda); repeatable")
