@@ -15,7 +15,7 @@ summary=()
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 
 if want tests; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_attention.py tests/test_kernels_fused.py \
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_csrc.py \
     tests/test_engine_triton.py tests/test_model_vs_hf.py tests/test_lora_vs_peft.py \
     tests/test_engine.py 2>&1 | tee "$OUT/pytest.log" | tail -15
   summary+=("tests: $(grep -E '(passed|failed)' "$OUT/pytest.log" | tail -1)")

@@ -15,6 +15,18 @@ from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _backends():
+    """torch (the twins) first; the csrc CUDA MBGMV too where a GPU and cupy are present."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return ("torch", "triton")
+    return ("torch", "triton", "cuda") if DEVICE == "cuda" else ("torch", "triton")
+
+
+BACKENDS = _backends()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"] if DEVICE == "cpu" else ["float32", "bfloat16"])
 def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, dtype):
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
@@ -22,7 +34,7 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
     prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin"]
     adapters = ["r3", None, "r20", "r3"]
     results = {}
-    for backend in ("torch", "triton"):
+    for backend in BACKENDS:
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype=dtype,
                                 num_pages=48, backend=backend, cuda_graphs=False))
         for n, p in paths.items():
@@ -36,7 +48,7 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
         while e.has_unfinished():
             done.update({o.request_id: o for o in e.step() if o.finished})
         results[backend] = [done[i] for i in ids]
-    for a, b in zip(results["torch"], results["triton"]):
+    for a, b in (pair for name in BACKENDS[1:] for pair in zip(results["torch"], results[name])):
         if dtype == "float32":
             assert a.token_ids == b.token_ids
         la = [lp[t] for lp, t in zip(a.logprobs, a.token_ids)]

@@ -136,10 +136,29 @@ def check_expand(out, out_ref, out0, slots, dtype):
     assert torch.equal(out[base], out0[base])  # base-only rows untouched
 
 
+def _mbgmv_impls():
+    """The Triton MBGMV, and the csrc CUDA one where a GPU and cupy are present."""
+    impls = {"triton": (mbgmv_shrink, mbgmv_expand)}
+    if DEVICE == "cuda":
+        try:
+            import cupy  # noqa: F401
+
+            from slora.kernels import cuda as cuda_kernels
+            impls["cuda"] = (cuda_kernels.mbgmv_shrink, cuda_kernels.mbgmv_expand)
+        except ImportError:
+            pass
+    return impls
+
+
+MBGMV_IMPLS = _mbgmv_impls()
+
+
+@pytest.mark.parametrize("impl", list(MBGMV_IMPLS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group", list(GROUPS))
 @pytest.mark.parametrize("T", [1, 3, 8])
-def test_mbgmv_matches_twin(T, group, dtype):
+def test_mbgmv_matches_twin(T, group, dtype, impl):
+    mbgmv_shrink, mbgmv_expand = MBGMV_IMPLS[impl]
     gen = torch.Generator().manual_seed(1000 * T + len(group) + DTYPES.index(dtype))
     d_in, out_dims = GROUPS[group]
     n_a = min(T, 3)
