@@ -177,6 +177,19 @@ def layers_for(bytes_per_layer, smoke):
     return 2 if smoke else int(min(512, max(2, -(-(256 << 20) // max(1, bytes_per_layer)))))
 
 
+def _cuda_kernels(device):
+    """slora.kernels.cuda (the csrc MBGMV through cupy) when it can run here, else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        import cupy  # noqa: F401
+
+        from slora.kernels import cuda as cuda_k
+    except ImportError:
+        return None
+    return cuda_k
+
+
 def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
     d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
     n_a = T  # every token its own adapter
@@ -213,11 +226,36 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
         y.copy_(y0)
     t_ours = bench_graph(ours, device) / L
     t_base = bench_graph(base, device) / L
+    extra = {}
+    cuda_k = _cuda_kernels(device)
+    if cuda_k is not None:  # the csrc CUDA MBGMV on the same data (issue 5: pick the faster)
+        offa_c, offb_c = offa.contiguous(), offb.contiguous()
+
+        def ours_cuda():
+            for l in range(L):
+                xa = cuda_k.mbgmv_shrink(x, P.pool[l], P.pages, offa_c, P.ranks, slots, P.stride, r)
+                cuda_k.mbgmv_expand(xa, y, P.pool[l], P.pages, offb_c, P.ranks, slots, out_dims,
+                                    P.strides)
+
+        if check:
+            y0 = y.clone()
+            xa_ref = ref.lora_shrink(x, P.pool[0], P.pages, offa, P.ranks, slots, P.stride, r)
+            y_ref = y0.clone()
+            ref.lora_expand(xa_ref, y_ref, P.pool[0], P.pages, offb, P.ranks, slots, out_dims,
+                            P.strides)
+            xa = cuda_k.mbgmv_shrink(x, P.pool[0], P.pages, offa_c, P.ranks, slots, P.stride, r)
+            cuda_k.mbgmv_expand(xa, y, P.pool[0], P.pages, offb_c, P.ranks, slots, out_dims,
+                                P.strides)
+            extra["err_cuda"] = rel_err(y - y0, y_ref - y0)
+            y.copy_(y0)
+        extra["us_cuda"] = bench_graph(ours_cuda, device) / L * 1e3
     el = x.element_size()
     nbytes = x.numel() * el + P.adapter_bytes(n_a) + 2 * y.numel() * el
     flops = 2 * T * r * (3 * d + sum(out_dims))
+    if "us_cuda" in extra:
+        extra["GBps_cuda"] = nbytes / extra["us_cuda"] / 1e3
     del P
-    return dict(T=T, rank=r, layers=L, bytes=nbytes, flops=flops, us_ours=t_ours * 1e3,
+    return dict(T=T, rank=r, layers=L, bytes=nbytes, flops=flops, **extra, us_ours=t_ours * 1e3,
                 us_torch=t_base * 1e3, GBps_ours=nbytes / t_ours / 1e6,
                 GBps_torch=nbytes / t_base / 1e6, **errs)
 
@@ -505,9 +543,11 @@ def main():
     print(f"{'T':>5} {'rank':>5} {'us':>8} {'GB/s':>7} {'%copy':>6} | {'torch us':>9} {'GB/s':>7}"
           f" {'%copy':>6} | {'speedup':>7}")
     for w in res["mbgmv"]:
+        cu = (f" | csrc {w['us_cuda']:8.2f} us {pct(w['GBps_cuda'])} err {w.get('err_cuda', float('nan')):.1e}"
+              if "us_cuda" in w else "")
         print(f"{w['T']:5d} {w['rank']:5d} {w['us_ours']:8.2f} {w['GBps_ours']:7.0f} "
               f"{pct(w['GBps_ours'])} | {w['us_torch']:9.2f} {w['GBps_torch']:7.0f} "
-              f"{pct(w['GBps_torch'])} | {w['us_torch'] / w['us_ours']:6.2f}x")
+              f"{pct(w['GBps_torch'])} | {w['us_torch'] / w['us_ours']:6.2f}x{cu}")
     print(f"MBGMM prefill {cfg['segments'][0]} x {cfg['segments'][1]} tokens, q/k/v group")
     for m in res["mbgmm"]:
         print(f"  rank {m['rank']:3d}: {m['us_ours']:8.1f} us {m['TFLOPs_ours']:6.1f} TFLOP/s "

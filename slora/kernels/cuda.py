@@ -87,6 +87,7 @@ def mbgmv_expand(xa, out, pool_l, pages, offsets_b, ranks, token_slot, out_dims,
     if T == 0 or max_rank == 0:
         return
     assert out.stride(1) == 1 and pool_l.is_contiguous()
+    assert offsets_b.is_contiguous() and ranks.is_contiguous()
     col_start, dims, strides_t = _expand_meta(tuple(out_dims), tuple(strides), out.device)
     per_block = _THREADS * _vec(out.dtype)
     grid = (T, G, -(-max(out_dims) // per_block))
