@@ -115,3 +115,8 @@ def test_stats_keys(engine):
               "adapter_evictions", "preemptions"):
         assert k in s
     assert s["pages_free"] + s["pages_kv"] + s["pages_adapter"] == s["pages_total"]
+
+
+def test_cuda_backend_on_cpu_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ValueError, match="backend='cuda'.*CUDA device"):
+        Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", backend="cuda", num_pages=8))

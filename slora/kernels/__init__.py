@@ -113,6 +113,9 @@ def make_backend(name: str, device: torch.device):
     if name == "triton":
         return TritonBackend()
     if name == "cuda":
+        if device.type != "cuda":
+            raise ValueError("EngineConfig.backend='cuda' runs the csrc CUDA kernels and needs a "
+                             "CUDA device; use backend='torch' (or 'auto') on CPU")
         from slora.kernels.cuda import CudaBackend
 
         return CudaBackend()
