@@ -48,7 +48,7 @@ class Engine:
                               else self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._failed_now: list[Request] = []  # failed at add_request, reported next step
+        self._ended: list[Request] = []  # ended outside a step (failed, aborted): reported next step
         self._synthetic: dict[tuple, object] = {}  # (rank, targets, seed) -> shared host buffer
 
     # -- adapters
@@ -111,7 +111,7 @@ class Engine:
             req.error = (f"request {rid}: prompt of {len(ids)} tokens does not fit "
                          f"max_model_len={self.max_model_len} (the model's limit or the pool's "
                          "size); shorten the prompt or raise num_pages / max_model_len")
-            self._failed_now.append(req)
+            self._ended.append(req)
         else:
             self.scheduler.add(req)
         return rid
@@ -133,10 +133,14 @@ class Engine:
         return ids
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(self.requests[request_id], "abort", time.monotonic())
+        """Stop a request; its final output (finish_reason "abort") comes from the next step."""
+        req = self.requests[request_id]
+        if not req.finished:
+            self.scheduler.abort(req, "abort", time.monotonic())
+            self._ended.append(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._failed_now)
+        return self.scheduler.has_unfinished() or bool(self._ended)
 
     # -- the loop
     def step(self) -> list[RequestOutput]:
@@ -144,8 +148,8 @@ class Engine:
         plan = self.scheduler.schedule(time.monotonic())
         tokens, logprobs = self.runner.execute(plan, self.adapters)
         touched = self.scheduler.update(plan, tokens, logprobs, time.monotonic())
-        touched += self._failed_now
-        self._failed_now = []
+        touched += self._ended
+        self._ended = []
         return [self._output(r) for r in touched]
 
     def _output(self, req: Request) -> RequestOutput:

@@ -120,3 +120,12 @@ def test_stats_keys(engine):
 def test_cuda_backend_on_cpu_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="backend='cuda'.*CUDA device"):
         Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", backend="cuda", num_pages=8))
+
+
+def test_abort_returns_a_final_output_and_frees_pages(engine):
+    rid = engine.add_request("The quick", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort(rid)
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs[rid].finished and outs[rid].finish_reason == "abort"
+    assert not engine.has_unfinished() and engine.stats()["pages_kv"] == 0
