@@ -168,7 +168,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.metrics.scheduled_time is None:
                 req.metrics.scheduled_time = now
-            plan.prefill.append(req) if req.num_new > 1 else plan.decode.append(req)
+            # a one-token prompt is a decode row from the start
+            (plan.prefill if req.num_new > 1 else plan.decode).append(req)
         # Overtaken = a later arrival was admitted while this request keeps waiting.
         latest = max((r.arrival_time for r in admitted), default=None)
         for req in passed_over:
