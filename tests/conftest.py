@@ -12,6 +12,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def _has_cuda() -> bool:
     import torch
 
+    # The tests' tensors are tiny: one thread is faster, and far faster on a busy machine
+    # (./run sets OMP_NUM_THREADS=1 too; this covers a bare `pytest`).
+    torch.set_num_threads(1)
     return torch.cuda.is_available()
 
 
