@@ -8,25 +8,20 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
 
-def _has_cuda() -> bool:
-    import torch
-
-    # The tests' tensors are tiny: one thread is faster, and far faster on a busy machine
-    # (./run sets OMP_NUM_THREADS=1 too; this covers a bare `pytest`).
-    torch.set_num_threads(1)
-    return torch.cuda.is_available()
-
+# The tests' tensors are tiny: one thread is faster, and far faster on a busy machine
+# (./run sets OMP_NUM_THREADS=1 too; this covers a bare `pytest`).
+torch.set_num_threads(1)
 
 # Triton reads TRITON_INTERPRET when its kernels are first imported: set it before any test
 # module imports slora.kernels, so without a GPU every Triton kernel runs interpreted on CPU.
-if not _has_cuda():
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
