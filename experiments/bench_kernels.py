@@ -199,56 +199,39 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
     slots = torch.randperm(T, generator=gen).to(torch.int32).to(device)
     x = torch.randn(T, d, generator=gen).to(dtype).to(device)
     y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
-    offa, offb = P.offsets[:, :, 0], P.offsets[:, :, 1]
+    offa, offb = P.offsets[:, :, 0].contiguous(), P.offsets[:, :, 1].contiguous()
 
-    def ours():
-        for l in range(L):
-            xa = lora.mbgmv_shrink(x, P.pool[l], P.pages, offa, P.ranks, slots, P.stride, r)
-            lora.mbgmv_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, slots, out_dims, P.strides)
+    def apply(k, l):  # one layer's shrink + expand through kernel module k
+        xa = k.mbgmv_shrink(x, P.pool[l], P.pages, offa, P.ranks, slots, P.stride, r)
+        k.mbgmv_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, slots, out_dims, P.strides)
 
     def base():
         for l in range(L):
             torch_gather_bmm(x, y, P.pool[l], P, slots)
 
-    errs = {}
+    # the Triton kernels, and the csrc CUDA ones where cupy runs (issue 5: pick the faster)
+    impls = {"ours": lora}
+    cuda_k = _cuda_kernels(device)
+    if cuda_k is not None:
+        impls["cuda"] = cuda_k
+    errs, extra = {}, {}
     if check:
         y0 = y.clone()
         xa_ref = ref.lora_shrink(x, P.pool[0], P.pages, offa, P.ranks, slots, P.stride, r)
         y_ref = y0.clone()
         ref.lora_expand(xa_ref, y_ref, P.pool[0], P.pages, offb, P.ranks, slots, out_dims,
                         P.strides)
-        xa = lora.mbgmv_shrink(x, P.pool[0], P.pages, offa, P.ranks, slots, P.stride, r)
-        lora.mbgmv_expand(xa, y, P.pool[0], P.pages, offb, P.ranks, slots, out_dims, P.strides)
-        errs["err_ours"] = rel_err(y - y0, y_ref - y0)
-        y.copy_(y0)
+        for name, k in impls.items():
+            apply(k, 0)
+            errs[f"err_{name}"] = rel_err(y - y0, y_ref - y0)
+            y.copy_(y0)
         torch_gather_bmm(x, y, P.pool[0], P, slots)
         errs["err_torch"] = rel_err(y - y0, y_ref - y0)
         y.copy_(y0)
-    t_ours = bench_graph(ours, device) / L
+    t_ours = bench_graph(lambda: [apply(lora, l) for l in range(L)], device) / L
     t_base = bench_graph(base, device) / L
-    extra = {}
-    cuda_k = _cuda_kernels(device)
-    if cuda_k is not None:  # the csrc CUDA MBGMV on the same data (issue 5: pick the faster)
-        offa_c, offb_c = offa.contiguous(), offb.contiguous()
-
-        def ours_cuda():
-            for l in range(L):
-                xa = cuda_k.mbgmv_shrink(x, P.pool[l], P.pages, offa_c, P.ranks, slots, P.stride, r)
-                cuda_k.mbgmv_expand(xa, y, P.pool[l], P.pages, offb_c, P.ranks, slots, out_dims,
-                                    P.strides)
-
-        if check:
-            y0 = y.clone()
-            xa_ref = ref.lora_shrink(x, P.pool[0], P.pages, offa, P.ranks, slots, P.stride, r)
-            y_ref = y0.clone()
-            ref.lora_expand(xa_ref, y_ref, P.pool[0], P.pages, offb, P.ranks, slots, out_dims,
-                            P.strides)
-            xa = cuda_k.mbgmv_shrink(x, P.pool[0], P.pages, offa_c, P.ranks, slots, P.stride, r)
-            cuda_k.mbgmv_expand(xa, y, P.pool[0], P.pages, offb_c, P.ranks, slots, out_dims,
-                                P.strides)
-            extra["err_cuda"] = rel_err(y - y0, y_ref - y0)
-            y.copy_(y0)
-        extra["us_cuda"] = bench_graph(ours_cuda, device) / L * 1e3
+    if cuda_k is not None:
+        extra["us_cuda"] = bench_graph(lambda: [apply(cuda_k, l) for l in range(L)], device) / L * 1e3
     el = x.element_size()
     nbytes = x.numel() * el + P.adapter_bytes(n_a) + 2 * y.numel() * el
     flops = 2 * T * r * (3 * d + sum(out_dims))
