@@ -124,6 +124,7 @@ def main():
     ap.add_argument("--race-peft-gen", type=int, default=16,
                     help="HF PEFT output tokens in the race (it is slow; tok/s is what counts)")
     ap.add_argument("--num-pages", type=int, default=2048)
+    ap.add_argument("--skip-hf", action="store_true", help="slora rows only (no HF baselines)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args()
     from bench_kernels import ceilings
@@ -136,6 +137,8 @@ def main():
         for b in map(int, args.batches.split(",")):
             rows.append(slora_run(model, b, args.prompt_len, args.gen_len, num_pages=args.num_pages))
             print(rows[-1], flush=True)
+        if args.skip_hf:
+            continue
         m = hf_model(model)
         for b in map(int, args.batches.split(",")):
             rows.append(hf_run(m, model, b, args.prompt_len, args.gen_len))
@@ -146,8 +149,9 @@ def main():
     if args.race:
         rows.append(slora_run("llama-2-7b", 32, 128, 128, adapters=32, num_pages=args.num_pages))
         print(rows[-1], flush=True)
-        rows.append(peft_race("llama-2-7b", 32, 128, args.race_peft_gen))
-        print(rows[-1], flush=True)
+        if not args.skip_hf:
+            rows.append(peft_race("llama-2-7b", 32, 128, args.race_peft_gen))
+            print(rows[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_engine.json").write_text(json.dumps(
         {"ceilings": ceil, "rows": rows, "gpu": torch.cuda.get_device_name()}, indent=1))
