@@ -54,7 +54,10 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
         la = [lp[t] for lp, t in zip(a.logprobs, a.token_ids)]
         lb = [lp[t] for lp, t in zip(b.logprobs, b.token_ids)]
         n = min(len(la), len(lb), 1)  # first token: same inputs in both, compare closely
-        tol = 1e-3 if dtype == "float32" else 5e-2
+        # Two correct implementations round at different points. Measured between the twin
+        # and the Triton backend on this tiny model (large random weights): fp16 <= 0.004,
+        # bf16 (8-bit mantissa) up to 0.11 in the first token's log-prob.
+        tol = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 0.2}[dtype]
         assert la[:n] == pytest.approx(lb[:n], abs=tol)
 
 
