@@ -21,7 +21,7 @@ from slora.core.scheduler import Scheduler
 from slora.model.loader import PeftAdapter, synthetic_pack
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.runner import ModelRunner
-from slora.tokenizer import Tokenizer
+from slora.tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
 
@@ -49,6 +49,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._ended: list[Request] = []  # ended outside a step (failed, aborted): reported next step
+        self._decoders: dict[str, IncrementalDecoder] = {}  # per running request
         self._synthetic: dict[tuple, object] = {}  # (rank, targets, seed) -> shared host buffer
 
     # -- adapters
@@ -166,15 +167,23 @@ class Engine:
             error=req.error)
 
     def _detokenize(self, req: Request) -> str:
-        """Text of the output so far; a stop string ends the request and is cut off."""
+        """Text of the output so far, decoded incrementally; the full decode once finished.
+        The earliest stop string ends the request and is cut off with what follows."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(req.output_token_ids)
-        for stop in req.sampling.stop:
-            at = text.find(stop)
-            if at >= 0:
-                text = text[:at]
-                self.scheduler.abort(req, "stop", time.monotonic())
+        dec = self._decoders.get(req.request_id)
+        if dec is None:
+            dec = self._decoders[req.request_id] = IncrementalDecoder(self.tokenizer)
+        text = dec.update(req.output_token_ids)
+        cuts = [at for at in (text.find(s) for s in req.sampling.stop) if at >= 0]
+        if cuts:
+            text = text[:min(cuts)]
+            self.scheduler.abort(req, "stop", time.monotonic())
+            req.finish_reason = "stop"  # a stop string wins over a length limit hit together
+        elif req.finished:
+            text = self.tokenizer.decode(req.output_token_ids)
+        if req.finished:
+            del self._decoders[req.request_id]
         return text
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

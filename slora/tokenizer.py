@@ -57,3 +57,27 @@ class Tokenizer:
 
 def _raise(message: str):
     raise ValueError(f"chat template: {message}")
+
+
+class IncrementalDecoder:
+    """Text of a growing token list at O(new tokens) per step (not a full decode each step).
+
+    Decodes a window from `prefix` (a few tokens of context, so decoders that treat a leading
+    token specially see the same start both times) and keeps what the last `read` tokens
+    added; a trailing U+FFFD (a UTF-8 sequence cut between tokens) waits for the next token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.prefix = 0
+        self.read = 0
+
+    def update(self, ids: list[int]) -> str:
+        decode = self.tokenizer.decode
+        before = decode(ids[self.prefix:self.read])
+        now = decode(ids[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(ids)
+        return self.text

@@ -129,3 +129,13 @@ def test_abort_returns_a_final_output_and_frees_pages(engine):
     outs = {o.request_id: o for o in engine.step()}
     assert outs[rid].finished and outs[rid].finish_reason == "abort"
     assert not engine.has_unfinished() and engine.stats()["pages_kv"] == 0
+
+
+def test_incremental_text_matches_full_decode(engine):
+    """Streamed texts grow by appending and end as the full decode, even for random bytes."""
+    sp = SamplingParams(max_tokens=40, temperature=3.0, seed=3, ignore_eos=True)
+    outs = list(engine.stream("Hello", sp))
+    final = outs[-1]
+    assert final.text == engine.tokenizer.decode(final.token_ids)
+    for a, b in zip(outs, outs[1:-1]):
+        assert b.text.startswith(a.text)
