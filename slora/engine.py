@@ -69,8 +69,9 @@ class Engine:
 
         def pack(page_size, dtype):
             if key not in self._synthetic:
-                self._synthetic[key] = synthetic_pack(self.model_config, layout, page_size, dtype,
-                                                      seed)
+                buf = synthetic_pack(self.model_config, layout, page_size, dtype, seed)
+                # pinned once here, so host-tier misses cost no re-pinning copy
+                self._synthetic[key] = buf.pin_memory() if self.runner.device.type == "cuda" else buf
             return self._synthetic[key]
 
         self._register(name, layout, "synthetic", pack)

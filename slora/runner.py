@@ -100,7 +100,7 @@ class ModelRunner:
         host = self.host.get(info.name)
         if host is None:
             host = info.meta["pack"](self.page_size, self.dtype)
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and not host.is_pinned():
                 host = host.pin_memory()
             self.host[info.name] = host
         for dropped in adapters.admit_host(info.name):
