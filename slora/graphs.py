@@ -33,8 +33,10 @@ class DecodeGraphs:
         self.runner = runner
         self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_num_seqs) + (max_num_seqs,)
         self.max_batch = max_num_seqs
-        self.max_blocks = cdiv(runner.config.max_model_len or runner.cfg.max_position_embeddings,
-                               runner.block_size)
+        # the longest sequence the engine admits (model limit, capped by the pool's size)
+        max_len = min(runner.config.max_model_len or runner.cfg.max_position_embeddings,
+                      runner.num_pages * runner.block_size)
+        self.max_blocks = cdiv(max_len, runner.block_size)
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # key -> (graph, logits, batch)
         self.mempool = torch.cuda.graph_pool_handle()
         self.max_pages = 0
