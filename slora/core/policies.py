@@ -51,12 +51,20 @@ class ClusterPolicy(Policy):
     name = "cluster"
     blocking = False
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.starving_first = 0  # times a starving request was moved ahead of adapter hits
+
     def order(self, waiting, resident):
         waiting = list(waiting)
         starving = [r for r in waiting if r.skipped >= self.max_skips]
+        self.starving_first += bool(starving)
         hits = [r for r in waiting if r.skipped < self.max_skips and r.adapter in resident]
         misses = [r for r in waiting if r.skipped < self.max_skips and r.adapter not in resident]
         return starving + hits + misses
+
+    def stats(self):
+        return {"cluster_starving_first": self.starving_first}
 
 
 class AbortPolicy(Policy):
