@@ -80,7 +80,7 @@ class Engine:
         pages = layout.num_pages(self.runner.page_size)
         self.adapters.register(AdapterInfo(
             name=name, num_pages=pages, nbytes=pages * self.runner.page_bytes, source=source,
-            meta={"layout": layout, "pack": pack}))
+            layout=layout, pack=pack))
 
     def remove_adapter(self, name: str) -> None:
         self.allocator.free(self.adapters.unregister(name))

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from slora.config import LORA_MODULES, cdiv
+from slora.config import cdiv
 from slora.kernels import GroupMeta, LoraMeta
 from slora.model.llama import GROUPS, Batch
-from slora.model.loader import strides
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -114,18 +113,15 @@ class DecodeGraphs:
     def _static_batch(self, bucket: int, rank_bucket: int) -> Batch:
         lora = None
         if rank_bucket:
-            cfg = self.runner.cfg
             groups = {}
-            for gname, mods in GROUPS.items():
+            for gname in GROUPS:
                 off_a, off_b, ranks = self.group_bufs[gname]
                 groups[gname] = GroupMeta(
                     offsets_a=off_a[:bucket],
                     offsets_b=off_b[:bucket],
                     ranks=ranks[:, :bucket],
                     max_rank=rank_bucket,
-                    stride_in=strides(cfg, LORA_MODULES[mods[0]])[0],
-                    strides_out=tuple(strides(cfg, LORA_MODULES[m])[1] for m in mods),
-                    out_dims=tuple(cfg.module_dims(LORA_MODULES[m])[1] for m in mods))
+                    **self.runner.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:bucket], token_slot=self.token_slot[:bucket],
                             num_decode=bucket,
                             seg_start=self.token_slot.new_zeros(0),

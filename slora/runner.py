@@ -11,10 +11,12 @@ is allocated once. KV pages and adapter pages are both rows of it (see kernels/r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from slora.config import LORA_MODULES, EngineConfig, ModelConfig
-from slora.core.adapters import AdapterInfo, AdapterManager
+from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.kernels import GroupMeta, LoraMeta, make_backend
 from slora.kernels.reference import LORA_ALIGN
@@ -40,6 +42,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_tensors(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """An adapter layout as tensors (offsets [7, 2], ranks [L, 7]), built once per layout
+    rather than from nested tuples every step."""
+    return (torch.tensor(layout.offsets, dtype=torch.int64),
+            torch.tensor(layout.ranks, dtype=torch.int32))
 
 
 class ModelRunner:
@@ -69,6 +79,12 @@ class ModelRunner:
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.graphs = (DecodeGraphs(self, config.max_num_seqs)
                        if cuda and config.cuda_graphs and self.backend.name != "torch" else None)
+        # row strides and output widths of each LoRA module group: fixed by the model
+        self.group_shapes = {
+            g: dict(stride_in=strides(model_config, LORA_MODULES[mods[0]])[0],
+                    strides_out=tuple(strides(model_config, LORA_MODULES[m])[1] for m in mods),
+                    out_dims=tuple(model_config.module_dims(LORA_MODULES[m])[1] for m in mods))
+            for g, mods in GROUPS.items()}
         self.host: dict[str, torch.Tensor] = {}  # the host tier's tensors
         self.generators: dict[str, torch.Generator] = {}  # per request, for sampling
         self.rng = torch.Generator().manual_seed(config.seed)  # seeds unseeded requests
@@ -99,7 +115,7 @@ class ModelRunner:
         """The adapter's packed weights from the host tier, reading them from disk on a miss."""
         host = self.host.get(info.name)
         if host is None:
-            host = info.meta["pack"](self.page_size, self.dtype)
+            host = info.pack(self.page_size, self.dtype)
             if self.device.type == "cuda" and not host.is_pinned():
                 host = host.pin_memory()
             self.host[info.name] = host
@@ -182,10 +198,9 @@ class ModelRunner:
         max_pages = max(len(i.pages) for i in infos)
         pages = torch.tensor([i.pages + [0] * (max_pages - len(i.pages)) for i in infos],
                              dtype=torch.int32)
-        layouts = [i.meta["layout"] for i in infos]
-        offsets = torch.tensor([lay.offsets for lay in layouts], dtype=torch.int64)  # [n_a, 7, 2]
-        ranks = torch.tensor([lay.ranks for lay in layouts], dtype=torch.int32)  # [n_a, L, 7]
-        ranks = ranks.transpose(0, 1)  # [L, n_a, 7]
+        per_adapter = [_layout_tensors(i.layout) for i in infos]
+        offsets = torch.stack([o for o, _ in per_adapter])  # [n_a, 7, 2]
+        ranks = torch.stack([r for _, r in per_adapter], dim=1)  # [L, n_a, 7]
         groups = {}
         for gname, mods in GROUPS.items():
             r = ranks[:, :, list(mods)].contiguous()
@@ -196,9 +211,7 @@ class ModelRunner:
                 offsets_b=offsets[:, list(mods), 1].contiguous(),
                 ranks=r,
                 max_rank=int(r.max()),
-                stride_in=strides(self.cfg, LORA_MODULES[mods[0]])[0],
-                strides_out=tuple(strides(self.cfg, LORA_MODULES[m])[1] for m in mods),
-                out_dims=tuple(self.cfg.module_dims(LORA_MODULES[m])[1] for m in mods),
+                **self.group_shapes[gname],
             )
         return LoraMeta(
             pages=pages,

@@ -16,7 +16,8 @@ the next load reads the files again.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 from slora.config import LORA_ALIGN, LORA_MODULES, ModelConfig, cdiv, round_up
 from slora.core.pages import ADAPTER, PageAllocator
@@ -70,9 +71,10 @@ class AdapterInfo:
     num_pages: int  # pool pages it needs when resident
     nbytes: int  # host bytes of its flat weights (all layers)
     source: str  # a path, or "synthetic"
+    layout: AdapterLayout | None = None  # where its rows sit in its pages (None: simulated)
+    pack: Callable | None = None  # (page_size, dtype) -> its host copy; the runner calls it
     pages: list[int] | None = None  # device pages while resident
     refcount: int = 0  # running requests using it
-    meta: dict = field(default_factory=dict)  # runner-side layout facts (ranks, offsets)
 
     @property
     def resident(self) -> bool:

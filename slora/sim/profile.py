@@ -167,7 +167,7 @@ def measure_transfers(engine, grid: Grid, log: Callable[[str], None] = print) ->
     names = {}
     for name, info in engine.adapters.adapters.items():
         if name.startswith("__profile_") and info.resident:
-            names.setdefault(info.meta["layout"].max_rank, name)
+            names.setdefault(info.layout.max_rank, name)
     h2d, disk = [], []
     runner, adapters = engine.runner, engine.adapters
     for rank, name in sorted(names.items()):

@@ -166,8 +166,7 @@ class SimEngine:
                               target_modules: Sequence[str] = DEFAULT_TARGETS, seed: int = 0) -> None:
         pages = adapter_pages(self.model, rank, self.config.block_size, tuple(target_modules))
         self.adapters.register(AdapterInfo(name=name, num_pages=pages,
-                                           nbytes=pages * self.page_bytes, source="synthetic",
-                                           meta={"rank": rank}))
+                                           nbytes=pages * self.page_bytes, source="synthetic"))
 
     # -- requests
     def add_request(self, prompt: list[int], sampling: SamplingParams | None = None,
