@@ -208,11 +208,12 @@ class Engine:
         for name in set(names) - {None}:
             self.adapters.get(name)  # fail before anything is queued
         ids = [self.add_request(p, sp, a) for p, sp, a in zip(prompts, sps, names)]
+        mine = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = _progress(n) if use_tqdm else None
         while len(done) < n:
             for out in self.step():
-                if out.finished and out.request_id in ids and out.request_id not in done:
+                if out.finished and out.request_id in mine and out.request_id not in done:
                     done[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
