@@ -2,7 +2,7 @@
 # The one GPU call: CUDA tests, kernel benchmarks, engine benchmarks; a short table last.
 # Run through the device tool from the repo root (carry .whl: pytest & co. for the image):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; \
-#   PYTHONPATH=/tmp/site bash experiments/gpu_check.sh [tests|kernels|engine|adapters|all ...]
+#   PYTHONPATH=/tmp/site bash experiments/gpu_check.sh [tests|kernels|engine|adapters|scaling|all ...]
 # Details land under $OUT (or ./results/gpu).
 set -uo pipefail
 OUT=${OUT:-results/gpu}
@@ -29,8 +29,12 @@ fi
 if want adapters; then
   python3 experiments/bench_prefetch.py --out "$OUT" 2>&1 | tee "$OUT/bench_prefetch.log" | tail -8
 fi
+if want scaling; then
+  python3 experiments/bench_scaling.py --part all --out "$OUT" 2>&1 | tee "$OUT/bench_scaling.log" | tail -32
+fi
 echo; echo "== summary =="
 for s in "${summary[@]}"; do echo "$s"; done
 [ -f "$OUT/bench_kernels.log" ] && tail -40 "$OUT/bench_kernels.log"
 [ -f "$OUT/bench_engine.log" ] && tail -12 "$OUT/bench_engine.log"
 [ -f "$OUT/bench_prefetch.log" ] && tail -5 "$OUT/bench_prefetch.log"
+[ -f "$OUT/bench_scaling.log" ] && tail -32 "$OUT/bench_scaling.log"

@@ -1,0 +1,342 @@
+"""Issue 5 (b) and (c) on the GPU: throughput as adapters grow; decode steps vs their byte floor.
+
+A Llama-2-7B-shaped model with random bf16 weights (EngineConfig(load_format="dummy")), one
+engine for both parts (the pool sized by gpu_memory_fraction unless --num-pages is given).
+
+scaling: S-LoRA's S2 setting (`slora.workload.synthesize`, seed 42): --num-requests requests,
+    adapter popularity alpha 1 (uniform) over N adapters, N in --adapters, ranks 64/32/16/8
+    round-robin over adapters, prompt and output lengths uniform in [8, 511] (S-LoRA's
+    [8, 512)). Offline: all requests submitted at once (prompts of random token ids,
+    ignore_eos, max_tokens = output_len); output tok/s and req/s over the whole
+    `generate` call. Synthetic adapters target q/k/v/o, then all seven modules. The no-LoRA
+    row replays the same lengths with every request on the base model; ratio = lora / no-LoRA.
+    The S2 trace draws popularity before lengths, so every N gets the same lengths.
+decode: at batch B in --batches, B requests with --context-token prompts, each on its own
+    rank --decode-rank adapter (q/k/v/o, all seven, or none), --decode-tokens new tokens each.
+    Timed: whole `engine.step()` calls (synchronised) in which all B requests decode and none
+    prefills; median. Byte floor = bytes a decode step must read / measured copy bandwidth:
+    weights (every linear layer and the lm_head; the embedding table is only gathered), the
+    batch's KV (sum of context lengths x layers x 2 x kv_heads x head_dim x dtype bytes) and
+    the distinct adapters' rows (rank x (d_in + d_out) per module per layer x dtype bytes).
+
+Synthetic adapters share one seed, so adapters of one (rank, modules) shape share one pinned
+host buffer (2000 distinct ones of rank 64 on seven modules would need 640 GB of host memory);
+every adapter still has its own pool pages and every load copies its full size to the device.
+
+    python experiments/bench_scaling.py --part all --out $OUT
+    python experiments/bench_scaling.py --part decode --batches 1,32 --model DIR --device cpu \
+        --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_engine import MODELS, prompts  # noqa: E402
+from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
+from slora.config import LORA_MODULES, ModelConfig  # noqa: E402
+from slora.workload import synthesize  # noqa: E402
+
+# name -> target modules of a row's synthetic adapters (None: no adapters, the base model)
+MODULE_SETS = {"none": None, "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj"), "all": LORA_MODULES}
+ADAPTER_SEED = 0  # one host buffer per (rank, modules); see the docstring
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device) -> dict:
+    """Device copy GB/s (bytes read + written): bench_kernels' ceilings on CUDA; on CPU the
+    best of a few copies of a 64 MB tensor (no GEMM rate)."""
+    if device.type == "cuda":
+        from bench_kernels import ceilings
+
+        ceil = ceilings(device)
+        gc.collect()
+        torch.cuda.empty_cache()  # before the engine sizes its pool from free memory
+        return ceil
+    a = torch.ones(1 << 24)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return {"copy_GBps": 2 * a.numel() * a.element_size() / best / 1e9}
+
+
+def adapter_bytes(cfg: ModelConfig, rank: int, modules, dtype_bytes: int) -> int:
+    """Bytes of an adapter's A and B rows (no page or alignment padding)."""
+    return cfg.num_layers * rank * sum(sum(cfg.module_dims(m)) for m in modules) * dtype_bytes
+
+
+def weight_read_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Weights a decode step reads: all of them but an untied embedding table (gathered)."""
+    emb = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype_bytes
+    return cfg.weight_bytes(dtype_bytes) - emb
+
+
+def add_adapters(eng: Engine, ranks: dict[str, int], modules) -> None:
+    for name, rank in ranks.items():
+        eng.add_synthetic_adapter(name, rank, modules, seed=ADAPTER_SEED)
+
+
+def remove_adapters(eng: Engine, names) -> None:
+    for name in names:
+        eng.remove_adapter(name)  # frees its pool pages: the next row starts from an empty pool
+
+
+class StepLog:
+    """Wraps the runner's execute to record what each step ran (and its time)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng, self.last = eng, None
+        execute = eng.runner.execute
+
+        def logged(plan, adapters):
+            sync(eng.runner.device)
+            t0 = time.perf_counter()
+            out = execute(plan, adapters)
+            sync(eng.runner.device)
+            self.last = {"execute_ms": (time.perf_counter() - t0) * 1e3,
+                         "decode": len(plan.decode), "prefill": len(plan.prefill),
+                         "loads": len(plan.adapter_loads) + len(plan.prefetch),
+                         "kv_tokens": sum(r.num_tokens for r in plan.decode)}
+            return out
+
+        eng.runner.execute = logged
+
+    def close(self) -> None:
+        del self.eng.runner.execute  # back to the class's method
+
+
+# ----------------------------------------------------------------------------- (b) scaling
+
+def s2_trace(args, num_adapters: int):
+    lo_in, hi_in = args.input_len
+    lo_out, hi_out = args.output_len
+    return synthesize(num_adapters=num_adapters, rate=args.num_requests, cv=1.0, alpha=args.alpha,
+                      duration=1.0, input_len=(lo_in, hi_in), output_len=(lo_out, hi_out),
+                      ranks=args.ranks, seed=args.seed)
+
+
+def warm_up(eng: Engine, args) -> None:
+    """Compile the kernels and capture the decode graphs the timed rows will use: a full batch
+    whose outputs end one by one (so it drains through every batch bucket), base-only and on
+    adapters of every rank with all seven modules (the widest page table)."""
+    n = eng.config.max_num_seqs
+    lens = [1 + i % 64 for i in range(n)]
+    ps = prompts(n, 64, eng.model_config.vocab_size, seed=1)
+    sps = [SamplingParams(max_tokens=k, ignore_eos=True) for k in lens]
+    ranks = {f"warm-{r}": r for r in args.ranks}
+    add_adapters(eng, ranks, LORA_MODULES)
+    names = list(ranks)
+    eng.generate(ps, sps, adapters=None)
+    eng.generate(ps, sps, adapters=[names[i % len(names)] for i in range(n)])
+    remove_adapters(eng, ranks)
+
+
+def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
+    modules = MODULE_SETS[modules_key]
+    lens = [(r.prompt_len, r.output_len) for r in trace.requests]
+    assert lens == ref_lens, "the S2 trace should give every adapter count the same lengths"
+    if modules is not None:
+        add_adapters(eng, trace.adapters, modules)
+    vocab = eng.model_config.vocab_size
+    longest = prompts(len(lens), max(n for n, _ in lens), vocab, args.seed)
+    ps = [p[:n] for p, (n, _) in zip(longest, lens)]
+    sps = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lens]
+    names = [r.adapter for r in trace.requests] if modules is not None else None
+    before = eng.stats()
+    sync(eng.runner.device)
+    t0 = time.perf_counter()
+    outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
+    sync(eng.runner.device)
+    wall = time.perf_counter() - t0
+    after = eng.stats()
+    if modules is not None:
+        remove_adapters(eng, trace.adapters)
+    out_toks = sum(len(o.token_ids) for o in outs)
+    return {
+        "adapters": len(trace.adapters) if modules is not None else 0,
+        "modules": modules_key, "requests": len(outs),
+        "adapters_used": len(trace.adapter_names()) if modules is not None else 0,
+        "prompt_tokens": sum(n for n, _ in lens), "output_tokens": out_toks,
+        "wall_s": wall, "output_tok_s": out_toks / wall, "req_s": len(outs) / wall,
+        "not_length": sum(o.finish_reason != "length" for o in outs),
+        **{k: after[k] - before[k] for k in ("adapter_loads", "adapter_evictions", "preemptions")},
+    }
+
+
+def part_scaling(eng: Engine, args) -> list[dict]:
+    t0 = time.perf_counter()
+    warm_up(eng, args)
+    print(f"scaling: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+    base_trace = s2_trace(args, 0)
+    ref_lens = [(r.prompt_len, r.output_len) for r in base_trace.requests]
+    points = [(base_trace, "none")] + [(s2_trace(args, n), m) for m in ("qkvo", "all")
+                                       for n in args.adapters]
+    rows = []
+    for trace, key in points:
+        row = scaling_row(eng, args, trace, key, ref_lens)
+        row["ratio"] = row["output_tok_s"] / rows[0]["output_tok_s"] if rows else 1.0
+        rows.append(row)
+        print(f"scaling: {row['adapters']} adapters, modules {key}: "
+              f"{row['output_tok_s']:.0f} tok/s {row['req_s']:.2f} req/s ({row['wall_s']:.1f} s; "
+              f"{time.perf_counter() - t0:.0f} s into the part)", flush=True)
+    print(f"\n(b) S2 offline throughput, {args.num_requests} requests, lengths in "
+          f"{args.input_len}/{args.output_len}, ranks {args.ranks}, alpha {args.alpha}")
+    print(f"{'adapters':>9}{'modules':>8}{'used':>6}{'tok/s':>9}{'req/s':>8}{'ratio':>7}"
+          f"{'loads':>7}{'evict':>7}{'preempt':>8}{'wall s':>8}")
+    for r in rows:
+        print(f"{r['adapters']:>9}{r['modules']:>8}{r['adapters_used']:>6}{r['output_tok_s']:>9.0f}"
+              f"{r['req_s']:>8.2f}{r['ratio']:>7.3f}{r['adapter_loads']:>7}"
+              f"{r['adapter_evictions']:>7}{r['preemptions']:>8}{r['wall_s']:>8.1f}")
+    return rows
+
+
+# ----------------------------------------------------------------------------- (c) decode
+
+def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float) -> dict:
+    modules = MODULE_SETS[modules_key]
+    cfg, dev = eng.model_config, eng.runner.device
+    nbytes = eng.runner.pool.element_size()
+    ranks = {f"dec-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
+    add_adapters(eng, ranks, modules)
+    sp = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
+    names = list(ranks) or [None] * batch
+    for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
+        eng.add_request(p, sp, adapter=name)
+    log, timed = StepLog(eng), []
+    try:
+        while eng.has_unfinished():
+            sync(dev)
+            t0 = time.perf_counter()
+            eng.step()
+            ms = (time.perf_counter() - t0) * 1e3
+            s = log.last
+            if s and s["decode"] == batch and not s["prefill"] and not s["loads"]:
+                timed.append({**s, "step_ms": ms})
+    finally:
+        log.close()
+    remove_adapters(eng, ranks)
+    if not timed:
+        raise RuntimeError(f"decode batch {batch}: no step decoded all {batch} requests at once "
+                           "(raise --max-num-seqs or --decode-tokens)")
+    kv_tokens = statistics.median(s["kv_tokens"] for s in timed)
+    weights = weight_read_bytes(cfg, nbytes)
+    kv = int(kv_tokens * cfg.num_layers * 2 * cfg.kv_size * nbytes)
+    lora = len(ranks) * adapter_bytes(cfg, args.decode_rank, modules, nbytes) if modules else 0
+    floor_ms = (weights + kv + lora) / (copy_GBps * 1e9) * 1e3
+    step_ms = statistics.median(s["step_ms"] for s in timed)
+    return {"batch": batch, "modules": modules_key, "rank": args.decode_rank if modules else 0,
+            "steps_timed": len(timed), "ctx_mean": kv_tokens / batch, "step_ms": step_ms,
+            "execute_ms": statistics.median(s["execute_ms"] for s in timed),
+            "weight_bytes": weights, "kv_bytes": kv, "adapter_bytes": lora,
+            "floor_ms": floor_ms, "ratio": step_ms / floor_ms,
+            "tok_s": batch / step_ms * 1e3}
+
+
+def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
+    t0 = time.perf_counter()
+    rows = []
+    for b in args.batches:
+        for key in ("none", "qkvo", "all"):
+            rows.append(decode_row(eng, args, b, key, copy_GBps))
+            r = rows[-1]
+            print(f"decode: batch {b}, modules {key}: {r['step_ms']:.2f} ms/step, floor "
+                  f"{r['floor_ms']:.2f} ms ({time.perf_counter() - t0:.0f} s into the part)",
+                  flush=True)
+    print(f"\n(c) decode step vs byte floor, context ~{args.context}, rank {args.decode_rank}, "
+          f"one adapter per request; copy {copy_GBps:.0f} GB/s")
+    print(f"{'batch':>6}{'modules':>8}{'ms/step':>9}{'exec ms':>9}{'floor ms':>9}{'ratio':>7}"
+          f"{'weights GB':>11}{'KV GB':>7}{'LoRA GB':>8}{'tok/s':>8}")
+    for r in rows:
+        print(f"{r['batch']:>6}{r['modules']:>8}{r['step_ms']:>9.2f}{r['execute_ms']:>9.2f}"
+              f"{r['floor_ms']:>9.2f}{r['ratio']:>7.2f}{r['weight_bytes'] / 1e9:>11.2f}"
+              f"{r['kv_bytes'] / 1e9:>7.2f}{r['adapter_bytes'] / 1e9:>8.2f}{r['tok_s']:>8.0f}")
+    return rows
+
+
+# ----------------------------------------------------------------------------- main
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=("scaling", "decode", "all"), default="all")
+    ap.add_argument("--model", default=str(MODELS / "llama-2-7b"),
+                    help="a model dir (config.json is enough)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="default: gpu_memory_fraction of free memory")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--adapters", type=ints, default=[1, 100, 1000, 2000],
+                    help="scaling: adapter counts")
+    ap.add_argument("--ranks", type=ints, default=[64, 32, 16, 8],
+                    help="scaling: ranks, round-robin over adapters")
+    ap.add_argument("--alpha", type=float, default=1.0, help="scaling: popularity (1 = uniform)")
+    ap.add_argument("--num-requests", type=int, default=600, help="scaling: requests per row")
+    ap.add_argument("--input-len", type=ints, default=[8, 511], help="scaling: lo,hi (inclusive)")
+    ap.add_argument("--output-len", type=ints, default=[8, 511], help="scaling: lo,hi (inclusive)")
+    ap.add_argument("--seed", type=int, default=42, help="scaling: the trace's seed")
+    ap.add_argument("--batches", type=ints, default=[1, 32, 128, 256], help="decode: batch sizes")
+    ap.add_argument("--context", type=int, default=256, help="decode: prompt tokens")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="decode: new tokens per request")
+    ap.add_argument("--decode-rank", type=int, default=16)
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = ap.parse_args(argv)
+    if max(args.batches) > args.max_num_seqs:
+        ap.error(f"--batches {max(args.batches)} exceeds --max-num-seqs {args.max_num_seqs}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    device = torch.device(args.device)
+    ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
+    if ceil:
+        print("ceilings:", ceil, flush=True)
+    eng = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device,
+                              dtype=args.dtype, num_pages=args.num_pages,
+                              max_num_seqs=args.max_num_seqs,
+                              max_batch_tokens=args.max_batch_tokens))
+    print(f"engine: {eng.runner.num_pages} pages of {eng.runner.page_bytes / 1e6:.1f} MB "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    result = {"model": args.model, "device": args.device, "dtype": args.dtype,
+              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+              "pages": eng.runner.num_pages, "page_bytes": eng.runner.page_bytes,
+              "ceilings": ceil, "args": vars(args)}
+    if args.part in ("scaling", "all"):
+        result["scaling"] = part_scaling(eng, args)
+    if args.part in ("decode", "all"):
+        result["decode"] = part_decode(eng, args, ceil["copy_GBps"])
+    result["wall_s"] = time.perf_counter() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_scaling.json").write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out / 'bench_scaling.json'} ({result['wall_s']:.0f} s in all)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""experiments/bench_scaling.py end to end on CPU with a tiny random model: both parts, tiny
+sizes. Checks the rows and that rates are positive, never timings."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = ROOT / "experiments" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_scaling_cpu(bench, tiny_model_dir, tmp_path):
+    bench.main(["--part", "all", "--model", str(tiny_model_dir), "--device", "cpu",
+                "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
+                "--adapters", "1,5", "--num-requests", "12", "--input-len", "8,40",
+                "--output-len", "2,12", "--batches", "1,4", "--context", "24",
+                "--decode-tokens", "6", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "bench_scaling.json").read_text())
+
+    rows = res["scaling"]
+    assert [(r["adapters"], r["modules"]) for r in rows] == [
+        (0, "none"), (1, "qkvo"), (5, "qkvo"), (1, "all"), (5, "all")]
+    for r in rows:
+        assert r["requests"] == 12 and r["not_length"] == 0
+        assert r["output_tokens"] == rows[0]["output_tokens"]  # the same lengths in every row
+        assert r["output_tok_s"] > 0 and r["req_s"] > 0 and r["ratio"] > 0
+    assert rows[0]["ratio"] == 1.0 and rows[0]["adapter_loads"] == 0
+    assert all(r["adapter_loads"] >= r["adapters_used"] >= 1 for r in rows[1:])
+
+    rows = res["decode"]
+    assert [(r["batch"], r["modules"]) for r in rows] == [
+        (b, m) for b in (1, 4) for m in ("none", "qkvo", "all")]
+    for r in rows:
+        assert r["steps_timed"] >= 1 and r["step_ms"] > 0 and r["floor_ms"] > 0 and r["ratio"] > 0
+        assert 24 <= r["ctx_mean"] <= 30
+        assert (r["adapter_bytes"] > 0) == (r["modules"] != "none")
+    by = {(r["batch"], r["modules"]): r for r in rows}
+    # KV grows with the batch; adapter bytes with the batch (one adapter each) and the modules
+    assert by[4, "none"]["kv_bytes"] > by[1, "none"]["kv_bytes"]
+    assert by[4, "qkvo"]["adapter_bytes"] == 4 * by[1, "qkvo"]["adapter_bytes"]
+    assert by[1, "all"]["adapter_bytes"] > by[1, "qkvo"]["adapter_bytes"]
+    assert res["ceilings"]["copy_GBps"] > 0
+
+
+def test_byte_counts(bench):
+    from slora.config import LORA_MODULES, ModelConfig
+
+    cfg = ModelConfig.from_dir(ROOT / "experiments" / "models" / "llama-2-7b")
+    # rank 16 on q/k/v/o of Llama-2-7B: 16 x 4 x (4096 + 4096) x 32 layers x 2 bytes
+    assert bench.adapter_bytes(cfg, 16, bench.MODULE_SETS["qkvo"], 2) == 16 * 4 * 8192 * 32 * 2
+    seven, four = (bench.adapter_bytes(cfg, 8, m, 2) for m in (LORA_MODULES, LORA_MODULES[:4]))
+    assert seven > four
+    # the 7B's weights minus its (untied) embedding table: ~13.2 GB in bf16
+    assert bench.weight_read_bytes(cfg, 2) == cfg.weight_bytes(2) - 32000 * 4096 * 2
+    assert 13.0e9 < bench.weight_read_bytes(cfg, 2) < 13.3e9
