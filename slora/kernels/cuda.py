@@ -61,7 +61,8 @@ def mbgmv_shrink(x, pool_l, pages, offsets_a, ranks, token_slot, stride: int,
     if T == 0 or max_rank == 0:
         return xa.zero_()
     assert x.stride(1) == 1 and x.stride(0) % _vec(x.dtype) == 0 and x.data_ptr() % 16 == 0
-    assert pool_l.is_contiguous() and offsets_a.is_contiguous() and ranks.is_contiguous()
+    assert pool_l.is_contiguous() and pages.stride(1) == 1
+    offsets_a, ranks = offsets_a.contiguous(), ranks.contiguous()  # no-ops in the engine
     warps = _THREADS // 32
     grid = (T, G, -(-max_rank // warps))
     _launch("mbgmv_shrink", x.dtype, grid, (
@@ -86,8 +87,8 @@ def mbgmv_expand(xa, out, pool_l, pages, offsets_b, ranks, token_slot, out_dims,
     T, G, max_rank = xa.shape
     if T == 0 or max_rank == 0:
         return
-    assert out.stride(1) == 1 and pool_l.is_contiguous()
-    assert offsets_b.is_contiguous() and ranks.is_contiguous()
+    assert out.stride(1) == 1 and pool_l.is_contiguous() and pages.stride(1) == 1
+    offsets_b, ranks = offsets_b.contiguous(), ranks.contiguous()  # no-ops in the engine
     col_start, dims, strides_t = _expand_meta(tuple(out_dims), tuple(strides), out.device)
     per_block = _THREADS * _vec(out.dtype)
     grid = (T, G, -(-max(out_dims) // per_block))
