@@ -251,6 +251,58 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
             "tok_s": batch / step_ms * 1e3}
 
 
+def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int = 8) -> dict:
+    """Where a decode step's time goes: torch.profiler over `steps` steady decode steps
+    (every request decoding, nothing prefilling). GPU busy time per step against the wall
+    time per step shows the host's share (the GPU idles while the CPU schedules, builds the
+    batch and samples); the kernel table shows the GPU's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    modules = MODULE_SETS[modules_key]
+    cfg = eng.model_config
+    ranks = {f"kb-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
+    add_adapters(eng, ranks, modules)
+    sp = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
+    names = list(ranks) or [None] * batch
+    for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
+        eng.add_request(p, sp, adapter=name)
+    while eng.scheduler.waiting or any(r.num_new > 1 for r in eng.scheduler.running):
+        eng.step()
+    for _ in range(2):  # steady state (graph captured, adapters resident)
+        eng.step()
+    sync(eng.runner.device)
+    cuda = eng.runner.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync(eng.runner.device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    while eng.has_unfinished():
+        eng.step()
+    remove_adapters(eng, ranks)
+    kernels = {}
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(e, "self_cuda_time_total", 0)
+        if dev_us > 0 and e.device_type.name == "CUDA":
+            kernels[e.key] = kernels.get(e.key, 0.0) + dev_us / 1e3 / steps
+    gpu_ms = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {"batch": batch, "modules": modules_key, "wall_ms_per_step": wall_ms,
+            "gpu_busy_ms_per_step": gpu_ms,
+            "kernels": [{"name": k[:90], "ms_per_step": v} for k, v in top]}
+
+
+def print_breakdown(b: dict) -> None:
+    print(f"\nkernel breakdown, batch {b['batch']}, modules {b['modules']}: "
+          f"{b['wall_ms_per_step']:.2f} ms/step wall (profiled), GPU busy "
+          f"{b['gpu_busy_ms_per_step']:.2f} ms ({b['gpu_busy_ms_per_step'] / b['wall_ms_per_step']:.0%})")
+    for k in b["kernels"]:
+        print(f"  {k['ms_per_step']:8.3f} ms  {k['name']}")
+
+
 def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
     t0 = time.perf_counter()
     rows = []
@@ -275,7 +327,7 @@ def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
 # ----------------------------------------------------------------------------- main
 
 def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
+    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv=None):
@@ -302,6 +354,8 @@ def parse_args(argv=None):
     ap.add_argument("--context", type=int, default=256, help="decode: prompt tokens")
     ap.add_argument("--decode-tokens", type=int, default=32, help="decode: new tokens per request")
     ap.add_argument("--decode-rank", type=int, default=16)
+    ap.add_argument("--breakdown", type=ints, default=[32],
+                    help="decode: batch sizes to profile kernel by kernel (empty: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args(argv)
     if max(args.batches) > args.max_num_seqs:
@@ -330,6 +384,11 @@ def main(argv=None) -> dict:
         result["scaling"] = part_scaling(eng, args)
     if args.part in ("decode", "all"):
         result["decode"] = part_decode(eng, args, ceil["copy_GBps"])
+        result["breakdown"] = []
+        for b in args.breakdown:
+            for key in ("none", "qkvo"):
+                result["breakdown"].append(kernel_breakdown(eng, args, b, key))
+                print_breakdown(result["breakdown"][-1])
     result["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

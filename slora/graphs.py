@@ -48,12 +48,16 @@ class DecodeGraphs:
         self.graphs.clear()
         self.max_pages = max_pages
         scratch = self.runner.scratch_page
-        self.ids = torch.zeros(B, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
-        self.slots = torch.full((B,), scratch * self.runner.block_size, dtype=torch.long, device=dev)
-        self.tables = torch.full((B, self.max_blocks), scratch, **i32)
-        self.ctx = torch.ones(B, **i32)
-        self.token_slot = torch.full((B,), -1, **i32)
+        # Per-token and per-sequence inputs live in two device buffers (int64, int32), each
+        # filled from a pinned host twin by one copy a step.
+        self.meta64 = torch.zeros(3, B, dtype=torch.long, device=dev)
+        self.ids, self.positions, self.slots = self.meta64
+        self.meta32 = torch.full((2 * B + B * self.max_blocks,), scratch, **i32)
+        self.ctx, self.token_slot = self.meta32[:B], self.meta32[B:2 * B]
+        self.tables = self.meta32[2 * B:].view(B, self.max_blocks)
+        self.host64 = torch.zeros(self.meta64.shape, dtype=torch.long).pin_memory()
+        self.host32 = torch.full(self.meta32.shape, scratch, dtype=torch.int32).pin_memory()
+        self._filled_lora = None  # the adapter-side tensors last copied in (see _fill)
         self.pages = torch.zeros(B, max_pages, **i32)
         # per module group: offsets of A and B^T rows [B, G], ranks [L, B, G]
         self.group_bufs = {
@@ -85,20 +89,29 @@ class DecodeGraphs:
         return logits[:n]
 
     def _fill(self, b: Batch, n: int, bucket: int) -> None:
-        scratch, bs = self.runner.scratch_page, self.runner.block_size
-        self.ids[:n].copy_(b.input_ids)
-        self.positions[:n].copy_(b.positions)
-        self.slots[:n].copy_(b.slot_mapping)
-        self.slots[n:bucket].fill_(scratch * bs)
-        self.tables[:n].fill_(scratch)
-        self.tables[:n, :b.block_tables.shape[1]].copy_(b.block_tables)
-        self.ctx[:n].copy_(b.ctx_lens)
-        self.ctx[n:bucket].fill_(1)
-        self.token_slot[:bucket].fill_(-1)
+        B, bs, scratch = self.max_batch, self.runner.block_size, self.runner.scratch_page
+        h64, h32 = self.host64, self.host32
+        ids, positions, slots = h64
+        ids[:n], positions[:n], slots[:n] = b.input_ids, b.positions, b.slot_mapping
+        slots[n:bucket] = scratch * bs  # padded rows write their KV to the scratch page
+        ctx, token_slot = h32[:B], h32[B:2 * B]
+        ctx[:n] = b.ctx_lens
+        ctx[n:bucket] = 1
+        token_slot[:bucket] = -1
+        if b.lora is not None:
+            token_slot[:n] = b.lora.token_slot
+        tables = h32[2 * B:].view(B, self.max_blocks)
+        width = b.block_tables.shape[1]
+        tables[:n, :width] = b.block_tables
+        tables[:n, width:] = scratch
+        self.meta64[:, :bucket].copy_(h64[:, :bucket], non_blocking=True)
+        self.meta32[:2 * B + n * self.max_blocks].copy_(h32[:2 * B + n * self.max_blocks],
+                                                        non_blocking=True)
+        # (The host twins are rewritten only after this step's sample has synchronised.)
         lora = b.lora
-        if lora is None:
-            return
-        self.token_slot[:n].copy_(lora.token_slot)
+        if lora is None or lora.groups is self._filled_lora:
+            return  # steady decode: the same adapters in the same pages as last step
+        self._filled_lora = lora.groups
         n_a, width = lora.pages.shape
         self.pages[:n_a, :width].copy_(lora.pages)
         for gname, (off_a, off_b, ranks) in self.group_bufs.items():

@@ -103,9 +103,12 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids_from(self, start: int) -> list[int]:
+        """Token ids from position `start` on (prompt then output), copying only those."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:]
+        return self.prompt_token_ids[start:] + self.output_token_ids
 
     @property
     def num_new(self) -> int:

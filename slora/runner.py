@@ -85,6 +85,7 @@ class ModelRunner:
                     strides_out=tuple(strides(model_config, LORA_MODULES[m])[1] for m in mods),
                     out_dims=tuple(model_config.module_dims(LORA_MODULES[m])[1] for m in mods))
             for g, mods in GROUPS.items()}
+        self._adapter_side: tuple = (None, None)  # (key, tensors): see lora_meta
         self.host: dict[str, torch.Tensor] = {}  # the host tier's tensors
         self.generators: dict[str, torch.Generator] = {}  # per request, for sampling
         self.rng = torch.Generator().manual_seed(config.seed)  # seeds unseeded requests
@@ -157,25 +158,25 @@ class ModelRunner:
             self._load_adapters(loads, adapters)
 
     def prepare(self, plan: SchedulerPlan, adapters: AdapterManager) -> Batch:
-        """The step's batch as host tensors (the caller moves it, or copies it into graphs)."""
+        """The step's batch as host tensors (the caller moves it, or copies it into graphs).
+        Built from plain lists, one tensor per field: this runs every step, on the CPU,
+        while the GPU waits."""
         seqs, bs = plan.seqs, self.block_size
-        ids, q_start, ctx = [], [0], []
+        ids, positions, slots, q_start, ctx = [], [], [], [0], []
         for r in seqs:
-            ids += r.all_token_ids[r.num_computed:]
+            start, end, table = r.num_computed, r.num_tokens, r.block_table
+            ids += r.token_ids_from(start)
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             q_start.append(len(ids))
-            ctx.append(r.num_tokens)
-        positions = torch.cat([torch.arange(r.num_computed, r.num_tokens) for r in seqs])
-        max_blocks = max(len(r.block_table) for r in seqs)
-        tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table))
-                               for r in seqs], dtype=torch.int32)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)),
-                                               torch.tensor([r.num_new for r in seqs]))
-        slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
+            ctx.append(end)
+        width = max(len(r.block_table) for r in seqs)
+        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in seqs]
         return Batch(
             input_ids=torch.tensor(ids),
-            positions=positions,
-            slot_mapping=slots,
-            block_tables=tables,
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slots),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
             ctx_lens=torch.tensor(ctx, dtype=torch.int32),
             ctx_lens_list=ctx,
             q_start=q_start,
@@ -187,14 +188,33 @@ class ModelRunner:
 
     def lora_meta(self, seqs: list[Request], q_start: list[int], num_decode: int,
                   adapters: AdapterManager) -> LoraMeta | None:
-        names = list(dict.fromkeys(r.adapter for r in seqs if r.adapter))
+        names = tuple(dict.fromkeys(r.adapter for r in seqs if r.adapter))
         if not names:
             return None
-        infos = [adapters.adapters[n] for n in names]
+        # The adapter side (pages, offsets, ranks) changes only when the batch's adapter set
+        # does or an adapter moves: in steady decode it is the same object step after step
+        # (the graphs then skip copying it again).
+        key = (names, adapters.loads, adapters.evictions)
+        if self._adapter_side[0] != key:
+            self._adapter_side = (key, self._adapter_tensors(names, adapters))
+        pages, groups = self._adapter_side[1]
         slot_of = {n: i for i, n in enumerate(names)}
         seq_slot = [slot_of[r.adapter] if r.adapter else -1 for r in seqs]
-        counts = torch.tensor([r.num_new for r in seqs])
-        token_slot = torch.repeat_interleave(torch.tensor(seq_slot, dtype=torch.int32), counts)
+        token_slot = seq_slot[:num_decode]
+        for s, r in zip(seq_slot[num_decode:], seqs[num_decode:]):
+            token_slot += [s] * r.num_new
+        return LoraMeta(
+            pages=pages,
+            token_slot=torch.tensor(token_slot, dtype=torch.int32),
+            num_decode=num_decode,
+            seg_start=torch.tensor(q_start[num_decode:], dtype=torch.int32),
+            seg_slot=torch.tensor(seq_slot[num_decode:], dtype=torch.int32),
+            groups=groups,
+        )
+
+    def _adapter_tensors(self, names: tuple[str, ...], adapters: AdapterManager):
+        """Page table [n_a, max_pages] and per-group offsets/ranks of the adapters `names`."""
+        infos = [adapters.adapters[n] for n in names]
         max_pages = max(len(i.pages) for i in infos)
         pages = torch.tensor([i.pages + [0] * (max_pages - len(i.pages)) for i in infos],
                              dtype=torch.int32)
@@ -213,14 +233,7 @@ class ModelRunner:
                 max_rank=int(r.max()),
                 **self.group_shapes[gname],
             )
-        return LoraMeta(
-            pages=pages,
-            token_slot=token_slot,
-            num_decode=num_decode,
-            seg_start=torch.tensor(q_start[num_decode:], dtype=torch.int32),
-            seg_slot=torch.tensor(seq_slot[num_decode:], dtype=torch.int32),
-            groups=groups,
-        )
+        return pages, groups
 
     # -- sampling
     def sample(self, logits: torch.Tensor, seqs: list[Request]):
