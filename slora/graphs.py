@@ -37,7 +37,6 @@ class DecodeGraphs:
                       runner.num_pages * runner.block_size)
         self.max_blocks = cdiv(max_len, runner.block_size)
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # key -> (graph, logits, batch)
-        self.mempool = torch.cuda.graph_pool_handle()
         self.max_pages = 0
         self._alloc(max_pages=1)
 
@@ -46,6 +45,9 @@ class DecodeGraphs:
         dev, B, L = self.runner.device, self.max_batch, self.runner.cfg.num_layers
         i32 = dict(dtype=torch.int32, device=dev)
         self.graphs.clear()
+        # A fresh private pool: once the dropped graphs release the old one, capturing into
+        # it again trips PyTorch's allocator (an internal assert, seen on the H200).
+        self.mempool = torch.cuda.graph_pool_handle()
         self.max_pages = max_pages
         scratch = self.runner.scratch_page
         # Per-token and per-sequence inputs live in two device buffers (int64, int32), each
