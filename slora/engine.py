@@ -62,19 +62,19 @@ class Engine:
                               target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
                               seed: int = 0) -> None:
         """An adapter of random weights (benchmarks, S-LoRA's dummy mode). Adapters of one
-        (rank, targets) share one host buffer, so thousands cost the host one copy each shape,
-        while every load still copies the full adapter size to the device."""
+        (rank, targets, seed) share one host buffer, made (and pinned) here at registration, so
+        thousands of adapters cost the host one buffer per shape and the serving loop never
+        waits to make one, while every load still copies the full adapter size to the device.
+        Give adapters distinct seeds only when their outputs must differ: each seed is
+        another buffer (a rank-64 q/k/v/o adapter of a 7B is 134 MB, ~1 s to draw on a CPU)."""
         layout = AdapterLayout.uniform(self.model_config, rank, tuple(target_modules))
         key = (rank, tuple(target_modules), seed)
-
-        def pack(page_size, dtype):
-            if key not in self._synthetic:
-                buf = synthetic_pack(self.model_config, layout, page_size, dtype, seed)
-                # pinned once here, so host-tier misses cost no re-pinning copy
-                self._synthetic[key] = buf.pin_memory() if self.runner.device.type == "cuda" else buf
-            return self._synthetic[key]
-
-        self._register(name, layout, "synthetic", pack)
+        if key not in self._synthetic:
+            buf = synthetic_pack(self.model_config, layout, self.runner.page_size,
+                                 self.runner.dtype, seed)
+            # pinned once here, so host-tier misses cost no re-pinning copy
+            self._synthetic[key] = buf.pin_memory() if self.runner.device.type == "cuda" else buf
+        self._register(name, layout, "synthetic", lambda page_size, dtype: self._synthetic[key])
 
     def _register(self, name, layout, source, pack) -> None:
         pages = layout.num_pages(self.runner.page_size)

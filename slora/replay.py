@@ -119,8 +119,10 @@ def _progress_bar(total: int, enabled: bool):
 def register_adapters(engine, trace: Trace, *, synthetic: bool, adapter_dir: str | None) -> None:
     """Make the trace's adapters known to `engine` (validated now, loaded lazily by the engine).
 
-    synthetic: register every adapter of the trace header with its rank (random weights, seeded by
-        position), as S-LoRA's harness starts its server with all `num_adapters` of a setting.
+    synthetic: register every adapter of the trace header with its rank, as S-LoRA's harness
+        starts its server with all `num_adapters` of a setting. Adapters of one rank share one
+        host buffer of random weights (S-LoRA's dummy mode: throughput does not depend on the
+        values); each load still copies the adapter's full size to the device.
     adapter_dir: a directory holding one PEFT adapter directory per adapter name the trace uses.
     """
     used = trace.adapter_names()
@@ -131,8 +133,8 @@ def register_adapters(engine, trace: Trace, *, synthetic: bool, adapter_dir: str
                              f"{', '.join(map(repr, unranked[:5]))}{' ...' if len(unranked) > 5 else ''}: "
                              f"add them to the header's \"adapters\" map, or serve real adapters "
                              f"with --adapter-dir")
-        for i, (name, rank) in enumerate(trace.adapters.items()):
-            engine.add_synthetic_adapter(name, rank, seed=i)
+        for name, rank in trace.adapters.items():
+            engine.add_synthetic_adapter(name, rank)
     elif adapter_dir is not None:
         for name in used:
             engine.add_adapter(name, str(Path(adapter_dir) / name))

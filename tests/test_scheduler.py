@@ -70,6 +70,22 @@ def test_preemption_keeps_outputs(tiny_model_dir):
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
 
 
+def test_synthetic_adapters_share_host_buffers(tiny_model_dir):
+    """Thousands of synthetic adapters cost one host buffer per shape, made at registration
+    (the serving loop never waits to draw one), and each load copies the full adapter."""
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=4096))
+    for i in range(200):
+        engine.add_synthetic_adapter(f"a{i}", (8, 16)[i % 2])
+    assert len(engine._synthetic) == 2
+    a0, a2 = engine.adapters.get("a0"), engine.adapters.get("a2")
+    assert a0.pack(engine.runner.page_size, engine.runner.dtype) is \
+        a2.pack(engine.runner.page_size, engine.runner.dtype)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.generate([[5, 6, 7]] * 3, sp, adapters=["a0", "a2", "a4"])
+    assert engine.stats()["adapter_loads"] == 3  # three adapters, three copies into the pool
+
+
 def test_request_bigger_than_pool_fails_alone(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                                  num_pages=12, block_size=16))

@@ -147,7 +147,7 @@ def _profile_adapters(engine, grid: Grid) -> list[str]:
     for j in range(grid.max_adapters):
         name = f"__profile_{j}"
         if name not in engine.adapters.adapters:
-            engine.add_synthetic_adapter(name, grid.ranks[j % len(grid.ranks)], grid.targets, seed=j)
+            engine.add_synthetic_adapter(name, grid.ranks[j % len(grid.ranks)], grid.targets)
         names.append(name)
     return names
 

@@ -261,8 +261,8 @@ def register_trace_adapters(sim: SimEngine, trace, default_rank: int | None = No
                             targets: Sequence[str] = DEFAULT_TARGETS) -> None:
     """Register the trace header's adapters with their ranks (as `replay --synthetic-adapters`
     does); adapters the requests use without a rank get `default_rank`, or raise."""
-    for i, (name, rank) in enumerate(trace.adapters.items()):
-        sim.add_synthetic_adapter(name, rank, targets, seed=i)
+    for name, rank in trace.adapters.items():
+        sim.add_synthetic_adapter(name, rank, targets)
     unranked = [n for n in trace.adapter_names() if n not in trace.adapters]
     if unranked and default_rank is None:
         raise ValueError(f"the trace header gives no rank for {len(unranked)} adapter(s) the "
