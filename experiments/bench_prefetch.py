@@ -37,6 +37,7 @@ def run(args, prefetch_window: int) -> dict:
                               prefetch_reserve=args.prefetch_reserve))
     for i in range(args.adapters):
         eng.add_synthetic_adapter(f"a{i}", args.rank)
+    print(f"warm-up (compiles, graph captures): {eng.warmup():.1f} s", flush=True)
     steps = []
     execute = eng.runner.execute
 

@@ -171,7 +171,7 @@ def _add_replay(sub) -> None:
     _add_engine_args(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the two warm-up requests before the clock starts")
+                   help="skip the warm-up (kernel compiles, decode-graph captures) before the clock starts")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("-o", "--output", required=True, help="result JSON to write")
     p.set_defaults(handler=_replay)

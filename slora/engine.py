@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from slora.config import EngineConfig, ModelConfig
+from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
@@ -231,6 +231,42 @@ class Engine:
                     yield out
                     if out.finished:
                         return
+
+    def warmup(self) -> float:
+        """Compile the kernels and capture the decode graphs before serving; returns seconds.
+
+        On a fresh GPU machine each Triton kernel variant compiles on first use and each
+        decode-graph bucket is captured on first use: seconds of stalls that would otherwise
+        land on the first requests (vLLM captures its graphs at start for the same reason).
+        This runs a short batch at every graph batch bucket, without LoRA and with one
+        temporary adapter per rank bucket of the registered adapters (graphs are keyed by
+        the rank rounded up to a power of two), the widest first so the graphs' page-table
+        width is set once. Only idle engines warm up; the copies show in `stats()`."""
+        if self.has_unfinished():
+            raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
+        t0 = time.perf_counter()
+        graphs = self.runner.graphs
+        buckets = graphs.buckets if graphs is not None else (1,)
+        rank_buckets = sorted({max(16, 1 << (info.layout.max_rank - 1).bit_length())
+                               for info in self.adapters.adapters.values()}, reverse=True)
+        names, buffers = [None], set(self._synthetic)
+        for r in rank_buckets:  # every module: the widest page table of that rank
+            names.append(f"__warmup_r{r}")
+            self.add_synthetic_adapter(names[-1], r, LORA_MODULES)
+        sp = SamplingParams(max_tokens=3, ignore_eos=True)
+        try:
+            for name in names[1:] + names[:1]:
+                for b in buckets:
+                    need = b * cdiv(8 + 3, self.config.block_size) + self.adapters.pages_needed(name)
+                    if need > self.allocator.num_free:
+                        break
+                    self.generate([[1] * 8] * b, sp, adapters=name)
+        finally:
+            for name in names[1:]:
+                self.remove_adapter(name)
+            for key in set(self._synthetic) - buffers:
+                del self._synthetic[key]
+        return time.perf_counter() - t0
 
     def stats(self) -> dict:
         s = self.scheduler.stats()

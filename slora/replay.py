@@ -143,15 +143,6 @@ def register_adapters(engine, trace: Trace, *, synthetic: bool, adapter_dir: str
                          f"adapters or an adapter directory")
 
 
-def warm_up(engine, trace: Trace, vocab_size: int) -> None:
-    """Two short requests (the first adapter of the trace and the base model) before the clock
-    starts, so one-time costs such as kernel compilation do not land on the first requests.
-    The adapter load they cause shows in `engine.stats()`."""
-    prompt = _random_ids(np.random.default_rng(0), 8, vocab_size)
-    adapters = [trace.requests[0].adapter, None]
-    engine.generate([prompt, prompt], SamplingParams(max_tokens=4, ignore_eos=True), adapters=adapters)
-
-
 def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adapters: bool = False,
                adapter_dir: str | None = None, trace_path: str | None = None, seed: int = 0,
                warmup: bool = True, progress: bool = False) -> dict:
@@ -166,8 +157,8 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
     vocab_size = ModelConfig.from_dir(model).vocab_size
     engine = Engine(config)
     register_adapters(engine, trace, synthetic=synthetic_adapters, adapter_dir=adapter_dir)
-    if warmup:
-        warm_up(engine, trace, vocab_size)
+    if warmup:  # kernel compiles and graph captures before the clock starts
+        engine.warmup()
     run = replay(engine, trace, vocab_size=vocab_size, seed=seed, progress=progress)
     summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
     return result_dict(summary, source="replay", stats=engine.stats(), config={

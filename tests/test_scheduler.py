@@ -86,6 +86,21 @@ def test_synthetic_adapters_share_host_buffers(tiny_model_dir):
     assert engine.stats()["adapter_loads"] == 3  # three adapters, three copies into the pool
 
 
+def test_warmup_leaves_the_engine_as_it_found_it(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=512))
+    engine.add_synthetic_adapter("small", 8)
+    engine.add_synthetic_adapter("big", 40, ["q_proj", "down_proj"])
+    buffers = dict(engine._synthetic)
+    assert engine.warmup() > 0
+    st = engine.stats()
+    assert st["adapter_loads"] == 2  # one temporary adapter per rank bucket (16 and 64)
+    assert engine.list_adapters() == ["big", "small"] and engine._synthetic == buffers
+    assert st["pages_free"] == st["pages_total"] and not engine.has_unfinished()
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), adapters="big")
+    assert len(out[0].token_ids) == 2
+
+
 def test_request_bigger_than_pool_fails_alone(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                                  num_pages=12, block_size=16))
