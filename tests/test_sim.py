@@ -83,7 +83,7 @@ def test_adapter_pages_match_what_the_engine_registers(tiny_model_dir):
 
 
 def test_fit_recovers_coefficients_and_stays_non_negative():
-    true = dict(zip(FEATURES, (2e-3, 1e-5, 1e-9, 3e-5, 2e-7, 1e-4, 5e-8, 1e-6)))
+    true = dict(zip(FEATURES, (2e-3, 1e-5, 1e-9, 3e-5, 2e-7, 1e-4, 5e-8, 1e-6, 4e-3, 9e-3)))
     rng = random.Random(0)
     samples = []
     for _ in range(200):  # prefill, decode and mixed shapes, with and without adapters
@@ -91,16 +91,19 @@ def test_fit_recovers_coefficients_and_stays_non_negative():
         plen, ctx = rng.randint(8, 512), rng.randint(8, 1024)
         n_a, pages = rng.choice((0, 1, 5)), rng.choice((2, 16))
         lora = 1 if n_a else 0
+        eager = 1.0 if n_pre else 0.0
         f = (1.0, n_pre * plen, n_pre * plen * plen, n_dec, n_dec * ctx, n_a,
-             lora * n_pre * plen * pages * rng.random(), lora * n_dec * pages * rng.random())
+             lora * n_pre * plen * pages * rng.random(), lora * n_dec * pages * rng.random(),
+             eager, eager * lora)
         samples.append((f, sum(true[k] * v for k, v in zip(FEATURES, f))))
     coeffs, stats = fit(samples)
     for k in FEATURES:
         assert coeffs[k] == pytest.approx(true[k], rel=1e-6, abs=1e-15)
     assert stats["mean_rel_err"] < 1e-9
     # a feature that only adds noise with a negative slope is dropped, never negative
-    noisy = [((1.0, x, 0, 0, 0, 0, 0, 0), 1e-3 + 1e-6 * x - 1e-7 * (x % 3)) for x in range(1, 50)]
-    noisy += [((1.0, x, 0, 0, 0, 0, 0, 0), 1e-3) for x in (1000, 2000)]
+    noisy = [((1.0, x, 0, 0, 0, 0, 0, 0, 0, 0), 1e-3 + 1e-6 * x - 1e-7 * (x % 3))
+             for x in range(1, 50)]
+    noisy += [((1.0, x, 0, 0, 0, 0, 0, 0, 0, 0), 1e-3) for x in (1000, 2000)]
     coeffs, _ = fit(noisy)
     assert all(v >= 0 for v in coeffs.values())
     overhead, gbps = fit_bandwidth([(b, 1e-5 + b / 25e9) for b in (1e6, 4e6, 16e6)])
@@ -318,3 +321,23 @@ def test_10000_requests_over_2000_adapters_is_fast():
     assert run.result["num_completed"] == 10_000
     assert len(trace.adapter_names()) > 1900
     assert wall < 60, "the simulator should take well under 30 s here on an idle 2-core CPU"
+
+
+def test_refit_derives_new_features_from_old_samples():
+    """A profile stored before `eager`/`eager_lora` existed refits from its own samples."""
+    from slora.sim.cost import CostModel, Profile
+
+    old_keys = FEATURES[:8]
+    samples = []
+    for n_pre in (0, 1, 3):
+        for n_a in (0, 2):
+            for n_dec in (1, 8, 32):
+                f = dict(zip(old_keys, (1.0, 64.0 * n_pre, 0.0, n_dec, 100.0 * n_dec, n_a, 0.0, 0.0)))
+                eager = 1.0 if n_pre else 0.0
+                t = 5e-3 + 2e-5 * f["prefill_tokens"] + 1e-5 * n_dec + 4e-3 * eager + 9e-3 * eager * (n_a > 0)
+                samples.append({"features": f, "seconds": t})
+    p = Profile(model="m", gpu="g", cost=CostModel(), model_config={}, samples=samples)
+    q = p.refit()
+    assert q.cost.coeffs["eager"] == pytest.approx(4e-3, rel=1e-6)
+    assert q.cost.coeffs["eager_lora"] == pytest.approx(9e-3, rel=1e-6)
+    assert q.fit_stats["refit"] and q.fit_stats["mean_rel_err"] < 1e-9

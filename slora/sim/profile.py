@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from slora.sim.cost import FEATURES, CostModel, Profile, fit, fit_bandwidth, plan_features
+from slora.sim.cost import FEATURES, CostModel, Profile, fit, fit_bandwidth, plan_features, sample_row
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
     transfers = measure_transfers(engine, grid, log)
     log("prefetch overlap")
     overlap = measure_overlap(engine, grid, log)
-    coeffs, stats = fit([(tuple(s["features"][k] for k in FEATURES), s["seconds"]) for s in samples])
+    coeffs, stats = fit([(sample_row(s["features"]), s["seconds"]) for s in samples])
     stats["overlap"] = overlap
     stats["profile_s"] = time.perf_counter() - t0
     cost = CostModel(coeffs=coeffs, h2d_gbps=transfers["h2d_gbps"], disk_gbps=transfers["disk_gbps"],
