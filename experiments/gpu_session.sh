@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU runs of the open issues as two device calls on an nvidia-h200-x2 machine: two lanes
+# run side by side, one per GPU, each under its own time limit, and everything they write is
+# packed into $OUT/results.tgz (the device tool returns no file whose name holds "=", as the
+# suite results' do). Run from the repo root through the device tool, kind nvidia-h200-x2,
+# carry [".whl"], timeout 600:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#     >/dev/null 2>&1; bash experiments/gpu_session.sh 1      # then 2
+# Lane limits default to 540 s (LIMIT=...); a lane cut short still returns what it wrote.
+#   call 1  GPU0: CUDA tests, bench_prefetch (#4), slora profile (#7, -> $OUT/h200-llama2-7b.json)
+#           GPU1: Table 3 S1 and S2 at 5/100/1000/2000 adapters, 40 s of traffic each (#6)
+#   call 2  GPU0: replay vs simulate on three traces with the profile (#7), the PEFT race (#5a)
+#           GPU1: bench_scaling (#5b adapter scaling, #5c decode vs byte floor + kernel table),
+#                 bench_kernels (MBGMV/MBGMM/attention vs copy bandwidth)
+# Before call 2, commit call 1's profile as experiments/profiles/h200-llama2-7b.json.
+set -u
+export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+  TOKENIZERS_PARALLELISM=false
+export OUT=${OUT:-results/gpu}
+LIMIT=${LIMIT:-540}
+mkdir -p "$OUT"
+nvidia-smi -L
+lane() {  # lane GPU NAME COMMANDS: run COMMANDS on GPU under the limit, log to $OUT/NAME.log
+  (CUDA_VISIBLE_DEVICES=$1 timeout "$LIMIT" bash -c "$3" >"$OUT/$2.log" 2>&1; echo "[$2 exit $?]" >>"$OUT/$2.log") &
+}
+case "${1:-}" in
+  1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_csrc.py tests/test_engine_triton.py 2>&1 | tail -3
+      python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -9
+      bash experiments/profile_h200.sh profile 2>&1 | tail -12'
+    lane 1 gpu1 'for s in s1 s2; do python3 experiments/run_suite.py experiments/suites/table3-$s.json \
+      --results $OUT/suites --set duration=40 --quiet; done'
+    ;;
+  2)
+    lane 0 gpu0 'DURATION=40 bash experiments/profile_h200.sh validate 2>&1 | tail -12
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 1,32 --race --out $OUT/engine 2>&1 | tail -8'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part all --num-requests 400 --out $OUT/scaling 2>&1 | tail -70
+      python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -40'
+    ;;
+  *) echo "usage: $0 1|2" >&2; exit 2 ;;
+esac
+wait
+(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling engine kernels 2>/dev/null) 2>/dev/null \
+  && rm -rf suites sim-vs-replay)
+for f in "$OUT"/gpu0.log "$OUT"/gpu1.log; do echo "==== $f"; tail -60 "$f"; done
