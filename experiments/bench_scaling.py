@@ -251,36 +251,19 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
             "tok_s": batch / step_ms * 1e3}
 
 
-def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int = 8) -> dict:
-    """Where a decode step's time goes: torch.profiler over `steps` steady decode steps
-    (every request decoding, nothing prefilling). GPU busy time per step against the wall
-    time per step shows the host's share (the GPU idles while the CPU schedules, builds the
-    batch and samples); the kernel table shows the GPU's."""
+def _profiled(eng: Engine, step, steps: int) -> tuple[float, dict[str, float]]:
+    """(wall ms per step, {kernel: GPU ms per step}) of `steps` calls of `step` under
+    torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    modules = MODULE_SETS[modules_key]
-    cfg = eng.model_config
-    ranks = {f"kb-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
-    add_adapters(eng, ranks, modules)
-    sp = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
-    names = list(ranks) or [None] * batch
-    for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
-        eng.add_request(p, sp, adapter=name)
-    while eng.scheduler.waiting or any(r.num_new > 1 for r in eng.scheduler.running):
-        eng.step()
-    for _ in range(2):  # steady state (graph captured, adapters resident)
-        eng.step()
-    sync(eng.runner.device)
     cuda = eng.runner.device.type == "cuda"
+    sync(eng.runner.device)
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
+        for i in range(steps):
+            step(i)
         sync(eng.runner.device)
         wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    while eng.has_unfinished():
-        eng.step()
-    remove_adapters(eng, ranks)
     kernels = {}
     for e in prof.key_averages():
         dev_us = getattr(e, "self_device_time_total", None)
@@ -288,19 +271,53 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
             dev_us = getattr(e, "self_cuda_time_total", 0)
         if dev_us > 0 and e.device_type.name == "CUDA":
             kernels[e.key] = kernels.get(e.key, 0.0) + dev_us / 1e3 / steps
-    gpu_ms = sum(kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
-    return {"batch": batch, "modules": modules_key, "wall_ms_per_step": wall_ms,
-            "gpu_busy_ms_per_step": gpu_ms,
-            "kernels": [{"name": k[:90], "ms_per_step": v} for k, v in top]}
+    return wall_ms, kernels
+
+
+def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int = 8) -> dict:
+    """Where a step's time goes, under torch.profiler: `steps` steady decode steps (every
+    request decoding: the CUDA-graph path), then `steps` mixed steps (the same batch plus one
+    new 128-token prompt each: the eager path every prefill takes). GPU busy time per step
+    against its wall time shows the host's share (the GPU idles while the CPU schedules,
+    builds the batch, launches eager kernels and samples); the kernel table shows the GPU's."""
+    modules = MODULE_SETS[modules_key]
+    cfg = eng.model_config
+    ranks = {f"kb-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
+    add_adapters(eng, ranks, modules)
+    sp = SamplingParams(max_tokens=args.decode_tokens + 2 * steps, ignore_eos=True)
+    names = list(ranks) or [None] * batch
+    for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
+        eng.add_request(p, sp, adapter=name)
+    while eng.scheduler.waiting or any(r.num_new > 1 for r in eng.scheduler.running):
+        eng.step()
+    for _ in range(2):  # steady state (graph captured, adapters resident)
+        eng.step()
+    extra = prompts(steps, 128, cfg.vocab_size, seed=7)
+
+    def mixed(i):
+        eng.add_request(extra[i], SamplingParams(max_tokens=1, ignore_eos=True), adapter=names[i % len(names)])
+        eng.step()
+
+    res = {"batch": batch, "modules": modules_key}
+    for kind, fn in (("decode", lambda i: eng.step()), ("mixed", mixed)):
+        wall_ms, kernels = _profiled(eng, fn, steps)
+        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+        res[kind] = {"wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": sum(kernels.values()),
+                     "kernels": [{"name": k[:90], "ms_per_step": v} for k, v in top]}
+    while eng.has_unfinished():
+        eng.step()
+    remove_adapters(eng, ranks)
+    return res
 
 
 def print_breakdown(b: dict) -> None:
-    print(f"\nkernel breakdown, batch {b['batch']}, modules {b['modules']}: "
-          f"{b['wall_ms_per_step']:.2f} ms/step wall (profiled), GPU busy "
-          f"{b['gpu_busy_ms_per_step']:.2f} ms ({b['gpu_busy_ms_per_step'] / b['wall_ms_per_step']:.0%})")
-    for k in b["kernels"]:
-        print(f"  {k['ms_per_step']:8.3f} ms  {k['name']}")
+    for kind in ("decode", "mixed"):
+        k = b[kind]
+        busy, wall = k["gpu_busy_ms_per_step"], k["wall_ms_per_step"]
+        print(f"\nkernel breakdown, {kind} steps, batch {b['batch']}, modules {b['modules']}: "
+              f"{wall:.2f} ms/step wall (profiled), GPU busy {busy:.2f} ms ({busy / wall:.0%})")
+        for row in k["kernels"]:
+            print(f"  {row['ms_per_step']:8.3f} ms  {row['name']}")
 
 
 def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
