@@ -210,6 +210,8 @@ class ModelRunner:
             seg_start=torch.tensor(q_start[num_decode:], dtype=torch.int32),
             seg_slot=torch.tensor(seq_slot[num_decode:], dtype=torch.int32),
             groups=groups,
+            max_seg_len=max((b - a for a, b in zip(q_start[num_decode:], q_start[num_decode + 1:])),
+                            default=None),
         )
 
     def _adapter_tensors(self, names: tuple[str, ...], adapters: AdapterManager):

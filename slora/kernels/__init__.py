@@ -41,6 +41,7 @@ class LoraMeta:
     seg_start: torch.Tensor  # int32 [S+1], absolute token indices
     seg_slot: torch.Tensor  # int32 [S]
     groups: dict[str, GroupMeta]
+    max_seg_len: int | None = None  # longest segment (host int): bounds MBGMM's grid; None: T
 
 
 class TorchBackend:
@@ -100,9 +101,11 @@ class TritonBackend(TorchBackend):
                                     meta.token_slot[:nd], g.out_dims, g.strides_out)
         if meta.seg_slot.numel():
             xa = self._lora.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
-                                         meta.seg_start, meta.seg_slot, g.stride_in, g.max_rank)
+                                         meta.seg_start, meta.seg_slot, g.stride_in, g.max_rank,
+                                         max_seg_len=meta.max_seg_len)
             self._lora.mbgmm_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks,
-                                    meta.seg_start, meta.seg_slot, g.out_dims, g.strides_out)
+                                    meta.seg_start, meta.seg_slot, g.out_dims, g.strides_out,
+                                    max_seg_len=meta.max_seg_len)
 
 
 def make_backend(name: str, device: torch.device):
