@@ -8,7 +8,7 @@
 #     >/dev/null 2>&1; bash experiments/gpu_session.sh 1      # then 2
 # Lane limits default to 540 s (LIMIT=...); a lane cut short still returns what it wrote.
 #   call 1  GPU0: CUDA tests, bench_prefetch (#4), slora profile (#7, -> $OUT/h200-llama2-7b.json)
-#           GPU1: Table 3 S1 and S2 at 5/100/1000/2000 adapters, 40 s of traffic each (#6)
+#           GPU1: Table 3 S1 and S2 at 5/100/1000/2000 adapters, 30 s of traffic each (#6)
 #   call 2  GPU0: replay vs simulate on three traces with the profile (#7), the PEFT race (#5a)
 #           GPU1: bench_scaling (#5b adapter scaling, #5c decode vs byte floor + kernel table),
 #                 bench_kernels (MBGMV/MBGMM/attention vs copy bandwidth)
@@ -29,7 +29,7 @@ case "${1:-}" in
       python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -9
       bash experiments/profile_h200.sh profile 2>&1 | tail -12'
     lane 1 gpu1 'for s in s1 s2; do python3 experiments/run_suite.py experiments/suites/table3-$s.json \
-      --results $OUT/suites --set duration=40 --quiet; done'
+      --results $OUT/suites --set duration=30 --quiet; done'
     ;;
   2)
     lane 0 gpu0 'DURATION=40 bash experiments/profile_h200.sh validate 2>&1 | tail -12
