@@ -238,10 +238,12 @@ class Engine:
         On a fresh GPU machine each Triton kernel variant compiles on first use and each
         decode-graph bucket is captured on first use: seconds of stalls that would otherwise
         land on the first requests (vLLM captures its graphs at start for the same reason).
-        This runs a short batch at every graph batch bucket, without LoRA and with one
-        temporary adapter per rank bucket of the registered adapters (graphs are keyed by
-        the rank rounded up to a power of two), the widest first so the graphs' page-table
-        width is set once. Only idle engines warm up; the copies show in `stats()`."""
+        This runs one full prefill step (`max_batch_tokens`: the allocator grows to its
+        largest activations), then a short batch at every graph batch bucket, without LoRA
+        and with one temporary adapter per rank bucket of the registered adapters (graphs are
+        keyed by the rank rounded up to a power of two), the widest first so the graphs'
+        page-table width is set once. Only idle engines warm up; the copies show in
+        `stats()`."""
         if self.has_unfinished():
             raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
         t0 = time.perf_counter()
@@ -255,6 +257,12 @@ class Engine:
             self.add_synthetic_adapter(names[-1], r, LORA_MODULES)
         sp = SamplingParams(max_tokens=3, ignore_eos=True)
         try:
+            # one step of max_batch_tokens prefill: the allocator grows to its largest activations
+            length = min(self.config.max_batch_tokens, self.max_model_len - 4)
+            n = min(self.config.max_num_seqs, cdiv(self.config.max_batch_tokens, length))
+            cuda = self.runner.device.type == "cuda"
+            if cuda and n * cdiv(length + 3, self.config.block_size) <= self.allocator.num_free:
+                self.generate([[1] * length] * n, sp)
             for name in names[1:] + names[:1]:
                 for b in buckets:
                     need = b * cdiv(8 + 3, self.config.block_size) + self.adapters.pages_needed(name)
