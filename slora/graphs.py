@@ -1,11 +1,13 @@
 """CUDA graphs for decode steps, LoRA kernels inside, for any mix of adapters and base rows.
 
 A decode step launches a few hundred small kernels; replaying a captured graph removes their
-launch cost. Graphs are captured lazily, one per (batch bucket, rank bucket, adapter-page
-bucket), over static device buffers sized for the largest batch. Each step copies its host
-batch into the first B rows of the buffers and replays the graph of the smallest bucket that
-holds it. Padded rows are base-only (token_slot -1) and read and write only the pool's
-scratch page, so they never touch a live page.
+launch cost. Graphs are captured lazily (or all at once by `Engine.warmup`), one per (batch
+bucket, rank bucket, adapter-page bucket), over static device buffers sized for the largest
+batch. Each step writes its host batch into pinned twins of those buffers, copies them over
+in two transfers (the adapter-side tensors only when the batch's adapters changed), and
+replays the graph of the smallest bucket that holds it. Padded rows are base-only
+(token_slot -1) and read and write only the pool's scratch page, so they never touch a live
+page.
 """
 
 from __future__ import annotations
