@@ -134,22 +134,6 @@ def s2_trace(args, num_adapters: int):
                       ranks=args.ranks, seed=args.seed)
 
 
-def warm_up(eng: Engine, args) -> None:
-    """Compile the kernels and capture the decode graphs the timed rows will use: a full batch
-    whose outputs end one by one (so it drains through every batch bucket), base-only and on
-    adapters of every rank with all seven modules (the widest page table)."""
-    n = eng.config.max_num_seqs
-    lens = [1 + i % 64 for i in range(n)]
-    ps = prompts(n, 64, eng.model_config.vocab_size, seed=1)
-    sps = [SamplingParams(max_tokens=k, ignore_eos=True) for k in lens]
-    ranks = {f"warm-{r}": r for r in args.ranks}
-    add_adapters(eng, ranks, LORA_MODULES)
-    names = list(ranks)
-    eng.generate(ps, sps, adapters=None)
-    eng.generate(ps, sps, adapters=[names[i % len(names)] for i in range(n)])
-    remove_adapters(eng, ranks)
-
-
 def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     modules = MODULE_SETS[modules_key]
     lens = [(r.prompt_len, r.output_len) for r in trace.requests]
@@ -184,8 +168,8 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
 
 def part_scaling(eng: Engine, args) -> list[dict]:
     t0 = time.perf_counter()
-    warm_up(eng, args)
-    print(f"scaling: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+    # kernel compiles and every decode graph (each batch bucket, base and each rank) off the clock
+    print(f"scaling: warm-up {eng.warmup(ranks=args.ranks):.1f} s", flush=True)
     base_trace = s2_trace(args, 0)
     ref_lens = [(r.prompt_len, r.output_len) for r in base_trace.requests]
     points = [(base_trace, "none")] + [(s2_trace(args, n), m) for m in ("qkvo", "all")

@@ -18,6 +18,7 @@ from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
+from slora.graphs import round_rank
 from slora.model.loader import PeftAdapter, synthetic_pack
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.runner import ModelRunner
@@ -232,7 +233,7 @@ class Engine:
                     if out.finished:
                         return
 
-    def warmup(self) -> float:
+    def warmup(self, ranks: Sequence[int] = ()) -> float:
         """Compile the kernels and capture the decode graphs before serving; returns seconds.
 
         On a fresh GPU machine each Triton kernel variant compiles on first use and each
@@ -240,17 +241,17 @@ class Engine:
         land on the first requests (vLLM captures its graphs at start for the same reason).
         This runs one full prefill step (`max_batch_tokens`: the allocator grows to its
         largest activations), then a short batch at every graph batch bucket, without LoRA
-        and with one temporary adapter per rank bucket of the registered adapters (graphs are
-        keyed by the rank rounded up to a power of two), the widest first so the graphs'
-        page-table width is set once. Only idle engines warm up; the copies show in
-        `stats()`."""
+        and with one temporary adapter per rank bucket of the registered adapters and of
+        `ranks` (adapters to come; graphs are keyed by the rank rounded up to a power of two),
+        the widest first so the graphs' page-table width is set once. Only idle engines warm
+        up; the copies show in `stats()`."""
         if self.has_unfinished():
             raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
         t0 = time.perf_counter()
         graphs = self.runner.graphs
         buckets = graphs.buckets if graphs is not None else (1,)
-        rank_buckets = sorted({max(16, 1 << (info.layout.max_rank - 1).bit_length())
-                               for info in self.adapters.adapters.values()}, reverse=True)
+        ranks = [info.layout.max_rank for info in self.adapters.adapters.values()] + list(ranks)
+        rank_buckets = sorted({round_rank(r) for r in ranks}, reverse=True)
         names, buffers = [None], set(self._synthetic)
         for r in rank_buckets:  # every module: the widest page table of that rank
             names.append(f"__warmup_r{r}")

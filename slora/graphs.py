@@ -29,6 +29,11 @@ def _pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
+def round_rank(max_rank: int) -> int:
+    """The rank a graph is captured for: a batch's largest rank, to a power of two >= 16."""
+    return _pow2(max_rank, 16)
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_num_seqs: int) -> None:
         self.runner = runner
@@ -80,7 +85,7 @@ class DecodeGraphs:
         lora = b.lora
         rank_bucket = 0
         if lora is not None:
-            rank_bucket = _pow2(max(g.max_rank for g in lora.groups.values()), 16)
+            rank_bucket = round_rank(max(g.max_rank for g in lora.groups.values()))
             if lora.pages.shape[1] > self.max_pages:
                 self._alloc(_pow2(lora.pages.shape[1], 8))
         bucket = _bucket(n, self.buckets)

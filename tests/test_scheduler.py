@@ -99,6 +99,11 @@ def test_warmup_leaves_the_engine_as_it_found_it(tiny_model_dir):
     assert st["pages_free"] == st["pages_total"] and not engine.has_unfinished()
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), adapters="big")
     assert len(out[0].token_ids) == 2
+    # ranks of adapters yet to come: one more bucket (128) beside the registered ones' two
+    before = engine.stats()["adapter_loads"]
+    engine.warmup(ranks=[100])
+    assert engine.stats()["adapter_loads"] - before == 3
+    assert engine.list_adapters() == ["big", "small"] and engine._synthetic == buffers
 
 
 def test_request_bigger_than_pool_fails_alone(tiny_model_dir):
