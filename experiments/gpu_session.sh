@@ -7,7 +7,8 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     >/dev/null 2>&1; bash experiments/gpu_session.sh 1      # then 2
 # Lane limits default to 540 s (LIMIT=...); a lane cut short still returns what it wrote.
-#   call 1  GPU0: CUDA tests, bench_prefetch (#4), slora profile (#7, -> $OUT/h200-llama2-7b.json)
+#   call 1  GPU0: CUDA tests, bench_prefetch (#4), slora profile (#7, -> $OUT/h200-llama2-7b.json),
+#           decode steps at batch 1/32 with the kernel tables of a decode and a mixed step
 #           GPU1: Table 3 S1 and S2 at 5/100/1000/2000 adapters, 30 s of traffic each (#6)
 #   call 2  GPU0: replay vs simulate on three traces with the profile (#7), the PEFT race (#5a)
 #           GPU1: bench_scaling (#5b adapter scaling, #5c decode vs byte floor + kernel table),
@@ -28,7 +29,8 @@ case "${1:-}" in
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k cuda 2>&1 | tail -2
       python3 -m pytest -q -p no:cacheprovider tests/test_csrc.py tests/test_engine_triton.py 2>&1 | tail -2
       python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -9
-      bash experiments/profile_h200.sh profile 2>&1 | tail -12'
+      bash experiments/profile_h200.sh profile 2>&1 | tail -12
+      python3 experiments/bench_scaling.py --part decode --batches 1,32 --out $OUT/breakdown 2>&1 | tail -60'
     lane 1 gpu1 'for s in s1 s2; do python3 experiments/run_suite.py experiments/suites/table3-$s.json \
       --results $OUT/suites --set duration=30 --quiet; done'
     ;;
@@ -41,6 +43,6 @@ case "${1:-}" in
   *) echo "usage: $0 1|2" >&2; exit 2 ;;
 esac
 wait
-(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling engine kernels 2>/dev/null) 2>/dev/null \
+(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling breakdown engine kernels 2>/dev/null) 2>/dev/null \
   && rm -rf suites sim-vs-replay)
 for f in "$OUT"/gpu0.log "$OUT"/gpu1.log; do echo "==== $f"; tail -60 "$f"; done
