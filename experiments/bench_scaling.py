@@ -258,6 +258,24 @@ def _profiled(eng: Engine, step, steps: int) -> tuple[float, dict[str, float]]:
     return wall_ms, kernels
 
 
+def _host_profile(step, steps: int, top: int = 20) -> list[dict]:
+    """Where the host's time goes in `steps` calls of `step`: cProfile's top functions by
+    own time (ms per step), Python and Triton's launch path included."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(steps):
+        step(i)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"func": f"{Path(f).name}:{line}:{name}", "calls_per_step": nc / steps,
+             "own_ms_per_step": tt * 1e3 / steps, "cum_ms_per_step": ct * 1e3 / steps}
+            for (f, line, name), (_, nc, tt, ct, _) in rows]
+
+
 def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int = 8) -> dict:
     """Where a step's time goes, under torch.profiler: `steps` steady decode steps (every
     request decoding: the CUDA-graph path), then `steps` mixed steps (the same batch plus one
@@ -268,7 +286,7 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
     cfg = eng.model_config
     ranks = {f"kb-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
     add_adapters(eng, ranks, modules)
-    sp = SamplingParams(max_tokens=args.decode_tokens + 2 * steps, ignore_eos=True)
+    sp = SamplingParams(max_tokens=args.decode_tokens + 3 * steps, ignore_eos=True)
     names = list(ranks) or [None] * batch
     for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
         eng.add_request(p, sp, adapter=name)
@@ -276,7 +294,7 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
         eng.step()
     for _ in range(2):  # steady state (graph captured, adapters resident)
         eng.step()
-    extra = prompts(steps, 128, cfg.vocab_size, seed=7)
+    extra = prompts(2 * steps, 128, cfg.vocab_size, seed=7)
 
     def mixed(i):
         eng.add_request(extra[i], SamplingParams(max_tokens=1, ignore_eos=True), adapter=names[i % len(names)])
@@ -288,6 +306,7 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
         res[kind] = {"wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": sum(kernels.values()),
                      "kernels": [{"name": k[:90], "ms_per_step": v} for k, v in top]}
+    res["mixed"]["host"] = _host_profile(lambda i: mixed(steps + i), steps)
     while eng.has_unfinished():
         eng.step()
     remove_adapters(eng, ranks)
@@ -302,6 +321,10 @@ def print_breakdown(b: dict) -> None:
               f"{wall:.2f} ms/step wall (profiled), GPU busy {busy:.2f} ms ({busy / wall:.0%})")
         for row in k["kernels"]:
             print(f"  {row['ms_per_step']:8.3f} ms  {row['name']}")
+    print(f"\nhost, mixed steps (cProfile, own ms/step, cumulative ms/step, calls/step):")
+    for row in b["mixed"]["host"]:
+        print(f"  {row['own_ms_per_step']:8.3f} {row['cum_ms_per_step']:8.3f} "
+              f"{row['calls_per_step']:7.0f}  {row['func']}")
 
 
 def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
