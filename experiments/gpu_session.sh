@@ -37,7 +37,8 @@ case "${1:-}" in
   2)
     lane 0 gpu0 'DURATION=40 bash experiments/profile_h200.sh validate 2>&1 | tail -12
       python3 experiments/bench_engine.py --models llama-2-7b --batches 1,32 --race --out $OUT/engine 2>&1 | tail -8'
-    lane 1 gpu1 'python3 experiments/bench_scaling.py --part all --num-requests 400 --out $OUT/scaling 2>&1 | tail -70
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --out $OUT/breakdown 2>&1 | tail -90
+      python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -30
       python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -40'
     ;;
   *) echo "usage: $0 1|2" >&2; exit 2 ;;
