@@ -13,6 +13,9 @@
 #   call 2  GPU0: replay vs simulate on three traces with the profile (#7), the PEFT race (#5a)
 #           GPU1: bench_scaling (#5b adapter scaling, #5c decode vs byte floor + kernel table),
 #                 bench_kernels (MBGMV/MBGMM/attention vs copy bandwidth)
+#   call 3  both lanes again after a change to kernels, runner or scheduler: GPU0 CUDA tests,
+#           a fresh profile validated against replay, bench_prefetch; GPU1 decode steps and
+#           kernel tables, the PEFT race, adapter scaling, bench_kernels
 # Before call 2, commit call 1's profile as experiments/profiles/h200-llama2-7b.json.
 set -u
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
@@ -41,7 +44,17 @@ case "${1:-}" in
       python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -30
       python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -40'
     ;;
-  *) echo "usage: $0 1|2" >&2; exit 2 ;;
+  3)  # after a change to the kernels, the runner or the scheduler: everything it moves, once
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py -k "cuda or triton or mbgmm" 2>&1 | tail -2
+      bash experiments/profile_h200.sh profile 2>&1 | tail -6
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=40 bash experiments/profile_h200.sh validate 2>&1 | tail -7
+      python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -9'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 1,32 --out $OUT/breakdown 2>&1 | tail -75
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 1,32 --race --out $OUT/engine 2>&1 | tail -8
+      python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14
+      python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -12'
+    ;;
+  *) echo "usage: $0 1|2|3" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling breakdown engine kernels 2>/dev/null) 2>/dev/null \

@@ -65,7 +65,8 @@ class EngineConfig:
     # S-LoRA's SLO: first token within this many seconds (early-abort policy, metrics).
     slo_ttft_s: float = 6.0
     # Prefetch: adapters of the first `prefetch_window` waiting requests are loaded ahead of
-    # admission, while at least `prefetch_reserve` pages stay free for KV.
+    # admission (evicting idle adapters the window does not need), while at least
+    # `prefetch_reserve` pages stay free for KV.
     prefetch_window: int = 8
     prefetch_reserve: int = 64
     cuda_graphs: bool = True

@@ -212,6 +212,10 @@ def test_mbgmm_matches_twin(group, dtype):
     xa2 = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
                        grp.stride, grp.max_rank, max_seg_len=max_len)
     assert torch.equal(xa, xa2)
+    # d_in split across programs (as on the GPU for small batches): partial sums added atomically
+    xa3 = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
+                       grp.stride, grp.max_rank, max_seg_len=max_len, split_k=2)
+    torch.testing.assert_close(xa3, xa, rtol=1e-5, atol=1e-5)
 
     out0 = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(DEVICE)
     out, out_ref = out0.clone(), out0.clone()

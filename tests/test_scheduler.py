@@ -190,3 +190,25 @@ def test_small_host_cache_rereads_adapters_and_keeps_tokens(tiny_model_dir, room
     assert s["host_evictions"] > 0 and s["host_loads"] > s["adapter_loads"] / 2
     assert engine.adapters.host_bytes <= engine.config.host_cache_bytes or len(engine.runner.host) == 1
     assert set(engine.runner.host) == set(engine.adapters._host)  # tensors follow the LRU state
+
+
+def test_prefetch_evicts_idle_adapters_the_queue_does_not_need():
+    """A pool full of idle cached adapters still prefetches for the queue: it evicts idle
+    adapters (LRU) that no waiting request in the window needs, and keeps the reserve free."""
+    sizes = {f"a{i}": 4 for i in range(8)}
+    sim = Sim(28, sizes, max_num_seqs=1)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    for i in range(6):  # six adapters used once each: 24 pages of idle adapters stay resident
+        sim.sched.add(Request(f"w{i}", [2, 3, 4], sp, f"a{i}", 0.0))
+    while sim.sched.has_unfinished():
+        sim.step(0.0)
+    assert sim.alloc.num_free < 4 + 2  # not enough free pages for a prefetch without eviction
+    sim.sched.add(Request("run", [2, 3, 4], SamplingParams(max_tokens=6, ignore_eos=True), "a0", 1.0))
+    sim.sched.add(Request("next", [2, 3, 4], sp, "a7", 1.0))  # waits: max_num_seqs=1
+    plan = sim.step(1.0)
+    assert [n for n, _ in plan.prefetch] == ["a7"]
+    assert plan.evicted and "a0" not in plan.evicted  # a0 is in use
+    assert sim.alloc.num_free >= 2  # the reserve
+    while sim.sched.has_unfinished():
+        plan = sim.step(2.0)
+        assert not plan.adapter_loads  # a7 was already resident when "next" was admitted

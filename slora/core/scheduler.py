@@ -11,8 +11,9 @@ tokens, logprobs, now)` advances the requests. The order within `schedule`:
    `max_batch_tokens`. Admission needs pages for the request's KV and, if its adapter is not
    resident, for the adapter; idle adapters are evicted (LRU) to make room, but an adapter a
    running request uses never is. A prompt that can never fit fails alone, with the reason.
-3. Prefetch: adapters of the next waiting requests are loaded ahead of admission while at
-   least `prefetch_reserve` pages stay free, so their copy overlaps this step's compute.
+3. Prefetch: adapters of the next waiting requests are loaded ahead of admission, evicting
+   idle adapters the window does not need if it must, while at least `prefetch_reserve`
+   pages stay free; their copy overlaps this step's compute.
 
 Pure Python over ints: no torch. The simulator drives this class unchanged.
 """
@@ -204,7 +205,12 @@ class Scheduler:
                 "tokens); shorten the prompt or raise num_pages")
 
     def _prefetch(self, plan: SchedulerPlan) -> None:
+        """Load the adapters of the next waiting requests. Room comes from free pages, then
+        from idle adapters (LRU) that no request in the window needs: a queued request's
+        adapter is needed soon, an idle one only maybe. The H200 showed why: once idle
+        adapters filled the pool, a prefetch that only took free pages almost never ran."""
         window = list(self.waiting)[: self.config.prefetch_window]
+        keep = {r.adapter for r in window if r.adapter}
         for req in window:
             name = req.adapter
             if name is None:
@@ -213,8 +219,10 @@ class Scheduler:
             if info.resident:
                 self.adapters.touch(name)
                 continue
-            if self.allocator.num_free - info.num_pages < self.config.prefetch_reserve:
+            evicted = self.adapters.evict_for(info.num_pages + self.config.prefetch_reserve, keep)
+            if evicted is None:
                 break
+            plan.evicted += evicted
             plan.prefetch.append((name, self.adapters.load(name)))
 
     # -- after the forward

@@ -25,6 +25,10 @@ Prefill (`paged_prefill_attention`, flash-attention style): one program per (que
 sequence, query head), keys walked BLOCK_N at a time through the page table up to the tile's
 last causal position, online softmax in fp32. It handles whole prompts, chunked prefill over a
 cached prefix and decode rows in one launch.
+
+The block-table width (`stride_bt`) changes from step to step; it is exempt from Triton's
+integer specialization so a width of a new class (1, a multiple of 16, other) met while serving
+does not compile a new variant.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
     qk_scale,
@@ -200,7 +204,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 # ----------------------------------------------------------------------------- prefill
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, out_ptr,
     qk_scale,

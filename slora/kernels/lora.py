@@ -46,6 +46,10 @@ Batch metadata: pages int32 [n_a, max_pages]; offsets_a / offsets_b int64 [n_a, 
 int32 [n_a, G] (this layer). Any strides are accepted for these three (so the runner can pass
 slices of its [n_a, 7, 2] / [L, n_a, 7] tensors without copies). x, out: 2-D with unit column
 stride; pool_l: [num_pages, P] contiguous.
+
+The page-table width (`stride_pg`: the most pages of any adapter in the batch) changes from step
+to step; Triton would compile a variant per value class (1, a multiple of 16, other), so a class
+first met while serving cost a compile stall. It is exempt from that specialization, as is the split count of MBGMM shrink.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def _dims4(out_dims, strides):
 
 # ----------------------------------------------------------------------------- MBGMV
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pg"])
 def _mbgmv_shrink_kernel(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, slot_ptr, xa_ptr,
     stride_x, d_in, stride, P,
@@ -148,7 +152,7 @@ def _mbgmv_shrink_kernel(
     tl.store(xa_row, res, mask=offs_r < max_rank)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pg"])
 def _mbgmv_expand_kernel(
     xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, slot_ptr,
     stride_out, P,
@@ -283,12 +287,12 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
 
 # ----------------------------------------------------------------------------- MBGMM
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pg", "split_k"])
 def _mbgmm_shrink_kernel(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, xa_ptr,
     stride_x, d_in, stride, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
-    G, max_rank, n_rt,
+    G, max_rank, n_rt, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
@@ -300,8 +304,9 @@ def _mbgmm_shrink_kernel(
     m_end = tl.load(seg_start_ptr + s + 1)
     if m0 >= m_end:
         return
-    g = tl.program_id(2) // n_rt
-    r0 = (tl.program_id(2) % n_rt) * BLOCK_R
+    g = tl.program_id(2) // (n_rt * split_k)
+    r0 = (tl.program_id(2) // split_k % n_rt) * BLOCK_R
+    k_lo = (tl.program_id(2) % split_k) * k_split  # this program's slice of d_in
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1)
     if r0 >= rank:
         return
@@ -316,7 +321,7 @@ def _mbgmm_shrink_kernel(
     row_v = off_a + offs_r * stride
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
-    for k0 in range(0, d_in, BLOCK_K):
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, d_in), BLOCK_K):
         # BLOCK_K divides CHUNK, so each row's tile lies in one page: one lookup per row.
         v = row_v + k0
         page = tl.load(pages_row + v // P, mask=r_ok, other=0)
@@ -334,10 +339,13 @@ def _mbgmm_shrink_kernel(
         else:
             acc += tl.dot(xt, tl.trans(a))
     ptrs = xa_ptr + (offs_m[:, None] * G + g) * max_rank + offs_r[None, :]
-    tl.store(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+    if split_k == 1:  # a runtime branch: the split is no compile-time variant
+        tl.store(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+    else:  # partial sums over d_in slices meet in the zeroed xa
+        tl.atomic_add(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pg"])
 def _mbgmm_expand_kernel(
     xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr,
     stride_out, P,
@@ -416,6 +424,21 @@ def _mbgmm_cfg(kind: str, T: int, max_rank: int, device: torch.device) -> dict:
                 num_stages=3 if device.type == "cuda" else 1)
 
 
+def _split_k(d_in: int, programs: int, device: torch.device) -> int:
+    """Slices of d_in for MBGMM shrink. A prefill step of one short prompt gives few (token
+    tile, segment, module, rank tile) programs with work, each streaming all of d_in in sequence: the
+    H200 showed 48 us per q/k/v launch for one 128-token prompt beside 32 decode rows, latency
+    rather than bandwidth. Up to 8 slices (at least 8 chunks each) when there are fewer than
+    1,024 programs; the slices' partial sums meet in xa by atomic adds. One slice (plain
+    stores) on CPU."""
+    if device.type != "cuda":
+        return 1
+    split = 1
+    while split < 8 and programs * split < 1024 and d_in >= 16 * CHUNK * split:
+        split *= 2
+    return split
+
+
 def _grid_m(T: int, max_seg_len: int | None, block_m: int) -> int:
     return max(1, triton.cdiv(T if max_seg_len is None else min(T, max_seg_len), block_m))
 
@@ -428,7 +451,7 @@ def _dot_f32(x: torch.Tensor, pool_l: torch.Tensor) -> bool:
 def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
                  offsets_a: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
                  seg_slot: torch.Tensor, stride: int, max_rank: int,
-                 max_seg_len: int | None = None) -> torch.Tensor:
+                 max_seg_len: int | None = None, split_k: int | None = None) -> torch.Tensor:
     """MBGMM shrink (prefill): xa[t, g, :r] = x[t] @ A_g^T for every token t of a segment.
 
     seg_start int32 [S+1] token offsets, seg_slot int32 [S] (-1 = base-only segment, skipped).
@@ -436,7 +459,8 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     Twin: `reference.lora_shrink` with token_slot expanded from the segments.
     Grid: (token tile within a segment, segment, module x rank tile). `max_seg_len` (optional,
     a host int) bounds the first grid axis; without it the bound is T and the token tiles past
-    a segment's end return at once.
+    a segment's end return at once. `split_k` (None: chosen by `_split_k`) slices d_in across
+    programs whose partial sums are added atomically into xa.
     """
     _check_meta(x, pool_l, pages, offsets_a, ranks)
     T, d_in = x.shape
@@ -449,12 +473,18 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         return xa
     cfg = _mbgmm_cfg("shrink", T, max_rank, x.device)
     n_rt = triton.cdiv(max_rank, cfg["BLOCK_R"])
-    grid = (_grid_m(T, max_seg_len, cfg["BLOCK_M"]), S, G * n_rt)
+    grid_m = _grid_m(T, max_seg_len, cfg["BLOCK_M"])
+    if split_k is None:  # programs with work: at most one partial token tile per segment
+        work = (triton.cdiv(T, cfg["BLOCK_M"]) + S) * G * n_rt
+        split_k = _split_k(d_in, work, x.device)
+    k_split = triton.cdiv(triton.cdiv(d_in, CHUNK), split_k) * CHUNK
+    split_k = triton.cdiv(d_in, k_split)  # no empty slice
+    grid = (grid_m, S, G * n_rt * split_k)
     _mbgmm_shrink_kernel[grid](
         x, pool_l, pages, offsets_a, ranks, seg_start, seg_slot, xa,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, n_rt, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
+        G, max_rank, n_rt, split_k, k_split, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
         DOT_F32=_dot_f32(x, pool_l), **cfg)
     return xa
 

@@ -122,7 +122,10 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
                 else [names[(i + j) % len(names)] for j in range(n)])
             prompts = [[rng.randrange(vocab) for _ in range(plen)] for _ in range(n)]
             sp = SamplingParams(max_tokens=grid.decode_steps + 1, ignore_eos=True)
-            first = max(1, n // 2)
+            # Half the batch arrives a step late (a mixed step of n/2 decode rows and n/2
+            # prompts), or, every other case, one request does: the mixed step a server sees
+            # most, a running batch and one arrival.
+            first = max(1, n // 2 if i % 2 == 0 else n - 1)
             for p, a in zip(prompts[:first], adapters[:first]):
                 engine.add_request(p, sp, a)
             pending = list(zip(prompts[first:], adapters[first:]))
