@@ -47,12 +47,12 @@ case "${1:-}" in
   3)  # after a change to the kernels, the runner or the scheduler: everything it moves, once
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py -k "cuda or triton or mbgmm" 2>&1 | tail -2
       bash experiments/profile_h200.sh profile 2>&1 | tail -6
-      PROFILE=$OUT/h200-llama2-7b.json DURATION=40 bash experiments/profile_h200.sh validate 2>&1 | tail -7
-      python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -9'
+      python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -9
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=30 bash experiments/profile_h200.sh validate 2>&1 | tail -7'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 1,32 --out $OUT/breakdown 2>&1 | tail -75
       python3 experiments/bench_engine.py --models llama-2-7b --batches 1,32 --race --out $OUT/engine 2>&1 | tail -8
-      python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14
-      python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -12'
+      python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -12
+      python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14'
     ;;
   *) echo "usage: $0 1|2|3" >&2; exit 2 ;;
 esac
