@@ -172,7 +172,7 @@ def part_scaling(eng: Engine, args) -> list[dict]:
     print(f"scaling: warm-up {eng.warmup(ranks=args.ranks):.1f} s", flush=True)
     base_trace = s2_trace(args, 0)
     ref_lens = [(r.prompt_len, r.output_len) for r in base_trace.requests]
-    points = [(base_trace, "none")] + [(s2_trace(args, n), m) for m in ("qkvo", "all")
+    points = [(base_trace, "none")] + [(s2_trace(args, n), m) for m in args.modules
                                        for n in args.adapters]
     rows = []
     for trace, key in points:
@@ -367,6 +367,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--adapters", type=ints, default=[1, 100, 1000, 2000],
                     help="scaling: adapter counts")
+    ap.add_argument("--modules", type=lambda t: t.split(","), default=["qkvo", "all"],
+                    help="scaling: target module sets, of qkvo,all (each beside the no-LoRA row)")
     ap.add_argument("--ranks", type=ints, default=[64, 32, 16, 8],
                     help="scaling: ranks, round-robin over adapters")
     ap.add_argument("--alpha", type=float, default=1.0, help="scaling: popularity (1 = uniform)")
@@ -382,6 +384,8 @@ def parse_args(argv=None):
                     help="decode: batch sizes to profile kernel by kernel (empty: none)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args(argv)
+    if set(args.modules) - {"qkvo", "all"}:
+        ap.error(f"--modules {','.join(args.modules)}: choose from qkvo,all")
     if max(args.batches) > args.max_num_seqs:
         ap.error(f"--batches {max(args.batches)} exceeds --max-num-seqs {args.max_num_seqs}")
     return args

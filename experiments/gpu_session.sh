@@ -54,7 +54,13 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -12
       python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14'
     ;;
-  *) echo "usage: $0 1|2|3" >&2; exit 2 ;;
+  4)  # a short call: the validation traces a call 3 did not finish, and q/k/v/o scaling
+    lane 0 gpu0 'PROFILE=${PROFILE:-experiments/profiles/h200-llama2-7b.json} DURATION=30 \
+      ONLY="${ONLY:-n1000-a0.5-r8 n2000-a1-r10}" bash experiments/profile_h200.sh validate 2>&1 | tail -7'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --num-requests 400 \
+      --out $OUT/scaling 2>&1 | tail -12'
+    ;;
+  *) echo "usage: $0 1|2|3|4" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling breakdown engine kernels 2>/dev/null) 2>/dev/null \

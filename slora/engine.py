@@ -277,6 +277,23 @@ class Engine:
                 del self._synthetic[key]
         return time.perf_counter() - t0
 
+    def close(self) -> None:
+        """Give the engine's device memory (pool, weights, graphs, host copies) back now rather
+        than whenever the garbage collector breaks the runner's reference cycles. A new engine
+        sizes its pool from free memory, so one built while an old one lingers gets a sliver
+        of it: the H200 validation run's second replay got 334 pages instead of 13,403.
+        The engine cannot serve afterwards."""
+        import gc
+
+        import torch
+
+        cuda = self.runner.device.type == "cuda"
+        self.runner = None
+        self._synthetic.clear()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
     def stats(self) -> dict:
         s = self.scheduler.stats()
         s["page_bytes"] = self.runner.page_bytes

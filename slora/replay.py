@@ -157,10 +157,14 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
     vocab_size = ModelConfig.from_dir(model).vocab_size
     engine = Engine(config)
     register_adapters(engine, trace, synthetic=synthetic_adapters, adapter_dir=adapter_dir)
-    if warmup:  # kernel compiles and graph captures before the clock starts
-        engine.warmup()
-    run = replay(engine, trace, vocab_size=vocab_size, seed=seed, progress=progress)
+    try:
+        if warmup:  # kernel compiles and graph captures before the clock starts
+            engine.warmup()
+        run = replay(engine, trace, vocab_size=vocab_size, seed=seed, progress=progress)
+        stats = engine.stats()
+    finally:
+        engine.close()  # the next replay in this process sizes its pool from free memory
     summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
-    return result_dict(summary, source="replay", stats=engine.stats(), config={
+    return result_dict(summary, source="replay", stats=stats, config={
         "trace": trace_path, "workload": trace.params, "engine": asdict(config),
         "adapters": "synthetic" if synthetic_adapters else adapter_dir, "seed": seed})

@@ -139,3 +139,16 @@ def test_incremental_text_matches_full_decode(engine):
     assert final.text == engine.tokenizer.decode(final.token_ids)
     for a, b in zip(outs, outs[1:-1]):
         assert b.text.startswith(a.text)
+
+
+def test_close_frees_the_pool_at_once(tiny_model_dir):
+    """close() hands the pool back now: an engine built next sizes its pool from free memory
+    (on a GPU) and must not find the last one's still held."""
+    import weakref
+
+    eng = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", num_pages=64))
+    eng.add_synthetic_adapter("a", 4)
+    eng.generate(["hello"], SamplingParams(max_tokens=2), adapters="a")
+    pool = weakref.ref(eng.runner.pool)
+    eng.close()
+    assert pool() is None
