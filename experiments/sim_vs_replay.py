@@ -8,7 +8,9 @@ replays it on the wall clock (random weights for a config.json-only model), then
 runs it with the profile on a pool of exactly the replay's page count. Results go to
 results/sim-vs-replay/<trace>-{replay,simulate}.json (a trace whose results exist is skipped,
 so a run cut short resumes); the table of throughput, average latency and first-token p90,
-with the simulator's relative error, is printed at the end and written as table.md.
+with the simulator's relative error, is printed at the end and written as table.md. Each
+replay also logs its steps (<trace>-steps.jsonl), and a table of measured step times beside the
+cost model's, by step kind, shows where the two clocks part.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         options = {"load_format": "dummy"} if dummy else {}
         options.update(json.loads(args.engine))
         real = run_replay(trace, model=args.model, synthetic_adapters=True, trace_path=str(trace_path),
-                          engine_options=options, progress=args.progress)
+                          engine_options=options, progress=args.progress,
+                          step_log=out / f"{name}-steps.jsonl")
         replay_path.write_text(json.dumps(real, indent=2, default=str) + "\n")
         print(format_summary(real))
         pages = real["stats"]["pages_total"]
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                        engine_options=options, model=ModelConfig.from_dir(args.model)).result
         sim_path.write_text(json.dumps(sim, indent=2, default=str) + "\n")
         print(f"[{name}] simulate ({sim['stats']['sim_wall_s']:.1f} s)\n{format_summary(sim)}")
+        print(step_residuals(out / f"{name}-steps.jsonl", profile))
     table = comparison_table(out, args.only or list(TRACES), profile)
     (out / "table.md").write_text(table + "\n")
     print(table)
@@ -98,6 +102,29 @@ def comparison_table(out: Path, names: list[str], profile: Profile) -> str:
         rows.append(row)
     title = f"replay vs simulate, {profile.model} on {profile.gpu}"
     return title + "\n\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def step_residuals(path: Path, profile: Profile) -> str:
+    """The replay's steps (its step log) beside the cost model's forward time for each, by kind:
+    where the simulator's clock runs fast or slow. Steps that copied adapters are shown apart
+    (their measured time includes the copies; the forward prediction does not)."""
+    from slora.sim.cost import sample_row
+
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for line in path.read_text().splitlines():
+        s = json.loads(line)
+        f = s["features"]
+        kind = ("mixed" if f["decode_seqs"] else "prefill") if f["prefill_tokens"] else "decode"
+        kind += "+lora" if f["adapters"] else ""
+        kind += ", copies" if s["copies"] else ""
+        pred = profile.cost.forward_time(sample_row(f))
+        kinds.setdefault(kind, []).append((s["seconds"], pred))
+    lines = [f"steps of {path.name}: measured vs the cost model's forward time",
+             f"{'kind':<24}{'steps':>7}{'measured ms':>13}{'model ms':>10}{'model/measured':>16}"]
+    for kind, v in sorted(kinds.items()):
+        meas, pred = sum(m for m, _ in v) / len(v), sum(p for _, p in v) / len(v)
+        lines.append(f"{kind:<24}{len(v):>7}{meas * 1e3:>13.2f}{pred * 1e3:>10.2f}{pred / meas:>16.2f}")
+    return "\n".join(lines)
 
 
 def _num(x) -> str:

@@ -14,6 +14,7 @@ counts against the request's latency, as it would for a real client.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -86,6 +87,26 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
     return ReplayRun(list(records.values()) + rejected, end - start)
 
 
+def _log_steps(engine) -> list[dict]:
+    """Time every non-empty `engine.step()` and note its plan's cost-model features; returns
+    the list the steps are appended to."""
+    from slora.sim.cost import FEATURES
+    from slora.sim.profile import PlanTap
+
+    tap, inner, steps = PlanTap(engine), engine.step, []
+
+    def step():
+        t = time.perf_counter()
+        out = inner()
+        if not tap.empty:
+            steps.append({"seconds": time.perf_counter() - t, "copies": tap.copies,
+                          "features": dict(zip(FEATURES, tap.features))})
+        return out
+
+    engine.step = step
+    return steps
+
+
 def _random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
     return rng.integers(0, vocab_size, n).tolist()
 
@@ -145,11 +166,15 @@ def register_adapters(engine, trace: Trace, *, synthetic: bool, adapter_dir: str
 
 def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adapters: bool = False,
                adapter_dir: str | None = None, trace_path: str | None = None, seed: int = 0,
-               warmup: bool = True, progress: bool = False) -> dict:
+               warmup: bool = True, progress: bool = False,
+               step_log: str | Path | None = None) -> dict:
     """Build an engine, replay `trace` on it, and return the result dict (`slora.metrics.result_dict`).
 
     engine_options: EngineConfig fields besides `model` (device, dtype, num_pages, policy, ...);
     the SLO bound of the metrics is the engine's `slo_ttft_s`, the bound its abort policy uses.
+    step_log: a JSONL path to write every step to, as the simulator's cost model sees it (its
+        features, its wall seconds, its adapter copies): what a disagreement between replay and
+        simulation is traced with.
     """
     from slora import Engine  # torch: imported only when the real engine runs
 
@@ -160,10 +185,14 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
     try:
         if warmup:  # kernel compiles and graph captures before the clock starts
             engine.warmup()
+        steps = _log_steps(engine) if step_log else None
         run = replay(engine, trace, vocab_size=vocab_size, seed=seed, progress=progress)
         stats = engine.stats()
     finally:
         engine.close()  # the next replay in this process sizes its pool from free memory
+    if steps is not None:
+        with open(step_log, "w") as f:
+            f.writelines(json.dumps(s) + "\n" for s in steps)
     summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
     return result_dict(summary, source="replay", stats=stats, config={
         "trace": trace_path, "workload": trace.params, "engine": asdict(config),

@@ -52,6 +52,17 @@ def _layout_tensors(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor(layout.ranks, dtype=torch.int32))
 
 
+def _runs(pages: list[int]):
+    """(index in `pages`, first page, length) of each run of consecutive page ids."""
+    i = 0
+    while i < len(pages):
+        n = 1
+        while i + n < len(pages) and pages[i + n] == pages[i] + n:
+            n += 1
+        yield i, pages[i], n
+        i += n
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str) -> None:
         self.config = config
@@ -125,14 +136,18 @@ class ModelRunner:
         return host
 
     def _load_adapters(self, loads: list[tuple[str, list[int]]], adapters: AdapterManager) -> None:
+        """One host -> device copy per adapter, then device copies into its pages, a run of
+        consecutive pages at a time. No page index travels to the device: an index tensor
+        needs a host -> device copy of its own, pageable (which blocks the host until the
+        stream drains) or freshly pinned (an allocation that can stall), either of which
+        serialised prefetch copies with the forward on the H200."""
         for name, pages in loads:
             info = adapters.adapters[name]
             host = self.adapter_host_copy(info, adapters)
-            idx = torch.tensor(pages)
-            if self.device.type == "cuda":  # a pageable copy would block the host (see _prefetch)
-                idx = idx.pin_memory().to(self.device, non_blocking=True)
             src = host.view(self.cfg.num_layers, len(pages), self.page_size)
-            self.pool.index_copy_(1, idx, src.to(self.device, non_blocking=True))
+            src = src.to(self.device, non_blocking=True)
+            for i, page, n in _runs(pages):
+                self.pool[:, page:page + n].copy_(src[:, i:i + n], non_blocking=True)
 
     # -- the step
     def execute(self, plan: SchedulerPlan, adapters: AdapterManager):

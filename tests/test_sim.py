@@ -83,7 +83,8 @@ def test_adapter_pages_match_what_the_engine_registers(tiny_model_dir):
 
 
 def test_fit_recovers_coefficients_and_stays_non_negative():
-    true = dict(zip(FEATURES, (2e-3, 1e-5, 1e-9, 3e-5, 2e-7, 1e-4, 5e-8, 1e-6, 4e-3, 9e-3)))
+    true = dict(zip(FEATURES, (2e-3, 1e-5, 1e-9, 3e-5, 2e-7, 1e-4, 5e-8, 1e-6, 4e-3, 9e-3, 1e-3,
+                               3e-4)))
     rng = random.Random(0)
     samples = []
     for _ in range(200):  # prefill, decode and mixed shapes, with and without adapters
@@ -94,16 +95,16 @@ def test_fit_recovers_coefficients_and_stays_non_negative():
         eager = 1.0 if n_pre else 0.0
         f = (1.0, n_pre * plen, n_pre * plen * plen, n_dec, n_dec * ctx, n_a,
              lora * n_pre * plen * pages * rng.random(), lora * n_dec * pages * rng.random(),
-             eager, eager * lora)
+             eager, eager * lora, lora, eager * n_a)
         samples.append((f, sum(true[k] * v for k, v in zip(FEATURES, f))))
     coeffs, stats = fit(samples)
     for k in FEATURES:
         assert coeffs[k] == pytest.approx(true[k], rel=1e-6, abs=1e-15)
     assert stats["mean_rel_err"] < 1e-9
     # a feature that only adds noise with a negative slope is dropped, never negative
-    noisy = [((1.0, x, 0, 0, 0, 0, 0, 0, 0, 0), 1e-3 + 1e-6 * x - 1e-7 * (x % 3))
+    noisy = [((1.0, x) + (0,) * (len(FEATURES) - 2), 1e-3 + 1e-6 * x - 1e-7 * (x % 3))
              for x in range(1, 50)]
-    noisy += [((1.0, x, 0, 0, 0, 0, 0, 0, 0, 0), 1e-3) for x in (1000, 2000)]
+    noisy += [((1.0, x) + (0,) * (len(FEATURES) - 2), 1e-3) for x in (1000, 2000)]
     coeffs, _ = fit(noisy)
     assert all(v >= 0 for v in coeffs.values())
     overhead, gbps = fit_bandwidth([(b, 1e-5 + b / 25e9) for b in (1e6, 4e6, 16e6)])
@@ -324,13 +325,14 @@ def test_10000_requests_over_2000_adapters_is_fast():
 
 
 def test_refit_derives_new_features_from_old_samples():
-    """A profile stored before `eager`/`eager_lora` existed refits from its own samples."""
+    """A profile stored before `eager`, `eager_lora`, `lora` and `eager_adapters` existed
+    refits from its own samples."""
     from slora.sim.cost import CostModel, Profile
 
     old_keys = FEATURES[:8]
     samples = []
     for n_pre in (0, 1, 3):
-        for n_a in (0, 2):
+        for n_a in (0, 1, 3):
             for n_dec in (1, 8, 32):
                 f = dict(zip(old_keys, (1.0, 64.0 * n_pre, 0.0, n_dec, 100.0 * n_dec, n_a, 0.0, 0.0)))
                 eager = 1.0 if n_pre else 0.0
@@ -340,4 +342,30 @@ def test_refit_derives_new_features_from_old_samples():
     q = p.refit()
     assert q.cost.coeffs["eager"] == pytest.approx(4e-3, rel=1e-6)
     assert q.cost.coeffs["eager_lora"] == pytest.approx(9e-3, rel=1e-6)
+    assert q.cost.coeffs["lora"] == pytest.approx(0, abs=1e-9)
+    assert q.cost.coeffs["eager_adapters"] == pytest.approx(0, abs=1e-9)
     assert q.fit_stats["refit"] and q.fit_stats["mean_rel_err"] < 1e-9
+
+
+def test_sim_vs_replay_logs_steps_and_their_residuals(tiny_model_dir, cpu_profile, tmp_path, capsys):
+    """experiments/sim_vs_replay.py end to end on CPU: the replay's step log holds every step
+    with its features, and the residual table compares it with the cost model."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "sim_vs_replay.py"
+    spec = importlib.util.spec_from_file_location("sim_vs_replay", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    prof = cpu_profile.save(tmp_path / "cpu.json")
+    out = tmp_path / "svr"
+    assert mod.main(["--model", str(tiny_model_dir), "--profile", str(prof), "--duration", "1",
+                     "--lengths", "4", "8", "--only", "n100-a1-r4", "--results", str(out),
+                     "--engine", json.dumps({"device": "cpu", "dtype": "float32"})]) == 0
+    steps = [json.loads(x) for x in (out / "n100-a1-r4-steps.jsonl").read_text().splitlines()]
+    replay = json.loads((out / "n100-a1-r4-replay.json").read_text())
+    assert steps and all(s["seconds"] > 0 and set(s["features"]) == set(FEATURES) for s in steps)
+    assert any(s["features"]["prefill_tokens"] for s in steps)  # prompts and
+    assert any(s["features"]["decode_seqs"] for s in steps)  # decodes both logged
+    assert sum(s["seconds"] for s in steps) <= replay["duration_s"]  # steps of this replay
+    assert "measured vs the cost model" in capsys.readouterr().out

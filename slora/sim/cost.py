@@ -18,10 +18,18 @@ runner's kernels scale with:
                                                    pays every kernel launch from Python
             + c_eager_lora     * eager_lora        1 when such a step also has adapters: the
                                                    LoRA kernels' launches, eagerly too
+            + c_lora           * lora              1 when any row has an adapter: the LoRA
+                                                   kernels' fixed cost, in graphs too (64 small
+                                                   launches a 7B step, each of some microseconds)
+            + c_eager_adapters * eager_adapters    distinct adapters in an eager step
 
-The last two came from the first H200 profile: a prefill step of 16 tokens took 12 ms where a
-decode step took 5, and 50 ms with an adapter in the batch; without them the fit's mean
-relative error was 17%, with them 15%.
+eager and eager_lora came from the first H200 profile: a prefill step of 16 tokens took 12 ms
+where a decode step took 5, and 50 ms with an adapter in the batch; without them the fit's mean
+relative error was 17%, with them 15%. lora and eager_adapters came from the residuals of the
+third (2026-11-30): decode steps with one adapter at batch 1 took 6.4 ms against 4.8 without
+(the model said +0.1 ms), and mixed steps with 32 distinct adapters were under-predicted by
+half; with them the mean relative error of that profile's 582 steps fell from 15.0% to 11.6%
+(12.6% on the profile before it).
 
 Adapter pages stand in for rank because they are proportional to the bytes the LoRA kernels
 read and the FLOPs they do (rank x the target modules' widths), for any choice of targets.
@@ -52,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FEATURES = ("const", "prefill_tokens", "prefill_attn", "decode_seqs", "decode_ctx", "adapters",
-            "lora_prefill", "lora_decode", "eager", "eager_lora")
+            "lora_prefill", "lora_decode", "eager", "eager_lora", "lora", "eager_adapters")
 PROFILE_FORMAT = "slora-profile/1"
 MIN_STEP_S = 1e-6  # a step always advances the clock, so an idle-looking loop cannot spin
 
@@ -80,7 +88,8 @@ def plan_features(plan, adapters) -> tuple[float, ...]:
     names.discard(None)
     eager = 1.0 if plan.prefill else 0.0
     return (1.0, prefill_tokens, prefill_attn, len(plan.decode), decode_ctx, len(names),
-            lora_prefill, lora_decode, eager, eager if names else 0.0)
+            lora_prefill, lora_decode, eager, eager if names else 0.0,
+            1.0 if names else 0.0, eager * len(names))
 
 
 @dataclass
@@ -168,10 +177,12 @@ def fit(samples: list[tuple[tuple[float, ...], float]], features: tuple[str, ...
 
 def sample_row(features: dict) -> tuple[float, ...]:
     """A stored sample's features in FEATURES order. Features added after a profile was made
-    are derived from the others where they can be (eager, eager_lora), so old samples refit."""
+    are derived from the others (all of them can be), so old samples refit."""
     f = dict(features)
     f.setdefault("eager", 1.0 if f.get("prefill_tokens", 0) > 0 else 0.0)
     f.setdefault("eager_lora", f["eager"] if f.get("adapters", 0) > 0 else 0.0)
+    f.setdefault("lora", 1.0 if f.get("adapters", 0) > 0 else 0.0)
+    f.setdefault("eager_adapters", f["eager"] * f.get("adapters", 0))
     return tuple(float(f.get(k, 0.0)) for k in FEATURES)
 
 

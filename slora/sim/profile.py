@@ -63,7 +63,7 @@ def _sync(engine) -> None:
         torch.cuda.synchronize(engine.runner.device)
 
 
-class _PlanTap:
+class PlanTap:
     """Wraps `engine.scheduler.schedule` to see each plan's features as it is made (before
     update changes the requests), and optionally to inject a prefetch copy."""
 
@@ -89,7 +89,7 @@ class _PlanTap:
         self.engine.scheduler.schedule = self.schedule
 
 
-def _timed_step(engine, tap: _PlanTap) -> float:
+def _timed_step(engine, tap: PlanTap) -> float:
     _sync(engine)
     t = time.perf_counter()
     engine.step()
@@ -108,7 +108,7 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
     # Compiles and graph captures off the clock: every decode bucket at every rank bucket of
     # the profiling adapters (each case used to run twice, keeping the second, for this).
     log(f"  warm-up: {engine.warmup():.1f} s")
-    tap = _PlanTap(engine)
+    tap = PlanTap(engine)
     samples = []
     bs = engine.config.block_size
     free_tokens = engine.allocator.num_free * bs  # without evicting the profiling adapters
@@ -218,7 +218,7 @@ def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed
                         ignore_eos=True)
     for _ in range(n):
         engine.add_request([rng.randrange(engine.model_config.vocab_size) for _ in range(plen)], sp)
-    tap = _PlanTap(engine)
+    tap = PlanTap(engine)
     alone, both, copy = [], [], []
     try:
         engine.step()
