@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of the open issues as two device calls on an nvidia-h200-x2 machine: two lanes
+# The GPU runs of the open issues as device calls on an nvidia-h200-x2 machine: two lanes
 # run side by side, one per GPU, each under its own time limit, and everything they write is
 # packed into $OUT/results.tgz (the device tool returns no file whose name holds "=", as the
 # suite results' do). Run from the repo root through the device tool, kind nvidia-h200-x2,
@@ -18,8 +18,10 @@
 #           kernel tables, the PEFT race, adapter scaling, bench_kernels
 # Before call 2, commit call 1's profile as experiments/profiles/h200-llama2-7b.json.
 set -u
+# One OpenMP thread per process: two lanes of torch processes with a thread per core each can
+# spin-wait on the cores the other lane's Python thread needs (./run sets the same for CPU).
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
-  TOKENIZERS_PARALLELISM=false
+  TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export OUT=${OUT:-results/gpu}
 LIMIT=${LIMIT:-540}
 mkdir -p "$OUT"
@@ -54,13 +56,20 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -12
       python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14'
     ;;
+  5)  # the next session's first call (notes/GPU_PLAN.md): #4's prefetch, #7's validation with
+      # step logs, #5's adapter scaling
+    lane 0 gpu0 'python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -9
+      DURATION=30 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -40'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6'
+    ;;
   4)  # a short call: the validation traces a call 3 did not finish, and q/k/v/o scaling
     lane 0 gpu0 'PROFILE=${PROFILE:-experiments/profiles/h200-llama2-7b.json} DURATION=30 \
       ONLY="${ONLY:-n1000-a0.5-r8 n2000-a1-r10}" bash experiments/profile_h200.sh validate 2>&1 | tail -7'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --num-requests 400 \
       --out $OUT/scaling 2>&1 | tail -12'
     ;;
-  *) echo "usage: $0 1|2|3|4" >&2; exit 2 ;;
+  *) echo "usage: $0 1|2|3|4|5" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling breakdown engine kernels 2>/dev/null) 2>/dev/null \
