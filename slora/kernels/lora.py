@@ -49,7 +49,8 @@ stride; pool_l: [num_pages, P] contiguous.
 
 The page-table width (`stride_pg`: the most pages of any adapter in the batch) changes from step
 to step; Triton would compile a variant per value class (1, a multiple of 16, other), so a class
-first met while serving cost a compile stall. It is exempt from that specialization, as is the split count of MBGMM shrink.
+first met while serving cost a compile stall. It is exempt from that specialization, as is
+MBGMM shrink's split count.
 """
 
 from __future__ import annotations
@@ -426,9 +427,9 @@ def _mbgmm_cfg(kind: str, T: int, max_rank: int, device: torch.device) -> dict:
 
 def _split_k(d_in: int, programs: int, device: torch.device) -> int:
     """Slices of d_in for MBGMM shrink. A prefill step of one short prompt gives few (token
-    tile, segment, module, rank tile) programs with work, each streaming all of d_in in sequence: the
-    H200 showed 48 us per q/k/v launch for one 128-token prompt beside 32 decode rows, latency
-    rather than bandwidth. Up to 8 slices (at least 8 chunks each) when there are fewer than
+    tile, segment, module, rank tile) programs with work, each streaming all of d_in in turn:
+    the H200 showed 48 us per q/k/v launch for one 128-token prompt beside 32 decode rows,
+    latency rather than bandwidth. Up to 8 slices (at least 8 chunks each) when there are fewer than
     1,024 programs; the slices' partial sums meet in xa by atomic adds. One slice (plain
     stores) on CPU."""
     if device.type != "cuda":
