@@ -100,14 +100,31 @@ def run(args, prefetch_window: int) -> dict:
         "decode_steps": len(decode_only),
         "blocking_loads": sum(s["loads"] for s in steps),
         "prefetches": sum(s["prefetch"] for s in steps),
+        # what one more adapter copy adds to a step, by how it is copied (least squares over
+        # steps of one kind: decode-only steps against their prefetches, prefill steps against
+        # their blocking loads with the prefill size as a second regressor)
+        "ms_per_prefetch_on_decode": _slope(decode_only, ["prefetch"]),
+        "ms_per_blocking_load_on_prefill": _slope(prefill_steps, ["loads", "prefill"]),
+        "steps_detail": steps,
     }
-    del eng
-    if args.device != "cpu":
-        torch.cuda.empty_cache()
+    eng.close()
     return res
 
 
-def main():
+def _slope(rows: list[dict], keys: list[str]) -> float | None:
+    """The coefficient of keys[0] in ms ~ c + sum(b_k * row[k]), or None when it cannot be
+    told apart (fewer rows than unknowns, or keys[0] never varies)."""
+    import numpy as np
+
+    if len(rows) <= len(keys) + 1 or len({r[keys[0]] for r in rows}) < 2:
+        return None
+    X = np.array([[1.0] + [float(r[k]) for k in keys] for r in rows])
+    y = np.array([r["ms"] for r in rows])
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    return float(coef[1])
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(MODEL), help="a model dir (config.json is enough)")
     ap.add_argument("--device", default="cuda")
@@ -123,9 +140,10 @@ def main():
     ap.add_argument("--steps-per-wave", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--prefetch-window", type=int, default=8, help="the second run's window")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
-    args = ap.parse_args()
-    rows = [run(args, 0), run(args, 8)]
+    args = ap.parse_args(argv)
+    rows = [run(args, 0), run(args, args.prefetch_window)]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_prefetch.json").write_text(json.dumps(rows, indent=1))
     mb = rows[0]["adapter_bytes"] / 1e6
@@ -143,6 +161,15 @@ def main():
     for r in rows:
         print(f"prefetch window {r['prefetch_window']}: {r['decode_steps_in_graphs']} of "
               f"{r['decode_steps']} decode-only steps replayed a CUDA graph")
+
+    def ms(x):
+        return "-" if x is None else f"{x:.2f} ms"
+
+    for r in rows:
+        print(f"prefetch window {r['prefetch_window']}: one more adapter copy adds "
+              f"{ms(r['ms_per_blocking_load_on_prefill'])} to a prefill step (blocking) and "
+              f"{ms(r['ms_per_prefetch_on_decode'])} to a decode step (prefetch)")
+    return rows
 
 
 if __name__ == "__main__":
