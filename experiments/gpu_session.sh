@@ -63,13 +63,19 @@ case "${1:-}" in
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14
       python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6'
     ;;
+  6)  # the next session's second call: decode steps against their floor with kernel tables
+      # at batch 32 and 256 (256 took 22 ms against an 11.7 ms floor), the CUDA tests
+    lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --breakdown 32,256 --out $OUT/breakdown 2>&1 | tail -120'
+    lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py tests/test_csrc.py 2>&1 | tail -2
+      python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -40'
+    ;;
   4)  # a short call: the validation traces a call 3 did not finish, and q/k/v/o scaling
     lane 0 gpu0 'PROFILE=${PROFILE:-experiments/profiles/h200-llama2-7b.json} DURATION=30 \
       ONLY="${ONLY:-n1000-a0.5-r8 n2000-a1-r10}" bash experiments/profile_h200.sh validate 2>&1 | tail -7'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --num-requests 400 \
       --out $OUT/scaling 2>&1 | tail -12'
     ;;
-  *) echo "usage: $0 1|2|3|4|5" >&2; exit 2 ;;
+  *) echo "usage: $0 1|2|3|4|5|6" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling breakdown engine kernels 2>/dev/null) 2>/dev/null \
