@@ -360,8 +360,12 @@ def _add_profile(sub) -> None:
         "(see slora/sim/cost.py). Takes a few minutes on a GPU, seconds for a tiny model on CPU.",
         epilog="examples:\n"
         "  slora profile --model experiments/models/llama-2-7b --load-format dummy \\\n"
-        "      -o experiments/profiles/h200-llama2-7b.json")
-    p.add_argument("--model", required=True, help="model directory (config.json; weights unless dummy)")
+        "      -o experiments/profiles/h200-llama2-7b.json\n"
+        "  slora profile --refit old.json -o new.json   # no device: refit stored steps")
+    p.add_argument("--model", help="model directory (config.json; weights unless dummy)")
+    p.add_argument("--refit", metavar="PROFILE",
+                   help="instead of measuring, refit PROFILE's stored steps under this version's "
+                        "cost model (for a profile made before its features changed; no device)")
     p.add_argument("--load-format", choices=("auto", "dummy"),
                    help="dummy: random weights of the config's shapes (no weight files needed)")
     p.add_argument("--name", help="model name recorded in the profile (default: the directory name)")
@@ -378,8 +382,19 @@ def _add_profile(sub) -> None:
 
 
 def _profile(args) -> int:
+    from slora.sim import Profile
     from slora.sim.profile import CPU_GRID, GPU_GRID, run_profile
 
+    if args.refit:
+        before = Profile.load(args.refit)
+        after = before.refit()
+        after.save(args.output)
+        print(f"refit {len(after.samples)} steps of {args.refit}: mean relative error "
+              f"{before.fit_stats.get('mean_rel_err', float('nan')):.1%} -> "
+              f"{after.fit_stats['mean_rel_err']:.1%}; wrote {args.output}")
+        return 0
+    if not args.model:
+        raise ValueError("--model DIR is required (or --refit PROFILE to refit a stored profile)")
     keys = ("load_format", "device", "dtype", "backend", "num_pages", "block_size")
     options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     grid = {"gpu": GPU_GRID, "cpu": CPU_GRID, None: None}[args.grid]

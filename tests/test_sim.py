@@ -369,3 +369,23 @@ def test_sim_vs_replay_logs_steps_and_their_residuals(tiny_model_dir, cpu_profil
     assert any(s["features"]["decode_seqs"] for s in steps)  # decodes both logged
     assert sum(s["seconds"] for s in steps) <= replay["duration_s"]  # steps of this replay
     assert "measured vs the cost model" in capsys.readouterr().out
+
+
+def test_cli_profile_refit(tmp_path, cpu_profile, capsys):
+    """`slora profile --refit` refits a stored profile's steps without a device or a model."""
+    from slora.cli import main
+
+    old = cpu_profile.to_dict()
+    for s in old["samples"]:  # as a profile made before the newest features existed
+        for k in ("lora", "eager_adapters"):
+            s["features"].pop(k, None)
+    old["coeffs"] = {k: v for k, v in old["coeffs"].items() if k not in ("lora", "eager_adapters")}
+    src, dst = tmp_path / "old.json", tmp_path / "new.json"
+    src.write_text(json.dumps(old))
+    assert main(["profile", "--refit", str(src), "-o", str(dst)]) == 0
+    new = json.loads(dst.read_text())
+    assert set(new["coeffs"]) == set(FEATURES) and new["fit"]["refit"] is True
+    assert len(new["samples"]) == len(old["samples"])
+    assert "mean relative error" in capsys.readouterr().out
+    assert main(["profile", "-o", str(dst)]) == 1  # neither --model nor --refit: a clear error
+    assert "--model DIR is required" in capsys.readouterr().err
