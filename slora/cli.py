@@ -366,6 +366,10 @@ def _add_profile(sub) -> None:
     p.add_argument("--refit", metavar="PROFILE",
                    help="instead of measuring, refit PROFILE's stored steps under this version's "
                         "cost model (for a profile made before its features changed; no device)")
+    p.add_argument("--add-steps", nargs="+", metavar="JSONL", default=[],
+                   help="with --refit: also fit these step logs (replay's step_log, "
+                        "sim_vs_replay's <trace>-steps.jsonl); steps that copied adapters are "
+                        "left out. Validate the result on other replays than these")
     p.add_argument("--load-format", choices=("auto", "dummy"),
                    help="dummy: random weights of the config's shapes (no weight files needed)")
     p.add_argument("--name", help="model name recorded in the profile (default: the directory name)")
@@ -381,15 +385,34 @@ def _add_profile(sub) -> None:
     p.set_defaults(handler=_profile)
 
 
+def _read_steps(path: str) -> list[dict]:
+    import json
+
+    steps = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                step = json.loads(line)
+                steps.append({"features": dict(step["features"]), "seconds": float(step["seconds"]),
+                              "copies": bool(step.get("copies", False))})
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"step log {path} line {n}: not a step ({e}); expected "
+                                 '{"features": {...}, "seconds": s, "copies": bool}') from None
+    return steps
+
+
 def _profile(args) -> int:
     from slora.sim import Profile
     from slora.sim.profile import CPU_GRID, GPU_GRID, run_profile
 
+    if args.add_steps and not args.refit:
+        raise ValueError("--add-steps goes with --refit PROFILE")
     if args.refit:
         before = Profile.load(args.refit)
-        after = before.refit()
+        extra = [step for path in args.add_steps for step in _read_steps(path) if not step["copies"]]
+        after = before.refit(extra)
         after.save(args.output)
-        print(f"refit {len(after.samples)} steps of {args.refit}: mean relative error "
+        print(f"refit {len(after.samples)} steps ({len(extra)} from step logs): mean relative error "
               f"{before.fit_stats.get('mean_rel_err', float('nan')):.1%} -> "
               f"{after.fit_stats['mean_rel_err']:.1%}; wrote {args.output}")
         return 0

@@ -389,3 +389,12 @@ def test_cli_profile_refit(tmp_path, cpu_profile, capsys):
     assert "mean relative error" in capsys.readouterr().out
     assert main(["profile", "-o", str(dst)]) == 1  # neither --model nor --refit: a clear error
     assert "--model DIR is required" in capsys.readouterr().err
+    # a replay's step log joins the fit; steps that copied adapters stay out
+    log = tmp_path / "steps.jsonl"
+    steps = [{**s, "copies": i % 2 == 1} for i, s in enumerate(old["samples"][:10])]
+    log.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert main(["profile", "--refit", str(src), "--add-steps", str(log), "-o", str(dst)]) == 0
+    assert len(json.loads(dst.read_text())["samples"]) == len(old["samples"]) + 5
+    log.write_text('{"seconds": 1}\n')
+    assert main(["profile", "--refit", str(src), "--add-steps", str(log), "-o", str(dst)]) == 1
+    assert "line 1: not a step" in capsys.readouterr().err

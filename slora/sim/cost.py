@@ -265,18 +265,21 @@ class Profile:
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         return path
 
-    def refit(self) -> "Profile":
+    def refit(self, extra: list[dict] = ()) -> "Profile":
         """This profile with its step coefficients fitted anew from its own samples under the
         current FEATURES (transfers and overlap kept): for a profile measured before the cost
-        model changed. No device needed."""
-        if not self.samples:
+        model changed. No device needed. `extra`: more steps of the same form
+        ({"features", "seconds"}), e.g. a replay's step log; they join the stored samples."""
+        samples = list(self.samples) + list(extra)
+        if not samples:
             raise ValueError(f"profile of {self.model}: no samples stored to refit from")
-        coeffs, stats = fit([(sample_row(s["features"]), s["seconds"]) for s in self.samples])
+        coeffs, stats = fit([(sample_row(s["features"]), s["seconds"]) for s in samples])
         c = self.cost
         cost = CostModel(coeffs=coeffs, h2d_gbps=c.h2d_gbps, disk_gbps=c.disk_gbps,
                          load_overhead_s=c.load_overhead_s, prefetch_overlap=c.prefetch_overlap)
         kept = {k: v for k, v in self.fit_stats.items() if k not in stats}
-        return dataclasses.replace(self, cost=cost, fit_stats={**kept, **stats, "refit": True})
+        return dataclasses.replace(self, cost=cost, samples=samples,
+                                   fit_stats={**kept, **stats, "refit": True})
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
