@@ -50,20 +50,51 @@ def run(args, prefetch_window: int) -> dict:
 
         eng.runner.graphs.run = counted
 
+    cuda = args.device != "cpu"
+
     def sync():
-        if args.device != "cpu":
+        if cuda:
             torch.cuda.synchronize()
+
+    # On the GPU, events on both streams show whether a step's prefetch copies ran beside its
+    # compute: the share of the copies' span that lies inside the compute stream's span.
+    copies = []  # (start, end) events of this step's prefetch copies on the side stream
+    if cuda:
+        prefetch = eng.runner._prefetch
+
+        def marked(loads, adapters):
+            if not loads:
+                return prefetch(loads, adapters)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(eng.runner.copy_stream)
+            prefetch(loads, adapters)
+            end.record(eng.runner.copy_stream)
+            copies.append((start, end))
+
+        eng.runner._prefetch = marked
 
     def timed(plan, adapters):
         sync()
         before = graph_runs[0]
+        copies.clear()
+        if cuda:
+            c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            c0.record()
         t0 = time.perf_counter()
         out = execute(plan, adapters)
+        if cuda:
+            c1.record()
         sync()
-        steps.append({"ms": (time.perf_counter() - t0) * 1e3, "loads": len(plan.adapter_loads),
-                      "graph": graph_runs[0] > before,
-                      "prefetch": len(plan.prefetch), "decode": len(plan.decode),
-                      "prefill": len(plan.prefill)})
+        step = {"ms": (time.perf_counter() - t0) * 1e3, "loads": len(plan.adapter_loads),
+                "graph": graph_runs[0] > before,
+                "prefetch": len(plan.prefetch), "decode": len(plan.decode),
+                "prefill": len(plan.prefill)}
+        if copies:  # times relative to the compute stream's start, in ms
+            (s, e), compute = copies[0], c0.elapsed_time(c1)
+            lo, hi = c0.elapsed_time(s), c0.elapsed_time(e)
+            step.update(compute_ms=compute, copy_ms=hi - lo,
+                        copy_hidden=max(0.0, min(hi, compute) - max(lo, 0.0)) / max(hi - lo, 1e-9))
+        steps.append(step)
         return out
 
     eng.runner.execute = timed
@@ -104,6 +135,9 @@ def run(args, prefetch_window: int) -> dict:
         # steps of one kind: decode-only steps against their prefetches, prefill steps against
         # their blocking loads with the prefill size as a second regressor)
         "ms_per_prefetch_on_decode": _slope(decode_only, ["prefetch"]),
+        # GPU only: the share of the prefetch copies' time spent beside the step's compute
+        "copy_hidden_median": (statistics.median(s["copy_hidden"] for s in steps if "copy_hidden" in s)
+                               if any("copy_hidden" in s for s in steps) else None),
         "ms_per_blocking_load_on_prefill": _slope(prefill_steps, ["loads", "prefill"]),
         "steps_detail": steps,
     }
@@ -165,6 +199,10 @@ def main(argv=None):
     def ms(x):
         return "-" if x is None else f"{x:.2f} ms"
 
+    for r in rows:
+        if r["copy_hidden_median"] is not None:
+            print(f"prefetch window {r['prefetch_window']}: median share of a step's prefetch "
+                  f"copies that ran beside its compute (CUDA events): {r['copy_hidden_median']:.0%}")
     for r in rows:
         print(f"prefetch window {r['prefetch_window']}: one more adapter copy adds "
               f"{ms(r['ms_per_blocking_load_on_prefill'])} to a prefill step (blocking) and "

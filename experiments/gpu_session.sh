@@ -33,7 +33,7 @@ case "${1:-}" in
   1)
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k cuda 2>&1 | tail -2
       python3 -m pytest -q -p no:cacheprovider tests/test_csrc.py tests/test_engine_triton.py 2>&1 | tail -2
-      python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -11
+      python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -13
       bash experiments/profile_h200.sh profile 2>&1 | tail -12
       python3 experiments/bench_scaling.py --part decode --batches 1,32 --out $OUT/breakdown 2>&1 | tail -60'
     lane 1 gpu1 'for s in s1 s2; do python3 experiments/run_suite.py experiments/suites/table3-$s.json \
@@ -49,7 +49,7 @@ case "${1:-}" in
   3)  # after a change to the kernels, the runner or the scheduler: everything it moves, once
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py -k "cuda or triton or mbgmm" 2>&1 | tail -2
       bash experiments/profile_h200.sh profile 2>&1 | tail -6
-      python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -11
+      python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -13
       PROFILE=$OUT/h200-llama2-7b.json DURATION=30 bash experiments/profile_h200.sh validate 2>&1 | tail -7'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 1,32 --out $OUT/breakdown 2>&1 | tail -75
       python3 experiments/bench_engine.py --models llama-2-7b --batches 1,32 --race --out $OUT/engine 2>&1 | tail -8
@@ -58,7 +58,7 @@ case "${1:-}" in
     ;;
   5)  # the next session's first call (notes/GPU_PLAN.md): #4's prefetch, #7's validation with
       # step logs, #5's adapter scaling
-    lane 0 gpu0 'python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -11
+    lane 0 gpu0 'python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -13
       DURATION=30 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -40'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14
       python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6'
