@@ -56,10 +56,12 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -12
       python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14'
     ;;
-  5)  # the next session's first call (notes/GPU_PLAN.md): #4's prefetch, #7's validation with
-      # step logs, #5's adapter scaling
+  5)  # the next session's first call (notes/GPU_PLAN.md): #4's prefetch, #7's profile (now with
+      # serving steps) and its validation with step logs, #5's adapter scaling
     lane 0 gpu0 'python3 experiments/bench_prefetch.py --out $OUT 2>&1 | tail -13
-      DURATION=30 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -40'
+      bash experiments/profile_h200.sh profile 2>&1 | tail -8
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=30 bash experiments/profile_h200.sh validate 2>&1 \
+        | grep -v "^  [a-zA-Z]" | tail -40'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14
       python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6'
     ;;

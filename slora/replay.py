@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -85,26 +86,6 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
         if rid not in records:
             records[rid] = _failed(req, "the engine never reported this request finished")
     return ReplayRun(list(records.values()) + rejected, end - start)
-
-
-def _log_steps(engine) -> list[dict]:
-    """Time every non-empty `engine.step()` and note its plan's cost-model features; returns
-    the list the steps are appended to."""
-    from slora.sim.cost import FEATURES
-    from slora.sim.profile import PlanTap
-
-    tap, inner, steps = PlanTap(engine), engine.step, []
-
-    def step():
-        t = time.perf_counter()
-        out = inner()
-        if not tap.empty:
-            steps.append({"seconds": time.perf_counter() - t, "copies": tap.copies,
-                          "features": dict(zip(FEATURES, tap.features))})
-        return out
-
-    engine.step = step
-    return steps
 
 
 def _random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
@@ -177,6 +158,7 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
         simulation is traced with.
     """
     from slora import Engine  # torch: imported only when the real engine runs
+    from slora.sim.profile import logged_steps
 
     config = EngineConfig(model=model, **engine_options)
     vocab_size = ModelConfig.from_dir(model).vocab_size
@@ -185,8 +167,9 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
     try:
         if warmup:  # kernel compiles and graph captures before the clock starts
             engine.warmup()
-        steps = _log_steps(engine) if step_log else None
-        run = replay(engine, trace, vocab_size=vocab_size, seed=seed, progress=progress)
+        with ExitStack() as stack:
+            steps = stack.enter_context(logged_steps(engine)) if step_log else None
+            run = replay(engine, trace, vocab_size=vocab_size, seed=seed, progress=progress)
         stats = engine.stats()
     finally:
         engine.close()  # the next replay in this process sizes its pool from free memory

@@ -115,7 +115,10 @@ def test_profile_round_trips_and_fits_the_cpu(cpu_profile, tmp_path):
     p = cpu_profile
     assert p.gpu.startswith("cpu") and p.num_pages and p.dtype == "float32"
     assert all(v >= 0 for v in p.cost.coeffs.values()) and p.cost.coeffs["const"] > 0
-    assert {s["case"]["step"] for s in p.samples} == {"prefill", "mixed", "decode"}
+    assert {s["case"]["step"] for s in p.samples} == {"prefill", "mixed", "decode", "serve"}
+    serve = [s for s in p.samples if s["case"]["step"] == "serve"]
+    assert 0 < len(serve) <= 200  # a served trace's steps, capped (CPU_GRID.serve_max_steps)
+    assert any(s["features"]["decode_seqs"] and s["features"]["prefill_tokens"] for s in serve)
     again = Profile.load(p.save(tmp_path / "p.json"))
     assert again.to_dict() == p.to_dict()
     keys = json.loads((tmp_path / "p.json").read_text())

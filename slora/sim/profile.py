@@ -14,6 +14,8 @@ scheduling, batch metadata, the forward, sampling and output building are all in
 2. Host -> device copies of adapters of each rank into their pool pages, and host-cache misses
    (the runner's read-and-pack path; for synthetic adapters that is the pinned host copy),
    fitted as overhead + bytes / bandwidth.
+2b. Steps of serving: a short synthetic trace replayed on the wall clock (`measure_serving`),
+   for the steps a server runs that the grid's batches, arriving together, do not.
 3. Prefetch overlap: a decode step timed alone, with an adapter copy injected as prefetch, and
    the copy alone; the overlap fraction is how much of the shorter one hides under the other.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import platform
 import random
+from contextlib import contextmanager
 import statistics
 import time
 from dataclasses import dataclass
@@ -48,12 +51,21 @@ class Grid:
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     transfer_repeats: int = 5
     overlap_repeats: int = 5
+    # serving steps (see measure_serving): seconds of a synthetic trace, its rate, adapter
+    # count and lengths (uniform, inclusive), and the most of its steps the fit takes
+    serve_s: float = 20.0
+    serve_rate: float = 8.0
+    serve_adapters: int = 500
+    serve_lengths: tuple[int, int] = (8, 511)
+    serve_max_steps: int = 600
 
 
 GPU_GRID = Grid()
 # The CPU grid: small shapes for tiny models (the tests calibrate on it in seconds).
 CPU_GRID = Grid(batches=(1, 2, 4, 8, 16), prompt_lens=(4, 16, 48), ranks=(4, 8, 16), decode_steps=3,
-                max_case_tokens=2048, max_adapters=16, transfer_repeats=3, overlap_repeats=3)
+                max_case_tokens=2048, max_adapters=16, transfer_repeats=3, overlap_repeats=3,
+                serve_s=1.5, serve_rate=40.0, serve_adapters=8, serve_lengths=(8, 48),
+                serve_max_steps=200)
 
 
 def _sync(engine) -> None:
@@ -87,6 +99,57 @@ class PlanTap:
 
     def close(self) -> None:
         self.engine.scheduler.schedule = self.schedule
+
+
+@contextmanager
+def logged_steps(engine):
+    """Within the block, time every non-empty `engine.step()` and note its plan's cost-model
+    features and whether it copied adapters; yields the list the steps are appended to."""
+    tap, steps = PlanTap(engine), []
+
+    def step():
+        t = time.perf_counter()
+        out = type(engine).step(engine)
+        if not tap.empty:
+            steps.append({"seconds": time.perf_counter() - t, "copies": tap.copies,
+                          "features": dict(zip(FEATURES, tap.features))})
+        return out
+
+    engine.step = step
+    try:
+        yield steps
+    finally:
+        del engine.step  # the class's method again
+        tap.close()
+
+
+def measure_serving(engine, grid: Grid, log: Callable[[str], None] = print,
+                    seed: int = 7) -> list[dict]:
+    """Steps of serving: a short synthetic trace (S-LoRA's S2 shape, with its own seed, rate
+    and adapter count) replayed on the wall clock, its steps logged as the grid's are. The
+    grid's steps come from batches that arrive together. A server's come from a running batch
+    of mixed contexts and adapters that one arrival at a time joins and one finish at a time
+    leaves. The H200 replays of such traces ran 7-47% longer per output token than a profile
+    of grid steps alone predicted. Steps that copied adapters are left out, as in the grid;
+    at most `serve_max_steps`, evenly spaced, so the grid's shapes keep their weight."""
+    if grid.serve_s <= 0:
+        return []
+    from slora.replay import register_adapters, replay
+    from slora.workload import synthesize
+
+    trace = synthesize(num_adapters=grid.serve_adapters, rate=grid.serve_rate, cv=1, alpha=1,
+                       duration=grid.serve_s, input_len=grid.serve_lengths,
+                       output_len=grid.serve_lengths, ranks=grid.ranks, seed=seed)
+    register_adapters(engine, trace, synthetic=True, adapter_dir=None)
+    with logged_steps(engine) as steps:
+        replay(engine, trace, vocab_size=engine.model_config.vocab_size, seed=seed)
+    steps = [s for s in steps if not s["copies"]]
+    stride = max(1, -(-len(steps) // grid.serve_max_steps))
+    samples = [{"features": s["features"], "seconds": s["seconds"], "case": {"step": "serve"}}
+               for s in steps[::stride]]
+    log(f"  served {len(trace)} requests over {trace.duration:.0f} s: {len(steps)} steps "
+        f"without copies, {len(samples)} kept")
+    return samples
 
 
 def _timed_step(engine, tap: PlanTap) -> float:
@@ -280,6 +343,8 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
     t0 = time.perf_counter()
     log(f"profiling {model_name or engine.config.model} on {device_name(engine)}: steps")
     samples = measure_steps(engine, grid, log)
+    log("serving steps")
+    samples += measure_serving(engine, grid, log)
     log("adapter copies")
     transfers = measure_transfers(engine, grid, log)
     log("prefetch overlap")
