@@ -145,9 +145,7 @@ class DecodeGraphs:
                     max_rank=rank_bucket,
                     **self.runner.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:bucket], token_slot=self.token_slot[:bucket],
-                            num_decode=bucket,
-                            seg_start=self.token_slot.new_zeros(0),
-                            seg_slot=self.token_slot.new_zeros(0), groups=groups)
+                            num_decode=bucket, groups=groups)
         return Batch(input_ids=self.ids[:bucket], positions=self.positions[:bucket],
                      slot_mapping=self.slots[:bucket], block_tables=self.tables[:bucket],
                      ctx_lens=self.ctx[:bucket], ctx_lens_list=[1] * bucket,

@@ -194,7 +194,7 @@ class ModelRunner:
             ctx.append(end)
         width = max(len(r.block_table) for r in seqs)
         tables = [r.block_table + [0] * (width - len(r.block_table)) for r in seqs]
-        return Batch(
+        batch = Batch(
             input_ids=torch.tensor(ids),
             positions=torch.tensor(positions),
             slot_mapping=torch.tensor(slots),
@@ -205,11 +205,14 @@ class ModelRunner:
             q_start_t=torch.tensor(q_start, dtype=torch.int32),
             num_decode=len(plan.decode),
             logits_index=torch.tensor(q_start[1:]) - 1,
-            lora=self.lora_meta(seqs, q_start, len(plan.decode), adapters),
+            lora=None,
         )
+        batch.lora = self.lora_meta(seqs, batch, adapters)
+        return batch
 
-    def lora_meta(self, seqs: list[Request], q_start: list[int], num_decode: int,
-                  adapters: AdapterManager) -> LoraMeta | None:
+    def lora_meta(self, seqs: list[Request], batch: Batch, adapters: AdapterManager) -> LoraMeta | None:
+        """The batch's LoRA metadata, None when no row has an adapter. Segments (one per
+        sequence: the batch's own q_start) only for steps with prompts, the ones MBGMM runs."""
         names = tuple(dict.fromkeys(r.adapter for r in seqs if r.adapter))
         if not names:
             return None
@@ -222,18 +225,16 @@ class ModelRunner:
         pages, groups = self._adapter_side[1]
         slot_of = {n: i for i, n in enumerate(names)}
         seq_slot = [slot_of[r.adapter] if r.adapter else -1 for r in seqs]
+        num_decode = batch.num_decode
         token_slot = seq_slot[:num_decode]
         for s, r in zip(seq_slot[num_decode:], seqs[num_decode:]):
             token_slot += [s] * r.num_new
-        return LoraMeta(
-            pages=pages,
-            token_slot=torch.tensor(token_slot, dtype=torch.int32),
-            num_decode=num_decode,
-            seg_start=torch.tensor(q_start, dtype=torch.int32),
-            seg_slot=torch.tensor(seq_slot, dtype=torch.int32),
-            groups=groups,
-            max_seg_len=max(b - a for a, b in zip(q_start, q_start[1:])),
-        )
+        meta = LoraMeta(pages=pages, token_slot=torch.tensor(token_slot, dtype=torch.int32),
+                        num_decode=num_decode, groups=groups)
+        if num_decode < len(seqs):
+            meta.seg_start, meta.max_seg_len = batch.q_start_t, batch.max_q_len
+            meta.seg_slot = torch.tensor(seq_slot, dtype=torch.int32)
+        return meta
 
     def _adapter_tensors(self, names: tuple[str, ...], adapters: AdapterManager):
         """Page table [n_a, max_pages] and per-group offsets/ranks of the adapters `names`."""

@@ -33,16 +33,16 @@ class LoraMeta:
 
     Tokens 0..num_decode-1 are decode rows, one token each; the rest are prefill rows. Two views
     of the same assignment: token_slot gives each token's adapter row (the torch twin and MBGMV
-    read it), and the segments seg_start[i]:seg_start[i+1], one per sequence (decode rows too),
-    share adapter row seg_slot[i] (MBGMM reads these).
+    read it), and, in steps with prefill rows only, the segments seg_start[i]:seg_start[i+1],
+    one per sequence (decode rows too), share adapter row seg_slot[i] (MBGMM reads these).
     """
 
     pages: torch.Tensor  # int32 [n_a, max_pages]
     token_slot: torch.Tensor  # int32 [T]
     num_decode: int
-    seg_start: torch.Tensor  # int32 [S+1], absolute token indices
-    seg_slot: torch.Tensor  # int32 [S]
     groups: dict[str, GroupMeta]
+    seg_start: torch.Tensor | None = None  # int32 [S+1], absolute token indices (Batch.q_start)
+    seg_slot: torch.Tensor | None = None  # int32 [S]
     max_seg_len: int | None = None  # longest segment (host int): bounds MBGMM's grid; None: T
 
 

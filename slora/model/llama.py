@@ -73,16 +73,20 @@ class Batch:
         return _to(self, device)
 
 
-def _to(obj, device):
-    """Copy of a dataclass with its tensors (and nested dataclasses') moved to `device`."""
+def _to(obj, device, moved: dict | None = None):
+    """Copy of a dataclass with its tensors (and nested dataclasses') moved to `device`; a
+    tensor two fields share (LoraMeta.seg_start is Batch.q_start_t) moves once."""
+    moved = {} if moved is None else moved
     changes = {}
     for name, value in vars(obj).items():
         if isinstance(value, torch.Tensor):
-            changes[name] = value.to(device)
+            if id(value) not in moved:
+                moved[id(value)] = value.to(device)
+            changes[name] = moved[id(value)]
         elif hasattr(value, "__dataclass_fields__"):
-            changes[name] = _to(value, device)
+            changes[name] = _to(value, device, moved)
         elif isinstance(value, dict):
-            changes[name] = {k: _to(v, device) if hasattr(v, "__dataclass_fields__") else v
+            changes[name] = {k: _to(v, device, moved) if hasattr(v, "__dataclass_fields__") else v
                              for k, v in value.items()}
     return replace(obj, **changes)
 
