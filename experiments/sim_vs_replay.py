@@ -109,10 +109,10 @@ def step_residuals(path: Path, profile: Profile) -> str:
     where the simulator's clock runs fast or slow. Steps that copied adapters are shown apart
     (their measured time includes the copies; the forward prediction does not)."""
     from slora.sim.cost import sample_row
+    from slora.sim.profile import read_step_log
 
     kinds: dict[str, list[tuple[float, float]]] = {}
-    for line in path.read_text().splitlines():
-        s = json.loads(line)
+    for s in read_step_log(path):
         f = s["features"]
         kind = ("mixed" if f["decode_seqs"] else "prefill") if f["prefill_tokens"] else "decode"
         kind += "+lora" if f["adapters"] else ""

@@ -385,31 +385,15 @@ def _add_profile(sub) -> None:
     p.set_defaults(handler=_profile)
 
 
-def _read_steps(path: str) -> list[dict]:
-    import json
-
-    steps = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                step = json.loads(line)
-                steps.append({"features": dict(step["features"]), "seconds": float(step["seconds"]),
-                              "copies": bool(step.get("copies", False))})
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"step log {path} line {n}: not a step ({e}); expected "
-                                 '{"features": {...}, "seconds": s, "copies": bool}') from None
-    return steps
-
-
 def _profile(args) -> int:
     from slora.sim import Profile
-    from slora.sim.profile import CPU_GRID, GPU_GRID, run_profile
+    from slora.sim.profile import CPU_GRID, GPU_GRID, read_step_log, run_profile
 
     if args.add_steps and not args.refit:
         raise ValueError("--add-steps goes with --refit PROFILE")
     if args.refit:
         before = Profile.load(args.refit)
-        extra = [step for path in args.add_steps for step in _read_steps(path) if not step["copies"]]
+        extra = [step for path in args.add_steps for step in read_step_log(path) if not step["copies"]]
         after = before.refit(extra)
         after.save(args.output)
         print(f"refit {len(after.samples)} steps ({len(extra)} from step logs): mean relative error "

@@ -14,10 +14,9 @@ counts against the request's latency, as it would for a real client.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
-from contextlib import ExitStack
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -158,7 +157,7 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
         simulation is traced with.
     """
     from slora import Engine  # torch: imported only when the real engine runs
-    from slora.sim.profile import logged_steps
+    from slora.sim.profile import logged_steps, write_step_log
 
     config = EngineConfig(model=model, **engine_options)
     vocab_size = ModelConfig.from_dir(model).vocab_size
@@ -167,15 +166,13 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
     try:
         if warmup:  # kernel compiles and graph captures before the clock starts
             engine.warmup()
-        with ExitStack() as stack:
-            steps = stack.enter_context(logged_steps(engine)) if step_log else None
+        with logged_steps(engine) if step_log else nullcontext() as steps:
             run = replay(engine, trace, vocab_size=vocab_size, seed=seed, progress=progress)
         stats = engine.stats()
     finally:
         engine.close()  # the next replay in this process sizes its pool from free memory
     if steps is not None:
-        with open(step_log, "w") as f:
-            f.writelines(json.dumps(s) + "\n" for s in steps)
+        write_step_log(steps, step_log)
     summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
     return result_dict(summary, source="replay", stats=stats, config={
         "trace": trace_path, "workload": trace.params, "engine": asdict(config),

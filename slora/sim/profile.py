@@ -123,6 +123,31 @@ def logged_steps(engine):
         tap.close()
 
 
+def write_step_log(steps: list[dict], path: str | Path) -> None:
+    """`logged_steps`' list as JSONL, one step a line."""
+    import json
+
+    with open(path, "w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in steps)
+
+
+def read_step_log(path: str | Path) -> list[dict]:
+    """A step log (`write_step_log`): [{"features", "seconds", "copies"}, ...], checked."""
+    import json
+
+    steps = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                step = json.loads(line)
+                steps.append({"features": dict(step["features"]), "seconds": float(step["seconds"]),
+                              "copies": bool(step.get("copies", False))})
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"step log {path} line {n}: not a step ({e}); expected "
+                                 '{"features": {...}, "seconds": s, "copies": bool}') from None
+    return steps
+
+
 def measure_serving(engine, grid: Grid, log: Callable[[str], None] = print,
                     seed: int = 7) -> list[dict]:
     """Steps of serving: a short synthetic trace (S-LoRA's S2 shape, with its own seed, rate
