@@ -403,15 +403,19 @@ def run_mbgmm(r, cfg, device, dtype, gen):
 
 # ----------------------------------------------------------------------------- attention
 
-def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
-    block_size = cfg["block_size"]
-    nb = -(-ctx // block_size)
-    num_pages = B * nb + 8
+def paged_kv(n_seq, n_tok, kvh, D, block_size, device, dtype, gen):
+    """K/V views of a random pool and a random block table [n_seq, pages] of n_tok tokens each."""
+    nb = -(-n_tok // block_size)
+    num_pages = n_seq * nb + 8
     pool_l = torch.empty(num_pages, block_size * 2 * kvh * D, dtype=dtype, device=device)
     pool_l.normal_(0.0, 0.5)
     k, v = ref.kv_views(pool_l, block_size, kvh, D)
-    tables = torch.randperm(num_pages, generator=gen)[:B * nb].view(B, nb).to(torch.int32)
-    tables = tables.to(device)
+    tables = torch.randperm(num_pages, generator=gen)[:n_seq * nb].view(n_seq, nb)
+    return k, v, tables.to(torch.int32).to(device)
+
+
+def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
+    k, v, tables = paged_kv(B, ctx, kvh, D, cfg["block_size"], device, dtype, gen)
     ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(B, H, D, generator=gen).to(dtype).to(device)
     scale = D ** -0.5
@@ -425,14 +429,7 @@ def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
 
 def run_prefill_attention(n_seq, n_tok, H, kvh, D, cfg, device, dtype, gen):
     """Causal prefill of n_seq prompts of n_tok tokens (KV already written), vs the twin."""
-    block_size = cfg["block_size"]
-    nb = -(-n_tok // block_size)
-    num_pages = n_seq * nb + 8
-    pool_l = torch.empty(num_pages, block_size * 2 * kvh * D, dtype=dtype, device=device)
-    pool_l.normal_(0.0, 0.5)
-    k, v = ref.kv_views(pool_l, block_size, kvh, D)
-    tables = torch.randperm(num_pages, generator=gen)[:n_seq * nb].view(n_seq, nb)
-    tables = tables.to(torch.int32).to(device)
+    k, v, tables = paged_kv(n_seq, n_tok, kvh, D, cfg["block_size"], device, dtype, gen)
     q_start = list(range(0, n_seq * n_tok + 1, n_tok))
     ctx = [n_tok] * n_seq
     q_start_t = torch.tensor(q_start, dtype=torch.int32, device=device)
