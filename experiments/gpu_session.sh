@@ -77,7 +77,14 @@ case "${1:-}" in
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --num-requests 400 \
       --out $OUT/scaling 2>&1 | tail -12'
     ;;
-  *) echo "usage: $0 1|2|3|4|5|6" >&2; exit 2 ;;
+  7)  # #7 after the cost model's host piece and resident serving adapters: a fresh profile,
+      # validated with step logs that carry each copy's bytes; the CUDA tests beside it
+    lane 0 gpu0 'bash experiments/profile_h200.sh profile 2>&1 | tail -8
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=30 bash experiments/profile_h200.sh validate 2>&1 \
+        | grep -v "^  [a-zA-Z]" | tail -40'
+    lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py tests/test_csrc.py 2>&1 | tail -2'
+    ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling breakdown engine kernels 2>/dev/null) 2>/dev/null \

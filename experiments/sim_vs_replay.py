@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", choices=sorted(TRACES), help="run these traces only")
     p.add_argument("--results", default="results/sim-vs-replay")
     p.add_argument("--force", action="store_true", help="redo traces whose results exist")
+    p.add_argument("--resimulate", action="store_true",
+                   help="no replays: simulate again, with --profile, the traces whose replays are "
+                        "stored under --results (e.g. after a refit; no GPU needed)")
     p.add_argument("--progress", action="store_true", help="progress bars during replays")
     args = p.parse_args(argv)
 
@@ -58,21 +61,27 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or TRACES:
         trace_path = out / f"{name}.jsonl"
         replay_path, sim_path = out / f"{name}-replay.json", out / f"{name}-simulate.json"
-        if not args.force and replay_path.exists() and sim_path.exists():
-            continue
-        lengths = tuple(args.lengths)
-        spec = dict(TRACES[name], duration=args.duration, input_len=lengths, output_len=lengths,
-                    ranks=(64, 32, 16, 8), seed=42)
-        write_trace(synthesize(**spec), trace_path)
-        trace = read_trace(trace_path)
-        print(f"[{name}] replay: {len(trace)} requests over {trace.duration:.0f} s", flush=True)
         options = {"load_format": "dummy"} if dummy else {}
         options.update(json.loads(args.engine))
-        real = run_replay(trace, model=args.model, synthetic_adapters=True, trace_path=str(trace_path),
-                          engine_options=options, progress=args.progress,
-                          step_log=out / f"{name}-steps.jsonl")
-        replay_path.write_text(json.dumps(real, indent=2, default=str) + "\n")
-        print(format_summary(real))
+        if args.resimulate:
+            if not (replay_path.exists() and trace_path.exists()):
+                print(f"[{name}] no stored replay in {out}: skipped")
+                continue
+            trace, real = read_trace(trace_path), json.loads(replay_path.read_text())
+        elif not args.force and replay_path.exists() and sim_path.exists():
+            continue
+        else:
+            lengths = tuple(args.lengths)
+            spec = dict(TRACES[name], duration=args.duration, input_len=lengths, output_len=lengths,
+                        ranks=(64, 32, 16, 8), seed=42)
+            write_trace(synthesize(**spec), trace_path)
+            trace = read_trace(trace_path)
+            print(f"[{name}] replay: {len(trace)} requests over {trace.duration:.0f} s", flush=True)
+            real = run_replay(trace, model=args.model, synthetic_adapters=True,
+                              trace_path=str(trace_path), engine_options=options,
+                              progress=args.progress, step_log=out / f"{name}-steps.jsonl")
+            replay_path.write_text(json.dumps(real, indent=2, default=str) + "\n")
+            print(format_summary(real))
         pages = real["stats"]["pages_total"]
         sim = simulate(trace, profile, num_pages=pages, trace_path=str(trace_path),
                        engine_options=options, model=ModelConfig.from_dir(args.model)).result
@@ -107,7 +116,8 @@ def comparison_table(out: Path, names: list[str], profile: Profile) -> str:
 def step_residuals(path: Path, profile: Profile) -> str:
     """The replay's steps (its step log) beside the cost model's forward time for each, by kind:
     where the simulator's clock runs fast or slow. Steps that copied adapters are shown apart
-    (their measured time includes the copies; the forward prediction does not)."""
+    (their measured time includes the copies). For those the model's step time adds its copy
+    times (blocking, and prefetch as overlapped) when the log has the copies' bytes."""
     from slora.sim.cost import sample_row
     from slora.sim.profile import read_step_log
 
@@ -117,9 +127,13 @@ def step_residuals(path: Path, profile: Profile) -> str:
         kind = ("mixed" if f["decode_seqs"] else "prefill") if f["prefill_tokens"] else "decode"
         kind += "+lora" if f["adapters"] else ""
         kind += ", copies" if s["copies"] else ""
-        pred = profile.cost.forward_time(sample_row(f))
+        cost = profile.cost
+        pred = cost.forward_time(sample_row(f))
+        if s["load_bytes"] is not None:
+            pred = cost.step_time(pred, sum(map(cost.copy_time, s["load_bytes"])),
+                                  sum(map(cost.copy_time, s["prefetch_bytes"])), 0.0)
         kinds.setdefault(kind, []).append((s["seconds"], pred))
-    lines = [f"steps of {path.name}: measured vs the cost model's forward time",
+    lines = [f"steps of {path.name}: measured vs the cost model's step time",
              f"{'kind':<24}{'steps':>7}{'measured ms':>13}{'model ms':>10}{'model/measured':>16}"]
     for kind, v in sorted(kinds.items()):
         meas, pred = sum(m for m, _ in v) / len(v), sum(p for _, p in v) / len(v)

@@ -111,6 +111,44 @@ def test_fit_recovers_coefficients_and_stays_non_negative():
     assert overhead == pytest.approx(1e-5) and gbps == pytest.approx(25)
 
 
+def test_fit_max_finds_the_host_bound_steps():
+    """Steps bound by the host (an eager step whose kernels finish before Python launches the
+    next) take max(device work, host work): fit_max recovers both pieces where a linear fit
+    cannot, and falls back to the linear model (host None) where nothing is host-bound."""
+    from slora.sim.cost import HOST_FEATURES, fit_max
+
+    rng = random.Random(1)
+    device = dict(zip(FEATURES, (2e-3, 2e-5, 0, 1e-5, 1e-7, 0, 0, 0, 1e-3, 0, 0, 0)))
+    host = dict.fromkeys(HOST_FEATURES, 0.0) | {"const": 2e-3, "eager": 12e-3, "decode_seqs": 2e-5}
+    samples = []
+    for _ in range(300):
+        tokens = rng.choice((0, 16, 128, 512, 1024, 2048))
+        n_dec = rng.choice((0, 1, 8, 32, 128))
+        if not tokens and not n_dec:
+            continue
+        f = [0.0] * len(FEATURES)
+        f[0], f[1], f[3], f[4], f[8] = 1.0, tokens, n_dec, n_dec * rng.randint(8, 1024), float(tokens > 0)
+        d = sum(device[k] * v for k, v in zip(FEATURES, f))
+        h = sum(host[k] * f[FEATURES.index(k)] for k in HOST_FEATURES)
+        samples.append((tuple(f), max(d, h) * (1 + 0.01 * rng.uniform(-1, 1))))
+    linear, lstats = fit(samples)
+    coeffs, host_coeffs, stats = fit_max(samples)
+    assert host_coeffs is not None and 0 < stats["host_bound"] < len(samples)
+    assert stats["mean_rel_err"] < 0.02 < lstats["mean_rel_err"]
+    cost = CostModel(coeffs=coeffs, host_coeffs=host_coeffs)
+    for f, t in samples:
+        assert cost.forward_time(f) == pytest.approx(t, rel=0.05)
+    # linear data: no host piece, the linear fit
+    lin = [(f, sum(device[k] * v for k, v in zip(FEATURES, f))) for f, _ in samples]
+    coeffs, host_coeffs, stats = fit_max(lin)
+    assert stats["mean_rel_err"] < 1e-6
+    # a profile with a host piece round-trips
+    p = Profile(model="m", gpu="g", cost=cost, model_config={})
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).cost.host_coeffs == cost.host_coeffs
+    with pytest.raises(ValueError, match="unknown host coefficient"):
+        CostModel(host_coeffs={"prefill_tokens": 1.0})
+
+
 def test_profile_round_trips_and_fits_the_cpu(cpu_profile, tmp_path):
     p = cpu_profile
     assert p.gpu.startswith("cpu") and p.num_pages and p.dtype == "float32"
@@ -371,7 +409,36 @@ def test_sim_vs_replay_logs_steps_and_their_residuals(tiny_model_dir, cpu_profil
     assert any(s["features"]["prefill_tokens"] for s in steps)  # prompts and
     assert any(s["features"]["decode_seqs"] for s in steps)  # decodes both logged
     assert sum(s["seconds"] for s in steps) <= replay["duration_s"]  # steps of this replay
+    # each step logs the bytes of the adapter copies it made: every adapter loaded at least once
+    nbytes = {r: b for r, b in zip(*_adapter_bytes(tiny_model_dir, out / "n100-a1-r4.jsonl"))}
+    copied = [b for s in steps for b in s["load_bytes"] + s["prefetch_bytes"]]
+    assert copied and set(copied) <= set(nbytes.values())
+    assert all(s["copies"] == bool(s["load_bytes"] or s["prefetch_bytes"]) for s in steps)
+    # (the engine's count also has the loads of its warm-up, before the log starts)
+    assert 0 < sum(len(s["load_bytes"]) + len(s["prefetch_bytes"]) for s in steps) \
+        <= replay["stats"]["adapter_loads"]
     assert "measured vs the cost model" in capsys.readouterr().out
+    # --resimulate: the simulator again over the stored replay, no replay run
+    (out / "n100-a1-r4-simulate.json").unlink()
+    assert mod.main(["--model", str(tiny_model_dir), "--profile", str(prof), "--only", "n100-a1-r4",
+                     "--results", str(out), "--resimulate",
+                     "--engine", json.dumps({"device": "cpu", "dtype": "float32"})]) == 0
+    printed = capsys.readouterr().out
+    assert "replay:" not in printed and "simulate" in printed
+    assert json.loads((out / "n100-a1-r4-replay.json").read_text()) == replay
+    assert (out / "n100-a1-r4-simulate.json").exists()
+
+
+def _adapter_bytes(model_dir, trace_path):
+    """The names and bytes of a trace's adapters as an engine registers them (synthetic)."""
+    from slora.workload import read_trace
+
+    trace = read_trace(trace_path)
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_pages=64))
+    register_adapters(engine, trace, synthetic=True, adapter_dir=None)
+    infos = engine.adapters.adapters
+    names = sorted({r.adapter for r in trace.requests if r.adapter})
+    return names, [infos[n].nbytes for n in names]
 
 
 def test_cli_profile_refit(tmp_path, cpu_profile, capsys):

@@ -9,10 +9,10 @@ engine-shaped simulator and sweeps; `slora.sim.profile`: calibration on a real e
 torch when it runs). Nothing imported here needs torch.
 """
 
-from slora.sim.cost import FEATURES, CostModel, Profile, fit, plan_features
+from slora.sim.cost import FEATURES, CostModel, Profile, fit, fit_max, plan_features
 from slora.sim.simulator import (SimEngine, SimRun, SimRunner, VirtualClock, adapter_pages,
                                  parse_sweep, rescale_rate, simulate, simulate_point)
 
-__all__ = ["FEATURES", "CostModel", "Profile", "fit", "plan_features", "SimEngine", "SimRun",
-           "SimRunner", "VirtualClock", "adapter_pages", "parse_sweep", "rescale_rate", "simulate",
-           "simulate_point"]
+__all__ = ["FEATURES", "CostModel", "Profile", "fit", "fit_max", "plan_features", "SimEngine",
+           "SimRun", "SimRunner", "VirtualClock", "adapter_pages", "parse_sweep", "rescale_rate",
+           "simulate", "simulate_point"]

@@ -61,6 +61,8 @@ from pathlib import Path
 
 FEATURES = ("const", "prefill_tokens", "prefill_attn", "decode_seqs", "decode_ctx", "adapters",
             "lora_prefill", "lora_decode", "eager", "eager_lora", "lora", "eager_adapters")
+# The host piece of the model (`fit_max`): what Python pays to prepare and launch a step.
+HOST_FEATURES = ("const", "decode_seqs", "adapters", "eager", "eager_lora", "eager_adapters")
 PROFILE_FORMAT = "slora-profile/1"
 MIN_STEP_S = 1e-6  # a step always advances the clock, so an idle-looking loop cannot spin
 
@@ -97,6 +99,8 @@ class CostModel:
     """Coefficients of the step-time model (seconds per unit of each feature) and transfers."""
 
     coeffs: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FEATURES, 0.0))
+    # the host piece (`fit_max`): forward = max(coeffs . x, host_coeffs . x); None: linear only
+    host_coeffs: dict[str, float] | None = None
     h2d_gbps: float = 20.0  # host -> device copy bandwidth, GB/s (1e9 bytes)
     disk_gbps: float | None = 2.0  # disk -> host (read, pack, pin) on a host-cache miss; None: free
     load_overhead_s: float = 0.0  # fixed cost of one adapter copy
@@ -112,10 +116,20 @@ class CostModel:
             raise ValueError("cost model: bandwidths must be positive (disk_gbps may be null: free)")
         if not 0.0 <= self.prefetch_overlap <= 1.0:
             raise ValueError(f"cost model: prefetch_overlap={self.prefetch_overlap} must be in [0, 1]")
+        if self.host_coeffs is not None:
+            unknown = set(self.host_coeffs) - set(HOST_FEATURES)
+            if unknown:
+                raise ValueError(f"cost model: unknown host coefficient(s) {sorted(unknown)}; "
+                                 f"host features are {', '.join(HOST_FEATURES)}")
+            self.host_coeffs = {k: float(self.host_coeffs.get(k, 0.0)) for k in HOST_FEATURES}
         self._c = tuple(self.coeffs[k] for k in FEATURES)
+        self._h = tuple((FEATURES.index(k), v) for k, v in (self.host_coeffs or {}).items() if v)
 
     def forward_time(self, features: tuple[float, ...]) -> float:
-        return sum(c * f for c, f in zip(self._c, features))
+        device = sum(c * f for c, f in zip(self._c, features))
+        if not self._h:
+            return device
+        return max(device, sum(c * features[j] for j, c in self._h))
 
     def copy_time(self, nbytes: int) -> float:
         return self.load_overhead_s + nbytes / (self.h2d_gbps * 1e9)
@@ -145,16 +159,87 @@ def fit(samples: list[tuple[tuple[float, ...], float]], features: tuple[str, ...
     """
     import numpy as np
 
+    X, y = _arrays(samples)
+    coef, dropped = _nnls_rel(X, y, list(range(X.shape[1])), features)
+    rel = np.abs(X @ coef - y) / y
+    stats = {"samples": len(samples), "mean_rel_err": float(rel.mean()),
+             "max_rel_err": float(rel.max()), "dropped": dropped}
+    return {k: float(v) for k, v in zip(features, coef)}, stats
+
+
+def fit_max(samples: list[tuple[tuple[float, ...], float]], iterations: int = 50
+            ) -> tuple[dict[str, float], dict[str, float] | None, dict]:
+    """Fit forward = max(device . x, host . x): the linear model (`fit`) for the GPU's work and a
+    second one over HOST_FEATURES for the host's, which bounds a step that launches its kernels
+    eagerly from Python (a mixed step whose kernels finish faster than Python issues them).
+
+    Alternating fit of a two-piece max-affine function: each sample goes to the piece that
+    predicts more, each piece is refitted (non-negative, relative error) on its own samples, until
+    no sample changes side. Returns (device coefficients, host coefficients or None when the
+    linear model alone fits at least as well, stats as `fit`'s plus "host_bound": the samples the
+    host piece explains).
+    """
+    import numpy as np
+
+    X, y = _arrays(samples)
+    coef, dropped = _nnls_rel(X, y, list(range(X.shape[1])), FEATURES)
+    best = (_mean_rel(np.maximum(X @ coef, 0.0), y), coef, None, 0)
+    hcols = [FEATURES.index(k) for k in HOST_FEATURES]
+    eager = X[:, FEATURES.index("eager")] > 0
+    tokens = X[:, FEATURES.index("prefill_tokens")]
+    small = tokens <= np.median(tokens[eager]) if eager.any() else eager
+    # starts: the host piece explains the eager steps with the fewer prompt tokens, or the eager
+    # steps the linear model under-predicts; the device piece the rest. The best result is kept.
+    starts = (eager & small, eager & (X @ coef < y))
+    for host_side in starts:
+        if host_side.sum() < 2 or (~host_side).sum() < 2:
+            continue
+        for _ in range(iterations):
+            dev, _ = _nnls_rel(X[~host_side], y[~host_side], list(range(X.shape[1])), FEATURES)
+            host, _ = _nnls_rel(X[host_side], y[host_side], hcols, FEATURES)
+            pred_dev, pred_host = X @ dev, X @ host
+            err = _mean_rel(np.maximum(pred_dev, pred_host), y)
+            if err < best[0] - 1e-12:
+                best = (err, dev, host, int((pred_host > pred_dev).sum()))
+            side = pred_host > pred_dev
+            if (side == host_side).all() or side.sum() < 2 or (~side).sum() < 2:
+                break
+            host_side = side
+    err, coef, host, host_bound = best
+    pred = X @ coef if host is None else np.maximum(X @ coef, X @ host)
+    rel = np.abs(pred - y) / y
+    stats = {"samples": len(samples), "mean_rel_err": float(rel.mean()),
+             "max_rel_err": float(rel.max()), "dropped": dropped, "host_bound": host_bound}
+    host_coeffs = None if host is None else {k: float(host[FEATURES.index(k)]) for k in HOST_FEATURES}
+    return {k: float(v) for k, v in zip(FEATURES, coef)}, host_coeffs, stats
+
+
+def _arrays(samples):
+    import numpy as np
+
     if len(samples) < 2:
         raise ValueError(f"fit: need at least 2 samples, got {len(samples)}")
     X = np.array([s[0] for s in samples], dtype=float)
     y = np.array([s[1] for s in samples], dtype=float)
     if (y <= 0).any():
         raise ValueError("fit: measured step times must be positive")
+    return X, y
+
+
+def _mean_rel(pred, y) -> float:
+    return float((abs(pred - y) / y).mean())
+
+
+def _nnls_rel(X, y, columns: list[int], features: tuple[str, ...]):
+    """Least squares on relative error over `columns` of X, every coefficient >= 0: a column
+    whose coefficient comes out negative is dropped and the rest refitted; columns that are all
+    zero get 0. Returns (coefficients over all of X's columns, names of the dropped features)."""
+    import numpy as np
+
     w = 1.0 / y
     Xw, yw = X * w[:, None], y * w  # relative error: (x.c - y) / y
-    active = [j for j in range(X.shape[1]) if j == 0 or np.any(X[:, j] != 0)]
-    dropped = [features[j] for j in range(X.shape[1]) if j not in active]
+    active = [j for j in columns if j == 0 or np.any(X[:, j] != 0)]
+    dropped = [features[j] for j in columns if j not in active]
     coef = np.zeros(X.shape[1])
     while active:
         A = Xw[:, active]
@@ -163,16 +248,12 @@ def fit(samples: list[tuple[tuple[float, ...], float]], features: tuple[str, ...
         sol, *_ = np.linalg.lstsq(A / scale, yw, rcond=None)
         sol = sol / scale
         if (sol >= 0).all():
-            coef[:] = 0.0
             coef[active] = sol
             break
         worst = active[int(np.argmin(sol))]  # the most negative goes; refit the rest
         active.remove(worst)
         dropped.append(features[worst])
-    rel = np.abs(X @ coef - y) / y
-    stats = {"samples": len(samples), "mean_rel_err": float(rel.mean()),
-             "max_rel_err": float(rel.max()), "dropped": dropped}
-    return {k: float(v) for k, v in zip(features, coef)}, stats
+    return coef, dropped
 
 
 def sample_row(features: dict) -> tuple[float, ...]:
@@ -238,7 +319,8 @@ class Profile:
         c = self.cost
         return {"format": PROFILE_FORMAT, "model": self.model, "gpu": self.gpu,
                 "dtype": self.dtype, "block_size": self.block_size, "num_pages": self.num_pages,
-                "gpu_memory_gb": self.gpu_memory_gb, "coeffs": c.coeffs, "h2d_gbps": c.h2d_gbps,
+                "gpu_memory_gb": self.gpu_memory_gb, "coeffs": c.coeffs, "host_coeffs": c.host_coeffs,
+                "h2d_gbps": c.h2d_gbps,
                 "disk_gbps": c.disk_gbps, "load_overhead_s": c.load_overhead_s,
                 "prefetch_overlap": c.prefetch_overlap, "fit": self.fit_stats,
                 "model_config": self.model_config, "samples": self.samples,
@@ -250,7 +332,7 @@ class Profile:
         if missing:
             raise ValueError(f"{source}: not a slora profile (missing {', '.join(missing)}); "
                              "make one with `slora profile --model DIR -o profile.json`")
-        cost = CostModel(coeffs=d["coeffs"], h2d_gbps=d["h2d_gbps"],
+        cost = CostModel(coeffs=d["coeffs"], host_coeffs=d.get("host_coeffs"), h2d_gbps=d["h2d_gbps"],
                          disk_gbps=d.get("disk_gbps"), load_overhead_s=d.get("load_overhead_s", 0.0),
                          prefetch_overlap=d.get("prefetch_overlap", 1.0))
         return cls(model=d["model"], gpu=d.get("gpu", "unknown"), cost=cost,
@@ -273,9 +355,9 @@ class Profile:
         samples = list(self.samples) + list(extra)
         if not samples:
             raise ValueError(f"profile of {self.model}: no samples stored to refit from")
-        coeffs, stats = fit([(sample_row(s["features"]), s["seconds"]) for s in samples])
+        coeffs, host, stats = fit_max([(sample_row(s["features"]), s["seconds"]) for s in samples])
         c = self.cost
-        cost = CostModel(coeffs=coeffs, h2d_gbps=c.h2d_gbps, disk_gbps=c.disk_gbps,
+        cost = CostModel(coeffs=coeffs, host_coeffs=host, h2d_gbps=c.h2d_gbps, disk_gbps=c.disk_gbps,
                          load_overhead_s=c.load_overhead_s, prefetch_overlap=c.prefetch_overlap)
         kept = {k: v for k, v in self.fit_stats.items() if k not in stats}
         return dataclasses.replace(self, cost=cost, samples=samples,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from slora.sim.cost import FEATURES, CostModel, Profile, fit, fit_bandwidth, plan_features, sample_row
+from slora.sim.cost import FEATURES, CostModel, Profile, fit_bandwidth, fit_max, plan_features, sample_row
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ class PlanTap:
         self.schedule = engine.scheduler.schedule
         self.features = None
         self.copies = False
+        self.load_bytes: list[int] = []  # this step's blocking adapter copies, bytes each
+        self.prefetch_bytes: list[int] = []  # and its prefetch copies
         self.empty = True
         self.inject: tuple[str, list[int]] | None = None
         engine.scheduler.schedule = self
@@ -94,6 +96,9 @@ class PlanTap:
             plan.prefetch.append(self.inject)
         self.features = plan_features(plan, self.engine.adapters)
         self.copies = bool(plan.adapter_loads or plan.prefetch)
+        infos = self.engine.adapters.adapters
+        self.load_bytes = [infos[name].nbytes for name, _ in plan.adapter_loads]
+        self.prefetch_bytes = [infos[name].nbytes for name, _ in plan.prefetch]
         self.empty = plan.empty
         return plan
 
@@ -104,7 +109,8 @@ class PlanTap:
 @contextmanager
 def logged_steps(engine):
     """Within the block, time every non-empty `engine.step()` and note its plan's cost-model
-    features and whether it copied adapters; yields the list the steps are appended to."""
+    features and the adapter copies it made (bytes of each blocking load and prefetch); yields
+    the list the steps are appended to."""
     tap, steps = PlanTap(engine), []
 
     def step():
@@ -112,7 +118,8 @@ def logged_steps(engine):
         out = type(engine).step(engine)
         if not tap.empty:
             steps.append({"seconds": time.perf_counter() - t, "copies": tap.copies,
-                          "features": dict(zip(FEATURES, tap.features))})
+                          "features": dict(zip(FEATURES, tap.features)),
+                          "load_bytes": tap.load_bytes, "prefetch_bytes": tap.prefetch_bytes})
         return out
 
     engine.step = step
@@ -132,7 +139,9 @@ def write_step_log(steps: list[dict], path: str | Path) -> None:
 
 
 def read_step_log(path: str | Path) -> list[dict]:
-    """A step log (`write_step_log`): [{"features", "seconds", "copies"}, ...], checked."""
+    """A step log (`write_step_log`): [{"features", "seconds", "copies", "load_bytes",
+    "prefetch_bytes"}, ...], checked. Logs written before the copies' bytes were logged read
+    with None for them."""
     import json
 
     steps = []
@@ -141,7 +150,9 @@ def read_step_log(path: str | Path) -> list[dict]:
             try:
                 step = json.loads(line)
                 steps.append({"features": dict(step["features"]), "seconds": float(step["seconds"]),
-                              "copies": bool(step.get("copies", False))})
+                              "copies": bool(step.get("copies", False)),
+                              **{k: None if step.get(k) is None else [int(b) for b in step[k]]
+                                 for k in ("load_bytes", "prefetch_bytes")}})
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"step log {path} line {n}: not a step ({e}); expected "
                                  '{"features": {...}, "seconds": s, "copies": bool}') from None
@@ -166,6 +177,14 @@ def measure_serving(engine, grid: Grid, log: Callable[[str], None] = print,
                        duration=grid.serve_s, input_len=grid.serve_lengths,
                        output_len=grid.serve_lengths, ranks=grid.ranks, seed=seed)
     register_adapters(engine, trace, synthetic=True, adapter_dir=None)
+    # The trace's adapters resident first, as many as half the free pages hold: a server's
+    # steps mostly run adapters already in the pool, and a step that copies one is left out.
+    infos, room, resident = engine.adapters.adapters, engine.allocator.num_free // 2, []
+    for name in dict.fromkeys(r.adapter for r in trace.requests if r.adapter is not None):
+        if infos[name].num_pages <= room:
+            room -= infos[name].num_pages
+            resident.append(name)
+    _warm_adapters(engine, resident)
     with logged_steps(engine) as steps:
         replay(engine, trace, vocab_size=engine.model_config.vocab_size, seed=seed)
     steps = [s for s in steps if not s["copies"]]
@@ -374,10 +393,10 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
     transfers = measure_transfers(engine, grid, log)
     log("prefetch overlap")
     overlap = measure_overlap(engine, grid, log)
-    coeffs, stats = fit([(sample_row(s["features"]), s["seconds"]) for s in samples])
+    coeffs, host, stats = fit_max([(sample_row(s["features"]), s["seconds"]) for s in samples])
     stats["overlap"] = overlap
     stats["profile_s"] = time.perf_counter() - t0
-    cost = CostModel(coeffs=coeffs, h2d_gbps=transfers["h2d_gbps"], disk_gbps=transfers["disk_gbps"],
+    cost = CostModel(coeffs=coeffs, host_coeffs=host, h2d_gbps=transfers["h2d_gbps"], disk_gbps=transfers["disk_gbps"],
                      load_overhead_s=transfers["load_overhead_s"],
                      prefetch_overlap=overlap["prefetch_overlap"])
     model_config = json.loads((Path(engine.config.model) / "config.json").read_text())
