@@ -84,7 +84,12 @@ case "${1:-}" in
         | grep -v "^  [a-zA-Z]" | tail -40'
     lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py tests/test_csrc.py 2>&1 | tail -2'
     ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7" >&2; exit 2 ;;
+  8)  # #7's check of the shipped profile on 60 s traces, nothing else on the host's CPUs but a
+      # short decode lane: the breakdown of a decode and a mixed step at batch 128 (#5)
+    lane 0 gpu0 'DURATION=60 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -40'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --breakdown 128 --out $OUT/breakdown 2>&1 | tail -100'
+    ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|8" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling breakdown engine kernels 2>/dev/null) 2>/dev/null \
