@@ -107,6 +107,31 @@ def test_triton_path_where_the_fast_one_does_not_apply():
     assert len(calls) == 3
 
 
+def test_hooks_installed_reads_triton_hook_chains(monkeypatch):
+    """Triton keeps launch hooks as chains that are never None (the first H200 run of this
+    path found it never taken): only a chain with a hook in it counts."""
+    from triton import knobs
+
+    assert not launch.hooks_installed()
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert launch.hooks_installed()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not launch.hooks_installed()
+
+
+def test_eligible_on_cuda_tensors_without_hooks(monkeypatch):
+    k = FastKernel(FakeJit())
+    monkeypatch.setattr(launch, "_RAW_STREAM", lambda idx: 0)
+    assert not k._eligible((torch.zeros(2), 1))  # a CPU tensor: the interpreter's path
+    monkeypatch.setattr(launch, "_on_cuda", lambda a: True)
+    assert k._eligible((torch.zeros(2), 1))
+    monkeypatch.setattr(launch, "hooks_installed", lambda: True)
+    assert not k._eligible((torch.zeros(2), 1))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cached_kernels_are_the_ones_triton_picks():
     """MBGMV and MBGMM launched through the cache over arguments that vary the way serving

@@ -30,6 +30,10 @@ import torch
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def _on_cuda(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_cuda
+
+
 def _arg_key(a, specialize: bool):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
@@ -56,14 +60,9 @@ class FastKernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def _eligible(self, args) -> bool:
-        if self.kinds is None or _RAW_STREAM is None:
+        if self.kinds is None or _RAW_STREAM is None or hooks_installed():
             return False
-        from triton import knobs
-
-        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-            return False
-        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        return t is not None and t.is_cuda
+        return _on_cuda(args[0])  # every kernel here takes a tensor first
 
     def launch(self, grid, args, kwargs):
         if not self._eligible(args):
@@ -86,6 +85,15 @@ class FastKernel:
                    None, *args, *tail)
         self.fast_launches += 1
         return kernel
+
+
+def hooks_installed() -> bool:
+    """Whether a launch hook is installed (a profiler's): Triton's knobs hold them as hook
+    chains, empty unless something added one (a plain callable or None in other versions)."""
+    from triton import knobs
+
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(bool(h.calls) if hasattr(h, "calls") else h is not None for h in hooks)
 
 
 def fast(fn) -> FastKernel:
