@@ -89,24 +89,7 @@ case "${1:-}" in
     lane 0 gpu0 'DURATION=60 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -40'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --breakdown 128 --out $OUT/breakdown 2>&1 | tail -100'
     ;;
-  9)  # after the cached launch path (slora/kernels/launch.py): the CUDA tests, the eager steps'
-      # breakdown and the race, then a fresh profile validated in the same call (#7); GPU1 the
-      # adapter scaling (#5b)
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_launch.py tests/test_kernels_lora.py tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_engine_triton.py tests/test_csrc.py 2>&1 | tail -3
-      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32,128 --out $OUT/breakdown 2>&1 | tail -150
-      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6
-      bash experiments/profile_h200.sh profile 2>&1 | tail -3
-      PROFILE=$OUT/h200-llama2-7b.json DURATION=30 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -40'
-    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --num-requests 400 --out $OUT/scaling 2>&1 | tail -14'
-    ;;
-  10)  # the cached launch path once more after its fix (a hook chain is never None): its CUDA
-       # tests and the eager steps' breakdown; the race and q/k/v/o scaling beside them
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_launch.py tests/test_engine_triton.py tests/test_kernels_lora.py 2>&1 | grep -E "passed|failed|Error|assert" | tail -8
-      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32 --out $OUT/breakdown 2>&1 | tail -150'
-    lane 1 gpu1 'python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6
-      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
-    ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|10" >&2; exit 2 ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|8" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling breakdown engine kernels 2>/dev/null) 2>/dev/null \

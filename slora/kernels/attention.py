@@ -37,12 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast
-
 LOG2E = 1.4426950408889634
 
 
-@fast
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
@@ -118,7 +115,6 @@ def _decode_kernel(
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=h_ok)
 
 
-@fast
 @triton.jit
 def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D,
                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -208,7 +204,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 # ----------------------------------------------------------------------------- prefill
 
-@fast
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, out_ptr,

@@ -18,14 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast
-
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-@fast
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, eps, stride_x, stride_d,
                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
@@ -63,7 +60,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     return _norm(x, delta, weight, eps)
 
 
-@fast
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t,
                     kc_page, kc_row, kc_head, vc_page, vc_row, vc_head, block_size,
@@ -118,7 +114,6 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     return qkv[:, : num_heads * D].view(T, num_heads, D)
 
 
-@fast
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_gu, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -59,7 +59,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import fast
 from .reference import LORA_ALIGN
 
 CHUNK = LORA_ALIGN  # elements in one aligned chunk: one page lookup each
@@ -104,7 +103,6 @@ def _dims4(out_dims, strides):
 
 # ----------------------------------------------------------------------------- MBGMV
 
-@fast
 @triton.jit(do_not_specialize=["stride_pg"])
 def _mbgmv_shrink_kernel(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, slot_ptr, xa_ptr,
@@ -155,7 +153,6 @@ def _mbgmv_shrink_kernel(
     tl.store(xa_row, res, mask=offs_r < max_rank)
 
 
-@fast
 @triton.jit(do_not_specialize=["stride_pg"])
 def _mbgmv_expand_kernel(
     xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, slot_ptr,
@@ -291,7 +288,6 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
 
 # ----------------------------------------------------------------------------- MBGMM
 
-@fast
 @triton.jit(do_not_specialize=["stride_pg", "split_k"])
 def _mbgmm_shrink_kernel(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, xa_ptr,
@@ -350,7 +346,6 @@ def _mbgmm_shrink_kernel(
         tl.atomic_add(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
 
-@fast
 @triton.jit(do_not_specialize=["stride_pg"])
 def _mbgmm_expand_kernel(
     xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr,
