@@ -294,11 +294,13 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
         eng.step()
     for _ in range(2):  # steady state (graph captured, adapters resident)
         eng.step()
-    extra = prompts(2 * steps, 128, cfg.vocab_size, seed=7)
+    extra = prompts(2 * steps + 1, 128, cfg.vocab_size, seed=7)
 
     def mixed(i):
         eng.add_request(extra[i], SamplingParams(max_tokens=1, ignore_eos=True), adapter=names[i % len(names)])
         eng.step()
+
+    mixed(2 * steps)  # off the clock: a mixed-step graph bucket is captured on first use
 
     res = {"batch": batch, "modules": modules_key}
     for kind, fn in (("decode", lambda i: eng.step()), ("mixed", mixed)):
@@ -365,6 +367,9 @@ def parse_args(argv=None):
                     help="default: gpu_memory_fraction of free memory")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--mixed-graph-tokens", type=int, default=0,
+                    help="EngineConfig.mixed_graph_tokens: steps with prompts of at most this "
+                         "many tokens replay CUDA graphs (default 0: eager)")
     ap.add_argument("--adapters", type=ints, default=[1, 100, 1000, 2000],
                     help="scaling: adapter counts")
     ap.add_argument("--modules", type=lambda t: t.split(","), default=["qkvo", "all"],
@@ -401,7 +406,8 @@ def main(argv=None) -> dict:
     eng = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device,
                               dtype=args.dtype, num_pages=args.num_pages,
                               max_num_seqs=args.max_num_seqs,
-                              max_batch_tokens=args.max_batch_tokens))
+                              max_batch_tokens=args.max_batch_tokens,
+                              mixed_graph_tokens=args.mixed_graph_tokens))
     print(f"engine: {eng.runner.num_pages} pages of {eng.runner.page_bytes / 1e6:.1f} MB "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
     result = {"model": args.model, "device": args.device, "dtype": args.dtype,

@@ -89,9 +89,16 @@ case "${1:-}" in
     lane 0 gpu0 'DURATION=60 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -40'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --breakdown 128 --out $OUT/breakdown 2>&1 | tail -100'
     ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|8" >&2; exit 2 ;;
+  9)  # mixed-step CUDA graphs (EngineConfig.mixed_graph_tokens, never yet on a GPU): their
+      # CUDA tests, then the mixed steps' breakdown and the S2 scaling with them on and off
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | grep -E "passed|failed|Error" | tail -8
+      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32,128 --mixed-graph-tokens 2048 --out $OUT/breakdown-graphs 2>&1 | tail -120'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --mixed-graph-tokens 2048 --out $OUT/scaling-graphs 2>&1 | tail -8
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
+    ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|8|9" >&2; exit 2 ;;
 esac
 wait
-(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling breakdown engine kernels 2>/dev/null) 2>/dev/null \
+(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling* breakdown* engine kernels 2>/dev/null) 2>/dev/null \
   && rm -rf suites sim-vs-replay)
 for f in "$OUT"/gpu0.log "$OUT"/gpu1.log; do echo "==== $f"; tail -60 "$f"; done

@@ -70,6 +70,9 @@ class EngineConfig:
     prefetch_window: int = 8
     prefetch_reserve: int = 64
     cuda_graphs: bool = True
+    # Steps with prompts of at most this many tokens in all (prompts + decode rows) replay CUDA
+    # graphs too (slora.graphs); 0 runs them eagerly. Off until measured on a GPU.
+    mixed_graph_tokens: int = 0
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"
@@ -100,6 +103,7 @@ class EngineConfig:
         need(self.prefetch_window >= 0, "prefetch_window", "must be >= 0")
         need(self.prefetch_reserve >= 0, "prefetch_reserve", "must be >= 0")
         need(self.load_format in ("auto", "dummy"), "load_format", "expected 'auto' or 'dummy'")
+        need(self.mixed_graph_tokens >= 0, "mixed_graph_tokens", "must be >= 0 (0: eager)")
 
     @property
     def host_cache_bytes(self) -> int:

@@ -244,7 +244,8 @@ class Engine:
         and with one temporary adapter per rank bucket of the registered adapters and of
         `ranks` (adapters to come; graphs are keyed by the rank rounded up to a power of two),
         the widest first so the graphs' page-table width is set once. Only idle engines warm
-        up; the copies show in `stats()`."""
+        up; the copies show in `stats()`. With `mixed_graph_tokens` set, one prefill step
+        per mixed-step graph bucket (tokens x sequences) too, at each rank bucket."""
         if self.has_unfinished():
             raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
         t0 = time.perf_counter()
@@ -270,12 +271,28 @@ class Engine:
                     if need > self.allocator.num_free:
                         break
                     self.generate([[1] * 8] * b, sp, adapters=name)
+                for t, s in self._mixed_buckets():  # one prefill step of s prompts, t tokens
+                    prompts = [[1] * (t - s + 1)] + [[1]] * (s - 1)
+                    need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts)
+                            + self.adapters.pages_needed(name))
+                    if need <= self.allocator.num_free:
+                        self.generate(prompts, sp, adapters=name)
         finally:
             for name in names[1:]:
                 self.remove_adapter(name)
             for key in set(self._synthetic) - buffers:
                 del self._synthetic[key]
         return time.perf_counter() - t0
+
+    def _mixed_buckets(self) -> list[tuple[int, int]]:
+        """(tokens, sequences) of every mixed-step graph bucket a step can fill (none unless
+        `mixed_graph_tokens` is set)."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return []
+        limit = min(self.config.max_batch_tokens, self.max_model_len - 4)
+        return [(t, s) for t in graphs.token_buckets if t <= limit
+                for s in graphs.seq_buckets if s <= t and s <= self.config.max_num_seqs]
 
     def close(self) -> None:
         """Give the engine's device memory (pool, weights, graphs, host copies) back now rather

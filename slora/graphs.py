@@ -1,13 +1,28 @@
-"""CUDA graphs for decode steps, LoRA kernels inside, for any mix of adapters and base rows.
+"""CUDA graphs for engine steps, LoRA kernels inside, for any mix of adapters and base rows.
 
-A decode step launches a few hundred small kernels; replaying a captured graph removes their
-launch cost. Graphs are captured lazily (or all at once by `Engine.warmup`), one per (batch
-bucket, rank bucket, adapter-page bucket), over static device buffers sized for the largest
-batch. Each step writes its host batch into pinned twins of those buffers, copies them over
-in two transfers (the adapter-side tensors only when the batch's adapters changed), and
-replays the graph of the smallest bucket that holds it. Padded rows are base-only
-(token_slot -1) and read and write only the pool's scratch page, so they never touch a live
-page.
+A step launches a few hundred small kernels; replaying a captured graph removes their launch
+cost. Two kinds of graph, captured lazily (or by `Engine.warmup`) over static device buffers:
+
+- decode steps, one graph per (batch bucket, rank bucket, adapter-page bucket);
+- mixed steps (prompts, with or without decode rows) of at most `mixed_tokens` tokens, one per
+  (token bucket, sequence bucket, rank bucket, adapter-page bucket). Off unless
+  `EngineConfig.mixed_graph_tokens` > 0. A mixed step otherwise runs eagerly, and on the H200
+  it was bound by the host: 20-30 ms of wall time for 8-10 ms of GPU work (notes/kernels.md).
+
+Each step writes its host batch into pinned twins of the buffers, copies them over in two
+transfers (the adapter-side tensors only when the batch's adapters changed), and replays the
+graph of the smallest bucket that holds it.
+
+Padding never touches a live page:
+- padded tokens write their KV to the pool's scratch page and belong to no sequence, so
+  attention and MBGMM never read them;
+- padded decode rows are base-only (token_slot -1) and read the scratch page;
+- padded sequences of a mixed step have no tokens (their q_start is the batch's end) and no
+  adapter (seg_slot -1), so every attention and MBGMM program of theirs returns at once.
+
+The kernels' grids then depend only on the bucket: attention and MBGMM get no host bound on
+the longest segment (max_q_len and max_seg_len are None), so their token-tile axis covers the
+bucket and the tiles past a segment's end return.
 """
 
 from __future__ import annotations
@@ -19,10 +34,17 @@ from slora.kernels import GroupMeta, LoraMeta
 from slora.model.llama import GROUPS, Batch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# mixed steps: total tokens, and sequences (coarse: a padded sequence costs programs that return)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MIXED_SEQ_BUCKETS = (4, 16, 64, 256, 512)
 
 
 def _bucket(n: int, buckets) -> int | None:
     return next((b for b in buckets if b >= n), None)
+
+
+def _buckets(candidates, limit: int) -> tuple[int, ...]:
+    return tuple(b for b in candidates if b < limit) + (limit,)
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -34,38 +56,55 @@ def round_rank(max_rank: int) -> int:
     return _pow2(max_rank, 16)
 
 
-class DecodeGraphs:
-    def __init__(self, runner, max_num_seqs: int) -> None:
+class StepGraphs:
+    """runner: the ModelRunner; max_num_seqs: the most sequences a step has; mixed_tokens: the
+    most tokens of a mixed step that replays a graph (0: decode steps only); capture: False
+    runs the static buffers' forward eagerly instead of capturing it (on CPU, where there are
+    no graphs: the tests check the padded buffers give the eager batch's tokens)."""
+
+    def __init__(self, runner, max_num_seqs: int, mixed_tokens: int = 0, capture: bool = True) -> None:
         self.runner = runner
-        self.buckets = tuple(b for b in BATCH_BUCKETS if b < max_num_seqs) + (max_num_seqs,)
+        self.capture = capture
+        self.buckets = _buckets(BATCH_BUCKETS, max_num_seqs)
         self.max_batch = max_num_seqs
+        self.mixed_tokens = mixed_tokens
+        self.token_buckets = _buckets(TOKEN_BUCKETS, mixed_tokens) if mixed_tokens else ()
+        self.seq_buckets = _buckets(MIXED_SEQ_BUCKETS, max_num_seqs)
+        self.max_tokens = max(max_num_seqs, mixed_tokens)
         # the longest sequence the engine admits (model limit, capped by the pool's size)
         max_len = min(runner.config.max_model_len or runner.cfg.max_position_embeddings,
                       runner.num_pages * runner.block_size)
         self.max_blocks = cdiv(max_len, runner.block_size)
-        self.graphs: dict[tuple[int, int, int], tuple] = {}  # key -> (graph, logits, batch)
+        self.graphs: dict[tuple, tuple] = {}  # key -> (graph or None, logits, batch)
         self.max_pages = 0
         self._alloc(max_pages=1)
 
     def _alloc(self, max_pages: int) -> None:
         """Static buffers; growing the adapter-page width drops the graphs that used them."""
-        dev, B, L = self.runner.device, self.max_batch, self.runner.cfg.num_layers
+        dev, B, T, L = self.runner.device, self.max_batch, self.max_tokens, self.runner.cfg.num_layers
         i32 = dict(dtype=torch.int32, device=dev)
         self.graphs.clear()
         # A fresh private pool: once the dropped graphs release the old one, capturing into
         # it again trips PyTorch's allocator (an internal assert, seen on the H200).
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.max_pages = max_pages
         scratch = self.runner.scratch_page
         # Per-token and per-sequence inputs live in two device buffers (int64, int32), each
-        # filled from a pinned host twin by one copy a step.
-        self.meta64 = torch.zeros(3, B, dtype=torch.long, device=dev)
-        self.ids, self.positions, self.slots = self.meta64
-        self.meta32 = torch.full((2 * B + B * self.max_blocks,), scratch, **i32)
-        self.ctx, self.token_slot = self.meta32[:B], self.meta32[B:2 * B]
-        self.tables = self.meta32[2 * B:].view(B, self.max_blocks)
-        self.host64 = torch.zeros(self.meta64.shape, dtype=torch.long).pin_memory()
-        self.host32 = torch.full(self.meta32.shape, scratch, dtype=torch.int32).pin_memory()
+        # filled from a pinned host twin by one copy a step. int64: token ids, positions, KV
+        # slots [T], logits rows [B]. int32: context lengths [B], token adapter rows [T],
+        # segment starts [B + 1], segment adapter rows [B], then the block tables [B, blocks].
+        self.meta64 = torch.zeros(4, T, dtype=torch.long, device=dev)
+        self.ids, self.positions, self.slots, self.logits_index = self.meta64
+        self.meta32 = torch.full((3 * B + 1 + T + B * self.max_blocks,), scratch, **i32)
+        self.ctx, rest = self.meta32[:B], self.meta32[B:]
+        self.token_slot, rest = rest[:T], rest[T:]
+        self.q_start, rest = rest[:B + 1], rest[B + 1:]
+        self.seg_slot, rest = rest[:B], rest[B:]
+        self.tables = rest.view(B, self.max_blocks)
+        self._tables_at = 3 * B + 1 + T  # where the tables start in meta32
+        pin = dev.type == "cuda"
+        self.host64 = torch.zeros(self.meta64.shape, dtype=torch.long, pin_memory=pin)
+        self.host32 = torch.full(self.meta32.shape, scratch, dtype=torch.int32, pin_memory=pin)
         self._filled_lora = None  # the adapter-side tensors last copied in (see _fill)
         self.pages = torch.zeros(B, max_pages, **i32)
         # per module group: offsets of A and B^T rows [B, G], ranks [L, B, G]
@@ -76,46 +115,66 @@ class DecodeGraphs:
             for name, mods in GROUPS.items()}
 
     def fits(self, b: Batch) -> bool:
-        return (b.input_ids.shape[0] <= self.max_batch
-                and b.block_tables.shape[1] <= self.max_blocks)
+        n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
+        if n_seq > self.max_batch or b.block_tables.shape[1] > self.max_blocks:
+            return False
+        return n_tok == b.num_decode or n_tok <= self.mixed_tokens
 
     def run(self, b: Batch) -> torch.Tensor:
-        """Logits [B, vocab] for a decode-only host batch, through a captured graph."""
-        n = b.input_ids.shape[0]
+        """Logits [S, vocab] for a host batch that `fits`, through a captured graph."""
+        n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
         lora = b.lora
         rank_bucket = 0
         if lora is not None:
             rank_bucket = round_rank(max(g.max_rank for g in lora.groups.values()))
             if lora.pages.shape[1] > self.max_pages:
                 self._alloc(_pow2(lora.pages.shape[1], 8))
-        bucket = _bucket(n, self.buckets)
-        self._fill(b, n, bucket)
-        key = (bucket, rank_bucket, self.max_pages)
+        if n_tok == b.num_decode:
+            t_bucket = s_bucket = _bucket(n_tok, self.buckets)
+            key = ("decode", t_bucket, rank_bucket, self.max_pages)
+        else:
+            t_bucket = _bucket(n_tok, self.token_buckets)
+            s_bucket = min(_bucket(n_seq, self.seq_buckets), t_bucket)
+            key = ("mixed", t_bucket, s_bucket, rank_bucket, self.max_pages)
+        self._fill(b, n_tok, n_seq, t_bucket, s_bucket)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, rank_bucket)
-        graph, logits, _ = self.graphs[key]
-        graph.replay()
-        return logits[:n]
+            self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket)
+        graph, logits, batch = self.graphs[key]
+        if graph is None:  # capture=False
+            logits = self.runner.model.forward(batch, self.runner.pool)
+        else:
+            graph.replay()
+        return logits[:n_seq]
 
-    def _fill(self, b: Batch, n: int, bucket: int) -> None:
-        B, bs, scratch = self.max_batch, self.runner.block_size, self.runner.scratch_page
+    def _fill(self, b: Batch, n_tok: int, n_seq: int, t_bucket: int, s_bucket: int) -> None:
+        bs, scratch = self.runner.block_size, self.runner.scratch_page
         h64, h32 = self.host64, self.host32
-        ids, positions, slots = h64
-        ids[:n], positions[:n], slots[:n] = b.input_ids, b.positions, b.slot_mapping
-        slots[n:bucket] = scratch * bs  # padded rows write their KV to the scratch page
-        ctx, token_slot = h32[:B], h32[B:2 * B]
-        ctx[:n] = b.ctx_lens
-        ctx[n:bucket] = 1
-        token_slot[:bucket] = -1
+        ids, positions, slots, logits_index = h64
+        ids[:n_tok], positions[:n_tok], slots[:n_tok] = b.input_ids, b.positions, b.slot_mapping
+        ids[n_tok:t_bucket] = positions[n_tok:t_bucket] = 0
+        slots[n_tok:t_bucket] = scratch * bs  # padded tokens write their KV to the scratch page
+        logits_index[:n_seq] = b.logits_index
+        logits_index[n_seq:s_bucket] = 0
+        B, T = self.max_batch, self.max_tokens
+        ctx, token_slot = h32[:B], h32[B:B + T]
+        q_start, seg_slot = h32[B + T:2 * B + T + 1], h32[2 * B + T + 1:3 * B + T + 1]
+        ctx[:n_seq] = b.ctx_lens
+        ctx[n_seq:s_bucket] = 1
+        token_slot[:t_bucket] = -1
+        q_start[:n_seq + 1] = b.q_start_t
+        q_start[n_seq + 1:s_bucket + 1] = n_tok  # padded sequences: no tokens
+        seg_slot[:s_bucket] = -1
         if b.lora is not None:
-            token_slot[:n] = b.lora.token_slot
-        tables = h32[2 * B:].view(B, self.max_blocks)
+            token_slot[:n_tok] = b.lora.token_slot
+            if b.lora.seg_slot is not None:
+                seg_slot[:n_seq] = b.lora.seg_slot
+        tables = h32[self._tables_at:].view(B, self.max_blocks)
         width = b.block_tables.shape[1]
-        tables[:n, :width] = b.block_tables
-        tables[:n, width:] = scratch
-        self.meta64[:, :bucket].copy_(h64[:, :bucket], non_blocking=True)
-        self.meta32[:2 * B + n * self.max_blocks].copy_(h32[:2 * B + n * self.max_blocks],
-                                                        non_blocking=True)
+        tables[:n_seq, :width] = b.block_tables
+        tables[:n_seq, width:] = scratch
+        self.meta64[:, :t_bucket].copy_(h64[:, :t_bucket], non_blocking=True)
+        end = self._tables_at + n_seq * self.max_blocks
+        self.meta32[:end].copy_(h32[:end], non_blocking=True)
         # (The host twins are rewritten only after this step's sample has synchronised.)
         lora = b.lora
         if lora is None or lora.groups is self._filled_lora:
@@ -132,30 +191,38 @@ class DecodeGraphs:
             off_b[:n_a].copy_(g.offsets_b)
             ranks[:, :n_a].copy_(g.ranks)
 
-    def _static_batch(self, bucket: int, rank_bucket: int) -> Batch:
+    def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int) -> Batch:
+        mixed = kind == "mixed"
+        num_decode = 0 if mixed else t_bucket
         lora = None
         if rank_bucket:
             groups = {}
             for gname in GROUPS:
                 off_a, off_b, ranks = self.group_bufs[gname]
                 groups[gname] = GroupMeta(
-                    offsets_a=off_a[:bucket],
-                    offsets_b=off_b[:bucket],
-                    ranks=ranks[:, :bucket],
+                    offsets_a=off_a[:s_bucket],
+                    offsets_b=off_b[:s_bucket],
+                    ranks=ranks[:, :s_bucket],
                     max_rank=rank_bucket,
                     **self.runner.group_shapes[gname])
-            lora = LoraMeta(pages=self.pages[:bucket], token_slot=self.token_slot[:bucket],
-                            num_decode=bucket, groups=groups)
-        return Batch(input_ids=self.ids[:bucket], positions=self.positions[:bucket],
-                     slot_mapping=self.slots[:bucket], block_tables=self.tables[:bucket],
-                     ctx_lens=self.ctx[:bucket], ctx_lens_list=[1] * bucket,
-                     q_start=list(range(bucket + 1)), q_start_t=self.token_slot.new_zeros(0),
-                     num_decode=bucket,
-                     logits_index=torch.arange(bucket, device=self.ids.device), lora=lora)
+            lora = LoraMeta(pages=self.pages[:s_bucket], token_slot=self.token_slot[:t_bucket],
+                            num_decode=num_decode, groups=groups)
+            if mixed:  # segments with no host bound on their length (max_seg_len None)
+                lora.seg_start, lora.seg_slot = self.q_start[:s_bucket + 1], self.seg_slot[:s_bucket]
+        # A mixed batch's host-side q_start only bounds the attention grid: [0, T, T, ...]
+        # leaves it unbounded over the bucket (its segments are in q_start_t).
+        q_start = [0] + [t_bucket] * s_bucket if mixed else list(range(s_bucket + 1))
+        return Batch(input_ids=self.ids[:t_bucket], positions=self.positions[:t_bucket],
+                     slot_mapping=self.slots[:t_bucket], block_tables=self.tables[:s_bucket],
+                     ctx_lens=self.ctx[:s_bucket], ctx_lens_list=[1] * s_bucket,
+                     q_start=q_start, q_start_t=self.q_start[:s_bucket + 1],
+                     num_decode=num_decode, logits_index=self.logits_index[:s_bucket], lora=lora)
 
-    def _capture(self, bucket: int, rank_bucket: int):
-        batch = self._static_batch(bucket, rank_bucket)
+    def _capture(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int):
+        batch = self._static_batch(kind, t_bucket, s_bucket, rank_bucket)
         model, pool = self.runner.model, self.runner.pool
+        if not self.capture:
+            return None, None, batch
         stream = torch.cuda.Stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles the Triton kernels for these shapes

@@ -20,7 +20,7 @@ from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.kernels import GroupMeta, LoraMeta, make_backend
 from slora.kernels.reference import LORA_ALIGN
-from slora.graphs import DecodeGraphs
+from slora.graphs import StepGraphs
 from slora.model.llama import GROUPS, Batch, LlamaModel
 from slora.model.loader import load_weights, random_weights, strides
 from slora.request import Request, SamplingParams
@@ -88,7 +88,7 @@ class ModelRunner:
         self.scratch_page = self.num_pages
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self.graphs = (DecodeGraphs(self, config.max_num_seqs)
+        self.graphs = (StepGraphs(self, config.max_num_seqs, config.mixed_graph_tokens)
                        if cuda and config.cuda_graphs and self.backend.name != "torch" else None)
         # row strides and output widths of each LoRA module group: fixed by the model
         self.group_shapes = {
@@ -158,7 +158,7 @@ class ModelRunner:
             self._prefetch(plan.prefetch, adapters)
             return [], []
         batch = self.prepare(plan, adapters)
-        if self.graphs is not None and not plan.prefill and self.graphs.fits(batch):
+        if self.graphs is not None and self.graphs.fits(batch):
             logits = self.graphs.run(batch)
         else:
             logits = self.model.forward(batch.to(self.device), self.pool)

@@ -78,3 +78,77 @@ def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory):
         if graphs:
             assert e.runner.graphs.graphs, "decode steps ran through captured graphs"
     assert results[True] == results[False]
+
+
+def _staggered_run(e, paths, max_tokens=(7, 3, 9, 5, 6)):
+    """Requests that arrive a step apart, so most steps mix prompts with decode rows: several
+    adapters of different ranks and targets, and base-only rows."""
+    for n, p in paths.items():
+        e.add_adapter(n, p)
+    prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin", "I"]
+    adapters = ["r3", None, "r20", "r3", None]
+    jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True), a)
+            for p, n, a in zip(prompts, max_tokens, adapters)]
+    ids, done = [], {}
+    for job in jobs:
+        ids.append(e.add_request(*job))
+        done.update({o.request_id: o for o in e.step() if o.finished})
+    while e.has_unfinished():
+        done.update({o.request_id: o for o in e.step() if o.finished})
+    return [done[i].token_ids for i in ids]
+
+
+def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
+    """The static, padded buffers the CUDA graphs replay over (slora.graphs.StepGraphs), run
+    eagerly here (capture=False: on CPU there are no graphs), give the eager batch's tokens.
+    Decode steps pad rows to a batch bucket; mixed steps pad tokens to a token bucket and
+    sequences to a sequence bucket, with no host bound on the attention and MBGMM grids."""
+    from slora.graphs import StepGraphs
+
+    paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
+             "r20": adapter_factory(tiny_model_dir, r=20, target_modules="all-linear", seed=1)}
+    results = {}
+    for graphs in (False, True):
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                num_pages=48, backend="triton", cuda_graphs=False))
+        if graphs:
+            e.runner.graphs = StepGraphs(e.runner, e.config.max_num_seqs, mixed_tokens=48,
+                                         capture=False)
+        results[graphs] = _staggered_run(e, paths)
+        if graphs:
+            kinds = {key[0] for key in e.runner.graphs.graphs}
+            assert kinds == {"decode", "mixed"}, kinds
+            # a mixed bucket pads both: more tokens and more sequences than any step had
+            mixed = [k for k in e.runner.graphs.graphs if k[0] == "mixed"]
+            assert all(k[1] in (16, 32, 48) and k[2] in (4, 16) for k in mixed)
+    assert results[True] == results[False]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_mixed_step_graphs_match_eager(tiny_model_dir, adapter_factory):
+    """The same staggered workload with mixed steps replaying captured graphs."""
+    paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
+             "r20": adapter_factory(tiny_model_dir, r=20, target_modules="all-linear", seed=1)}
+    results = {}
+    for tokens in (0, 64):
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
+                                num_pages=64, mixed_graph_tokens=tokens))
+        results[tokens] = _staggered_run(e, paths)
+        if tokens:
+            assert any(k[0] == "mixed" for k in e.runner.graphs.graphs)
+    assert results[64] == results[0]
+
+
+def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
+    """With mixed-step graphs on, `Engine.warmup` runs one prefill step per (token bucket,
+    sequence bucket), so serving does not stop to capture them."""
+    from slora.graphs import StepGraphs
+
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=48, backend="triton", cuda_graphs=False, max_num_seqs=4))
+    e.runner.graphs = StepGraphs(e.runner, 4, mixed_tokens=32, capture=False)
+    assert e._mixed_buckets() == [(16, 4), (32, 4)]
+    e.warmup()
+    mixed = {k[1:3] for k in e.runner.graphs.graphs if k[0] == "mixed"}
+    assert mixed == {(16, 4), (32, 4)}
+    assert {k[1] for k in e.runner.graphs.graphs if k[0] == "decode"} == {1, 2, 4}

@@ -468,3 +468,19 @@ def test_cli_profile_refit(tmp_path, cpu_profile, capsys):
     log.write_text('{"seconds": 1}\n')
     assert main(["profile", "--refit", str(src), "--add-steps", str(log), "-o", str(dst)]) == 1
     assert "line 1: not a step" in capsys.readouterr().err
+
+
+def test_steps_that_replay_mixed_graphs_are_not_eager():
+    """With `mixed_graph_tokens` set, a step with prompts of at most that many tokens in all
+    replays a CUDA graph: the cost model's `eager` features are 0 for it."""
+    from slora.sim.cost import plan_features
+
+    pre = SimpleNamespace(num_new=10, num_tokens=10, adapter="a")
+    dec = SimpleNamespace(prompt_token_ids=[1] * 5, output_token_ids=[2], adapter=None)
+    plan = SimpleNamespace(prefill=[pre], decode=[dec, dec])
+    adapters = SimpleNamespace(adapters={"a": SimpleNamespace(num_pages=3)})
+    idx = {k: FEATURES.index(k) for k in ("eager", "eager_lora", "eager_adapters", "lora")}
+    for graph_tokens, eager in ((0, 1.0), (11, 1.0), (12, 0.0), (64, 0.0)):
+        f = plan_features(plan, adapters, graph_tokens)
+        assert [f[idx[k]] for k in ("eager", "eager_lora", "eager_adapters")] == [eager] * 3
+        assert f[idx["lora"]] == 1.0

@@ -1,9 +1,9 @@
 """The cost model: how long one engine step takes, from the shape of the scheduler's plan.
 
-A step's forward time is linear in ten features of the plan (`FEATURES`), each a sum the
-runner's kernels scale with:
+A step's forward time is the larger of two linear models over twelve features of the plan
+(`FEATURES`), each a sum the runner's kernels scale with: the device's work, over all of them,
 
-    forward = c0                                   fixed: launch, scheduling, sampling overhead
+    device  = c0                                   fixed: launch, scheduling, sampling overhead
             + c_prefill_tokens * prefill_tokens    GEMMs over the new tokens of prefill rows
             + c_prefill_attn   * prefill_attn      prefill attention: sum of new x context tokens
             + c_decode_seqs    * decode_seqs       per decode row (GEMM rows, metadata, sampling)
@@ -13,15 +13,24 @@ runner's kernels scale with:
             + c_lora_prefill   * lora_prefill      MBGMM: sum over prefill rows of new tokens x
                                                    adapter pages (pages ~ rank x sum(d_in + d_out))
             + c_lora_decode    * lora_decode       MBGMV: sum over decode rows of adapter pages
-            + c_eager          * eager             1 when the step has prefill rows: it runs
-                                                   eagerly, outside the decode CUDA graphs, and
-                                                   pays every kernel launch from Python
+            + c_eager          * eager             1 when the step has prefill rows (and more
+                                                   tokens than mixed_graph_tokens): it runs
+                                                   eagerly, outside the CUDA graphs, and pays
+                                                   every kernel launch from Python
             + c_eager_lora     * eager_lora        1 when such a step also has adapters: the
                                                    LoRA kernels' launches, eagerly too
             + c_lora           * lora              1 when any row has an adapter: the LoRA
                                                    kernels' fixed cost, in graphs too (64 small
                                                    launches a 7B step, each of some microseconds)
             + c_eager_adapters * eager_adapters    distinct adapters in an eager step
+
+and the host's, over HOST_FEATURES (`host_coeffs`; None: the device's alone):
+
+    forward = max(device, h . x)
+
+An eager step whose kernels finish faster than Python launches them takes the host's time,
+flat in its tokens: on the H200 a mixed step with LoRA took 19-22 ms from 16 to ~400 prompt
+tokens while its GPU work grew with them. `fit_max` fits both pieces.
 
 eager and eager_lora came from the first H200 profile: a prefill step of 16 tokens took 12 ms
 where a decode step took 5, and 50 ms with an adapter in the batch; without them the fit's mean
@@ -67,10 +76,12 @@ PROFILE_FORMAT = "slora-profile/1"
 MIN_STEP_S = 1e-6  # a step always advances the clock, so an idle-looking loop cannot spin
 
 
-def plan_features(plan, adapters) -> tuple[float, ...]:
+def plan_features(plan, adapters, graph_tokens: int = 0) -> tuple[float, ...]:
     """The FEATURES of a `SchedulerPlan` (between schedule and update: `num_new` is this step's).
 
-    `adapters` is the `AdapterManager` (for each adapter's page count).
+    `adapters` is the `AdapterManager` (for each adapter's page count). `graph_tokens`: the
+    engine's `mixed_graph_tokens`; a step with prompts and at most that many tokens replays a
+    CUDA graph, so it is not `eager`.
     """
     infos = adapters.adapters
     prefill_tokens = prefill_attn = lora_prefill = 0
@@ -88,7 +99,7 @@ def plan_features(plan, adapters) -> tuple[float, ...]:
     names = {r.adapter for r in plan.decode}
     names.update(r.adapter for r in plan.prefill)
     names.discard(None)
-    eager = 1.0 if plan.prefill else 0.0
+    eager = 1.0 if plan.prefill and prefill_tokens + len(plan.decode) > graph_tokens else 0.0
     return (1.0, prefill_tokens, prefill_attn, len(plan.decode), decode_ctx, len(names),
             lora_prefill, lora_decode, eager, eager if names else 0.0,
             1.0 if names else 0.0, eager * len(names))

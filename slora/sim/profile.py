@@ -94,7 +94,8 @@ class PlanTap:
         plan = self.schedule(now)
         if self.inject is not None:
             plan.prefetch.append(self.inject)
-        self.features = plan_features(plan, self.engine.adapters)
+        self.features = plan_features(plan, self.engine.adapters,
+                                      self.engine.config.mixed_graph_tokens)
         self.copies = bool(plan.adapter_loads or plan.prefetch)
         infos = self.engine.adapters.adapters
         self.load_bytes = [infos[name].nbytes for name, _ in plan.adapter_loads]

@@ -95,8 +95,9 @@ class SimRunner:
     tier's LRU state is the engine's.
     """
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, graph_tokens: int = 0) -> None:
         self.cost = cost
+        self.graph_tokens = graph_tokens  # EngineConfig.mixed_graph_tokens (see plan_features)
         self.busy_s = 0.0
         self.copy_s = 0.0
         self.disk_s = 0.0
@@ -114,7 +115,8 @@ class SimRunner:
                     prefetch += cost.copy_time(nbytes)
                 else:
                     blocking += cost.copy_time(nbytes)
-        forward = 0.0 if plan.empty else cost.forward_time(plan_features(plan, adapters))
+        forward = 0.0 if plan.empty else cost.forward_time(
+            plan_features(plan, adapters, self.graph_tokens))
         dt = cost.step_time(forward, blocking, prefetch, disk)
         self.busy_s += dt
         self.copy_s += blocking + prefetch
@@ -152,7 +154,7 @@ class SimEngine:
         self.allocator = PageAllocator(config.num_pages)
         self.adapters = AdapterManager(self.allocator, config.host_cache_bytes)
         self.scheduler = Scheduler(config, self.allocator, self.adapters)
-        self.runner = SimRunner(cost)
+        self.runner = SimRunner(cost, config.mixed_graph_tokens)
         limit = config.max_model_len or model.max_position_embeddings
         self.max_model_len = min(limit, config.num_pages * config.block_size)
         self.check = check
