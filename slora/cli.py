@@ -192,11 +192,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "without its weights (as S-LoRA's --dummy)")
     g.add_argument("--slo", dest="slo_ttft_s", type=float,
                    help="first-token SLO in seconds, for the abort policy and the metrics (default 6)")
+    g.add_argument("--mixed-graph-tokens", type=int,
+                   help="steps with prompts of at most this many tokens replay CUDA graphs too "
+                   "(default 0: they run eagerly)")
 
 
 def _engine_options(args) -> dict:
     keys = ("device", "dtype", "num_pages", "max_num_seqs", "max_batch_tokens", "policy", "backend",
-            "load_format", "slo_ttft_s")
+            "load_format", "slo_ttft_s", "mixed_graph_tokens")
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 

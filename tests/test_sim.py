@@ -337,6 +337,15 @@ def test_cli_simulate_and_plot(tmp_path, cpu_profile):
                 "ttft_p99_s", "slo_attainment", "num_requests", "num_completed"):
         assert key in result
     assert result["source"] == "simulate" and result["num_completed"] == 50
+    # mixed-step graphs: with an eager step far dearer than a graph's, first tokens come sooner
+    dear = Profile.from_dict({**cpu_profile.to_dict(),
+                              "coeffs": {**cpu_profile.cost.coeffs, "eager": 0.05}})
+    ttft = {}
+    for tokens in ("0", "4096"):
+        assert main(["simulate", str(trace_path), "--profile", str(dear.save(tmp_path / "d.json")),
+                     "--num-pages", "64", "--mixed-graph-tokens", tokens, "-o", str(out)]) == 0
+        ttft[tokens] = json.loads(out.read_text())["ttft_p50_s"]
+    assert ttft["4096"] < ttft["0"]
     sweep_dir = tmp_path / "sweep"
     assert main(["simulate", str(trace_path), "--profile", str(prof), "--num-pages", "64",
                  "--sweep", "rate=25,100,400", "--slo-target", "0.9", "-o", str(sweep_dir)]) == 0
