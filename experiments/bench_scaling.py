@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_engine import MODELS, prompts  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slora.config import LORA_MODULES, ModelConfig  # noqa: E402
+from slora.sim.profile import logged_steps  # noqa: E402
 from slora.workload import synthesize  # noqa: E402
 
 # name -> target modules of a row's synthetic adapters (None: no adapters, the base model)
@@ -148,9 +149,11 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     before = eng.stats()
     sync(eng.runner.device)
     t0 = time.perf_counter()
-    outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
+    with logged_steps(eng) as steps:  # where the time goes: steps with prompts vs decode-only
+        outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
     sync(eng.runner.device)
     wall = time.perf_counter() - t0
+    mixed = [s["seconds"] for s in steps if s["features"]["prefill_tokens"]]
     after = eng.stats()
     if modules is not None:
         remove_adapters(eng, trace.adapters)
@@ -161,6 +164,7 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         "adapters_used": len(trace.adapter_names()) if modules is not None else 0,
         "prompt_tokens": sum(n for n, _ in lens), "output_tokens": out_toks,
         "wall_s": wall, "output_tok_s": out_toks / wall, "req_s": len(outs) / wall,
+        "steps": len(steps), "mixed_steps": len(mixed), "mixed_s": sum(mixed),
         "not_length": sum(o.finish_reason != "length" for o in outs),
         **{k: after[k] - before[k] for k in ("adapter_loads", "adapter_evictions", "preemptions")},
     }
@@ -185,11 +189,15 @@ def part_scaling(eng: Engine, args) -> list[dict]:
     print(f"\n(b) S2 offline throughput, {args.num_requests} requests, lengths in "
           f"{args.input_len}/{args.output_len}, ranks {args.ranks}, alpha {args.alpha}")
     print(f"{'adapters':>9}{'modules':>8}{'used':>6}{'tok/s':>9}{'req/s':>8}{'ratio':>7}"
-          f"{'loads':>7}{'evict':>7}{'preempt':>8}{'wall s':>8}")
+          f"{'loads':>7}{'evict':>7}{'preempt':>8}{'wall s':>8}{'steps':>7}{'mixed':>7}"
+          f"{'mixed s':>8}")
     for r in rows:
         print(f"{r['adapters']:>9}{r['modules']:>8}{r['adapters_used']:>6}{r['output_tok_s']:>9.0f}"
               f"{r['req_s']:>8.2f}{r['ratio']:>7.3f}{r['adapter_loads']:>7}"
-              f"{r['adapter_evictions']:>7}{r['preemptions']:>8}{r['wall_s']:>8.1f}")
+              f"{r['adapter_evictions']:>7}{r['preemptions']:>8}{r['wall_s']:>8.1f}"
+              f"{r['steps']:>7}{r['mixed_steps']:>7}{r['mixed_s']:>8.1f}")
+    print("(mixed: steps with prompts, run eagerly unless --mixed-graph-tokens covers them; "
+          "mixed s: their wall time)")
     return rows
 
 

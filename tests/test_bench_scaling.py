@@ -34,6 +34,9 @@ def test_bench_scaling_cpu(bench, tiny_model_dir, tmp_path):
         assert r["requests"] == 12 and r["not_length"] == 0
         assert r["output_tokens"] == rows[0]["output_tokens"]  # the same lengths in every row
         assert r["output_tok_s"] > 0 and r["req_s"] > 0 and r["ratio"] > 0
+        # every step logged: 12 requests with prompts of 8-40 tokens in an 8-sequence batch
+        # need at least two steps with prompts, and their time is part of the row's
+        assert r["steps"] > r["mixed_steps"] >= 2 and 0 < r["mixed_s"] < r["wall_s"]
     assert rows[0]["ratio"] == 1.0 and rows[0]["adapter_loads"] == 0
     assert all(r["adapter_loads"] >= r["adapters_used"] >= 1 for r in rows[1:])
 
