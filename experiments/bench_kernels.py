@@ -454,6 +454,80 @@ def run_prefill_attention(n_seq, n_tok, H, kvh, D, cfg, device, dtype, gen):
                 TFLOPs=flops / t / 1e9, err=err)
 
 
+def run_mixed(n_dec, cfg, device, dtype, gen):
+    """A mixed step's attention and q/k/v LoRA: n_dec decode rows (context `mixed_ctx`, each its
+    own rank-16 adapter) beside one prompt of `mixed_prompt` tokens (its own adapter). Timed
+    two ways, both in CUDA graphs (as a graphed mixed step would run them):
+      "one": every row through the prefill kernels, decode rows as one-token segments (the
+             engine's eager mixed step: one launch per kernel);
+      "split": the decode rows through the decode kernels (paged decode attention, MBGMV), the
+             prompt through the prefill ones (prefill attention, MBGMM).
+    Both are checked against the same reference."""
+    H = kvh = cfg["mixed_heads"]
+    Dh, ctx, n_p, r = 128, cfg["mixed_ctx"], cfg["mixed_prompt"], 16
+    d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
+    scale = Dh ** -0.5
+    k, v, tables = paged_kv(n_dec + 1, ctx, kvh, Dh, cfg["block_size"], device, dtype, gen)
+    T = n_dec + n_p
+    q = torch.randn(T, H, Dh, generator=gen).to(dtype).to(device)
+    q_start = list(range(n_dec + 1)) + [T]
+    ctx_l = [ctx] * n_dec + [n_p]
+    q_start_t = torch.tensor(q_start, dtype=torch.int32, device=device)
+    ctx_t = torch.tensor(ctx_l, dtype=torch.int32, device=device)
+    p_start = torch.tensor([0, n_p], dtype=torch.int32, device=device)
+
+    def attn_one():
+        return paged_prefill_attention(q, k, v, tables, q_start_t, ctx_t, scale, max_q_len=n_p)
+
+    def attn_split():
+        out = torch.empty_like(q)
+        out[:n_dec] = paged_decode_attention(q[:n_dec], k, v, tables[:n_dec], ctx_t[:n_dec], scale)
+        out[n_dec:] = paged_prefill_attention(q[n_dec:], k, v, tables[n_dec:], p_start,
+                                              ctx_t[n_dec:], scale, max_q_len=n_p)
+        return out
+
+    expect = ref.paged_attention(q, k, v, tables, q_start, ctx_l, scale)
+    errs = {"err_attn_one": rel_err(attn_one(), expect), "err_attn_split": rel_err(attn_split(), expect)}
+
+    P = Pool(n_dec + 1, r, d, out_dims, cfg["page_size"], 1, dtype, device, gen)
+    slots = torch.randperm(n_dec + 1, generator=gen).to(torch.int32).to(device)
+    token_slot = torch.cat([slots[:n_dec], slots[n_dec:].repeat(n_p)])
+    x = torch.randn(T, d, generator=gen).to(dtype).to(device)
+    y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
+    offa, offb = P.offsets[:, :, 0].contiguous(), P.offsets[:, :, 1].contiguous()
+    pool_l = P.pool[0]
+
+    def lora_one():
+        xa = lora.mbgmm_shrink(x, pool_l, P.pages, offa, P.ranks, q_start_t, slots, P.stride, r,
+                               max_seg_len=n_p)
+        lora.mbgmm_expand(xa, y, pool_l, P.pages, offb, P.ranks, q_start_t, slots, out_dims,
+                          P.strides, max_seg_len=n_p)
+
+    def lora_split():
+        xa = lora.mbgmv_shrink(x[:n_dec], pool_l, P.pages, offa, P.ranks, slots[:n_dec], P.stride, r)
+        lora.mbgmv_expand(xa, y[:n_dec], pool_l, P.pages, offb, P.ranks, slots[:n_dec], out_dims,
+                          P.strides)
+        xa = lora.mbgmm_shrink(x[n_dec:], pool_l, P.pages, offa, P.ranks, p_start, slots[n_dec:],
+                               P.stride, r, max_seg_len=n_p)
+        lora.mbgmm_expand(xa, y[n_dec:], pool_l, P.pages, offb, P.ranks, p_start, slots[n_dec:],
+                          out_dims, P.strides, max_seg_len=n_p)
+
+    y0 = y.clone()
+    y_ref = y0.clone()
+    xa_ref = ref.lora_shrink(x, pool_l, P.pages, offa, P.ranks, token_slot, P.stride, r)
+    ref.lora_expand(xa_ref, y_ref, pool_l, P.pages, offb, P.ranks, token_slot, out_dims, P.strides)
+    for name, fn in (("one", lora_one), ("split", lora_split)):
+        y.copy_(y0)
+        fn()
+        errs[f"err_lora_{name}"] = rel_err(y - y0, y_ref - y0)
+    y.copy_(y0)
+    times = {f"us_{what}_{how}": bench_graph(fn, device) * 1e3
+             for what, fns in (("attn", (attn_one, attn_split)), ("lora", (lora_one, lora_split)))
+             for how, fn in zip(("one", "split"), fns)}
+    del P
+    return dict(n_dec=n_dec, ctx=ctx, prompt=n_p, heads=H, rank=r, **times, **errs)
+
+
 # ----------------------------------------------------------------------------- main
 
 def main():
@@ -464,20 +538,25 @@ def main():
                     help="sweep tile configs first (all, or only mbgmv / mbgmm)")
     ap.add_argument("--tune-only", action="store_true", help="stop after the tile sweep")
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--only-mixed", action="store_true",
+                    help="only the mixed-step comparison (decode rows through the prefill kernels "
+                         "or through the decode kernels)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
         cfg = dict(smoke=True, hidden=128, page_size=512, batches=(1, 3), ranks=(8, 20),
                    segments=(2, 5), mbgmm_ranks=(8,), block_size=4,
-                   attn=[(2, 13, 4, 2, 16)], prefill_attn=[(2, 9, 4, 2, 16)])
+                   attn=[(2, 13, 4, 2, 16)], prefill_attn=[(2, 9, 4, 2, 16)],
+                   mixed=(3,), mixed_ctx=20, mixed_prompt=7, mixed_heads=2)
     else:
         cfg = dict(smoke=False, hidden=4096, page_size=16 * 2 * 32 * 128,  # Llama-2-7B block 16
                    batches=(1, 16, 64, 256), ranks=(8, 16, 32, 64, 128),
                    segments=(8, 512), mbgmm_ranks=(16, 64), block_size=16,
                    attn=[(32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
                          (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],
-                   prefill_attn=[(8, 512, 32, 32, 128), (2, 2048, 32, 8, 128)])
+                   prefill_attn=[(8, 512, 32, 32, 128), (2, 2048, 32, 8, 128)],
+                   mixed=(32, 128, 256), mixed_ctx=272, mixed_prompt=128, mixed_heads=32)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     t_start = time.time()
@@ -493,6 +572,19 @@ def main():
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "bench_kernels_tune.json").write_text(json.dumps(res, indent=1))
             return
+    res["mixed"] = [run_mixed(n, cfg, device, dtype, gen) for n in cfg["mixed"]]
+    print(f"mixed step: {cfg['mixed_prompt']}-token prompt beside n decode rows (context "
+          f"{cfg['mixed_ctx']}), us per layer: attention / q,k,v LoRA (rank 16)")
+    print(f"{'n':>5} {'attn one':>9} {'attn split':>11} {'lora one':>9} {'lora split':>11}  errors")
+    for m in res["mixed"]:
+        errs = " ".join(f"{m[k]:.1e}" for k in m if k.startswith("err_"))
+        print(f"{m['n_dec']:5d} {m['us_attn_one']:9.1f} {m['us_attn_split']:11.1f} "
+              f"{m['us_lora_one']:9.1f} {m['us_lora_split']:11.1f}  {errs}", flush=True)
+    if args.only_mixed:
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench_kernels_mixed.json").write_text(json.dumps(res, indent=1, default=str))
+        return
     res["mbgmv"] = []
     for T in cfg["batches"]:
         for r in cfg["ranks"]:
