@@ -14,7 +14,10 @@ Measures, in one run:
      16 and 64: TFLOP/s and GB/s, beside torch gather + matmul per segment;
   4. paged decode attention (Llama-2-7B: 32 heads, head_dim 128, MHA and GQA 8 KV heads),
      achieved GB/s over the K/V bytes read; paged prefill attention (8 x 512 and 2 x 2048
-     tokens), TFLOP/s over the causal half, beside the torch twin.
+     tokens), TFLOP/s over the causal half, beside the torch twin;
+  5. a mixed step's attention and q/k/v LoRA (n decode rows beside a 128-token prompt): every
+     row through the prefill kernels, or the decode rows through the decode kernels
+     (`--only-mixed` runs just this).
 
 Every timed op is captured in a CUDA graph and timed by triton.testing.do_bench (median of the
 replays). So that adapters are not served from the 50 MB L2 (in a real step the whole model
