@@ -23,6 +23,10 @@ Padding never touches a live page:
 The kernels' grids then depend only on the bucket: attention and MBGMM get no host bound on
 the longest segment (max_q_len and max_seg_len are None), so their token-tile axis covers the
 bucket and the tiles past a segment's end return.
+
+In a mixed graph the decode rows' LoRA runs through MBGMV (`LoraMeta.dec_slot`) and only the
+prompts' through MBGMM: eagerly that split would cost launches, in a graph it costs nothing, and
+MBGMM on one-token segments took 3.5x MBGMV's time for the same rows on the H200.
 """
 
 from __future__ import annotations
@@ -92,16 +96,18 @@ class StepGraphs:
         # Per-token and per-sequence inputs live in two device buffers (int64, int32), each
         # filled from a pinned host twin by one copy a step. int64: token ids, positions, KV
         # slots [T], logits rows [B]. int32: context lengths [B], token adapter rows [T],
-        # segment starts [B + 1], segment adapter rows [B], then the block tables [B, blocks].
+        # decode rows' adapter rows [T] (LoraMeta.dec_slot), segment starts [B + 1], segment
+        # adapter rows [B], then the block tables [B, blocks].
         self.meta64 = torch.zeros(4, T, dtype=torch.long, device=dev)
         self.ids, self.positions, self.slots, self.logits_index = self.meta64
-        self.meta32 = torch.full((3 * B + 1 + T + B * self.max_blocks,), scratch, **i32)
+        self._tables_at = 3 * B + 1 + 2 * T  # where the tables start in meta32
+        self.meta32 = torch.full((self._tables_at + B * self.max_blocks,), scratch, **i32)
         self.ctx, rest = self.meta32[:B], self.meta32[B:]
         self.token_slot, rest = rest[:T], rest[T:]
+        self.dec_slot, rest = rest[:T], rest[T:]
         self.q_start, rest = rest[:B + 1], rest[B + 1:]
         self.seg_slot, rest = rest[:B], rest[B:]
         self.tables = rest.view(B, self.max_blocks)
-        self._tables_at = 3 * B + 1 + T  # where the tables start in meta32
         pin = dev.type == "cuda"
         self.host64 = torch.zeros(self.meta64.shape, dtype=torch.long, pin_memory=pin)
         self.host32 = torch.full(self.meta32.shape, scratch, dtype=torch.int32, pin_memory=pin)
@@ -156,18 +162,20 @@ class StepGraphs:
         logits_index[:n_seq] = b.logits_index
         logits_index[n_seq:s_bucket] = 0
         B, T = self.max_batch, self.max_tokens
-        ctx, token_slot = h32[:B], h32[B:B + T]
-        q_start, seg_slot = h32[B + T:2 * B + T + 1], h32[2 * B + T + 1:3 * B + T + 1]
+        ctx, token_slot, dec_slot = h32[:B], h32[B:B + T], h32[B + T:B + 2 * T]
+        q_start, seg_slot = h32[B + 2 * T:2 * B + 2 * T + 1], h32[2 * B + 2 * T + 1:self._tables_at]
         ctx[:n_seq] = b.ctx_lens
         ctx[n_seq:s_bucket] = 1
-        token_slot[:t_bucket] = -1
+        token_slot[:t_bucket] = dec_slot[:t_bucket] = -1
         q_start[:n_seq + 1] = b.q_start_t
         q_start[n_seq + 1:s_bucket + 1] = n_tok  # padded sequences: no tokens
         seg_slot[:s_bucket] = -1
         if b.lora is not None:
             token_slot[:n_tok] = b.lora.token_slot
-            if b.lora.seg_slot is not None:
-                seg_slot[:n_seq] = b.lora.seg_slot
+            if b.lora.seg_slot is not None:  # mixed: MBGMV takes the decode rows (LoraMeta.dec_slot)
+                d = b.num_decode
+                dec_slot[:d] = b.lora.token_slot[:d]
+                seg_slot[d:n_seq] = b.lora.seg_slot[d:]
         tables = h32[self._tables_at:].view(B, self.max_blocks)
         width = b.block_tables.shape[1]
         tables[:n_seq, :width] = b.block_tables
@@ -209,6 +217,7 @@ class StepGraphs:
                             num_decode=num_decode, groups=groups)
             if mixed:  # segments with no host bound on their length (max_seg_len None)
                 lora.seg_start, lora.seg_slot = self.q_start[:s_bucket + 1], self.seg_slot[:s_bucket]
+                lora.dec_slot = self.dec_slot[:t_bucket]
         # A mixed batch's host-side q_start only bounds the attention grid: [0, T, T, ...]
         # leaves it unbounded over the bucket (its segments are in q_start_t).
         q_start = [0] + [t_bucket] * s_bucket if mixed else list(range(s_bucket + 1))

@@ -44,6 +44,11 @@ class LoraMeta:
     seg_start: torch.Tensor | None = None  # int32 [S+1], absolute token indices (Batch.q_start)
     seg_slot: torch.Tensor | None = None  # int32 [S]
     max_seg_len: int | None = None  # longest segment (host int): bounds MBGMM's grid; None: T
+    # A graphed mixed step's split (slora.graphs): the decode rows' adapter row per token, -1 on
+    # prompt tokens. With it MBGMV serves the decode rows and MBGMM only the prompts (seg_slot
+    # is -1 on the decode rows' segments): in a graph the extra launches cost nothing, and on
+    # the H200 MBGMM on one-token segments took 3.5x MBGMV's time for the same rows.
+    dec_slot: torch.Tensor | None = None
 
 
 class TorchBackend:
@@ -100,12 +105,15 @@ class TritonBackend(TorchBackend):
         if g is None:
             return
         ranks = g.ranks[layer]
-        if x.shape[0] == meta.num_decode:
-            xa = self._lora.mbgmv_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
-                                         meta.token_slot, g.stride_in, g.max_rank)
-            self._lora.mbgmv_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks,
-                                    meta.token_slot, g.out_dims, g.strides_out)
-            return
+        decode_only = x.shape[0] == meta.num_decode
+        if decode_only or meta.dec_slot is not None:
+            slot = meta.token_slot if decode_only else meta.dec_slot
+            xa = self._lora.mbgmv_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, slot,
+                                         g.stride_in, g.max_rank)
+            self._lora.mbgmv_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks, slot,
+                                    g.out_dims, g.strides_out)
+            if decode_only:
+                return
         xa = self._lora.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, meta.seg_start,
                                      meta.seg_slot, g.stride_in, g.max_rank,
                                      max_seg_len=meta.max_seg_len)
