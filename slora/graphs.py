@@ -24,9 +24,14 @@ The kernels' grids then depend only on the bucket: attention and MBGMM get no ho
 the longest segment (max_q_len and max_seg_len are None), so their token-tile axis covers the
 bucket and the tiles past a segment's end return.
 
-In a mixed graph the decode rows' LoRA runs through MBGMV (`LoraMeta.dec_slot`) and only the
-prompts' through MBGMM: eagerly that split would cost launches, in a graph it costs nothing, and
-MBGMM on one-token segments took 3.5x MBGMV's time for the same rows on the H200.
+In a mixed graph the decode rows (tokens and sequences 0..d-1, d varying within a bucket) run
+through the decode kernels and only the prompts through the prefill ones, each kernel over the
+whole bucket with the other kind's rows switched off: the decode attention kernel sees context
+length 1 past the decode rows (its rows there are overwritten), the prefill kernel sees the
+decode rows' segments empty (`Batch.pre_q_start`), MBGMV adapter row -1 on prompt tokens
+(`LoraMeta.dec_slot`), MBGMM -1 on the decode rows' segments. Eagerly that split would cost
+launches; in a graph it costs nothing, and on the H200 the decode rows took 1.7x (attention)
+and 3.5x (LoRA) the decode kernels' time in the prefill ones (notes/kernels.md).
 """
 
 from __future__ import annotations
@@ -95,19 +100,21 @@ class StepGraphs:
         scratch = self.runner.scratch_page
         # Per-token and per-sequence inputs live in two device buffers (int64, int32), each
         # filled from a pinned host twin by one copy a step. int64: token ids, positions, KV
-        # slots [T], logits rows [B]. int32: context lengths [B], token adapter rows [T],
-        # decode rows' adapter rows [T] (LoraMeta.dec_slot), segment starts [B + 1], segment
-        # adapter rows [B], then the block tables [B, blocks].
+        # slots [T], logits rows [B]. int32, in `_I32` order: context lengths [B], the decode
+        # kernel's context lengths [B] (Batch.dec_ctx_lens), token adapter rows [T], decode
+        # rows' adapter rows [T] (LoraMeta.dec_slot), segment starts [B + 1], the prefill
+        # kernel's segment starts [B + 1] (Batch.pre_q_start), segment adapter rows [B], then
+        # the block tables [B, blocks].
         self.meta64 = torch.zeros(4, T, dtype=torch.long, device=dev)
         self.ids, self.positions, self.slots, self.logits_index = self.meta64
-        self._tables_at = 3 * B + 1 + 2 * T  # where the tables start in meta32
+        sizes = {"ctx": B, "dec_ctx": B, "token_slot": T, "dec_slot": T, "q_start": B + 1,
+                 "pre_q_start": B + 1, "seg_slot": B}
+        self._tables_at = sum(sizes.values())  # where the tables start in meta32
         self.meta32 = torch.full((self._tables_at + B * self.max_blocks,), scratch, **i32)
-        self.ctx, rest = self.meta32[:B], self.meta32[B:]
-        self.token_slot, rest = rest[:T], rest[T:]
-        self.dec_slot, rest = rest[:T], rest[T:]
-        self.q_start, rest = rest[:B + 1], rest[B + 1:]
-        self.seg_slot, rest = rest[:B], rest[B:]
-        self.tables = rest.view(B, self.max_blocks)
+        self._views32 = lambda buf: dict(zip(sizes, buf[:self._tables_at].split(list(sizes.values()))))
+        for name, view in self._views32(self.meta32).items():
+            setattr(self, name, view)
+        self.tables = self.meta32[self._tables_at:].view(B, self.max_blocks)
         pin = dev.type == "cuda"
         self.host64 = torch.zeros(self.meta64.shape, dtype=torch.long, pin_memory=pin)
         self.host32 = torch.full(self.meta32.shape, scratch, dtype=torch.int32, pin_memory=pin)
@@ -161,22 +168,26 @@ class StepGraphs:
         slots[n_tok:t_bucket] = scratch * bs  # padded tokens write their KV to the scratch page
         logits_index[:n_seq] = b.logits_index
         logits_index[n_seq:s_bucket] = 0
-        B, T = self.max_batch, self.max_tokens
-        ctx, token_slot, dec_slot = h32[:B], h32[B:B + T], h32[B + T:B + 2 * T]
-        q_start, seg_slot = h32[B + 2 * T:2 * B + 2 * T + 1], h32[2 * B + 2 * T + 1:self._tables_at]
-        ctx[:n_seq] = b.ctx_lens
-        ctx[n_seq:s_bucket] = 1
-        token_slot[:t_bucket] = dec_slot[:t_bucket] = -1
-        q_start[:n_seq + 1] = b.q_start_t
-        q_start[n_seq + 1:s_bucket + 1] = n_tok  # padded sequences: no tokens
-        seg_slot[:s_bucket] = -1
+        h = self._views32(h32)
+        h["ctx"][:n_seq] = b.ctx_lens
+        h["ctx"][n_seq:s_bucket] = 1
+        h["token_slot"][:t_bucket] = h["dec_slot"][:t_bucket] = -1
+        h["q_start"][:n_seq + 1] = b.q_start_t
+        h["q_start"][n_seq + 1:s_bucket + 1] = n_tok  # padded sequences: no tokens
+        h["seg_slot"][:s_bucket] = -1
+        # A mixed step's split: the decode rows (tokens and sequences 0..d-1) through the decode
+        # kernels, everything past them through the prefill ones (see the module docstring).
+        d = b.num_decode
+        h["dec_ctx"][:s_bucket] = 1
+        h["dec_ctx"][:d] = b.ctx_lens[:d]
+        h["pre_q_start"][:s_bucket + 1] = h["q_start"][:s_bucket + 1]
+        h["pre_q_start"][:d + 1] = d  # the decode rows' segments: empty
         if b.lora is not None:
-            token_slot[:n_tok] = b.lora.token_slot
-            if b.lora.seg_slot is not None:  # mixed: MBGMV takes the decode rows (LoraMeta.dec_slot)
-                d = b.num_decode
-                dec_slot[:d] = b.lora.token_slot[:d]
-                seg_slot[d:n_seq] = b.lora.seg_slot[d:]
-        tables = h32[self._tables_at:].view(B, self.max_blocks)
+            h["token_slot"][:n_tok] = b.lora.token_slot
+            if b.lora.seg_slot is not None:  # mixed: MBGMV takes the decode rows
+                h["dec_slot"][:d] = b.lora.token_slot[:d]
+                h["seg_slot"][d:n_seq] = b.lora.seg_slot[d:]
+        tables = h32[self._tables_at:].view(self.max_batch, self.max_blocks)
         width = b.block_tables.shape[1]
         tables[:n_seq, :width] = b.block_tables
         tables[:n_seq, width:] = scratch
@@ -225,7 +236,9 @@ class StepGraphs:
                      slot_mapping=self.slots[:t_bucket], block_tables=self.tables[:s_bucket],
                      ctx_lens=self.ctx[:s_bucket], ctx_lens_list=[1] * s_bucket,
                      q_start=q_start, q_start_t=self.q_start[:s_bucket + 1],
-                     num_decode=num_decode, logits_index=self.logits_index[:s_bucket], lora=lora)
+                     num_decode=num_decode, logits_index=self.logits_index[:s_bucket], lora=lora,
+                     dec_ctx_lens=self.dec_ctx[:s_bucket] if mixed else None,
+                     pre_q_start=self.pre_q_start[:s_bucket + 1] if mixed else None)
 
     def _capture(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int):
         batch = self._static_batch(kind, t_bucket, s_bucket, rank_bucket)

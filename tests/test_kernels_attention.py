@@ -114,3 +114,33 @@ def test_prefill_attention_matches_twin(shape, dtype):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any()
     assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_prefill_attention_skips_empty_segments_and_keeps_out():
+    """A graphed mixed step's split (slora.graphs): decode rows 0..d-1 get the decode kernel,
+    the prefill kernel sees their segments empty and writes only the prompts' rows of `out`."""
+    H, kvh, D, d = 4, 2, 16, 3
+    n_new = [1, 1, 1, 6, 9]
+    ctx_lens = [7, 12, 5, 6, 20]
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache, tables = make_cache(ctx_lens, 8, kvh, D, torch.float32, gen)
+    q_start = [0, 1, 2, 3, 9, 18]
+    q = torch.randn(18, H, D, generator=gen).to(DEVICE)
+    scale = D ** -0.5
+    expect = ref.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale)
+    out = torch.full_like(q, float("nan"))
+    out[:5] = paged_decode_attention(q[:5], k_cache, v_cache, tables,
+                                     torch.tensor(ctx_lens[:d] + [1, 1], dtype=torch.int32,
+                                                  device=DEVICE), scale)
+    pre_q_start = torch.tensor([d] * (d + 1) + q_start[d + 1:], dtype=torch.int32, device=DEVICE)
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, pre_q_start,
+                                  torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), scale,
+                                  max_q_len=9, out=out)
+    assert got is out
+    assert rel_err(out, expect) < 1e-5  # decode rows from the decode kernel, the rest prefill
+    # the prefill kernel wrote nothing in the decode rows: only the decode kernel's values
+    alone = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, tables, pre_q_start,
+                            torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), scale,
+                            max_q_len=9, out=alone)
+    assert torch.isnan(alone[:d]).all() and not torch.isnan(alone[d:]).any()

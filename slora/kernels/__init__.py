@@ -90,6 +90,14 @@ class TritonBackend(TorchBackend):
         if b.num_decode == len(b.q_start) - 1:  # decode only: the split-K decode kernel
             return self._attn.paged_decode_attention(q, k_cache, v_cache, b.block_tables,
                                                      b.ctx_lens, scale)
+        if b.pre_q_start is not None:  # a graphed mixed step (Batch.pre_q_start): split
+            S = b.ctx_lens.shape[0]
+            out = torch.empty_like(q)
+            out[:S] = self._attn.paged_decode_attention(q[:S], k_cache, v_cache, b.block_tables,
+                                                        b.dec_ctx_lens, scale)
+            return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
+                                                      b.pre_q_start, b.ctx_lens, scale,
+                                                      max_q_len=b.max_q_len, out=out)
         # prefill, or prefill mixed with decode rows: one flash-style launch for all of them
         return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
                                                   b.q_start_t, b.ctx_lens, scale,

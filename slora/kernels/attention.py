@@ -276,7 +276,8 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, q_start: torch.Tensor,
                             ctx_lens: torch.Tensor, scale: float,
-                            max_q_len: int | None = None) -> torch.Tensor:
+                            max_q_len: int | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new tokens over paged KV: prefill, chunked prefill with a cached
     prefix, decode rows, or a mix (twin: `reference.paged_attention`).
 
@@ -284,13 +285,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     so the call needs no host sync. New token i of sequence s sits at cache position
     ctx_lens[s] - n_new + i and attends to positions <= its own. `max_q_len` (optional host
     int: the most new tokens of any sequence) bounds the grid; without it the bound is T.
+    `out` (optional, like q): written in the rows of the segments only, others kept.
     Grid: (query tile, sequence, query head); KV read through the page table per token.
     """
     T, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
     assert Dk == D and H % kvh == 0 and q.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.stride(2) == 1
     S = ctx_lens.shape[0]
     if T == 0 or S == 0:
         return out

@@ -63,6 +63,11 @@ class Batch:
     num_decode: int
     logits_index: torch.Tensor  # [S]
     lora: object | None  # kernels.LoraMeta, None when no row has an adapter
+    # A graphed mixed step's split (slora.graphs): decode rows' attention through the decode
+    # kernel over the first S rows with these context lengths (1 past the decode rows), the
+    # prompts' through the prefill kernel over these segment starts (the decode rows' empty).
+    dec_ctx_lens: torch.Tensor | None = None  # int32 [S]
+    pre_q_start: torch.Tensor | None = None  # int32 [S+1]
 
     @property
     def max_q_len(self) -> int:
