@@ -478,16 +478,19 @@ def run_mixed(n_dec, cfg, device, dtype, gen):
     q_start_t = torch.tensor(q_start, dtype=torch.int32, device=device)
     ctx_t = torch.tensor(ctx_l, dtype=torch.int32, device=device)
     p_start = torch.tensor([0, n_p], dtype=torch.int32, device=device)
+    # the engine's split (slora.graphs): the decode kernel over every sequence's first row,
+    # context 1 past the decode rows; the prefill kernel with the decode rows' segments empty
+    dec_ctx = torch.tensor([ctx] * n_dec + [1], dtype=torch.int32, device=device)
+    pre_start = torch.tensor([n_dec] * (n_dec + 1) + [T], dtype=torch.int32, device=device)
 
     def attn_one():
         return paged_prefill_attention(q, k, v, tables, q_start_t, ctx_t, scale, max_q_len=n_p)
 
     def attn_split():
         out = torch.empty_like(q)
-        out[:n_dec] = paged_decode_attention(q[:n_dec], k, v, tables[:n_dec], ctx_t[:n_dec], scale)
-        out[n_dec:] = paged_prefill_attention(q[n_dec:], k, v, tables[n_dec:], p_start,
-                                              ctx_t[n_dec:], scale, max_q_len=n_p)
-        return out
+        out[:n_dec + 1] = paged_decode_attention(q[:n_dec + 1], k, v, tables, dec_ctx, scale)
+        return paged_prefill_attention(q, k, v, tables, pre_start, ctx_t, scale, max_q_len=n_p,
+                                       out=out)
 
     expect = ref.paged_attention(q, k, v, tables, q_start, ctx_l, scale)
     errs = {"err_attn_one": rel_err(attn_one(), expect), "err_attn_split": rel_err(attn_split(), expect)}
