@@ -100,18 +100,17 @@ class StepGraphs:
         scratch = self.runner.scratch_page
         # Per-token and per-sequence inputs live in two device buffers (int64, int32), each
         # filled from a pinned host twin by one copy a step. int64: token ids, positions, KV
-        # slots [T], logits rows [B]. int32, in `_I32` order: context lengths [B], the decode
+        # slots [T], logits rows [B]. int32, in this order: context lengths [B], the decode
         # kernel's context lengths [B] (Batch.dec_ctx_lens), token adapter rows [T], decode
         # rows' adapter rows [T] (LoraMeta.dec_slot), segment starts [B + 1], the prefill
         # kernel's segment starts [B + 1] (Batch.pre_q_start), segment adapter rows [B], then
         # the block tables [B, blocks].
         self.meta64 = torch.zeros(4, T, dtype=torch.long, device=dev)
         self.ids, self.positions, self.slots, self.logits_index = self.meta64
-        sizes = {"ctx": B, "dec_ctx": B, "token_slot": T, "dec_slot": T, "q_start": B + 1,
-                 "pre_q_start": B + 1, "seg_slot": B}
-        self._tables_at = sum(sizes.values())  # where the tables start in meta32
+        self._sizes32 = {"ctx": B, "dec_ctx": B, "token_slot": T, "dec_slot": T,
+                         "q_start": B + 1, "pre_q_start": B + 1, "seg_slot": B}
+        self._tables_at = sum(self._sizes32.values())  # where the tables start in meta32
         self.meta32 = torch.full((self._tables_at + B * self.max_blocks,), scratch, **i32)
-        self._views32 = lambda buf: dict(zip(sizes, buf[:self._tables_at].split(list(sizes.values()))))
         for name, view in self._views32(self.meta32).items():
             setattr(self, name, view)
         self.tables = self.meta32[self._tables_at:].view(B, self.max_blocks)
@@ -126,6 +125,11 @@ class StepGraphs:
                    torch.zeros(B, len(mods), dtype=torch.int64, device=dev),
                    torch.zeros(L, B, len(mods), **i32))
             for name, mods in GROUPS.items()}
+
+    def _views32(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The named int32 fields of meta32 (or of its host twin) before the block tables."""
+        sizes = self._sizes32
+        return dict(zip(sizes, buf[:self._tables_at].split(list(sizes.values()))))
 
     def fits(self, b: Batch) -> bool:
         n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
