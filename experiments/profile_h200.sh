@@ -8,7 +8,8 @@
 # Then commit $OUT/h200-llama2-7b.json as experiments/profiles/h200-llama2-7b.json and put the
 # table in the simulator note. validate uses $PROFILE (default: the shipped profile if present,
 # else the one `profile` just wrote to $OUT). DURATION=30 shortens the validation traces;
-# ONLY="n100-a1-r4" runs a subset.
+# ONLY="n100-a1-r4" runs a subset. MIXED=N profiles and replays with mixed-step CUDA graphs
+# (EngineConfig.mixed_graph_tokens=N).
 set -euo pipefail
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 case "$step" in
   profile)
     python3 -m slora.cli profile --model "$MODEL" --load-format dummy --name llama-2-7b \
-      -o "$OUT/h200-llama2-7b.json" 2>&1 | tee "$OUT/profile.log"
+      ${MIXED:+--mixed-graph-tokens $MIXED} -o "$OUT/h200-llama2-7b.json" 2>&1 | tee "$OUT/profile.log"
     ;;
   validate)
     if [ -z "${PROFILE:-}" ]; then
@@ -30,6 +31,7 @@ case "$step" in
     fi
     python3 experiments/sim_vs_replay.py --model "$MODEL" --profile "$PROFILE" \
       --duration "${DURATION:-60}" --results "$OUT/sim-vs-replay" ${ONLY:+--only $ONLY} \
+      ${MIXED:+--engine "{\"mixed_graph_tokens\": $MIXED}"} \
       2>&1 | tee "$OUT/sim-vs-replay.log"
     ;;
   *) echo "usage: $0 profile|validate" >&2; exit 2 ;;

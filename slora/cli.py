@@ -384,6 +384,9 @@ def _add_profile(sub) -> None:
     g.add_argument("--backend", choices=BACKENDS)
     g.add_argument("--num-pages", type=int, help="pool pages (default: sized to memory)")
     g.add_argument("--block-size", type=int, help="tokens per KV page (default 16)")
+    g.add_argument("--mixed-graph-tokens", type=int,
+                   help="profile an engine whose steps with prompts of at most this many tokens "
+                        "replay CUDA graphs (simulate with the same setting)")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.set_defaults(handler=_profile)
 
@@ -405,7 +408,8 @@ def _profile(args) -> int:
         return 0
     if not args.model:
         raise ValueError("--model DIR is required (or --refit PROFILE to refit a stored profile)")
-    keys = ("load_format", "device", "dtype", "backend", "num_pages", "block_size")
+    keys = ("load_format", "device", "dtype", "backend", "num_pages", "block_size",
+            "mixed_graph_tokens")
     options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     grid = {"gpu": GPU_GRID, "cpu": CPU_GRID, None: None}[args.grid]
     run_profile(args.model, args.output, engine_options=options, grid=grid, model_name=args.name)

@@ -340,12 +340,18 @@ def test_cli_simulate_and_plot(tmp_path, cpu_profile):
     # mixed-step graphs: with an eager step far dearer than a graph's, first tokens come sooner
     dear = Profile.from_dict({**cpu_profile.to_dict(),
                               "coeffs": {**cpu_profile.cost.coeffs, "eager": 0.05}})
+    assert result["config"]["engine"]["mixed_graph_tokens"] == 0  # the profile's setting
     ttft = {}
     for tokens in ("0", "4096"):
         assert main(["simulate", str(trace_path), "--profile", str(dear.save(tmp_path / "d.json")),
                      "--num-pages", "64", "--mixed-graph-tokens", tokens, "-o", str(out)]) == 0
         ttft[tokens] = json.loads(out.read_text())["ttft_p50_s"]
     assert ttft["4096"] < ttft["0"]
+    # a profile made with mixed graphs on simulates with them by default
+    graphed = Profile.from_dict({**dear.to_dict(), "mixed_graph_tokens": 4096})
+    assert main(["simulate", str(trace_path), "--profile", str(graphed.save(tmp_path / "g.json")),
+                 "--num-pages", "64", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["ttft_p50_s"] == ttft["4096"]
     sweep_dir = tmp_path / "sweep"
     assert main(["simulate", str(trace_path), "--profile", str(prof), "--num-pages", "64",
                  "--sweep", "rate=25,100,400", "--slo-target", "0.9", "-o", str(sweep_dir)]) == 0

@@ -322,6 +322,7 @@ class Profile:
     block_size: int = 16
     num_pages: int | None = None
     gpu_memory_gb: float | None = None
+    mixed_graph_tokens: int = 0  # the engine's setting when profiled (simulate's default)
     fit_stats: dict = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)
     transfer_samples: dict = field(default_factory=dict)
@@ -330,7 +331,8 @@ class Profile:
         c = self.cost
         return {"format": PROFILE_FORMAT, "model": self.model, "gpu": self.gpu,
                 "dtype": self.dtype, "block_size": self.block_size, "num_pages": self.num_pages,
-                "gpu_memory_gb": self.gpu_memory_gb, "coeffs": c.coeffs, "host_coeffs": c.host_coeffs,
+                "gpu_memory_gb": self.gpu_memory_gb, "mixed_graph_tokens": self.mixed_graph_tokens,
+                "coeffs": c.coeffs, "host_coeffs": c.host_coeffs,
                 "h2d_gbps": c.h2d_gbps,
                 "disk_gbps": c.disk_gbps, "load_overhead_s": c.load_overhead_s,
                 "prefetch_overlap": c.prefetch_overlap, "fit": self.fit_stats,
@@ -349,7 +351,8 @@ class Profile:
         return cls(model=d["model"], gpu=d.get("gpu", "unknown"), cost=cost,
                    model_config=d["model_config"], dtype=d.get("dtype", "bfloat16"),
                    block_size=d.get("block_size", 16), num_pages=d.get("num_pages"),
-                   gpu_memory_gb=d.get("gpu_memory_gb"), fit_stats=d.get("fit", {}),
+                   gpu_memory_gb=d.get("gpu_memory_gb"),
+                   mixed_graph_tokens=d.get("mixed_graph_tokens", 0), fit_stats=d.get("fit", {}),
                    samples=d.get("samples", []), transfer_samples=d.get("transfer_samples", {}))
 
     def save(self, path: str | Path) -> Path:

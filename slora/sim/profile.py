@@ -408,6 +408,7 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
     return Profile(model=model_name or str(engine.config.model), gpu=device_name(engine), cost=cost,
                    model_config=model_config, dtype=dtype, block_size=engine.config.block_size,
                    num_pages=engine.runner.num_pages, gpu_memory_gb=device_memory_gb(engine),
+                   mixed_graph_tokens=engine.config.mixed_graph_tokens,
                    fit_stats=stats, samples=samples,
                    transfer_samples={"h2d": transfers["h2d"], "disk": transfers["disk"]})
 

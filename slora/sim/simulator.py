@@ -292,7 +292,8 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     """Simulate `trace` with `profile`'s cost model.
 
     engine_options: EngineConfig fields (policy, max_num_seqs, max_batch_tokens, slo_ttft_s,
-        host_cache_gb, prefetch_window, ...); dtype and block_size default to the profile's.
+        host_cache_gb, prefetch_window, ...); dtype, block_size and mixed_graph_tokens default
+        to the profile's (the engine it measured).
     num_pages / gpu_memory_gb: the pool (see `resolve_pages`).
     model: the model's shapes; default: the profile's config.json.
     seed: of the random prompt token ids (as replay's; they do not change the timing).
@@ -306,6 +307,7 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     dtype = profile.dtype if dtype == "auto" else dtype
     options["dtype"] = dtype
     options.setdefault("block_size", profile.block_size)
+    options.setdefault("mixed_graph_tokens", profile.mixed_graph_tokens)
     options.pop("num_pages", None)
     options.pop("model", None)
     fraction = options.get("gpu_memory_fraction", 0.85)
