@@ -85,10 +85,11 @@ def _staggered_run(e, paths, max_tokens=(7, 3, 9, 5, 6)):
     adapters of different ranks and targets, and base-only rows."""
     for n, p in paths.items():
         e.add_adapter(n, p)
-    prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin", "I"]
-    adapters = ["r3", None, "r20", "r3", None]
+    prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin", "I",
+               list(range(3, 60))]  # the last: more tokens than the mixed graphs take (eager)
+    adapters = ["r3", None, "r20", "r3", None, "r20"]
     jobs = [(p, SamplingParams(max_tokens=n, ignore_eos=True), a)
-            for p, n, a in zip(prompts, max_tokens, adapters)]
+            for p, n, a in zip(prompts, max_tokens + (4,), adapters)]
     ids, done = [], {}
     for job in jobs:
         ids.append(e.add_request(*job))
