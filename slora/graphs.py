@@ -27,9 +27,9 @@ bucket and the tiles past a segment's end return.
 In a mixed graph the decode rows (tokens and sequences 0..d-1, d varying within a bucket) run
 through the decode kernels and only the prompts through the prefill ones, each kernel over the
 whole bucket with the other kind's rows switched off: the decode attention kernel sees context
-length 1 past the decode rows (its rows there are overwritten), the prefill kernel sees the
-decode rows' segments empty (`Batch.pre_q_start`), MBGMV adapter row -1 on prompt tokens
-(`LoraMeta.dec_slot`), MBGMM -1 on the decode rows' segments. Eagerly that split would cost
+length 1 past the decode rows (`Batch.dec_ctx_lens`; its rows there are overwritten), MBGMV
+adapter row -1 on prompt tokens (`LoraMeta.dec_slot`), and the prefill attention and MBGMM
+see the decode rows' segments empty (the mixed graph's segment starts hold the prompts' alone). Eagerly that split would cost
 launches; in a graph it costs nothing, and on the H200 the decode rows took 1.7x (attention)
 and 3.5x (LoRA) the decode kernels' time in the prefill ones (notes/kernels.md).
 """
@@ -100,15 +100,15 @@ class StepGraphs:
         scratch = self.runner.scratch_page
         # Per-token and per-sequence inputs live in two device buffers (int64, int32), each
         # filled from a pinned host twin by one copy a step. int64: token ids, positions, KV
-        # slots [T], logits rows [B]. int32, in this order: context lengths [B], the decode
-        # kernel's context lengths [B] (Batch.dec_ctx_lens), token adapter rows [T], decode
-        # rows' adapter rows [T] (LoraMeta.dec_slot), segment starts [B + 1], the prefill
-        # kernel's segment starts [B + 1] (Batch.pre_q_start), segment adapter rows [B], then
-        # the block tables [B, blocks].
+        # slots [T], logits rows [B] (mixed steps; decode rows are their own). int32, in this
+        # order: context lengths [B], then for mixed steps the decode kernel's context lengths
+        # [B] (Batch.dec_ctx_lens), token adapter rows [T], decode rows' adapter rows [T]
+        # (LoraMeta.dec_slot), the prompts' segment starts [B + 1], segment adapter rows [B];
+        # then the block tables [B, blocks].
         self.meta64 = torch.zeros(4, T, dtype=torch.long, device=dev)
         self.ids, self.positions, self.slots, self.logits_index = self.meta64
         self._sizes32 = {"ctx": B, "dec_ctx": B, "token_slot": T, "dec_slot": T,
-                         "q_start": B + 1, "pre_q_start": B + 1, "seg_slot": B}
+                         "q_start": B + 1, "seg_slot": B}
         self._tables_at = sum(self._sizes32.values())  # where the tables start in meta32
         self.meta32 = torch.full((self._tables_at + B * self.max_blocks,), scratch, **i32)
         for name, view in self._views32(self.meta32).items():
@@ -117,6 +117,9 @@ class StepGraphs:
         pin = dev.type == "cuda"
         self.host64 = torch.zeros(self.meta64.shape, dtype=torch.long, pin_memory=pin)
         self.host32 = torch.full(self.meta32.shape, scratch, dtype=torch.int32, pin_memory=pin)
+        self._host32 = self._views32(self.host32)
+        self._host_tables = self.host32[self._tables_at:].view(B, self.max_blocks)
+        self._arange = torch.arange(B, device=dev)  # a decode batch's logits rows
         self._filled_lora = None  # the adapter-side tensors last copied in (see _fill)
         self.pages = torch.zeros(B, max_pages, **i32)
         # per module group: offsets of A and B^T rows [B, G], ranks [L, B, G]
@@ -165,33 +168,31 @@ class StepGraphs:
 
     def _fill(self, b: Batch, n_tok: int, n_seq: int, t_bucket: int, s_bucket: int) -> None:
         bs, scratch = self.runner.block_size, self.runner.scratch_page
-        h64, h32 = self.host64, self.host32
+        h64, h32, h = self.host64, self.host32, self._host32
         ids, positions, slots, logits_index = h64
         ids[:n_tok], positions[:n_tok], slots[:n_tok] = b.input_ids, b.positions, b.slot_mapping
         ids[n_tok:t_bucket] = positions[n_tok:t_bucket] = 0
         slots[n_tok:t_bucket] = scratch * bs  # padded tokens write their KV to the scratch page
-        logits_index[:n_seq] = b.logits_index
-        logits_index[n_seq:s_bucket] = 0
-        h = self._views32(h32)
         h["ctx"][:n_seq] = b.ctx_lens
         h["ctx"][n_seq:s_bucket] = 1
-        h["token_slot"][:t_bucket] = h["dec_slot"][:t_bucket] = -1
-        h["q_start"][:n_seq + 1] = b.q_start_t
-        h["q_start"][n_seq + 1:s_bucket + 1] = n_tok  # padded sequences: no tokens
-        h["seg_slot"][:s_bucket] = -1
-        # A mixed step's split: the decode rows (tokens and sequences 0..d-1) through the decode
-        # kernels, everything past them through the prefill ones (see the module docstring).
-        d = b.num_decode
-        h["dec_ctx"][:s_bucket] = 1
-        h["dec_ctx"][:d] = b.ctx_lens[:d]
-        h["pre_q_start"][:s_bucket + 1] = h["q_start"][:s_bucket + 1]
-        h["pre_q_start"][:d + 1] = d  # the decode rows' segments: empty
+        h["token_slot"][:t_bucket] = -1
         if b.lora is not None:
             h["token_slot"][:n_tok] = b.lora.token_slot
-            if b.lora.seg_slot is not None:  # mixed: MBGMV takes the decode rows
+        d = b.num_decode
+        if n_tok != d:  # a mixed step's split (see the module docstring)
+            logits_index[:n_seq] = b.logits_index
+            logits_index[n_seq:s_bucket] = 0
+            h["dec_ctx"][:s_bucket] = 1
+            h["dec_ctx"][:d] = b.ctx_lens[:d]
+            h["q_start"][:d + 1] = d  # the decode rows' segments: empty
+            h["q_start"][d + 1:n_seq + 1] = b.q_start_t[d + 1:]
+            h["q_start"][n_seq + 1:s_bucket + 1] = n_tok  # padded sequences: no tokens
+            h["dec_slot"][:t_bucket] = -1
+            h["seg_slot"][:s_bucket] = -1
+            if b.lora is not None:
                 h["dec_slot"][:d] = b.lora.token_slot[:d]
-                h["seg_slot"][d:n_seq] = b.lora.seg_slot[d:]
-        tables = h32[self._tables_at:].view(self.max_batch, self.max_blocks)
+                h["seg_slot"][:n_seq] = b.lora.seg_slot
+        tables = self._host_tables
         width = b.block_tables.shape[1]
         tables[:n_seq, :width] = b.block_tables
         tables[:n_seq, width:] = scratch
@@ -233,16 +234,18 @@ class StepGraphs:
             if mixed:  # segments with no host bound on their length (max_seg_len None)
                 lora.seg_start, lora.seg_slot = self.q_start[:s_bucket + 1], self.seg_slot[:s_bucket]
                 lora.dec_slot = self.dec_slot[:t_bucket]
+        common = dict(input_ids=self.ids[:t_bucket], positions=self.positions[:t_bucket],
+                      slot_mapping=self.slots[:t_bucket], block_tables=self.tables[:s_bucket],
+                      ctx_lens=self.ctx[:s_bucket], ctx_lens_list=[1] * s_bucket,
+                      num_decode=num_decode, lora=lora)
+        if not mixed:
+            return Batch(**common, q_start=list(range(s_bucket + 1)), q_start_t=self.q_start[:0],
+                         logits_index=self._arange[:s_bucket])
         # A mixed batch's host-side q_start only bounds the attention grid: [0, T, T, ...]
         # leaves it unbounded over the bucket (its segments are in q_start_t).
-        q_start = [0] + [t_bucket] * s_bucket if mixed else list(range(s_bucket + 1))
-        return Batch(input_ids=self.ids[:t_bucket], positions=self.positions[:t_bucket],
-                     slot_mapping=self.slots[:t_bucket], block_tables=self.tables[:s_bucket],
-                     ctx_lens=self.ctx[:s_bucket], ctx_lens_list=[1] * s_bucket,
-                     q_start=q_start, q_start_t=self.q_start[:s_bucket + 1],
-                     num_decode=num_decode, logits_index=self.logits_index[:s_bucket], lora=lora,
-                     dec_ctx_lens=self.dec_ctx[:s_bucket] if mixed else None,
-                     pre_q_start=self.pre_q_start[:s_bucket + 1] if mixed else None)
+        return Batch(**common, q_start=[0] + [t_bucket] * s_bucket,
+                     q_start_t=self.q_start[:s_bucket + 1], logits_index=self.logits_index[:s_bucket],
+                     dec_ctx_lens=self.dec_ctx[:s_bucket])
 
     def _capture(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int):
         batch = self._static_batch(kind, t_bucket, s_bucket, rank_bucket)

@@ -45,9 +45,9 @@ class LoraMeta:
     seg_slot: torch.Tensor | None = None  # int32 [S]
     max_seg_len: int | None = None  # longest segment (host int): bounds MBGMM's grid; None: T
     # A graphed mixed step's split (slora.graphs): the decode rows' adapter row per token, -1 on
-    # prompt tokens. With it MBGMV serves the decode rows and MBGMM only the prompts (seg_slot
-    # is -1 on the decode rows' segments): in a graph the extra launches cost nothing, and on
-    # the H200 MBGMM on one-token segments took 3.5x MBGMV's time for the same rows.
+    # prompt tokens. With it MBGMV serves the decode rows and MBGMM only the prompts (the
+    # decode rows' segments are empty in seg_start): in a graph the extra launches cost
+    # nothing, and on the H200 MBGMM on one-token segments took 3.5x MBGMV's time.
     dec_slot: torch.Tensor | None = None
 
 
@@ -90,25 +90,26 @@ class TritonBackend(TorchBackend):
         if b.num_decode == len(b.q_start) - 1:  # decode only: the split-K decode kernel
             return self._attn.paged_decode_attention(q, k_cache, v_cache, b.block_tables,
                                                      b.ctx_lens, scale)
-        if b.pre_q_start is not None:  # a graphed mixed step (Batch.pre_q_start): split
+        out = None
+        if b.dec_ctx_lens is not None:  # a graphed mixed step: decode rows by the decode kernel
             S = b.ctx_lens.shape[0]
             out = torch.empty_like(q)
             out[:S] = self._attn.paged_decode_attention(q[:S], k_cache, v_cache, b.block_tables,
                                                         b.dec_ctx_lens, scale)
-            return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
-                                                      b.pre_q_start, b.ctx_lens, scale,
-                                                      max_q_len=b.max_q_len, out=out)
         # prefill, or prefill mixed with decode rows: one flash-style launch for all of them
+        # (for the prompts only when the decode rows' segments are empty, as above)
         return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
                                                   b.q_start_t, b.ctx_lens, scale,
-                                                  max_q_len=b.max_q_len)
+                                                  max_q_len=b.max_q_len, out=out)
 
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
-        """Decode-only batches (the CUDA graphs' path): MBGMV, one adapter row per token.
-        Batches with prefill rows: MBGMM over every sequence's segment, decode rows included
-        as one-token segments. One pair of launches rather than an MBGMV pair and an MBGMM
-        pair: these steps run eagerly, and the H200 showed each Triton launch costs the host
-        tens of microseconds, 64 of them per layer pair adding ~12 ms to a 7B mixed step."""
+        """Decode-only batches: MBGMV, one adapter row per token. Eager batches with prefill
+        rows: MBGMM over every sequence's segment, decode rows included as one-token segments.
+        One pair of launches rather than an MBGMV pair and an MBGMM pair: these steps run
+        eagerly, and the H200 showed each Triton launch costs the host tens of microseconds,
+        64 of them per layer pair adding ~12 ms to a 7B mixed step. A graphed mixed step
+        (`meta.dec_slot` set) pays no launch cost, so it takes both pairs: MBGMV for the
+        decode rows, MBGMM for the prompts (the decode rows' segments are empty there)."""
         g = meta.groups.get(group)
         if g is None:
             return

@@ -63,11 +63,10 @@ class Batch:
     num_decode: int
     logits_index: torch.Tensor  # [S]
     lora: object | None  # kernels.LoraMeta, None when no row has an adapter
-    # A graphed mixed step's split (slora.graphs): decode rows' attention through the decode
-    # kernel over the first S rows with these context lengths (1 past the decode rows), the
-    # prompts' through the prefill kernel over these segment starts (the decode rows' empty).
+    # Set on a graphed mixed step only (slora.graphs): the decode rows (sequences 0..d-1) go
+    # through the decode attention kernel with these context lengths (1 past the decode rows),
+    # and q_start_t then holds the prompts' segments alone (the decode rows' are empty).
     dec_ctx_lens: torch.Tensor | None = None  # int32 [S]
-    pre_q_start: torch.Tensor | None = None  # int32 [S+1]
 
     @property
     def max_q_len(self) -> int:

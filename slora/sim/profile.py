@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import platform
 import random
-from contextlib import contextmanager
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from slora.sim.cost import FEATURES, CostModel, Profile, fit_bandwidth, fit_max, plan_features, sample_row
+from slora.sim.cost import (FEATURES, CostModel, Profile, fit_bandwidth, fit_max, plan_features,
+                           sample_row)
 
 
 @dataclass(frozen=True)
@@ -397,8 +398,8 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
     coeffs, host, stats = fit_max([(sample_row(s["features"]), s["seconds"]) for s in samples])
     stats["overlap"] = overlap
     stats["profile_s"] = time.perf_counter() - t0
-    cost = CostModel(coeffs=coeffs, host_coeffs=host, h2d_gbps=transfers["h2d_gbps"], disk_gbps=transfers["disk_gbps"],
-                     load_overhead_s=transfers["load_overhead_s"],
+    cost = CostModel(coeffs=coeffs, host_coeffs=host, h2d_gbps=transfers["h2d_gbps"],
+                     disk_gbps=transfers["disk_gbps"], load_overhead_s=transfers["load_overhead_s"],
                      prefetch_overlap=overlap["prefetch_overlap"])
     model_config = json.loads((Path(engine.config.model) / "config.json").read_text())
     dtype = str(engine.runner.dtype).removeprefix("torch.")
