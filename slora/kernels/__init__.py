@@ -47,7 +47,8 @@ class LoraMeta:
     # A graphed mixed step's split (slora.graphs): the decode rows' adapter row per token, -1 on
     # prompt tokens. With it MBGMV serves the decode rows and MBGMM only the prompts (the
     # decode rows' segments are empty in seg_start): in a graph the extra launches cost
-    # nothing, and on the H200 MBGMM on one-token segments took 3.5x MBGMV's time.
+    # nothing, and on the H200 a batch-128 mixed step spent 6.9 ms in MBGMM where the same
+    # rows' decode step spent 2.0 ms in MBGMV.
     dec_slot: torch.Tensor | None = None
 
 
