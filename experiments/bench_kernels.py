@@ -49,6 +49,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slora.kernels import lora  # noqa: E402
+from slora.kernels import tiles as tiles_mod  # noqa: E402
 from slora.kernels import reference as ref  # noqa: E402
 from slora.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
@@ -316,8 +317,9 @@ def tune_mbgmm(cfg, device, dtype, gen):
     d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
     n_seg, seg_len = cfg["segments"]
     T = n_seg * seg_len
-    cfgs = ([dict(BLOCK_M=bm, num_warps=nw, num_stages=st) for bm in (32, 64, 128)
-             for nw in (4, 8) for st in (2, 4)] if not cfg["smoke"] else [dict(BLOCK_M=4)])
+    # BLOCK_M is the work list's tile (tiles.tile_rows), not swept here
+    cfgs = ([dict(num_warps=nw, num_stages=st) for nw in (4, 8) for st in (2, 3, 4)]
+            if not cfg["smoke"] else [dict(num_stages=1)])
     for r in cfg["mbgmm_ranks"]:
         P = Pool(n_seg, r, d, out_dims, cfg["page_size"], 2, dtype, device, gen)
         seg_start = torch.arange(0, T + 1, seg_len, dtype=torch.int32, device=device)
@@ -325,23 +327,23 @@ def tune_mbgmm(cfg, device, dtype, gen):
         x = torch.randn(T, d, generator=gen).to(dtype).to(device)
         y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
         offa, offb = P.offsets[:, :, 0], P.offsets[:, :, 1]
+        tiles = work_tiles(seg_start, seg_slot, x)
         xa = lora.mbgmm_shrink(x, P.pool[0], P.pages, offa, P.ranks, seg_start, seg_slot,
-                               P.stride, r, max_seg_len=seg_len)
+                               P.stride, r, tiles)
         for kind in ("shrink", "expand"):
             for c in cfgs:
-                def patched(k, *a, c=c, kind=kind):
-                    base = orig(k, *a)
-                    return {**base, **c} if k == kind else base
+                def patched(*a, c=c):  # only `kind` runs while it is patched
+                    return {**orig(*a), **c}
                 lora._mbgmm_cfg = patched
 
                 def fn():
                     for l in range(2):
                         if kind == "shrink":
                             lora.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start,
-                                              seg_slot, P.stride, r, max_seg_len=seg_len)
+                                              seg_slot, P.stride, r, tiles)
                         else:
                             lora.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start,
-                                              seg_slot, out_dims, P.strides, max_seg_len=seg_len)
+                                              seg_slot, out_dims, P.strides, tiles)
                 try:
                     us = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / 2 * 1e3
                 except Exception as e:  # a config the compiler rejects
@@ -351,11 +353,17 @@ def tune_mbgmm(cfg, device, dtype, gen):
             lora._mbgmm_cfg = orig
             top = sorted((w for w in rows if w["kind"] == "mbgmm_" + kind and w["rank"] == r),
                          key=lambda w: w["us"])[:3]
-            print(f"tune mbgmm {kind} r={r}: default {orig(kind, T, r, device)}; best: "
+            print(f"tune mbgmm {kind} r={r}: default {orig(r, x)}; best: "
                   + "; ".join(f"{ {k: w[k] for k in c} } {w['us']:.1f} us" for w in top),
                   flush=True)
         del P
     return rows
+
+
+def work_tiles(seg_start, seg_slot, x):
+    """The prefill kernels' work list for segments `seg_start` (those with seg_slot >= 0 when
+    given), built before timing: building it inside a captured graph would sync the host."""
+    return tiles_mod.as_tiles(None, seg_start, tiles_mod.tile_rows(x.device, x.dtype), seg_slot)
 
 
 def run_mbgmm(r, cfg, device, dtype, gen):
@@ -372,12 +380,13 @@ def run_mbgmm(r, cfg, device, dtype, gen):
     x = torch.randn(T, d, generator=gen).to(dtype).to(device)
     y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
     offa, offb = P.offsets[:, :, 0], P.offsets[:, :, 1]
+    tiles = work_tiles(seg_start, seg_slot, x)
 
     def ours_l(l):
         xa = lora.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start, seg_slot,
-                               P.stride, r, max_seg_len=seg_len)
+                               P.stride, r, tiles)
         lora.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start, seg_slot,
-                          out_dims, P.strides, max_seg_len=seg_len)
+                          out_dims, P.strides, tiles)
 
     y0 = y.clone()
     y_ref = y0.clone()
@@ -439,9 +448,10 @@ def run_prefill_attention(n_seq, n_tok, H, kvh, D, cfg, device, dtype, gen):
     ctx_t = torch.tensor(ctx, dtype=torch.int32, device=device)
     q = torch.randn(n_seq * n_tok, H, D, generator=gen).to(dtype).to(device)
     scale = D ** -0.5
+    tiles = work_tiles(q_start_t, None, q)
 
     def ours():
-        return paged_prefill_attention(q, k, v, tables, q_start_t, ctx_t, scale, max_q_len=n_tok)
+        return paged_prefill_attention(q, k, v, tables, q_start_t, ctx_t, scale, tiles)
 
     def twin():
         return ref.paged_attention(q, k, v, tables, q_start, ctx, scale)
@@ -479,17 +489,19 @@ def run_mixed(n_dec, cfg, device, dtype, gen):
     ctx_t = torch.tensor(ctx_l, dtype=torch.int32, device=device)
     p_start = torch.tensor([0, n_p], dtype=torch.int32, device=device)
     # the engine's split (slora.graphs): the decode kernel over every sequence's first row,
-    # context 1 past the decode rows; the prefill kernel with the decode rows' segments empty
+    # context 1 past the decode rows; the prefill kernel over the prompt's tiles alone
     dec_ctx = torch.tensor([ctx] * n_dec + [1], dtype=torch.int32, device=device)
-    pre_start = torch.tensor([n_dec] * (n_dec + 1) + [T], dtype=torch.int32, device=device)
+    all_tiles = work_tiles(q_start_t, None, q)
+    prompt = torch.tensor([-1] * n_dec + [0], dtype=torch.int32, device=device)
+    prompt_tiles = work_tiles(q_start_t, prompt, q)
 
     def attn_one():
-        return paged_prefill_attention(q, k, v, tables, q_start_t, ctx_t, scale, max_q_len=n_p)
+        return paged_prefill_attention(q, k, v, tables, q_start_t, ctx_t, scale, all_tiles)
 
     def attn_split():
         out = torch.empty_like(q)
         out[:n_dec + 1] = paged_decode_attention(q[:n_dec + 1], k, v, tables, dec_ctx, scale)
-        return paged_prefill_attention(q, k, v, tables, pre_start, ctx_t, scale, max_q_len=n_p,
+        return paged_prefill_attention(q, k, v, tables, q_start_t, ctx_t, scale, prompt_tiles,
                                        out=out)
 
     expect = ref.paged_attention(q, k, v, tables, q_start, ctx_l, scale)
@@ -502,21 +514,22 @@ def run_mixed(n_dec, cfg, device, dtype, gen):
     y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
     offa, offb = P.offsets[:, :, 0].contiguous(), P.offsets[:, :, 1].contiguous()
     pool_l = P.pool[0]
+    one_tiles, p_tiles = work_tiles(q_start_t, slots, x), work_tiles(p_start, slots[n_dec:], x)
 
     def lora_one():
         xa = lora.mbgmm_shrink(x, pool_l, P.pages, offa, P.ranks, q_start_t, slots, P.stride, r,
-                               max_seg_len=n_p)
+                               one_tiles)
         lora.mbgmm_expand(xa, y, pool_l, P.pages, offb, P.ranks, q_start_t, slots, out_dims,
-                          P.strides, max_seg_len=n_p)
+                          P.strides, one_tiles)
 
     def lora_split():
         xa = lora.mbgmv_shrink(x[:n_dec], pool_l, P.pages, offa, P.ranks, slots[:n_dec], P.stride, r)
         lora.mbgmv_expand(xa, y[:n_dec], pool_l, P.pages, offb, P.ranks, slots[:n_dec], out_dims,
                           P.strides)
         xa = lora.mbgmm_shrink(x[n_dec:], pool_l, P.pages, offa, P.ranks, p_start, slots[n_dec:],
-                               P.stride, r, max_seg_len=n_p)
+                               P.stride, r, p_tiles)
         lora.mbgmm_expand(xa, y[n_dec:], pool_l, P.pages, offb, P.ranks, p_start, slots[n_dec:],
-                          out_dims, P.strides, max_seg_len=n_p)
+                          out_dims, P.strides, p_tiles)
 
     y0 = y.clone()
     y_ref = y0.clone()

@@ -91,9 +91,10 @@ case "${1:-}" in
     ;;
   9)  # mixed-step CUDA graphs (EngineConfig.mixed_graph_tokens, never yet on a GPU): their
       # CUDA tests, then the mixed steps' breakdown and the S2 scaling with them on and off
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py tests/test_kernels_attention.py tests/test_kernels_lora.py 2>&1 | grep -E "passed|failed|Error" | tail -8
+    lane 0 gpu0 'python3 -m pytest -q -rf -p no:cacheprovider tests/test_engine_triton.py tests/test_kernels_attention.py tests/test_kernels_lora.py 2>&1 | grep -E "passed|failed|Error|FAILED" | tail -8
       python3 experiments/bench_kernels.py --only-mixed --out $OUT/kernels 2>&1 | tail -6
-      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32,128 --mixed-graph-tokens 2048 --out $OUT/breakdown-graphs 2>&1 | tail -120'
+      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32,128 --mixed-graph-tokens 2048 --out $OUT/breakdown-graphs 2>&1 | tail -120
+      python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --out $OUT/breakdown-eager 2>&1 | tail -60'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --mixed-graph-tokens 2048 --out $OUT/scaling-graphs 2>&1 | tail -8
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
     ;;

@@ -18,21 +18,22 @@ Padding never touches a live page:
   attention and MBGMM never read them;
 - padded decode rows are base-only (token_slot -1) and read the scratch page;
 - padded sequences of a mixed step have no tokens (their q_start is the batch's end) and no
-  adapter (seg_slot -1), so every attention and MBGMM program of theirs returns at once.
+  adapter (seg_slot -1), and no work tile of the prefill kernels is theirs.
 
-The kernels' grids then depend only on the bucket: attention and MBGMM get no host bound on
-the longest segment (max_q_len and max_seg_len are None), so their token-tile axis covers the
-bucket and the tiles past a segment's end return.
+The prefill kernels (attention, MBGMM) walk work lists of (segment, token tile) items
+(`slora.kernels.tiles`), copied in with the step; their grids depend only on the bucket.
+A grid over every (token tile, sequence) pair of the bucket, most of them empty, cost a
+batch-128 mixed step 13.4 ms in MBGMM expand alone on the H200 (notes/kernels.md).
 
 In a mixed graph the decode rows (tokens and sequences 0..d-1, d varying within a bucket) run
 through the decode kernels and only the prompts through the prefill ones, each kernel over the
 whole bucket with the other kind's rows switched off: the decode attention kernel sees context
 length 1 past the decode rows (`Batch.dec_ctx_lens`; its rows there are overwritten), MBGMV
-adapter row -1 on prompt tokens (`LoraMeta.dec_slot`), and the prefill attention and MBGMM
-see the decode rows' segments empty (the mixed graph's segment starts hold the prompts' alone). Eagerly that split would cost
-launches; in a graph it costs nothing. On the H200 a batch-128 mixed step spent 8.2 ms in
-prefill attention and 6.9 ms in MBGMM where a decode step of the same rows spent 4.9 ms and
-2.0 ms in the decode kernels (notes/kernels.md).
+adapter row -1 on prompt tokens (`LoraMeta.dec_slot`), and the prefill attention's and
+MBGMM's work lists hold the prompts' tiles alone. Eagerly that split would cost launches; in
+a graph it costs nothing. On the H200 a batch-128 mixed step spent 8.2 ms in prefill
+attention and 6.9 ms in MBGMM where a decode step of the same rows spent 4.9 ms and 2.0 ms in
+the decode kernels (notes/kernels.md).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 
 from slora.config import cdiv
 from slora.kernels import GroupMeta, LoraMeta
+from slora.kernels.tiles import capacity, tile_rows, token_tiles
 from slora.model.llama import GROUPS, Batch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -81,6 +83,7 @@ class StepGraphs:
         self.token_buckets = _buckets(TOKEN_BUCKETS, mixed_tokens) if mixed_tokens else ()
         self.seq_buckets = _buckets(MIXED_SEQ_BUCKETS, max_num_seqs)
         self.max_tokens = max(max_num_seqs, mixed_tokens)
+        self.tile = runner.tile
         # the longest sequence the engine admits (model limit, capped by the pool's size)
         max_len = min(runner.config.max_model_len or runner.cfg.max_position_embeddings,
                       runner.num_pages * runner.block_size)
@@ -104,12 +107,15 @@ class StepGraphs:
         # slots [T], logits rows [B] (mixed steps; decode rows are their own). int32, in this
         # order: context lengths [B], then for mixed steps the decode kernel's context lengths
         # [B] (Batch.dec_ctx_lens), token adapter rows [T], decode rows' adapter rows [T]
-        # (LoraMeta.dec_slot), the prompts' segment starts [B + 1], segment adapter rows [B];
-        # then the block tables [B, blocks].
+        # (LoraMeta.dec_slot), segment starts [B + 1], segment adapter rows [B], the prompts'
+        # work tiles of prefill attention and of MBGMM (slora.kernels.tiles); then the block
+        # tables [B, blocks].
         self.meta64 = torch.zeros(4, T, dtype=torch.long, device=dev)
         self.ids, self.positions, self.slots, self.logits_index = self.meta64
+        n_tiles = 1 + 2 * capacity(T, B, self.tile)
         self._sizes32 = {"ctx": B, "dec_ctx": B, "token_slot": T, "dec_slot": T,
-                         "q_start": B + 1, "seg_slot": B}
+                         "q_start": B + 1, "seg_slot": B, "att_tiles": n_tiles,
+                         "lora_tiles": n_tiles}
         self._tables_at = sum(self._sizes32.values())  # where the tables start in meta32
         self.meta32 = torch.full((self._tables_at + B * self.max_blocks,), scratch, **i32)
         for name, view in self._views32(self.meta32).items():
@@ -185,14 +191,17 @@ class StepGraphs:
             logits_index[n_seq:s_bucket] = 0
             h["dec_ctx"][:s_bucket] = 1
             h["dec_ctx"][:d] = b.ctx_lens[:d]
-            h["q_start"][:d + 1] = d  # the decode rows' segments: empty
-            h["q_start"][d + 1:n_seq + 1] = b.q_start_t[d + 1:]
+            h["q_start"][:n_seq + 1] = b.q_start_t
             h["q_start"][n_seq + 1:s_bucket + 1] = n_tok  # padded sequences: no tokens
             h["dec_slot"][:t_bucket] = -1
             h["seg_slot"][:s_bucket] = -1
+            prompts = [s >= d for s in range(n_seq)]  # the decode rows have no prefill tiles
+            self._put(h["att_tiles"], token_tiles(b.q_start, self.tile, prompts))
             if b.lora is not None:
                 h["dec_slot"][:d] = b.lora.token_slot[:d]
                 h["seg_slot"][:n_seq] = b.lora.seg_slot
+                keep = [p and s >= 0 for p, s in zip(prompts, b.lora.seg_slot.tolist())]
+                self._put(h["lora_tiles"], token_tiles(b.q_start, self.tile, keep))
         tables = self._host_tables
         width = b.block_tables.shape[1]
         tables[:n_seq, :width] = b.block_tables
@@ -216,9 +225,16 @@ class StepGraphs:
             off_b[:n_a].copy_(g.offsets_b)
             ranks[:, :n_a].copy_(g.ranks)
 
+    @staticmethod
+    def _put(field: torch.Tensor, values: list[int]) -> None:
+        field[:len(values)] = torch.tensor(values, dtype=torch.int32)
+
     def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int) -> Batch:
         mixed = kind == "mixed"
         num_decode = 0 if mixed else t_bucket
+        # Programs walking the work lists: enough for a bucket of long prompts at one tile
+        # each; many short prompts' tiles take turns.
+        programs = min(capacity(t_bucket, s_bucket, self.tile), cdiv(t_bucket, self.tile) + 16)
         lora = None
         if rank_bucket:
             groups = {}
@@ -232,8 +248,9 @@ class StepGraphs:
                     **self.runner.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:s_bucket], token_slot=self.token_slot[:t_bucket],
                             num_decode=num_decode, groups=groups)
-            if mixed:  # segments with no host bound on their length (max_seg_len None)
+            if mixed:
                 lora.seg_start, lora.seg_slot = self.q_start[:s_bucket + 1], self.seg_slot[:s_bucket]
+                lora.tiles, lora.tile_programs = self.lora_tiles, programs
                 lora.dec_slot = self.dec_slot[:t_bucket]
         common = dict(input_ids=self.ids[:t_bucket], positions=self.positions[:t_bucket],
                       slot_mapping=self.slots[:t_bucket], block_tables=self.tables[:s_bucket],
@@ -242,10 +259,11 @@ class StepGraphs:
         if not mixed:
             return Batch(**common, q_start=list(range(s_bucket + 1)), q_start_t=self.q_start[:0],
                          logits_index=self._arange[:s_bucket])
-        # A mixed batch's host-side q_start only bounds the attention grid: [0, T, T, ...]
-        # leaves it unbounded over the bucket (its segments are in q_start_t).
+        # (A mixed batch's host-side q_start is read by no kernel: its segments are in
+        # q_start_t, its work in the tiles.)
         return Batch(**common, q_start=[0] + [t_bucket] * s_bucket,
                      q_start_t=self.q_start[:s_bucket + 1], logits_index=self.logits_index[:s_bucket],
+                     tiles=self.att_tiles, tile_programs=programs,
                      dec_ctx_lens=self.dec_ctx[:s_bucket])
 
     def _capture(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int):

@@ -20,6 +20,7 @@ from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.kernels import GroupMeta, LoraMeta, make_backend
 from slora.kernels.reference import LORA_ALIGN
+from slora.kernels.tiles import tile_rows, token_tiles
 from slora.graphs import StepGraphs
 from slora.model.llama import GROUPS, Batch, LlamaModel
 from slora.model.loader import load_weights, random_weights, strides
@@ -69,6 +70,7 @@ class ModelRunner:
         self.cfg = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.tile = tile_rows(self.device, self.dtype)  # prefill kernels' work-tile tokens
         self.block_size = config.block_size
         self.page_size = model_config.page_size(config.block_size)
         if self.page_size % LORA_ALIGN:
@@ -207,12 +209,15 @@ class ModelRunner:
             logits_index=torch.tensor(q_start[1:]) - 1,
             lora=None,
         )
+        if batch.num_decode < len(seqs):  # prompts: the prefill kernel's work list
+            batch.tiles = torch.tensor(token_tiles(q_start, self.tile), dtype=torch.int32)
         batch.lora = self.lora_meta(seqs, batch, adapters)
         return batch
 
     def lora_meta(self, seqs: list[Request], batch: Batch, adapters: AdapterManager) -> LoraMeta | None:
         """The batch's LoRA metadata, None when no row has an adapter. Segments (one per
-        sequence: the batch's own q_start) only for steps with prompts, the ones MBGMM runs."""
+        sequence: the batch's own q_start) and MBGMM's work list (the tiles of the segments
+        with an adapter) only for steps with prompts, the ones MBGMM runs."""
         names = tuple(dict.fromkeys(r.adapter for r in seqs if r.adapter))
         if not names:
             return None
@@ -232,8 +237,9 @@ class ModelRunner:
         meta = LoraMeta(pages=pages, token_slot=torch.tensor(token_slot, dtype=torch.int32),
                         num_decode=num_decode, groups=groups)
         if num_decode < len(seqs):
-            meta.seg_start, meta.max_seg_len = batch.q_start_t, batch.max_q_len
-            meta.seg_slot = torch.tensor(seq_slot, dtype=torch.int32)
+            meta.seg_start, meta.seg_slot = batch.q_start_t, torch.tensor(seq_slot, dtype=torch.int32)
+            keep = [s >= 0 for s in seq_slot]
+            meta.tiles = torch.tensor(token_tiles(batch.q_start, self.tile, keep), dtype=torch.int32)
         return meta
 
     def _adapter_tensors(self, names: tuple[str, ...], adapters: AdapterManager):

@@ -101,16 +101,17 @@ def _staggered_run(e, paths, max_tokens=(7, 3, 9, 5, 6)):
 
 def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
     """The static, padded buffers the CUDA graphs replay over (slora.graphs.StepGraphs), run
-    eagerly here (capture=False: on CPU there are no graphs), give the eager batch's tokens.
+    eagerly here (capture=False: on CPU there are no graphs; on a GPU too, as the same
+    check), give the eager batch's tokens.
     Decode steps pad rows to a batch bucket; mixed steps pad tokens to a token bucket and
-    sequences to a sequence bucket, with no host bound on the attention and MBGMM grids."""
+    sequences to a sequence bucket, the prefill kernels walking the prompts' work tiles."""
     from slora.graphs import StepGraphs
 
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
              "r20": adapter_factory(tiny_model_dir, r=20, target_modules="all-linear", seed=1)}
     results = {}
     for graphs in (False, True):
-        e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
                                 num_pages=48, backend="triton", cuda_graphs=False))
         if graphs:
             e.runner.graphs = StepGraphs(e.runner, e.config.max_num_seqs, mixed_tokens=48,
@@ -145,7 +146,7 @@ def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
     sequence bucket), so serving does not stop to capture them."""
     from slora.graphs import StepGraphs
 
-    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
                             num_pages=48, backend="triton", cuda_graphs=False, max_num_seqs=4))
     e.runner.graphs = StepGraphs(e.runner, 4, mixed_tokens=32, capture=False)
     assert e._mixed_buckets() == [(16, 4), (32, 4)]

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from slora.kernels import reference as ref  # noqa: E402
 from slora.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from slora.kernels.tiles import tile_rows, token_tiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -106,19 +107,26 @@ def test_prefill_attention_matches_twin(shape, dtype):
         q_start.append(q_start[-1] + n)
     q = torch.randn(q_start[-1], H, D, generator=gen).to(dtype).to(DEVICE)
     scale = D ** -0.5
-    out = paged_prefill_attention(q, k_cache, v_cache, tables,
-                                  torch.tensor(q_start, dtype=torch.int32, device=DEVICE),
-                                  torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE),
-                                  scale, max_q_len=max(n_new))
+    q_start_t = torch.tensor(q_start, dtype=torch.int32, device=DEVICE)
+    ctx_t = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, q_start_t, ctx_t, scale)
     expect = ref.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any()
+    # two programs taking the tiles in turn (as a graph's bounded grid does): the same rows
+    tiles = torch.tensor(token_tiles(q_start, tile_rows(q.device, dtype)), dtype=torch.int32,
+                         device=DEVICE)
+    assert int(tiles[0]) > 2
+    turns = paged_prefill_attention(q, k_cache, v_cache, tables, q_start_t, ctx_t, scale, tiles,
+                                    programs=2)
+    assert torch.equal(turns, out)
     assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_prefill_attention_skips_empty_segments_and_keeps_out():
     """A graphed mixed step's split (slora.graphs): decode rows 0..d-1 get the decode kernel,
-    the prefill kernel sees their segments empty and writes only the prompts' rows of `out`."""
+    the prefill kernel's work list holds the prompts' tiles alone and it writes only their
+    rows of `out`."""
     H, kvh, D, d = 4, 2, 16, 3
     n_new = [1, 1, 1, 6, 9]
     ctx_lens = [7, 12, 5, 6, 20]
@@ -132,15 +140,18 @@ def test_prefill_attention_skips_empty_segments_and_keeps_out():
     out[:5] = paged_decode_attention(q[:5], k_cache, v_cache, tables,
                                      torch.tensor(ctx_lens[:d] + [1, 1], dtype=torch.int32,
                                                   device=DEVICE), scale)
-    pre_q_start = torch.tensor([d] * (d + 1) + q_start[d + 1:], dtype=torch.int32, device=DEVICE)
-    got = paged_prefill_attention(q, k_cache, v_cache, tables, pre_q_start,
+    q_start_t = torch.tensor(q_start, dtype=torch.int32, device=DEVICE)
+    prompts = [s >= d for s in range(len(ctx_lens))]
+    tiles = torch.tensor(token_tiles(q_start, tile_rows(q.device, q.dtype), prompts),
+                         dtype=torch.int32, device=DEVICE)
+    got = paged_prefill_attention(q, k_cache, v_cache, tables, q_start_t,
                                   torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), scale,
-                                  max_q_len=9, out=out)
+                                  tiles, out=out)
     assert got is out
     assert rel_err(out, expect) < 1e-5  # decode rows from the decode kernel, the rest prefill
     # the prefill kernel wrote nothing in the decode rows: only the decode kernel's values
     alone = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, k_cache, v_cache, tables, pre_q_start,
+    paged_prefill_attention(q, k_cache, v_cache, tables, q_start_t,
                             torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), scale,
-                            max_q_len=9, out=alone)
+                            tiles, out=alone)
     assert torch.isnan(alone[:d]).all() and not torch.isnan(alone[d:]).any()

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from slora.kernels import reference as ref  # noqa: E402
+from slora.kernels.tiles import tile_rows, token_tiles  # noqa: E402
 from slora.kernels.lora import (mbgmm_expand, mbgmm_shrink, mbgmv_expand,  # noqa: E402
                                 mbgmv_shrink)
 
@@ -181,8 +182,11 @@ def test_mbgmv_matches_twin(T, group, dtype, impl):
     check_expand(out, out_ref, out0, slots, dtype)
 
 
-def random_segments(n_a, gen, n_seg=4, max_len=11):
+def random_segments(n_a, gen, n_seg=4, max_len=11, long=0):
+    """Segments of 1..max_len tokens (the first `long` when given), the second base-only."""
     lens = torch.randint(1, max_len + 1, (n_seg,), generator=gen)
+    if long:
+        lens[0] = long
     seg_slot = torch.randint(0, n_a, (n_seg,), generator=gen, dtype=torch.int32)
     seg_slot[1] = -1  # a base-only segment
     seg_start = torch.zeros(n_seg + 1, dtype=torch.int32)
@@ -198,7 +202,8 @@ def test_mbgmm_matches_twin(group, dtype):
     d_in, out_dims = GROUPS[group]
     n_a = 3
     grp = Group(n_a, d_in, out_dims, dtype, gen)
-    seg_start, seg_slot, token_slot, max_len = random_segments(n_a, gen)
+    tile = tile_rows(torch.device(DEVICE), dtype)
+    seg_start, seg_slot, token_slot, max_len = random_segments(n_a, gen, long=tile + 3)
     T = int(seg_start[-1])
     seg_start, seg_slot, token_slot = (t.to(DEVICE) for t in (seg_start, seg_slot, token_slot))
     x = torch.randn(T, d_in, generator=gen).to(dtype).to(DEVICE)
@@ -208,19 +213,22 @@ def test_mbgmm_matches_twin(group, dtype):
     xa_ref = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, token_slot,
                              grp.stride, grp.max_rank)
     check_shrink(xa, xa_ref, token_slot.cpu(), grp, dtype)
-    # The optional host bound on segment length gives the same result with a smaller grid.
+    # Two programs taking the work tiles in turn (as a graph's bounded grid does): the same.
+    tiles = torch.tensor(token_tiles(seg_start.tolist(), tile, (seg_slot >= 0).tolist()),
+                         dtype=torch.int32, device=DEVICE)
+    assert int(tiles[0]) > 2 and tile < max_len  # a segment of several tiles
     xa2 = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
-                       grp.stride, grp.max_rank, max_seg_len=max_len)
+                       grp.stride, grp.max_rank, tiles, programs=2)
     assert torch.equal(xa, xa2)
     # d_in split across programs (as on the GPU for small batches): partial sums added atomically
     xa3 = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
-                       grp.stride, grp.max_rank, max_seg_len=max_len, split_k=2)
+                       grp.stride, grp.max_rank, tiles, split_k=2)
     torch.testing.assert_close(xa3, xa, rtol=1e-5, atol=1e-5)
 
     out0 = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(DEVICE)
     out, out_ref = out0.clone(), out0.clone()
     mbgmm_expand(xa_ref, out, grp.pool, grp.pages, grp.offsets_b, grp.ranks, seg_start, seg_slot,
-                 out_dims, grp.strides, max_seg_len=max_len)
+                 out_dims, grp.strides, tiles, programs=2)
     ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, token_slot,
                     out_dims, grp.strides)
     check_expand(out, out_ref, out0, token_slot, dtype)

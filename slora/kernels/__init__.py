@@ -33,8 +33,9 @@ class LoraMeta:
 
     Tokens 0..num_decode-1 are decode rows, one token each; the rest are prefill rows. Two views
     of the same assignment: token_slot gives each token's adapter row (the torch twin and MBGMV
-    read it), and, in steps with prefill rows only, the segments seg_start[i]:seg_start[i+1],
-    one per sequence (decode rows too), share adapter row seg_slot[i] (MBGMM reads these).
+    read it), and, in steps with prefill rows, the segments seg_start[i]:seg_start[i+1], one
+    per sequence (decode rows too), share adapter row seg_slot[i]; MBGMM walks `tiles`, the
+    work list of the segments with an adapter (slora.kernels.tiles).
     """
 
     pages: torch.Tensor  # int32 [n_a, max_pages]
@@ -43,12 +44,13 @@ class LoraMeta:
     groups: dict[str, GroupMeta]
     seg_start: torch.Tensor | None = None  # int32 [S+1], absolute token indices (Batch.q_start)
     seg_slot: torch.Tensor | None = None  # int32 [S]
-    max_seg_len: int | None = None  # longest segment (host int): bounds MBGMM's grid; None: T
+    tiles: torch.Tensor | None = None  # int32 [1 + 2 * capacity]
+    tile_programs: int | None = None  # programs walking `tiles` (None: one per tile)
     # A graphed mixed step's split (slora.graphs): the decode rows' adapter row per token, -1 on
-    # prompt tokens. With it MBGMV serves the decode rows and MBGMM only the prompts (the
-    # decode rows' segments are empty in seg_start): in a graph the extra launches cost
-    # nothing, and on the H200 a batch-128 mixed step spent 6.9 ms in MBGMM where the same
-    # rows' decode step spent 2.0 ms in MBGMV.
+    # prompt tokens. With it MBGMV serves the decode rows and MBGMM only the prompts (`tiles`
+    # holds the prompts' alone): in a graph the extra launches cost nothing, and on the H200 a
+    # batch-128 mixed step spent 6.9 ms in MBGMM where the same rows' decode step spent 2.0 ms
+    # in MBGMV.
     dec_slot: torch.Tensor | None = None
 
 
@@ -98,10 +100,10 @@ class TritonBackend(TorchBackend):
             out[:S] = self._attn.paged_decode_attention(q[:S], k_cache, v_cache, b.block_tables,
                                                         b.dec_ctx_lens, scale)
         # prefill, or prefill mixed with decode rows: one flash-style launch for all of them
-        # (for the prompts only when the decode rows' segments are empty, as above)
+        # (for the prompts only when the decode rows' tiles are left out, as above)
         return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
-                                                  b.q_start_t, b.ctx_lens, scale,
-                                                  max_q_len=b.max_q_len, out=out)
+                                                  b.q_start_t, b.ctx_lens, scale, b.tiles,
+                                                  b.tile_programs, out=out)
 
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         """Decode-only batches: MBGMV, one adapter row per token. Eager batches with prefill
@@ -125,11 +127,11 @@ class TritonBackend(TorchBackend):
             if decode_only:
                 return
         xa = self._lora.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, meta.seg_start,
-                                     meta.seg_slot, g.stride_in, g.max_rank,
-                                     max_seg_len=meta.max_seg_len)
+                                     meta.seg_slot, g.stride_in, g.max_rank, meta.tiles,
+                                     meta.tile_programs)
         self._lora.mbgmm_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks, meta.seg_start,
-                                meta.seg_slot, g.out_dims, g.strides_out,
-                                max_seg_len=meta.max_seg_len)
+                                meta.seg_slot, g.out_dims, g.strides_out, meta.tiles,
+                                meta.tile_programs)
 
 
 def make_backend(name: str, device: torch.device):

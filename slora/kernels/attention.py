@@ -21,10 +21,10 @@ Decode tiling, and why:
     them. With one split the kernel writes the normalised output directly.
   * head_dim may be any size: the D axis is padded to a power of two and masked.
 
-Prefill (`paged_prefill_attention`, flash-attention style): one program per (query tile,
-sequence, query head), keys walked BLOCK_N at a time through the page table up to the tile's
-last causal position, online softmax in fp32. It handles whole prompts, chunked prefill over a
-cached prefix and decode rows in one launch.
+Prefill (`paged_prefill_attention`, flash-attention style): programs per (query tile, query
+head), the tiles taken from a host-built work list (`tiles.py`); keys walked BLOCK_N at a time
+through the page table up to the tile's last causal position, online softmax in fp32. It
+handles whole prompts, chunked prefill over a cached prefix and decode rows in one launch.
 
 The block-table width (`stride_bt`) changes from step to step; it is exempt from Triton's
 integer specialization so a width of a new class (1, a multiple of 16, other) met while serving
@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .tiles import as_tiles, tile_rows
 
 LOG2E = 1.4426950408889634
 
@@ -206,7 +208,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, tiles_ptr, out_ptr,
     qk_scale,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -217,13 +219,32 @@ def _prefill_kernel(
     QH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    s = tl.program_id(1)
-    h = tl.program_id(2)
+    h = tl.program_id(1)
+    for i in range(tl.program_id(0), tl.load(tiles_ptr), tl.num_programs(0)):
+        s = tl.load(tiles_ptr + 1 + 2 * i)
+        m0 = tl.load(tiles_ptr + 2 + 2 * i)
+        _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, out_ptr, s, m0, h,
+                      qk_scale, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh,
+                      stride_vp, stride_vs, stride_vh, stride_bt, block_size,
+                      stride_ot, stride_oh, D, QH, BLOCK_M, BLOCK_D, BLOCK_N, DOT_F32)
+
+
+@triton.jit
+def _prefill_tile(
+    q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, out_ptr, s, m0, h,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_bt, block_size,
+    stride_ot, stride_oh,
+    D,
+    QH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Query tile m0..m0+BLOCK_M-1 of sequence s (clipped to its tokens), query head h."""
     q_lo = tl.load(q_start_ptr + s)
     q_hi = tl.load(q_start_ptr + s + 1)
-    m0 = q_lo + tl.program_id(0) * BLOCK_M
-    if m0 >= q_hi:
-        return
     ctx = tl.load(ctx_ptr + s)
     kvh = h // QH
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -276,17 +297,18 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, q_start: torch.Tensor,
                             ctx_lens: torch.Tensor, scale: float,
-                            max_q_len: int | None = None,
+                            tiles: torch.Tensor | None = None, programs: int | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new tokens over paged KV: prefill, chunked prefill with a cached
     prefix, decode rows, or a mix (twin: `reference.paged_attention`).
 
     Unlike the twin, q_start (int32 [S+1]) and ctx_lens (int32 [S]) are tensors on q's device,
     so the call needs no host sync. New token i of sequence s sits at cache position
-    ctx_lens[s] - n_new + i and attends to positions <= its own. `max_q_len` (optional host
-    int: the most new tokens of any sequence) bounds the grid; without it the bound is T.
-    `out` (optional, like q): written in the rows of the segments only, others kept.
-    Grid: (query tile, sequence, query head); KV read through the page table per token.
+    ctx_lens[s] - n_new + i and attends to positions <= its own. `tiles`: the work list
+    (`slora.kernels.tiles`, tiles of `tile_rows(q.device, q.dtype)` tokens); None builds it
+    here from q_start, a host round trip. Only the tiles' rows of `out` (optional, like q)
+    are written. Grid: (`programs`, default one per tile slot, query head); each program
+    walks the list with stride `programs`, KV read through the page table per token.
     """
     T, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
@@ -299,11 +321,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     cuda = q.device.type == "cuda"
     f32 = q.dtype == torch.float32  # IEEE fp32 dots spill at 64 x 64 tiles (checked with ptxas)
-    block_m = (32 if f32 else 64) if cuda else 16
+    block_m = tile_rows(q.device, q.dtype)
     block_n = (32 if f32 or D > 128 else 64) if cuda else 16
-    grid_m = triton.cdiv(T if max_q_len is None else min(T, max_q_len), block_m)
-    _prefill_kernel[(grid_m, S, H)](
-        q, k_cache, v_cache, block_tables, q_start, ctx_lens, out,
+    tiles = as_tiles(tiles, q_start, block_m)
+    programs = programs or (tiles.shape[0] - 1) // 2
+    if programs == 0:
+        return out
+    _prefill_kernel[(programs, H)](
+        q, k_cache, v_cache, block_tables, q_start, ctx_lens, tiles, out,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -34,9 +34,11 @@ Tiling, and why:
   * MBGMM uses tl.dot on (BLOCK_M tokens x 64) by (64 x BLOCK_R ranks) tiles (shrink) and
     (BLOCK_M x BLOCK_R) by (BLOCK_R x 64 columns) tiles (expand); 64-wide K or N tiles keep one
     page lookup per rank row. Dot tiles are at least 16 in every dimension on the GPU.
-  * Rows (MBGMV) and segments (MBGMM) with slot -1 return at their first instruction; ranks
-    differ per adapter and per module and every load is masked to the row's own rank, so the
-    grid is sized for `max_rank` but an adapter of rank r reads r rows, not max_rank.
+  * MBGMM's programs walk a host-built list of (segment, token tile) work items (`tiles.py`)
+    holding only segments with an adapter: no program is launched for a tile without work.
+  * Rows (MBGMV) with slot -1 return at their first instruction; ranks differ per adapter
+    and per module and every load is masked to the row's own rank, so the grid is sized for
+    `max_rank` but an adapter of rank r reads r rows, not max_rank.
 
 Under the Triton interpreter (CPU tensors) dot operands are cast to fp32, because bf16 tl.dot
 is silently wrong there (triton#11584); on the GPU fp32 dots run in IEEE precision, so the
@@ -60,6 +62,7 @@ import triton
 import triton.language as tl
 
 from .reference import LORA_ALIGN
+from .tiles import as_tiles, tile_rows
 
 CHUNK = LORA_ALIGN  # elements in one aligned chunk: one page lookup each
 CK = tl.constexpr(CHUNK)  # the same, for use inside kernels
@@ -290,28 +293,39 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
 
 @triton.jit(do_not_specialize=["stride_pg", "split_k"])
 def _mbgmm_shrink_kernel(
-    x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, xa_ptr,
+    x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, tiles_ptr,
+    xa_ptr,
     stride_x, d_in, stride, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_rt, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    s = tl.program_id(1)
-    slot = tl.load(seg_slot_ptr + s)
-    if slot < 0:
-        return
-    m0 = tl.load(seg_start_ptr + s) + tl.program_id(0) * BLOCK_M
-    m_end = tl.load(seg_start_ptr + s + 1)
-    if m0 >= m_end:
-        return
-    g = tl.program_id(2) // (n_rt * split_k)
-    r0 = (tl.program_id(2) // split_k % n_rt) * BLOCK_R
-    k_lo = (tl.program_id(2) % split_k) * k_split  # this program's slice of d_in
-    rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1)
-    if r0 >= rank:
-        return
+    g = tl.program_id(1) // (n_rt * split_k)
+    r0 = (tl.program_id(1) // split_k % n_rt) * BLOCK_R
+    k_lo = (tl.program_id(1) % split_k) * k_split  # this program's slice of d_in
+    for i in range(tl.program_id(0), tl.load(tiles_ptr), tl.num_programs(0)):
+        s = tl.load(tiles_ptr + 1 + 2 * i)
+        slot = tl.load(seg_slot_ptr + s)
+        rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rk0 + g * stride_rk1)
+        if (slot >= 0) & (r0 < rank):
+            m0 = tl.load(tiles_ptr + 2 + 2 * i)
+            m_end = tl.minimum(m0 + BLOCK_M, tl.load(seg_start_ptr + s + 1))
+            _mbgmm_shrink_tile(x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0,
+                               m_end, r0, k_lo, stride_x, d_in, stride, P, stride_pg,
+                               stride_of0, stride_of1, G, max_rank, split_k, k_split,
+                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32)
 
+
+@triton.jit
+def _mbgmm_shrink_tile(
+    x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0, m_end, r0, k_lo,
+    stride_x, d_in, stride, P, stride_pg, stride_of0, stride_of1, G, max_rank, split_k, k_split,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, ranks
+    r0..r0+BLOCK_R-1, d_in slice k_lo..k_lo+k_split-1."""
     off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -349,6 +363,7 @@ def _mbgmm_shrink_kernel(
 @triton.jit(do_not_specialize=["stride_pg"])
 def _mbgmm_expand_kernel(
     xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr,
+    tiles_ptr,
     stride_out, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_nt,
@@ -356,23 +371,33 @@ def _mbgmm_expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    s = tl.program_id(1)
-    slot = tl.load(seg_slot_ptr + s)
-    if slot < 0:
-        return
-    m0 = tl.load(seg_start_ptr + s) + tl.program_id(0) * BLOCK_M
-    m_end = tl.load(seg_start_ptr + s + 1)
-    if m0 >= m_end:
-        return
-    g = tl.program_id(2) // n_nt
-    n0 = (tl.program_id(2) % n_nt) * BLOCK_N
+    g = tl.program_id(1) // n_nt
+    n0 = (tl.program_id(1) % n_nt) * BLOCK_N
     d_out = _select(g, d0, d1, d2, d3)
-    rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1)
-    if (rank == 0) | (n0 >= d_out):
-        return
     stride = _select(g, s0, s1, s2, s3)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
+    for i in range(tl.program_id(0), tl.load(tiles_ptr), tl.num_programs(0)):
+        s = tl.load(tiles_ptr + 1 + 2 * i)
+        slot = tl.load(seg_slot_ptr + s)
+        rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rk0 + g * stride_rk1)
+        if (slot >= 0) & (rank > 0) & (n0 < d_out):
+            m0 = tl.load(tiles_ptr + 2 + 2 * i)
+            m_end = tl.minimum(m0 + BLOCK_M, tl.load(seg_start_ptr + s + 1))
+            _mbgmm_expand_tile(xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank,
+                               m0, m_end, n0, d_out, stride, col, stride_out, P, stride_pg,
+                               stride_of0, stride_of1, G, max_rank,
+                               BLOCK_M, BLOCK_R, BLOCK_N, EVEN_N, DOT_F32)
 
+
+@triton.jit
+def _mbgmm_expand_tile(
+    xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank, m0, m_end, n0, d_out, stride,
+    col, stride_out, P, stride_pg, stride_of0, stride_of1, G, max_rank,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, output
+    columns n0..n0+BLOCK_N-1 of the module's d_out (at column `col` of out)."""
     off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -414,22 +439,21 @@ def _dot_min(device: torch.device) -> int:
     return 16 if device.type == "cuda" else 1
 
 
-def _mbgmm_cfg(kind: str, T: int, max_rank: int, device: torch.device) -> dict:
-    """Tiles for MBGMM `kind` ("shrink" | "expand"). Not yet tuned on the GPU: the first H200
-    run measured 136 us (rank 16) and 282 us (rank 64) for 8 x 512 tokens of a q/k/v group,
-    2.3-4.5x its byte floor; `bench_kernels.py --tune` sweeps these."""
-    lo = _dot_min(device)
-    block_m = 64 if device.type == "cuda" else max(lo, min(16, _pow2(T)))
-    block_r = max(lo, min(64, _pow2(max_rank)))
-    return dict(BLOCK_M=block_m, BLOCK_R=block_r, num_warps=4,
-                num_stages=3 if device.type == "cuda" else 1)
+def _mbgmm_cfg(max_rank: int, x: torch.Tensor) -> dict:
+    """Tiles for MBGMM: BLOCK_M tokens (`tile_rows`: the work list's tile) by BLOCK_R ranks,
+    64-wide K (shrink) or N (expand). Not yet tuned on the GPU: the first H200 run measured
+    136 us (rank 16) and 282 us (rank 64) for 8 x 512 tokens of a q/k/v group, 2.3-4.5x its
+    byte floor; `bench_kernels.py --tune` sweeps these."""
+    block_r = max(_dot_min(x.device), min(64, _pow2(max_rank)))
+    return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=4,
+                num_stages=3 if x.device.type == "cuda" else 1)
 
 
 def _split_k(d_in: int, programs: int, device: torch.device) -> int:
     """Slices of d_in for MBGMM shrink. A prefill step of one short prompt gives few (token
-    tile, segment, module, rank tile) programs with work, each streaming all of d_in in turn:
-    the H200 showed 48 us per q/k/v launch for one 128-token prompt beside 32 decode rows,
-    latency rather than bandwidth. Up to 8 slices (at least 8 chunks each) when there are fewer than
+    tile, module, rank tile) programs with work, each streaming all of d_in in turn: the H200
+    showed 48 us per q/k/v launch for one 128-token prompt beside 32 decode rows, latency
+    rather than bandwidth. Up to 8 slices (at least 8 chunks each) when there are fewer than
     1,024 programs; the slices' partial sums meet in xa by atomic adds. One slice (plain
     stores) on CPU."""
     if device.type != "cuda":
@@ -440,10 +464,6 @@ def _split_k(d_in: int, programs: int, device: torch.device) -> int:
     return split
 
 
-def _grid_m(T: int, max_seg_len: int | None, block_m: int) -> int:
-    return max(1, triton.cdiv(T if max_seg_len is None else min(T, max_seg_len), block_m))
-
-
 def _dot_f32(x: torch.Tensor, pool_l: torch.Tensor) -> bool:
     # Interpreter (CPU tensors): bf16 tl.dot is wrong there, so fp32 operands. GPU fp32: IEEE.
     return x.device.type != "cuda" or pool_l.dtype == torch.float32
@@ -452,16 +472,18 @@ def _dot_f32(x: torch.Tensor, pool_l: torch.Tensor) -> bool:
 def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
                  offsets_a: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
                  seg_slot: torch.Tensor, stride: int, max_rank: int,
-                 max_seg_len: int | None = None, split_k: int | None = None) -> torch.Tensor:
+                 tiles: torch.Tensor | None = None, programs: int | None = None,
+                 split_k: int | None = None) -> torch.Tensor:
     """MBGMM shrink (prefill): xa[t, g, :r] = x[t] @ A_g^T for every token t of a segment.
 
     seg_start int32 [S+1] token offsets, seg_slot int32 [S] (-1 = base-only segment, skipped).
     Returns xa [T, G, max_rank] float32, zero past each rank and outside adapter segments.
     Twin: `reference.lora_shrink` with token_slot expanded from the segments.
-    Grid: (token tile within a segment, segment, module x rank tile). `max_seg_len` (optional,
-    a host int) bounds the first grid axis; without it the bound is T and the token tiles past
-    a segment's end return at once. `split_k` (None: chosen by `_split_k`) slices d_in across
-    programs whose partial sums are added atomically into xa.
+    `tiles`: the work list of the adapter segments (`slora.kernels.tiles`, tiles of
+    `tile_rows(x.device, x.dtype)` tokens); None builds it here, a host round trip.
+    Grid: (`programs`, default one per tile slot; module x rank tile x d_in slice); each
+    program walks the list with stride `programs`. `split_k` (None: chosen by `_split_k`)
+    slices d_in across programs whose partial sums are added atomically into xa.
     """
     _check_meta(x, pool_l, pages, offsets_a, ranks)
     T, d_in = x.shape
@@ -472,17 +494,18 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     xa = torch.zeros(T, G, max_rank, dtype=torch.float32, device=x.device)
     if T == 0 or S == 0 or max_rank == 0:
         return xa
-    cfg = _mbgmm_cfg("shrink", T, max_rank, x.device)
+    cfg = _mbgmm_cfg(max_rank, x)
+    tiles = as_tiles(tiles, seg_start, cfg["BLOCK_M"], keep=seg_slot)
+    programs = programs or (tiles.shape[0] - 1) // 2
+    if programs == 0:
+        return xa
     n_rt = triton.cdiv(max_rank, cfg["BLOCK_R"])
-    grid_m = _grid_m(T, max_seg_len, cfg["BLOCK_M"])
-    if split_k is None:  # programs with work: at most one partial token tile per segment
-        work = (triton.cdiv(T, cfg["BLOCK_M"]) + S) * G * n_rt
-        split_k = _split_k(d_in, work, x.device)
+    if split_k is None:
+        split_k = _split_k(d_in, programs * G * n_rt, x.device)
     k_split = triton.cdiv(triton.cdiv(d_in, CHUNK), split_k) * CHUNK
     split_k = triton.cdiv(d_in, k_split)  # no empty slice
-    grid = (grid_m, S, G * n_rt * split_k)
-    _mbgmm_shrink_kernel[grid](
-        x, pool_l, pages, offsets_a, ranks, seg_start, seg_slot, xa,
+    _mbgmm_shrink_kernel[(programs, G * n_rt * split_k)](
+        x, pool_l, pages, offsets_a, ranks, seg_start, seg_slot, tiles, xa,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_rt, split_k, k_split, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
@@ -493,12 +516,12 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
 def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
                  offsets_b: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
                  seg_slot: torch.Tensor, out_dims: tuple[int, ...], strides: tuple[int, ...],
-                 max_seg_len: int | None = None) -> None:
+                 tiles: torch.Tensor | None = None, programs: int | None = None) -> None:
     """MBGMM expand (prefill), in place: out[t, cols_g] += xa[t, g, :r] @ B_g^T per segment.
 
-    Same segment metadata as `mbgmm_shrink`; same output layout as `mbgmv_expand`.
-    On the GPU the dot runs in B's dtype (xa rounded to it) with fp32 accumulation; fp32 runs
-    in IEEE precision. Grid: (token tile, segment, module x 64-column tile).
+    Same segment metadata and work list as `mbgmm_shrink`; same output layout as
+    `mbgmv_expand`. On the GPU the dot runs in B's dtype (xa rounded to it) with fp32
+    accumulation; fp32 runs in IEEE precision. Grid: (`programs`, module x 64-column tile).
     """
     _check_meta(out, pool_l, pages, offsets_b, ranks)
     T, G, max_rank = xa.shape
@@ -509,11 +532,14 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
     if T == 0 or S == 0 or max_rank == 0:
         return
     d, s = _dims4(out_dims, strides)
-    cfg = _mbgmm_cfg("expand", T, max_rank, out.device)
+    cfg = _mbgmm_cfg(max_rank, out)
+    tiles = as_tiles(tiles, seg_start, cfg["BLOCK_M"], keep=seg_slot)
+    programs = programs or (tiles.shape[0] - 1) // 2
+    if programs == 0:
+        return
     n_nt = triton.cdiv(max(out_dims), CHUNK)
-    grid = (_grid_m(T, max_seg_len, cfg["BLOCK_M"]), S, G * n_nt)
-    _mbgmm_expand_kernel[grid](
-        xa, out, pool_l, pages, offsets_b, ranks, seg_start, seg_slot,
+    _mbgmm_expand_kernel[(programs, G * n_nt)](
+        xa, out, pool_l, pages, offsets_b, ranks, seg_start, seg_slot, tiles,
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_nt, *d, *s, BLOCK_N=CHUNK, EVEN_N=all(x % CHUNK == 0 for x in out_dims),
