@@ -98,7 +98,17 @@ case "${1:-}" in
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --mixed-graph-tokens 2048 --out $OUT/scaling-graphs 2>&1 | tail -8
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
     ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|8|9" >&2; exit 2 ;;
+  10)  # the prefill kernels' work tiles and the decode rows of every mixed step through the
+       # decode kernels: CUDA tests, mixed-step breakdowns eager and graphed, S2 scaling both
+       # ways, the race
+    lane 0 gpu0 'python3 -m pytest -q -rf -p no:cacheprovider tests/test_engine_triton.py tests/test_kernels_attention.py tests/test_kernels_lora.py 2>&1 | grep -E "passed|failed|Error|FAILED" | tail -8
+      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 32,128 --out $OUT/breakdown-eager 2>&1 | grep -A12 "^kernel breakdown, mixed\|^ *batch"
+      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 32,128 --mixed-graph-tokens 2048 --out $OUT/breakdown-graphs 2>&1 | grep -A12 "^kernel breakdown, mixed\|^ *batch"
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --mixed-graph-tokens 2048 --out $OUT/scaling-graphs 2>&1 | tail -8'
+    ;;
+  *) echo "usage: $0 1|2|...|10" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling* breakdown* engine kernels 2>/dev/null) 2>/dev/null \

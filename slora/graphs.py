@@ -25,15 +25,13 @@ The prefill kernels (attention, MBGMM) walk work lists of (segment, token tile) 
 A grid over every (token tile, sequence) pair of the bucket, most of them empty, cost a
 batch-128 mixed step 13.4 ms in MBGMM expand alone on the H200 (notes/kernels.md).
 
-In a mixed graph the decode rows (tokens and sequences 0..d-1, d varying within a bucket) run
-through the decode kernels and only the prompts through the prefill ones, each kernel over the
-whole bucket with the other kind's rows switched off: the decode attention kernel sees context
-length 1 past the decode rows (`Batch.dec_ctx_lens`; its rows there are overwritten), MBGMV
-adapter row -1 on prompt tokens (`LoraMeta.dec_slot`), and the prefill attention's and
-MBGMM's work lists hold the prompts' tiles alone. Eagerly that split would cost launches; in
-a graph it costs nothing. On the H200 a batch-128 mixed step spent 8.2 ms in prefill
-attention and 6.9 ms in MBGMM where a decode step of the same rows spent 4.9 ms and 2.0 ms in
-the decode kernels (notes/kernels.md).
+A step with prompts and decode rows runs the decode rows through the decode kernels and the
+prompts through the prefill ones (`TritonBackend`). In a mixed graph, d (the decode rows:
+tokens and sequences 0..d-1) varies within a bucket, so each decode kernel runs over the whole
+bucket with the prompts' rows switched off: the decode attention kernel sees context length 1
+past the decode rows (`Batch.dec_ctx_lens`; its rows there are overwritten by the prefill
+kernel's), MBGMV adapter row -1 on prompt tokens (`LoraMeta.dec_slot`); the prefill kernels'
+work lists hold the prompts' tiles alone, as in an eager step.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ import torch
 
 from slora.config import cdiv
 from slora.kernels import GroupMeta, LoraMeta
-from slora.kernels.tiles import capacity, tile_rows, token_tiles
+from slora.kernels.tiles import capacity
 from slora.model.llama import GROUPS, Batch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -195,13 +193,11 @@ class StepGraphs:
             h["q_start"][n_seq + 1:s_bucket + 1] = n_tok  # padded sequences: no tokens
             h["dec_slot"][:t_bucket] = -1
             h["seg_slot"][:s_bucket] = -1
-            prompts = [s >= d for s in range(n_seq)]  # the decode rows have no prefill tiles
-            self._put(h["att_tiles"], token_tiles(b.q_start, self.tile, prompts))
+            h["att_tiles"][:b.tiles.shape[0]] = b.tiles  # the prompts' work tiles
             if b.lora is not None:
                 h["dec_slot"][:d] = b.lora.token_slot[:d]
                 h["seg_slot"][:n_seq] = b.lora.seg_slot
-                keep = [p and s >= 0 for p, s in zip(prompts, b.lora.seg_slot.tolist())]
-                self._put(h["lora_tiles"], token_tiles(b.q_start, self.tile, keep))
+                h["lora_tiles"][:b.lora.tiles.shape[0]] = b.lora.tiles
         tables = self._host_tables
         width = b.block_tables.shape[1]
         tables[:n_seq, :width] = b.block_tables
@@ -224,10 +220,6 @@ class StepGraphs:
             off_a[:n_a].copy_(g.offsets_a)
             off_b[:n_a].copy_(g.offsets_b)
             ranks[:, :n_a].copy_(g.ranks)
-
-    @staticmethod
-    def _put(field: torch.Tensor, values: list[int]) -> None:
-        field[:len(values)] = torch.tensor(values, dtype=torch.int32)
 
     def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int) -> Batch:
         mixed = kind == "mixed"

@@ -209,14 +209,18 @@ class ModelRunner:
             logits_index=torch.tensor(q_start[1:]) - 1,
             lora=None,
         )
-        if batch.num_decode < len(seqs):  # prompts: the prefill kernel's work list
-            batch.tiles = torch.tensor(token_tiles(q_start, self.tile), dtype=torch.int32)
+        d = batch.num_decode
+        if d < len(seqs):  # prompts: the prefill kernel's work list; decode rows: their own
+            prompts = [s >= d for s in range(len(seqs))]
+            batch.tiles = torch.tensor(token_tiles(q_start, self.tile, prompts), dtype=torch.int32)
+            if d:
+                batch.dec_ctx_lens = batch.ctx_lens[:d]
         batch.lora = self.lora_meta(seqs, batch, adapters)
         return batch
 
     def lora_meta(self, seqs: list[Request], batch: Batch, adapters: AdapterManager) -> LoraMeta | None:
         """The batch's LoRA metadata, None when no row has an adapter. Segments (one per
-        sequence: the batch's own q_start) and MBGMM's work list (the tiles of the segments
+        sequence: the batch's own q_start) and MBGMM's work list (the tiles of the prompts
         with an adapter) only for steps with prompts, the ones MBGMM runs."""
         names = tuple(dict.fromkeys(r.adapter for r in seqs if r.adapter))
         if not names:
@@ -236,10 +240,12 @@ class ModelRunner:
             token_slot += [s] * r.num_new
         meta = LoraMeta(pages=pages, token_slot=torch.tensor(token_slot, dtype=torch.int32),
                         num_decode=num_decode, groups=groups)
-        if num_decode < len(seqs):
+        if num_decode < len(seqs):  # MBGMM: the prompts with an adapter; MBGMV: decode rows
             meta.seg_start, meta.seg_slot = batch.q_start_t, torch.tensor(seq_slot, dtype=torch.int32)
-            keep = [s >= 0 for s in seq_slot]
+            keep = [i >= num_decode and s >= 0 for i, s in enumerate(seq_slot)]
             meta.tiles = torch.tensor(token_tiles(batch.q_start, self.tile, keep), dtype=torch.int32)
+            if num_decode:
+                meta.dec_slot = meta.token_slot[:num_decode]
         return meta
 
     def _adapter_tensors(self, names: tuple[str, ...], adapters: AdapterManager):

@@ -35,7 +35,7 @@ class LoraMeta:
     of the same assignment: token_slot gives each token's adapter row (the torch twin and MBGMV
     read it), and, in steps with prefill rows, the segments seg_start[i]:seg_start[i+1], one
     per sequence (decode rows too), share adapter row seg_slot[i]; MBGMM walks `tiles`, the
-    work list of the segments with an adapter (slora.kernels.tiles).
+    work list of the prompts' segments with an adapter (slora.kernels.tiles).
     """
 
     pages: torch.Tensor  # int32 [n_a, max_pages]
@@ -44,14 +44,11 @@ class LoraMeta:
     groups: dict[str, GroupMeta]
     seg_start: torch.Tensor | None = None  # int32 [S+1], absolute token indices (Batch.q_start)
     seg_slot: torch.Tensor | None = None  # int32 [S]
-    tiles: torch.Tensor | None = None  # int32 [1 + 2 * capacity]
+    tiles: torch.Tensor | None = None  # int32 [1 + 2 * capacity]: the prompts' (adapter) tiles
     tile_programs: int | None = None  # programs walking `tiles` (None: one per tile)
-    # A graphed mixed step's split (slora.graphs): the decode rows' adapter row per token, -1 on
-    # prompt tokens. With it MBGMV serves the decode rows and MBGMM only the prompts (`tiles`
-    # holds the prompts' alone): in a graph the extra launches cost nothing, and on the H200 a
-    # batch-128 mixed step spent 6.9 ms in MBGMM where the same rows' decode step spent 2.0 ms
-    # in MBGMV.
-    dec_slot: torch.Tensor | None = None
+    # A step with prompts and decode rows: the adapter rows of its first n tokens, for MBGMV
+    # (the decode rows; a graph's bucket pads it with -1 over the prompt tokens).
+    dec_slot: torch.Tensor | None = None  # int32 [n]
 
 
 class TorchBackend:
@@ -93,39 +90,37 @@ class TritonBackend(TorchBackend):
         if b.num_decode == len(b.q_start) - 1:  # decode only: the split-K decode kernel
             return self._attn.paged_decode_attention(q, k_cache, v_cache, b.block_tables,
                                                      b.ctx_lens, scale)
-        out = None
-        if b.dec_ctx_lens is not None:  # a graphed mixed step: decode rows by the decode kernel
-            S = b.ctx_lens.shape[0]
-            out = torch.empty_like(q)
-            out[:S] = self._attn.paged_decode_attention(q[:S], k_cache, v_cache, b.block_tables,
-                                                        b.dec_ctx_lens, scale)
-        # prefill, or prefill mixed with decode rows: one flash-style launch for all of them
-        # (for the prompts only when the decode rows' tiles are left out, as above)
+        out = torch.empty_like(q)
+        if b.dec_ctx_lens is not None:  # the decode rows: the decode kernel
+            n = b.dec_ctx_lens.shape[0]
+            out[:n] = self._attn.paged_decode_attention(q[:n], k_cache, v_cache,
+                                                        b.block_tables[:n], b.dec_ctx_lens, scale)
+        # the prompts (whole, or chunks over a cached prefix): the flash-style prefill kernel
+        # over their work tiles, writing only their rows of `out`
         return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
                                                   b.q_start_t, b.ctx_lens, scale, b.tiles,
                                                   b.tile_programs, out=out)
 
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
-        """Decode-only batches: MBGMV, one adapter row per token. Eager batches with prefill
-        rows: MBGMM over every sequence's segment, decode rows included as one-token segments.
-        One pair of launches rather than an MBGMV pair and an MBGMM pair: these steps run
-        eagerly, and the H200 showed each Triton launch costs the host tens of microseconds,
-        64 of them per layer pair adding ~12 ms to a 7B mixed step. A graphed mixed step
-        (`meta.dec_slot` set) pays no launch cost, so it takes both pairs: MBGMV for the
-        decode rows, MBGMM for the prompts (the decode rows' segments are empty there)."""
+        """Decode rows: MBGMV, one adapter row per token. Prompts: MBGMM over their segments'
+        work tiles. A step with both runs both pairs. (Running the decode rows through MBGMM
+        as one-token segments saves two launches, but on the H200 a batch-128 mixed step spent
+        5.8 ms in MBGMM expand that way against 1.2 ms in MBGMV: each decode row filled a
+        64-token tile alone.)"""
         g = meta.groups.get(group)
         if g is None:
             return
         ranks = g.ranks[layer]
         decode_only = x.shape[0] == meta.num_decode
-        if decode_only or meta.dec_slot is not None:
-            slot = meta.token_slot if decode_only else meta.dec_slot
-            xa = self._lora.mbgmv_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, slot,
+        slot = meta.token_slot if decode_only else meta.dec_slot
+        if slot is not None:
+            n = slot.shape[0]
+            xa = self._lora.mbgmv_shrink(x[:n], pool_l, meta.pages, g.offsets_a, ranks, slot,
                                          g.stride_in, g.max_rank)
-            self._lora.mbgmv_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks, slot,
+            self._lora.mbgmv_expand(xa, out[:n], pool_l, meta.pages, g.offsets_b, ranks, slot,
                                     g.out_dims, g.strides_out)
-            if decode_only:
-                return
+        if decode_only:
+            return
         xa = self._lora.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, meta.seg_start,
                                      meta.seg_slot, g.stride_in, g.max_rank, meta.tiles,
                                      meta.tile_programs)

@@ -63,14 +63,13 @@ class Batch:
     num_decode: int
     logits_index: torch.Tensor  # [S]
     lora: object | None  # kernels.LoraMeta, None when no row has an adapter
-    # Steps with prompts: the prefill attention kernel's work list (slora.kernels.tiles), and
-    # how many programs walk it (None: one per tile).
+    # Steps with prompts: the prefill attention kernel's work list, the prompts' tiles
+    # (slora.kernels.tiles), and how many programs walk it (None: one per tile).
     tiles: torch.Tensor | None = None  # int32 [1 + 2 * capacity]
     tile_programs: int | None = None
-    # Set on a graphed mixed step only (slora.graphs): the decode rows (sequences 0..d-1) go
-    # through the decode attention kernel with these context lengths (1 past the decode rows),
-    # and the prefill kernel's tiles cover the prompts alone.
-    dec_ctx_lens: torch.Tensor | None = None  # int32 [S]
+    # Steps with prompts and decode rows: the context lengths of the first n sequences, for
+    # the decode attention kernel (the decode rows; a graph's bucket pads it with 1s).
+    dec_ctx_lens: torch.Tensor | None = None  # int32 [n]
 
     def to(self, device: torch.device) -> "Batch":
         """The same batch with every tensor on `device` (host-side lists stay)."""
