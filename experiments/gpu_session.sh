@@ -108,9 +108,18 @@ case "${1:-}" in
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --mixed-graph-tokens 2048 --out $OUT/scaling-graphs 2>&1 | tail -8'
     ;;
-  *) echo "usage: $0 1|2|...|10" >&2; exit 2 ;;
+  11)  # #7 with mixed-step graphs on by default: a fresh profile, then replay vs simulate with
+       # it on three 60 s traces, one on GPU0 after the profile, two on GPU1 once it exists
+    lane 0 gpu0 'bash experiments/profile_h200.sh profile 2>&1 | tail -8; touch $OUT/profile.done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=$OUT/sim-vs-replay-0 \
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -12'
+    lane 1 gpu1 'while [ ! -f $OUT/profile.done ]; do sleep 5; done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
+        RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14'
+    ;;
+  *) echo "usage: $0 1|2|...|11" >&2; exit 2 ;;
 esac
 wait
-(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay scaling* breakdown* engine kernels 2>/dev/null) 2>/dev/null \
-  && rm -rf suites sim-vs-replay)
+(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* engine kernels 2>/dev/null) 2>/dev/null \
+  && rm -rf suites sim-vs-replay*)
 for f in "$OUT"/gpu0.log "$OUT"/gpu1.log; do echo "==== $f"; tail -60 "$f"; done

@@ -8,7 +8,7 @@
 # Then commit $OUT/h200-llama2-7b.json as experiments/profiles/h200-llama2-7b.json and put the
 # table in the simulator note. validate uses $PROFILE (default: the shipped profile if present,
 # else the one `profile` just wrote to $OUT). DURATION=30 shortens the validation traces;
-# ONLY="n100-a1-r4" runs a subset. MIXED=N profiles and replays with mixed-step CUDA graphs
+# ONLY="n100-a1-r4" runs a subset, RESULTS=DIR writes elsewhere. MIXED=N profiles and replays with mixed-step CUDA graphs
 # (EngineConfig.mixed_graph_tokens=N).
 set -euo pipefail
 OUT=${OUT:-results/gpu}
@@ -30,7 +30,7 @@ case "$step" in
       if [ -f "$SHIPPED" ]; then PROFILE=$SHIPPED; else PROFILE=$OUT/h200-llama2-7b.json; fi
     fi
     python3 experiments/sim_vs_replay.py --model "$MODEL" --profile "$PROFILE" \
-      --duration "${DURATION:-60}" --results "$OUT/sim-vs-replay" ${ONLY:+--only $ONLY} \
+      --duration "${DURATION:-60}" --results "${RESULTS:-$OUT/sim-vs-replay}" ${ONLY:+--only $ONLY} \
       ${MIXED:+--engine "{\"mixed_graph_tokens\": $MIXED}"} \
       2>&1 | tee "$OUT/sim-vs-replay.log"
     ;;

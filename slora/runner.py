@@ -92,6 +92,8 @@ class ModelRunner:
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.graphs = (StepGraphs(self, config.max_num_seqs, config.mixed_graph_tokens)
                        if cuda and config.cuda_graphs and self.backend.name != "torch" else None)
+        # the setting in effect: steps with prompts run eagerly where there are no graphs
+        self.mixed_graph_tokens = self.graphs.mixed_tokens if self.graphs is not None else 0
         # row strides and output widths of each LoRA module group: fixed by the model
         self.group_shapes = {
             g: dict(stride_in=strides(model_config, LORA_MODULES[mods[0]])[0],

@@ -96,7 +96,7 @@ class PlanTap:
         if self.inject is not None:
             plan.prefetch.append(self.inject)
         self.features = plan_features(plan, self.engine.adapters,
-                                      self.engine.config.mixed_graph_tokens)
+                                      self.engine.runner.mixed_graph_tokens)
         self.copies = bool(plan.adapter_loads or plan.prefetch)
         infos = self.engine.adapters.adapters
         self.load_bytes = [infos[name].nbytes for name, _ in plan.adapter_loads]
@@ -409,7 +409,7 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
     return Profile(model=model_name or str(engine.config.model), gpu=device_name(engine), cost=cost,
                    model_config=model_config, dtype=dtype, block_size=engine.config.block_size,
                    num_pages=engine.runner.num_pages, gpu_memory_gb=device_memory_gb(engine),
-                   mixed_graph_tokens=engine.config.mixed_graph_tokens,
+                   mixed_graph_tokens=engine.runner.mixed_graph_tokens,
                    fit_stats=stats, samples=samples,
                    transfer_samples={"h2d": transfers["h2d"], "disk": transfers["disk"]})
 
