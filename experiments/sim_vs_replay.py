@@ -128,7 +128,7 @@ def step_residuals(path: Path, profile: Profile) -> str:
         kind += "+lora" if f["adapters"] else ""
         kind += ", copies" if s["copies"] else ""
         cost = profile.cost
-        pred = cost.forward_time(sample_row(f))
+        pred = cost.forward_time(sample_row(f, profile.mixed_graph_tokens))
         if s["load_bytes"] is not None:
             pred = cost.step_time(pred, sum(map(cost.copy_time, s["load_bytes"])),
                                   sum(map(cost.copy_time, s["prefetch_bytes"])), 0.0)

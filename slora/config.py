@@ -236,5 +236,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# A mixed step's CUDA-graph buckets (slora.graphs): its tokens in all (prompts and decode rows)
+# are padded up to the first of these, or to mixed_graph_tokens past the last that is smaller.
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+def bucket(n: int, buckets) -> int | None:
+    """The first of `buckets` (ascending) that holds n; None past the last."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def buckets_up_to(candidates, limit: int) -> tuple[int, ...]:
+    """The candidates below `limit`, then `limit` itself."""
+    return tuple(b for b in candidates if b < limit) + (limit,)

@@ -5,9 +5,10 @@ cost. Two kinds of graph, captured lazily (or by `Engine.warmup`) over static de
 
 - decode steps, one graph per (batch bucket, rank bucket, adapter-page bucket);
 - mixed steps (prompts, with or without decode rows) of at most `mixed_tokens` tokens, one per
-  (token bucket, sequence bucket, rank bucket, adapter-page bucket). Off unless
-  `EngineConfig.mixed_graph_tokens` > 0. A mixed step otherwise runs eagerly, and on the H200
-  it was bound by the host: 20-30 ms of wall time for 8-10 ms of GPU work (notes/kernels.md).
+  (token bucket, sequence bucket, rank bucket, adapter-page bucket), up to
+  `EngineConfig.mixed_graph_tokens` (default 2048; 0: none). A larger mixed step runs eagerly:
+  on the H200 an eager step was bound by the host launching its ~450 Triton kernels below a
+  few hundred prompt tokens (notes/kernels.md).
 
 Each step writes its host batch into pinned twins of the buffers, copies them over in two
 transfers (the adapter-side tensors only when the batch's adapters changed), and replays the
@@ -38,23 +39,15 @@ from __future__ import annotations
 
 import torch
 
-from slora.config import cdiv
+from slora.config import TOKEN_BUCKETS, bucket, buckets_up_to, cdiv
 from slora.kernels import GroupMeta, LoraMeta
 from slora.kernels.tiles import capacity
 from slora.model.llama import GROUPS, Batch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-# mixed steps: total tokens, and sequences (coarse: a padded sequence costs programs that return)
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# mixed steps: sequences (coarse: a padded sequence costs programs that return); their tokens
+# take slora.config.TOKEN_BUCKETS
 MIXED_SEQ_BUCKETS = (4, 16, 64, 256, 512)
-
-
-def _bucket(n: int, buckets) -> int | None:
-    return next((b for b in buckets if b >= n), None)
-
-
-def _buckets(candidates, limit: int) -> tuple[int, ...]:
-    return tuple(b for b in candidates if b < limit) + (limit,)
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -75,11 +68,11 @@ class StepGraphs:
     def __init__(self, runner, max_num_seqs: int, mixed_tokens: int = 0, capture: bool = True) -> None:
         self.runner = runner
         self.capture = capture
-        self.buckets = _buckets(BATCH_BUCKETS, max_num_seqs)
+        self.buckets = buckets_up_to(BATCH_BUCKETS, max_num_seqs)
         self.max_batch = max_num_seqs
         self.mixed_tokens = mixed_tokens
-        self.token_buckets = _buckets(TOKEN_BUCKETS, mixed_tokens) if mixed_tokens else ()
-        self.seq_buckets = _buckets(MIXED_SEQ_BUCKETS, max_num_seqs)
+        self.token_buckets = buckets_up_to(TOKEN_BUCKETS, mixed_tokens) if mixed_tokens else ()
+        self.seq_buckets = buckets_up_to(MIXED_SEQ_BUCKETS, max_num_seqs)
         self.max_tokens = max(max_num_seqs, mixed_tokens)
         self.tile = runner.tile
         # the longest sequence the engine admits (model limit, capped by the pool's size)
@@ -155,11 +148,11 @@ class StepGraphs:
             if lora.pages.shape[1] > self.max_pages:
                 self._alloc(_pow2(lora.pages.shape[1], 8))
         if n_tok == b.num_decode:
-            t_bucket = s_bucket = _bucket(n_tok, self.buckets)
+            t_bucket = s_bucket = bucket(n_tok, self.buckets)
             key = ("decode", t_bucket, rank_bucket, self.max_pages)
         else:
-            t_bucket = _bucket(n_tok, self.token_buckets)
-            s_bucket = min(_bucket(n_seq, self.seq_buckets), t_bucket)
+            t_bucket = bucket(n_tok, self.token_buckets)
+            s_bucket = min(bucket(n_seq, self.seq_buckets), t_bucket)
             key = ("mixed", t_bucket, s_bucket, rank_bucket, self.max_pages)
         self._fill(b, n_tok, n_seq, t_bucket, s_bucket)
         if key not in self.graphs:

@@ -144,6 +144,7 @@ def test_mixed_step_graphs_match_eager(tiny_model_dir, adapter_factory):
 def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
     """With mixed-step graphs on, `Engine.warmup` runs one prefill step per (token bucket,
     sequence bucket), so serving does not stop to capture them."""
+    from slora.config import bucket
     from slora.graphs import StepGraphs
 
     e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
@@ -154,3 +155,12 @@ def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
     mixed = {k[1:3] for k in e.runner.graphs.graphs if k[0] == "mixed"}
     assert mixed == {(16, 4), (32, 4)}
     assert {k[1] for k in e.runner.graphs.graphs if k[0] == "decode"} == {1, 2, 4}
+    # every (token, sequence) bucket a step can take is warmed, those whose sequence bucket
+    # the token bucket caps included
+    graphs = StepGraphs(e.runner, 64, mixed_tokens=64, capture=False)
+    e.runner.graphs = graphs
+    warmed = set(e._mixed_buckets())
+    for n_tok in range(1, 65):
+        for n_seq in range(1, n_tok + 1):
+            t = bucket(n_tok, graphs.token_buckets)
+            assert (t, min(bucket(n_seq, graphs.seq_buckets), t)) in warmed, (n_tok, n_seq)

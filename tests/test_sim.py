@@ -26,7 +26,7 @@ from slora.config import ModelConfig
 from slora.metrics import summarize
 from slora.replay import register_adapters, replay
 from slora.sim import CostModel, Profile, SimRunner, VirtualClock, fit, simulate
-from slora.sim.cost import FEATURES, fit_bandwidth
+from slora.sim.cost import FEATURES, fit_bandwidth, padding
 from slora.sim.simulator import (adapter_pages, best_point, pages_for_memory, parse_sweep,
                                  rescale_rate, simulate_point)
 from slora.workload import Trace, TraceRequest, synthesize, write_trace
@@ -84,7 +84,7 @@ def test_adapter_pages_match_what_the_engine_registers(tiny_model_dir):
 
 def test_fit_recovers_coefficients_and_stays_non_negative():
     true = dict(zip(FEATURES, (2e-3, 1e-5, 1e-9, 3e-5, 2e-7, 1e-4, 5e-8, 1e-6, 4e-3, 9e-3, 1e-3,
-                               3e-4)))
+                               3e-4, 2e-3, 1e-4, 2e-5)))
     rng = random.Random(0)
     samples = []
     for _ in range(200):  # prefill, decode and mixed shapes, with and without adapters
@@ -92,10 +92,13 @@ def test_fit_recovers_coefficients_and_stays_non_negative():
         plen, ctx = rng.randint(8, 512), rng.randint(8, 1024)
         n_a, pages = rng.choice((0, 1, 5)), rng.choice((2, 16))
         lora = 1 if n_a else 0
-        eager = 1.0 if n_pre else 0.0
+        tokens = n_pre * plen + n_dec
+        eager = 1.0 if n_pre and tokens > 512 else 0.0  # past the mixed graphs
+        prompts = 1.0 if n_pre else 0.0
         f = (1.0, n_pre * plen, n_pre * plen * plen, n_dec, n_dec * ctx, n_a,
              lora * n_pre * plen * pages * rng.random(), lora * n_dec * pages * rng.random(),
-             eager, eager * lora, lora, eager * n_a)
+             eager, eager * lora, lora, eager * n_a, prompts * (n_dec > 0), prompts * n_a,
+             padding(tokens, 512) if prompts and not eager else 0.0)
         samples.append((f, sum(true[k] * v for k, v in zip(FEATURES, f))))
     coeffs, stats = fit(samples)
     for k in FEATURES:
@@ -118,7 +121,8 @@ def test_fit_max_finds_the_host_bound_steps():
     from slora.sim.cost import HOST_FEATURES, fit_max
 
     rng = random.Random(1)
-    device = dict(zip(FEATURES, (2e-3, 2e-5, 0, 1e-5, 1e-7, 0, 0, 0, 1e-3, 0, 0, 0)))
+    device = dict.fromkeys(FEATURES, 0.0) | {"const": 2e-3, "prefill_tokens": 2e-5,
+                                             "decode_seqs": 1e-5, "decode_ctx": 1e-7, "eager": 1e-3}
     host = dict.fromkeys(HOST_FEATURES, 0.0) | {"const": 2e-3, "eager": 12e-3, "decode_seqs": 2e-5}
     samples = []
     for _ in range(300):
@@ -381,15 +385,17 @@ def test_10000_requests_over_2000_adapters_is_fast():
 
 
 def test_refit_derives_new_features_from_old_samples():
-    """A profile stored before `eager`, `eager_lora`, `lora` and `eager_adapters` existed
-    refits from its own samples."""
+    """A profile stored before `eager`, `eager_lora`, `lora`, `eager_adapters`, `mixed` and
+    `mixed_adapters` existed refits from its own samples."""
     from slora.sim.cost import CostModel, Profile
 
     old_keys = FEATURES[:8]
     samples = []
     for n_pre in (0, 1, 3):
         for n_a in (0, 1, 3):
-            for n_dec in (1, 8, 32):
+            for n_dec in (0, 1, 8, 32):
+                if not n_pre and not n_dec:
+                    continue
                 f = dict(zip(old_keys, (1.0, 64.0 * n_pre, 0.0, n_dec, 100.0 * n_dec, n_a, 0.0, 0.0)))
                 eager = 1.0 if n_pre else 0.0
                 t = 5e-3 + 2e-5 * f["prefill_tokens"] + 1e-5 * n_dec + 4e-3 * eager + 9e-3 * eager * (n_a > 0)
@@ -400,6 +406,7 @@ def test_refit_derives_new_features_from_old_samples():
     assert q.cost.coeffs["eager_lora"] == pytest.approx(9e-3, rel=1e-6)
     assert q.cost.coeffs["lora"] == pytest.approx(0, abs=1e-9)
     assert q.cost.coeffs["eager_adapters"] == pytest.approx(0, abs=1e-9)
+    assert q.cost.coeffs["mixed"] == pytest.approx(0, abs=1e-9)
     assert q.fit_stats["refit"] and q.fit_stats["mean_rel_err"] < 1e-9
 
 

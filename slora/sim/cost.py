@@ -1,6 +1,6 @@
 """The cost model: how long one engine step takes, from the shape of the scheduler's plan.
 
-A step's forward time is the larger of two linear models over twelve features of the plan
+A step's forward time is the larger of two linear models over fifteen features of the plan
 (`FEATURES`), each a sum the runner's kernels scale with: the device's work, over all of them,
 
     device  = c0                                   fixed: launch, scheduling, sampling overhead
@@ -23,6 +23,14 @@ A step's forward time is the larger of two linear models over twelve features of
                                                    kernels' fixed cost, in graphs too (64 small
                                                    launches a 7B step, each of some microseconds)
             + c_eager_adapters * eager_adapters    distinct adapters in an eager step
+            + c_mixed          * mixed             1 when the step has prompts and decode rows:
+                                                   it runs both kernel sets (decode attention
+                                                   and MBGMV for the decode rows, prefill
+                                                   attention and MBGMM for the prompts)
+            + c_mixed_adapters * mixed_adapters    distinct adapters in a step with prompts
+            + c_padded         * padded            a graphed step's padding: its token bucket
+                                                   (slora.config.TOKEN_BUCKETS) less its tokens,
+                                                   rows the GEMMs compute all the same
 
 and the host's, over HOST_FEATURES (`host_coeffs`; None: the device's alone):
 
@@ -39,6 +47,14 @@ third (2026-11-30): decode steps with one adapter at batch 1 took 6.4 ms against
 (the model said +0.1 ms), and mixed steps with 32 distinct adapters were under-predicted by
 half; with them the mean relative error of that profile's 582 steps fell from 15.0% to 11.6%
 (12.6% on the profile before it).
+
+mixed and mixed_adapters came from the first profile with mixed-step graphs on (2026-11-30,
+session 5): replays' steps with prompts took 18-23 ms where the model said 0.78-0.82 of that,
+and the profile's own steps with prompts and decode rows were under-predicted the same way
+(0.80). Fitted on the profile's steps alone, the two took the replays' steps with prompts to
+0.92-1.02 of their measured time. padded followed: a step of 271 prompt tokens beside 21
+decode rows replays the 512-token graph, and fitted on the profile's steps its coefficient
+came out as a prompt token's (0.020 against 0.019 ms), the profile's error 7.4% -> 6.6%.
 
 Adapter pages stand in for rank because they are proportional to the bytes the LoRA kernels
 read and the FLOPs they do (rank x the target modules' widths), for any choice of targets.
@@ -68,8 +84,11 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from slora.config import TOKEN_BUCKETS, bucket, buckets_up_to
+
 FEATURES = ("const", "prefill_tokens", "prefill_attn", "decode_seqs", "decode_ctx", "adapters",
-            "lora_prefill", "lora_decode", "eager", "eager_lora", "lora", "eager_adapters")
+            "lora_prefill", "lora_decode", "eager", "eager_lora", "lora", "eager_adapters",
+            "mixed", "mixed_adapters", "padded")
 # The host piece of the model (`fit_max`): what Python pays to prepare and launch a step.
 HOST_FEATURES = ("const", "decode_seqs", "adapters", "eager", "eager_lora", "eager_adapters")
 PROFILE_FORMAT = "slora-profile/1"
@@ -99,10 +118,19 @@ def plan_features(plan, adapters, graph_tokens: int = 0) -> tuple[float, ...]:
     names = {r.adapter for r in plan.decode}
     names.update(r.adapter for r in plan.prefill)
     names.discard(None)
-    eager = 1.0 if plan.prefill and prefill_tokens + len(plan.decode) > graph_tokens else 0.0
+    tokens = prefill_tokens + len(plan.decode)
+    eager = 1.0 if plan.prefill and tokens > graph_tokens else 0.0
+    prompts = 1.0 if plan.prefill else 0.0
     return (1.0, prefill_tokens, prefill_attn, len(plan.decode), decode_ctx, len(names),
             lora_prefill, lora_decode, eager, eager if names else 0.0,
-            1.0 if names else 0.0, eager * len(names))
+            1.0 if names else 0.0, eager * len(names),
+            prompts if plan.decode else 0.0, prompts * len(names),
+            padding(tokens, graph_tokens) if prompts and not eager else 0.0)
+
+
+def padding(tokens: int, graph_tokens: int) -> float:
+    """The padded rows of a graphed step with prompts of `tokens` tokens in all."""
+    return float(bucket(tokens, buckets_up_to(TOKEN_BUCKETS, graph_tokens)) - tokens)
 
 
 @dataclass
@@ -267,14 +295,22 @@ def _nnls_rel(X, y, columns: list[int], features: tuple[str, ...]):
     return coef, dropped
 
 
-def sample_row(features: dict) -> tuple[float, ...]:
+def sample_row(features: dict, graph_tokens: int = 0) -> tuple[float, ...]:
     """A stored sample's features in FEATURES order. Features added after a profile was made
-    are derived from the others (all of them can be), so old samples refit."""
+    are derived from the others (all of them can be; `padded` from the profile's
+    `mixed_graph_tokens`), so old samples refit."""
     f = dict(features)
     f.setdefault("eager", 1.0 if f.get("prefill_tokens", 0) > 0 else 0.0)
     f.setdefault("eager_lora", f["eager"] if f.get("adapters", 0) > 0 else 0.0)
     f.setdefault("lora", 1.0 if f.get("adapters", 0) > 0 else 0.0)
     f.setdefault("eager_adapters", f["eager"] * f.get("adapters", 0))
+    prompts = 1.0 if f.get("prefill_tokens", 0) > 0 else 0.0
+    f.setdefault("mixed", prompts if f.get("decode_seqs", 0) > 0 else 0.0)
+    f.setdefault("mixed_adapters", prompts * f.get("adapters", 0))
+    if "padded" not in f:
+        tokens = f.get("prefill_tokens", 0) + f.get("decode_seqs", 0)
+        graphed = prompts and not f["eager"] and tokens <= graph_tokens
+        f["padded"] = padding(int(tokens), graph_tokens) if graphed else 0.0
     return tuple(float(f.get(k, 0.0)) for k in FEATURES)
 
 
@@ -369,7 +405,8 @@ class Profile:
         samples = list(self.samples) + list(extra)
         if not samples:
             raise ValueError(f"profile of {self.model}: no samples stored to refit from")
-        coeffs, host, stats = fit_max([(sample_row(s["features"]), s["seconds"]) for s in samples])
+        coeffs, host, stats = fit_max([(sample_row(s["features"], self.mixed_graph_tokens),
+                                        s["seconds"]) for s in samples])
         c = self.cost
         cost = CostModel(coeffs=coeffs, host_coeffs=host, h2d_gbps=c.h2d_gbps, disk_gbps=c.disk_gbps,
                          load_overhead_s=c.load_overhead_s, prefetch_overlap=c.prefetch_overlap)

@@ -395,7 +395,9 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
     transfers = measure_transfers(engine, grid, log)
     log("prefetch overlap")
     overlap = measure_overlap(engine, grid, log)
-    coeffs, host, stats = fit_max([(sample_row(s["features"]), s["seconds"]) for s in samples])
+    graph_tokens = engine.runner.mixed_graph_tokens
+    coeffs, host, stats = fit_max([(sample_row(s["features"], graph_tokens), s["seconds"])
+                                   for s in samples])
     stats["overlap"] = overlap
     stats["profile_s"] = time.perf_counter() - t0
     cost = CostModel(coeffs=coeffs, host_coeffs=host, h2d_gbps=transfers["h2d_gbps"],
