@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from pathlib import Path
@@ -245,7 +246,9 @@ class Engine:
         `ranks` (adapters to come; graphs are keyed by the rank rounded up to a power of two),
         the widest first so the graphs' page-table width is set once. Only idle engines warm
         up; the copies show in `stats()`. With `mixed_graph_tokens` set, one prefill step
-        per mixed-step graph bucket (tokens x sequences) too, at each rank bucket."""
+        per mixed-step graph bucket (tokens x sequences) too, at each rank bucket. Last, the
+        objects that exist are frozen out of the garbage collector's view (`gc.freeze`;
+        `close` unfreezes them)."""
         if self.has_unfinished():
             raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
         t0 = time.perf_counter()
@@ -282,6 +285,12 @@ class Engine:
                 self.remove_adapter(name)
             for key in set(self._synthetic) - buffers:
                 del self._synthetic[key]
+        # What exists now lives as long as the engine: move it out of the garbage collector's
+        # view (as vLLM does after start-up), so a full collection while serving walks only
+        # the objects made since. With 2,000 registered adapters a full collection took 70 ms
+        # on a 2-core CPU, and H200 replays showed 100-290 ms stalls in small steps.
+        gc.collect()
+        gc.freeze()
         return time.perf_counter() - t0
 
     def _mixed_buckets(self) -> list[tuple[int, int]]:
@@ -302,13 +311,12 @@ class Engine:
         sizes its pool from free memory, so one built while an old one lingers gets a sliver
         of it: the H200 validation run's second replay got 334 pages instead of 13,403.
         The engine cannot serve afterwards."""
-        import gc
-
         import torch
 
         cuda = self.runner.device.type == "cuda"
         self.runner = None
         self._synthetic.clear()
+        gc.unfreeze()  # what `warmup` froze is collectable again
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

@@ -148,6 +148,7 @@ def test_close_frees_the_pool_at_once(tiny_model_dir):
 
     eng = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", num_pages=64))
     eng.add_synthetic_adapter("a", 4)
+    eng.warmup()  # freezes what exists (gc.freeze): close() must collect it all the same
     eng.generate(["hello"], SamplingParams(max_tokens=2), adapters="a")
     pool = weakref.ref(eng.runner.pool)
     eng.close()

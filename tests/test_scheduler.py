@@ -5,6 +5,7 @@ adapters with exactly the tokens of a roomy pool; preemption leaves outputs unch
 Fake runner + hypothesis: invariants under random arrivals, lengths, adapters and pool sizes.
 """
 
+import gc
 import random
 
 import pytest
@@ -104,6 +105,10 @@ def test_warmup_leaves_the_engine_as_it_found_it(tiny_model_dir):
     engine.warmup(ranks=[100])
     assert engine.stats()["adapter_loads"] - before == 3
     assert engine.list_adapters() == ["big", "small"] and engine._synthetic == buffers
+    # what start-up made is out of the collector's view while serving, and back after close()
+    assert gc.get_freeze_count() > 0
+    engine.close()
+    assert gc.get_freeze_count() == 0
 
 
 def test_request_bigger_than_pool_fails_alone(tiny_model_dir):
