@@ -243,8 +243,30 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
             "tok_s": batch / step_ms * 1e3}
 
 
-def _profiled(eng: Engine, step, steps: int) -> tuple[float, dict[str, float]]:
-    """(wall ms per step, {kernel: GPU ms per step}) of `steps` calls of `step` under
+GAP_US = 50  # a GPU idle gap this long or longer is the host between launches, not a graph's
+
+
+def _gaps(prof, steps: int) -> dict[str, float]:
+    """The GPU's idle time per step between its activities (kernels, copies), in two parts:
+    gaps under GAP_US (between the nodes of a graph, or kernels launched back to back) and
+    longer ones (the GPU waiting for the host: between steps, or an eager launch sequence)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    short = long = 0.0
+    end = None
+    for a, b in spans:
+        if end is not None and a > end:
+            gap = a - end
+            if gap < GAP_US:
+                short += gap
+            else:
+                long += gap
+        end = b if end is None else max(end, b)
+    return {"short_gaps_ms_per_step": short / 1e3 / steps, "long_gaps_ms_per_step": long / 1e3 / steps}
+
+
+def _profiled(eng: Engine, step, steps: int) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(wall ms per step, {kernel: GPU ms per step}, `_gaps`) of `steps` calls of `step` under
     torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -263,7 +285,7 @@ def _profiled(eng: Engine, step, steps: int) -> tuple[float, dict[str, float]]:
             dev_us = getattr(e, "self_cuda_time_total", 0)
         if dev_us > 0 and e.device_type.name == "CUDA":
             kernels[e.key] = kernels.get(e.key, 0.0) + dev_us / 1e3 / steps
-    return wall_ms, kernels
+    return wall_ms, kernels, _gaps(prof, steps)
 
 
 def _host_profile(step, steps: int, top: int = 20) -> list[dict]:
@@ -287,9 +309,10 @@ def _host_profile(step, steps: int, top: int = 20) -> list[dict]:
 def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int = 8) -> dict:
     """Where a step's time goes, under torch.profiler: `steps` steady decode steps (every
     request decoding: the CUDA-graph path), then `steps` mixed steps (the same batch plus one
-    new 128-token prompt each: the eager path every prefill takes). GPU busy time per step
-    against its wall time shows the host's share (the GPU idles while the CPU schedules,
-    builds the batch, launches eager kernels and samples); the kernel table shows the GPU's."""
+    new 128-token prompt each: a graph replay up to mixed_graph_tokens). GPU busy time per
+    step against its wall time shows the idle share, split into short gaps (between a graph's
+    kernels) and long ones (the GPU waiting while the CPU schedules, builds the batch, launches
+    eager kernels and samples); the kernel table shows the GPU's."""
     modules = MODULE_SETS[modules_key]
     cfg = eng.model_config
     ranks = {f"kb-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
@@ -312,10 +335,10 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
 
     res = {"batch": batch, "modules": modules_key}
     for kind, fn in (("decode", lambda i: eng.step()), ("mixed", mixed)):
-        wall_ms, kernels = _profiled(eng, fn, steps)
+        wall_ms, kernels, gaps = _profiled(eng, fn, steps)
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
         res[kind] = {"wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": sum(kernels.values()),
-                     "kernels": [{"name": k[:90], "ms_per_step": v} for k, v in top]}
+                     **gaps, "kernels": [{"name": k[:90], "ms_per_step": v} for k, v in top]}
     res["mixed"]["host"] = _host_profile(lambda i: mixed(steps + i), steps)
     while eng.has_unfinished():
         eng.step()
@@ -328,7 +351,9 @@ def print_breakdown(b: dict) -> None:
         k = b[kind]
         busy, wall = k["gpu_busy_ms_per_step"], k["wall_ms_per_step"]
         print(f"\nkernel breakdown, {kind} steps, batch {b['batch']}, modules {b['modules']}: "
-              f"{wall:.2f} ms/step wall (profiled), GPU busy {busy:.2f} ms ({busy / wall:.0%})")
+              f"{wall:.2f} ms/step wall (profiled), GPU busy {busy:.2f} ms ({busy / wall:.0%}); "
+              f"GPU idle in gaps < {GAP_US} us {k['short_gaps_ms_per_step']:.2f} ms, "
+              f"longer {k['long_gaps_ms_per_step']:.2f} ms")
         for row in k["kernels"]:
             print(f"  {row['ms_per_step']:8.3f} ms  {row['name']}")
     print(f"\nhost, mixed steps (cProfile, own ms/step, cumulative ms/step, calls/step):")

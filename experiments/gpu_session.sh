@@ -118,11 +118,13 @@ case "${1:-}" in
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14'
     ;;
   12)  # as 11 after the warm-up covers every mixed bucket and the cost model's mixed/padded
-       # features; then the race (GPU0) and S2 scaling (GPU1) at the defaults
+       # features; then the race and the batch-32 breakdown with its GPU idle gaps split
+       # (GPU0), S2 scaling (GPU1), at the defaults
     lane 0 gpu0 'bash experiments/profile_h200.sh profile 2>&1 | tail -8; touch $OUT/profile.done
       PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=$OUT/sim-vs-replay-0 \
         bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -12
-      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6'
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6
+      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32 --out $OUT/breakdown 2>&1 | grep -A6 "^kernel breakdown\|^ *batch"'
     lane 1 gpu1 'while [ ! -f $OUT/profile.done ]; do sleep 5; done
       PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14

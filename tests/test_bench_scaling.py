@@ -49,6 +49,9 @@ def test_bench_scaling_cpu(bench, tiny_model_dir, tmp_path):
         assert (r["adapter_bytes"] > 0) == (r["modules"] != "none")
     assert [(b["batch"], b["modules"]) for b in res["breakdown"]] == [(4, "none"), (4, "qkvo")]
     assert all(b[k]["wall_ms_per_step"] > 0 for b in res["breakdown"] for k in ("decode", "mixed"))
+    # the GPU's idle gaps (none on CPU: no device activity to part)
+    assert all(b[k]["short_gaps_ms_per_step"] == b[k]["long_gaps_ms_per_step"] == 0
+               for b in res["breakdown"] for k in ("decode", "mixed"))
     by = {(r["batch"], r["modules"]): r for r in rows}
     # KV grows with the batch; adapter bytes with the batch (one adapter each) and the modules
     assert by[4, "none"]["kv_bytes"] > by[1, "none"]["kv_bytes"]
