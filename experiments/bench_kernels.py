@@ -570,7 +570,7 @@ def main():
                    mixed=(3,), mixed_ctx=20, mixed_prompt=7, mixed_heads=2)
     else:
         cfg = dict(smoke=False, hidden=4096, page_size=16 * 2 * 32 * 128,  # Llama-2-7B block 16
-                   batches=(1, 16, 64, 256), ranks=(8, 16, 32, 64, 128),
+                   batches=(1, 16, 32, 64, 128, 256), ranks=(8, 16, 32, 64, 128),
                    segments=(8, 512), mbgmm_ranks=(16, 64), block_size=16,
                    attn=[(32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
                          (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],
