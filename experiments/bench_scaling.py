@@ -196,8 +196,8 @@ def part_scaling(eng: Engine, args) -> list[dict]:
               f"{r['req_s']:>8.2f}{r['ratio']:>7.3f}{r['adapter_loads']:>7}"
               f"{r['adapter_evictions']:>7}{r['preemptions']:>8}{r['wall_s']:>8.1f}"
               f"{r['steps']:>7}{r['mixed_steps']:>7}{r['mixed_s']:>8.1f}")
-    print("(mixed: steps with prompts, run eagerly unless --mixed-graph-tokens covers them; "
-          "mixed s: their wall time)")
+    print(f"(mixed: steps with prompts, graphed up to {eng.runner.mixed_graph_tokens} tokens, "
+          "eager past that; mixed s: their wall time)")
     return rows
 
 
@@ -400,9 +400,9 @@ def parse_args(argv=None):
                     help="default: gpu_memory_fraction of free memory")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
-    ap.add_argument("--mixed-graph-tokens", type=int, default=0,
+    ap.add_argument("--mixed-graph-tokens", type=int,
                     help="EngineConfig.mixed_graph_tokens: steps with prompts of at most this "
-                         "many tokens replay CUDA graphs (default 0: eager)")
+                         "many tokens replay CUDA graphs (default: the engine's, 2048; 0: eager)")
     ap.add_argument("--adapters", type=ints, default=[1, 100, 1000, 2000],
                     help="scaling: adapter counts")
     ap.add_argument("--modules", type=lambda t: t.split(","), default=["qkvo", "all"],
@@ -440,7 +440,8 @@ def main(argv=None) -> dict:
                               dtype=args.dtype, num_pages=args.num_pages,
                               max_num_seqs=args.max_num_seqs,
                               max_batch_tokens=args.max_batch_tokens,
-                              mixed_graph_tokens=args.mixed_graph_tokens))
+                              **({} if args.mixed_graph_tokens is None
+                                 else {"mixed_graph_tokens": args.mixed_graph_tokens})))
     print(f"engine: {eng.runner.num_pages} pages of {eng.runner.page_bytes / 1e6:.1f} MB "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
     result = {"model": args.model, "device": args.device, "dtype": args.dtype,

@@ -193,8 +193,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo", dest="slo_ttft_s", type=float,
                    help="first-token SLO in seconds, for the abort policy and the metrics (default 6)")
     g.add_argument("--mixed-graph-tokens", type=int,
-                   help="steps with prompts of at most this many tokens replay CUDA graphs too "
-                   "(default 0: they run eagerly)")
+                   help="steps with prompts of at most this many tokens in all replay CUDA "
+                   "graphs too (default 2048; simulate: the profile's; 0: they run eagerly)")
 
 
 def _engine_options(args) -> dict:
