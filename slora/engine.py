@@ -234,8 +234,8 @@ class Engine:
                     if out.finished:
                         return
 
-    def warmup(self, ranks: Sequence[int] = ()) -> float:
-        """Compile the kernels and capture the decode graphs before serving; returns seconds.
+    def warmup(self, ranks: Sequence[int] = (), progress: bool = False) -> float:
+        """Compile the kernels and capture the graphs before serving; returns seconds.
 
         On a fresh GPU machine each Triton kernel variant compiles on first use and each
         decode-graph bucket is captured on first use: seconds of stalls that would otherwise
@@ -246,9 +246,9 @@ class Engine:
         `ranks` (adapters to come; graphs are keyed by the rank rounded up to a power of two),
         the widest first so the graphs' page-table width is set once. Only idle engines warm
         up; the copies show in `stats()`. With `mixed_graph_tokens` set, one prefill step
-        per mixed-step graph bucket (tokens x sequences) too, at each rank bucket. Last, the
-        objects that exist are frozen out of the garbage collector's view (`gc.freeze`;
-        `close` unfreezes them)."""
+        per mixed-step graph bucket (tokens x sequences) too, at each rank bucket (a 7B on
+        the H200: ~35 s; `progress` shows a bar). Last, the objects that exist are frozen out
+        of the garbage collector's view (`gc.freeze`; `close` unfreezes them)."""
         if self.has_unfinished():
             raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
         t0 = time.perf_counter()
@@ -261,26 +261,27 @@ class Engine:
             names.append(f"__warmup_r{r}")
             self.add_synthetic_adapter(names[-1], r, LORA_MODULES)
         sp = SamplingParams(max_tokens=3, ignore_eos=True)
+        # one step of max_batch_tokens prefill: the allocator grows to its largest activations
+        length = min(self.config.max_batch_tokens, self.max_model_len - 4)
+        n = min(self.config.max_num_seqs, cdiv(self.config.max_batch_tokens, length))
+        batches = [(None, [[1] * length] * n)] if self.runner.device.type == "cuda" else []
+        for name in names[1:] + names[:1]:
+            batches += [(name, [[1] * 8] * b) for b in buckets]
+            # one prefill step of s prompts, t tokens, per mixed-step graph bucket
+            batches += [(name, [[1] * (t - s + 1)] + [[1]] * (s - 1))
+                        for t, s in self._mixed_buckets()]
+        bar = _progress(len(batches), unit="step", desc="warm-up") if progress else None
         try:
-            # one step of max_batch_tokens prefill: the allocator grows to its largest activations
-            length = min(self.config.max_batch_tokens, self.max_model_len - 4)
-            n = min(self.config.max_num_seqs, cdiv(self.config.max_batch_tokens, length))
-            cuda = self.runner.device.type == "cuda"
-            if cuda and n * cdiv(length + 3, self.config.block_size) <= self.allocator.num_free:
-                self.generate([[1] * length] * n, sp)
-            for name in names[1:] + names[:1]:
-                for b in buckets:
-                    need = b * cdiv(8 + 3, self.config.block_size) + self.adapters.pages_needed(name)
-                    if need > self.allocator.num_free:
-                        break
-                    self.generate([[1] * 8] * b, sp, adapters=name)
-                for t, s in self._mixed_buckets():  # one prefill step of s prompts, t tokens
-                    prompts = [[1] * (t - s + 1)] + [[1]] * (s - 1)
-                    need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts)
-                            + self.adapters.pages_needed(name))
-                    if need <= self.allocator.num_free:
-                        self.generate(prompts, sp, adapters=name)
+            for name, prompts in batches:
+                need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts)
+                        + self.adapters.pages_needed(name))
+                if need <= self.allocator.num_free:  # (a pool too small skips the largest)
+                    self.generate(prompts, sp, adapters=name)
+                if bar is not None:
+                    bar.update()
         finally:
+            if bar is not None:
+                bar.close()
             for name in names[1:]:
                 self.remove_adapter(name)
             for key in set(self._synthetic) - buffers:
@@ -328,9 +329,9 @@ class Engine:
         return s
 
 
-def _progress(total: int):
+def _progress(total: int, unit: str = "req", desc: str | None = None):
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, unit="req")
+    return tqdm(total=total, unit=unit, desc=desc)

@@ -165,7 +165,7 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
     register_adapters(engine, trace, synthetic=synthetic_adapters, adapter_dir=adapter_dir)
     try:
         if warmup:  # kernel compiles and graph captures before the clock starts
-            engine.warmup()
+            engine.warmup(progress=progress)
         with logged_steps(engine) if step_log else nullcontext() as steps:
             run = replay(engine, trace, vocab_size=vocab_size, seed=seed, progress=progress)
         stats = engine.stats()

@@ -87,7 +87,7 @@ def test_synthetic_adapters_share_host_buffers(tiny_model_dir):
     assert engine.stats()["adapter_loads"] == 3  # three adapters, three copies into the pool
 
 
-def test_warmup_leaves_the_engine_as_it_found_it(tiny_model_dir):
+def test_warmup_leaves_the_engine_as_it_found_it(tiny_model_dir, capsys):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                                  num_pages=512))
     engine.add_synthetic_adapter("small", 8)
@@ -102,7 +102,8 @@ def test_warmup_leaves_the_engine_as_it_found_it(tiny_model_dir):
     assert len(out[0].token_ids) == 2
     # ranks of adapters yet to come: one more bucket (128) beside the registered ones' two
     before = engine.stats()["adapter_loads"]
-    engine.warmup(ranks=[100])
+    engine.warmup(ranks=[100], progress=True)
+    assert "warm-up" in capsys.readouterr().err  # a progress bar over its steps
     assert engine.stats()["adapter_loads"] - before == 3
     assert engine.list_adapters() == ["big", "small"] and engine._synthetic == buffers
     # what start-up made is out of the collector's view while serving, and back after close()
