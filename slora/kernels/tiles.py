@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from slora.config import cdiv
+
 
 def tile_rows(device: torch.device, dtype: torch.dtype) -> int:
     """Tokens per tile: the prefill kernels' BLOCK_M. On the GPU 64, or 32 in fp32 (its IEEE
@@ -40,7 +42,7 @@ def token_tiles(seg_start: list[int], tile: int, keep: list[bool] | None = None)
 
 def capacity(num_tokens: int, num_segments: int, tile: int) -> int:
     """The most tiles `num_tokens` tokens in `num_segments` segments can make."""
-    return -(-num_tokens // tile) + min(num_segments, num_tokens)
+    return cdiv(num_tokens, tile) + min(num_segments, num_tokens)
 
 
 def as_tiles(tiles: torch.Tensor | None, seg_start: torch.Tensor, tile: int,

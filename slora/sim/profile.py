@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from slora.config import cdiv
 from slora.sim.cost import (FEATURES, CostModel, Profile, fit_bandwidth, fit_max, plan_features,
                            sample_row)
 
@@ -195,7 +196,7 @@ def measure_serving(engine, grid: Grid, log: Callable[[str], None] = print,
     steps = [s for s in steps if not s["copies"]]
     prompts = [s for s in steps if s["features"]["prefill_tokens"]]
     decode = [s for s in steps if not s["features"]["prefill_tokens"]]
-    stride = max(1, -(-len(decode) // grid.serve_max_steps))
+    stride = max(1, cdiv(len(decode), grid.serve_max_steps))
     samples = [{"features": s["features"], "seconds": s["seconds"], "case": {"step": "serve"}}
                for s in prompts + decode[::stride]]
     log(f"  served {len(trace)} requests over {trace.duration:.0f} s: {len(steps)} steps "
