@@ -255,7 +255,7 @@ def tune_mbgmv(cfg, device, dtype, gen):
                    for ch in (8, 16, 32) for nw in (4, 8)]
     expand_cfgs = [dict(BLOCK_R=br, CHN=chn, num_warps=nw) for br in (2, 4, 8)
                    for chn in (2, 4, 8) for nw in (2, 4)]
-    shapes = [(16, 16), (64, 16), (64, 64), (256, 16), (256, 128)] if not cfg["smoke"] else [(2, 8)]
+    shapes = [(16, 16), (32, 16), (64, 16), (64, 64), (256, 16), (256, 128)] if not cfg["smoke"] else [(2, 8)]
     d = cfg["hidden"]
     out_dims = (d,) * 3
     for T, r in shapes:
