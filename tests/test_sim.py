@@ -430,6 +430,7 @@ def test_sim_vs_replay_logs_steps_and_their_residuals(tiny_model_dir, cpu_profil
     steps = [json.loads(x) for x in (out / "n100-a1-r4-steps.jsonl").read_text().splitlines()]
     replay = json.loads((out / "n100-a1-r4-replay.json").read_text())
     assert steps and all(s["seconds"] > 0 and set(s["features"]) == set(FEATURES) for s in steps)
+    assert all(s["graphs"] == 0 and 0 <= s["gc_s"] <= s["seconds"] for s in steps)  # CPU: none
     assert any(s["features"]["prefill_tokens"] for s in steps)  # prompts and
     assert any(s["features"]["decode_seqs"] for s in steps)  # decodes both logged
     assert sum(s["seconds"] for s in steps) <= replay["duration_s"]  # steps of this replay
@@ -442,6 +443,11 @@ def test_sim_vs_replay_logs_steps_and_their_residuals(tiny_model_dir, cpu_profil
     assert 0 < sum(len(s["load_bytes"]) + len(s["prefetch_bytes"]) for s in steps) \
         <= replay["stats"]["adapter_loads"]
     assert "measured vs the cost model" in capsys.readouterr().out
+    # a step far slower than its model shows as a stall, with its collector time and captures
+    slow = tmp_path / "slow-steps.jsonl"
+    slow.write_text(json.dumps({**steps[0], "seconds": 100.0, "gc_s": 0.25, "graphs": 2}) + "\n")
+    assert ("stalls (steps over 3x the model's time): 1" in mod.step_residuals(slow, cpu_profile)
+            and "garbage collector 250 ms, 2 graph captures" in mod.step_residuals(slow, cpu_profile))
     # --resimulate: the simulator again over the stored replay, no replay run
     (out / "n100-a1-r4-simulate.json").unlink()
     assert mod.main(["--model", str(tiny_model_dir), "--profile", str(prof), "--only", "n100-a1-r4",

@@ -24,6 +24,7 @@ Then `cost.fit` gives the coefficients. torch is imported only here (through the
 
 from __future__ import annotations
 
+import gc
 import platform
 import random
 import statistics
@@ -113,22 +114,38 @@ class PlanTap:
 def logged_steps(engine):
     """Within the block, time every non-empty `engine.step()` and note its plan's cost-model
     features and the adapter copies it made (bytes of each blocking load and prefetch); yields
-    the list the steps are appended to."""
+    the list the steps are appended to. Two notes for finding stalls, which no fit reads:
+    `gc_s`, the garbage collector's time within the step, and `graphs`, the CUDA graphs the
+    step captured (a bucket the warm-up missed)."""
     tap, steps = PlanTap(engine), []
+    gc_time = [0.0, 0.0]  # [start of the collection in progress, total]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_time[0] = time.perf_counter()
+        else:
+            gc_time[1] += time.perf_counter() - gc_time[0]
+
+    def captured():
+        graphs = engine.runner.graphs
+        return 0 if graphs is None else len(graphs.graphs)
 
     def step():
-        t = time.perf_counter()
+        t, gc0, n0 = time.perf_counter(), gc_time[1], captured()
         out = type(engine).step(engine)
         if not tap.empty:
             steps.append({"seconds": time.perf_counter() - t, "copies": tap.copies,
                           "features": dict(zip(FEATURES, tap.features)),
-                          "load_bytes": tap.load_bytes, "prefetch_bytes": tap.prefetch_bytes})
+                          "load_bytes": tap.load_bytes, "prefetch_bytes": tap.prefetch_bytes,
+                          "gc_s": gc_time[1] - gc0, "graphs": captured() - n0})
         return out
 
     engine.step = step
+    gc.callbacks.append(on_gc)
     try:
         yield steps
     finally:
+        gc.callbacks.remove(on_gc)
         del engine.step  # the class's method again
         tap.close()
 
@@ -143,8 +160,8 @@ def write_step_log(steps: list[dict], path: str | Path) -> None:
 
 def read_step_log(path: str | Path) -> list[dict]:
     """A step log (`write_step_log`): [{"features", "seconds", "copies", "load_bytes",
-    "prefetch_bytes"}, ...], checked. Logs written before the copies' bytes were logged read
-    with None for them."""
+    "prefetch_bytes", "gc_s", "graphs"}, ...], checked. Logs written before the copies' bytes
+    were logged read with None for them; before the stall notes, with 0."""
     import json
 
     steps = []
@@ -155,7 +172,9 @@ def read_step_log(path: str | Path) -> list[dict]:
                 steps.append({"features": dict(step["features"]), "seconds": float(step["seconds"]),
                               "copies": bool(step.get("copies", False)),
                               **{k: None if step.get(k) is None else [int(b) for b in step[k]]
-                                 for k in ("load_bytes", "prefetch_bytes")}})
+                                 for k in ("load_bytes", "prefetch_bytes")},
+                              "gc_s": float(step.get("gc_s", 0.0)),
+                              "graphs": int(step.get("graphs", 0))})
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"step log {path} line {n}: not a step ({e}); expected "
                                  '{"features": {...}, "seconds": s, "copies": bool}') from None
