@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_engine import MODELS, prompts  # noqa: E402
+import slora.graphs  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slora.config import LORA_MODULES, ModelConfig  # noqa: E402
 from slora.sim.profile import logged_steps  # noqa: E402
@@ -339,6 +340,7 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
         res[kind] = {"wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": sum(kernels.values()),
                      **gaps, "kernels": [{"name": k[:90], "ms_per_step": v} for k, v in top]}
+    res["decode"]["host"] = _host_profile(lambda i: eng.step(), steps)
     res["mixed"]["host"] = _host_profile(lambda i: mixed(steps + i), steps)
     while eng.has_unfinished():
         eng.step()
@@ -356,10 +358,11 @@ def print_breakdown(b: dict) -> None:
               f"longer {k['long_gaps_ms_per_step']:.2f} ms")
         for row in k["kernels"]:
             print(f"  {row['ms_per_step']:8.3f} ms  {row['name']}")
-    print(f"\nhost, mixed steps (cProfile, own ms/step, cumulative ms/step, calls/step):")
-    for row in b["mixed"]["host"]:
-        print(f"  {row['own_ms_per_step']:8.3f} {row['cum_ms_per_step']:8.3f} "
-              f"{row['calls_per_step']:7.0f}  {row['func']}")
+    for kind in ("decode", "mixed"):
+        print(f"\nhost, {kind} steps (cProfile, own ms/step, cumulative ms/step, calls/step):")
+        for row in b[kind]["host"]:
+            print(f"  {row['own_ms_per_step']:8.3f} {row['cum_ms_per_step']:8.3f} "
+                  f"{row['calls_per_step']:7.0f}  {row['func']}")
 
 
 def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
@@ -420,8 +423,13 @@ def parse_args(argv=None):
     ap.add_argument("--decode-rank", type=int, default=16)
     ap.add_argument("--breakdown", type=ints, default=[32],
                     help="decode: batch sizes to profile kernel by kernel (empty: none)")
+    ap.add_argument("--graph-pieces", type=int, default=None,
+                    help="capture each step's CUDA graph in this many pieces (default: "
+                         "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args(argv)
+    if args.graph_pieces is not None and args.graph_pieces < 1:
+        ap.error(f"--graph-pieces {args.graph_pieces}: expected 1 or more")
     if set(args.modules) - {"qkvo", "all"}:
         ap.error(f"--modules {','.join(args.modules)}: choose from qkvo,all")
     if max(args.batches) > args.max_num_seqs:
@@ -433,6 +441,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.perf_counter()
     device = torch.device(args.device)
+    if args.graph_pieces is not None:
+        slora.graphs.GRAPH_PIECES = args.graph_pieces  # read at each capture
     ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
     if ceil:
         print("ceilings:", ceil, flush=True)

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
+from slora.graphs import GRAPH_PIECES  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,6 +79,9 @@ def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory):
         results[graphs] = [o.token_ids for o in e.generate(prompts, sps, adapters=adapters)]
         if graphs:
             assert e.runner.graphs.graphs, "decode steps ran through captured graphs"
+            # each step's graph in pieces of consecutive layers (a 2-layer model: 2)
+            n = min(GRAPH_PIECES, e.model_config.num_layers)
+            assert all(len(pieces) == n for pieces, _, _ in e.runner.graphs.graphs.values())
     assert results[True] == results[False]
 
 

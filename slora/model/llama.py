@@ -124,6 +124,9 @@ class LlamaModel:
         self.block_size = block_size
         self.inv_freq = rope_inv_freq(cfg).to(weights.embed.device)
         self.scale = cfg.head_dim ** -0.5
+        # called with each layer's index before the layer runs: StepGraphs cuts its captures
+        # there (slora.graphs.GRAPH_PIECES)
+        self.layer_hook = None
 
     @torch.inference_mode()
     def forward(self, b: Batch, pool: torch.Tensor) -> torch.Tensor:
@@ -132,6 +135,8 @@ class LlamaModel:
         x = w.embed[b.input_ids]
         down = None  # the last layer's MLP output, added to x by the next fused add + norm
         for layer, lw in enumerate(w.layers):
+            if self.layer_hook is not None:
+                self.layer_hook(layer)
             kc, vc = ref.kv_views(pool[layer], self.block_size, cfg.num_kv_heads, cfg.head_dim)
             if down is None:
                 h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps)
