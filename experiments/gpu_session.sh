@@ -157,7 +157,21 @@ case "${1:-}" in
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
     ;;
-  *) echo "usage: $0 1|2|...|14" >&2; exit 2 ;;
+  15)  # as 14 after the captures give back the warm-up forward's cached blocks again (14's
+       # profile ran out of memory), without the one-piece comparison
+    lane 0 gpu0 'bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch $OUT/profile.done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=$OUT/sim-vs-replay-0 \
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6
+      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 32 --out $OUT/breakdown 2>&1 | grep -A12 "^kernel breakdown\|^ *batch\|^host"'
+    lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k cuda 2>&1 | tail -2
+      python3 -m pytest -q -p no:cacheprovider tests/test_csrc.py tests/test_engine_triton.py 2>&1 | tail -2
+      while [ ! -f $OUT/profile.done ]; do sleep 5; done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
+        RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
+    ;;
+  *) echo "usage: $0 1|2|...|15" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* engine kernels 2>/dev/null) 2>/dev/null \

@@ -238,9 +238,7 @@ def cdiv(a: int, b: int) -> int:
 
 # A mixed step's CUDA-graph buckets (slora.graphs): its tokens in all (prompts and decode rows)
 # are padded up to the first of these, or to mixed_graph_tokens past the last that is smaller.
-# Past 256, steps of 1.5x: a padded token costs what a prompt token does (the H200 profile's
-# `padded`, 0.02 ms), and powers of two alone padded a 271-token step to 512.
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def bucket(n: int, buckets) -> int | None:

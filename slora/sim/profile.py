@@ -110,6 +110,18 @@ class PlanTap:
         self.engine.scheduler.schedule = self.schedule
 
 
+def _graph_memory(engine) -> str:
+    """", N graphs, device memory reserved beyond the pool" on CUDA; "" elsewhere."""
+    graphs = engine.runner.graphs
+    if graphs is None or engine.runner.device.type != "cuda":
+        return ""
+    import torch
+
+    runner = engine.runner
+    extra = torch.cuda.memory_reserved(runner.device) - runner.pool.numel() * runner.pool.element_size()
+    return f", {len(graphs.graphs)} graphs, {extra / 2**30:.1f} GiB reserved besides the pool (weights, graphs, cache)"
+
+
 @contextmanager
 def logged_steps(engine):
     """Within the block, time every non-empty `engine.step()` and note its plan's cost-model
@@ -241,7 +253,7 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
     _warm_adapters(engine, names)
     # Compiles and graph captures off the clock: every decode bucket at every rank bucket of
     # the profiling adapters (each case used to run twice, keeping the second, for this).
-    log(f"  warm-up: {engine.warmup():.1f} s")
+    log(f"  warm-up: {engine.warmup():.1f} s{_graph_memory(engine)}")
     tap = PlanTap(engine)
     samples = []
     bs = engine.config.block_size
