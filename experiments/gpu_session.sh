@@ -171,7 +171,14 @@ case "${1:-}" in
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
     ;;
-  *) echo "usage: $0 1|2|...|15" >&2; exit 2 ;;
+  16)  # the shipped profile on a fresh machine, after the warm-up reaches every mixed bucket:
+       # replay vs simulate on the three traces (n100 on GPU0; n1000, n2000 on GPU1)
+    lane 0 gpu0 'PROFILE=experiments/profiles/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 \
+        RESULTS=$OUT/sim-vs-replay-0 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14'
+    lane 1 gpu1 'PROFILE=experiments/profiles/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
+        RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
+    ;;
+  *) echo "usage: $0 1|2|...|16" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* engine kernels 2>/dev/null) 2>/dev/null \

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv
+from slora.config import LORA_MODULES, EngineConfig, ModelConfig, bucket, cdiv
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
@@ -267,9 +267,9 @@ class Engine:
         batches = [(None, [[1] * length] * n)] if self.runner.device.type == "cuda" else []
         for name in names[1:] + names[:1]:
             batches += [(name, [[1] * 8] * b) for b in buckets]
-            # one prefill step of s prompts, t tokens, per mixed-step graph bucket
-            batches += [(name, [[1] * (t - s + 1)] + [[1]] * (s - 1))
-                        for t, s in self._mixed_buckets()]
+            # one prefill step per mixed-step graph bucket (t tokens, n prompts)
+            batches += [(name, [[1] * (t - n + 1)] + [[1]] * (n - 1))
+                        for t, n in self._mixed_buckets()]
         bar = _progress(len(batches), unit="step", desc="warm-up") if progress else None
         try:
             for name, prompts in batches:
@@ -295,16 +295,28 @@ class Engine:
         return time.perf_counter() - t0
 
     def _mixed_buckets(self) -> list[tuple[int, int]]:
-        """(tokens, sequences) of every mixed-step graph bucket a step can fill (none unless
-        `mixed_graph_tokens` is set)."""
+        """(t, n) for every mixed-step graph bucket a step can fill (none unless
+        `mixed_graph_tokens` is set): a step of t tokens over n sequences, one of them a
+        prompt of several tokens, fills it.
+
+        A step's sequence bucket is capped by its token bucket (StepGraphs.run), so 13 tokens
+        over 6 sequences take the (16, 16) graph; n is the fewest sequences that reach each
+        bucket, and stays under t: a step of t one-token sequences runs as decode rows (the
+        decode graph), so it captured no mixed graph, and serving stopped 100-160 ms to
+        capture (16, 16), (32, 32) and (64, 64) (H200, session 6)."""
         graphs = self.runner.graphs
         if graphs is None:
             return []
         limit = min(self.config.max_batch_tokens, self.max_model_len - 4)
-        # a step's sequence bucket is capped by its token bucket (StepGraphs.run): (32, 32)
-        # is a bucket too, and serving once stopped 100-240 ms to capture it (H200, 2026-11-30)
-        return [(t, s) for t in graphs.token_buckets if t <= limit
-                for s in sorted({min(b, t) for b in graphs.seq_buckets})]
+        out = []
+        for t in graphs.token_buckets:
+            if t > limit:
+                continue
+            reach = {}  # sequence bucket -> the fewest sequences that reach it
+            for n in range(1, min(t, graphs.max_batch + 1)):
+                reach.setdefault(min(bucket(n, graphs.seq_buckets), t), n)
+            out += [(t, reach[s]) for s in sorted(reach)]
+        return out
 
     def close(self) -> None:
         """Give the engine's device memory (pool, weights, graphs, host copies) back now rather
