@@ -142,23 +142,8 @@ case "${1:-}" in
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
     ;;
-  14)  # after the graphs went to pieces and MBGMV expand's small-batch tiles: CUDA tests and the
-       # batch-32 decode table in one piece a graph (GPU1, while GPU0 profiles), then as 13
-    lane 0 gpu0 'bash experiments/profile_h200.sh profile 2>&1 | tail -8; touch $OUT/profile.done
-      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=$OUT/sim-vs-replay-0 \
-        bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14
-      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6
-      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 32 --out $OUT/breakdown 2>&1 | grep -A12 "^kernel breakdown\|^ *batch\|^host"'
-    lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k cuda 2>&1 | tail -2
-      python3 -m pytest -q -p no:cacheprovider tests/test_csrc.py tests/test_engine_triton.py 2>&1 | tail -2
-      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown "" --graph-pieces 1 --out $OUT/pieces1 2>&1 | grep -A4 "^ *batch"
-      while [ ! -f $OUT/profile.done ]; do sleep 5; done
-      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
-        RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16
-      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
-    ;;
-  15)  # as 14 after the captures give back the warm-up forward's cached blocks again (14's
-       # profile ran out of memory), without the one-piece comparison
+  15)  # CUDA tests (GPU1, while GPU0 profiles), then as 13 with batch-128 decode rows and the
+       # host profile of decode steps (call 14, at 7675c59, also timed one-piece graphs)
     lane 0 gpu0 'bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch $OUT/profile.done
       PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=$OUT/sim-vs-replay-0 \
         bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14
@@ -178,7 +163,7 @@ case "${1:-}" in
     lane 1 gpu1 'PROFILE=experiments/profiles/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
     ;;
-  *) echo "usage: $0 1|2|...|16" >&2; exit 2 ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15, 16)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* engine kernels 2>/dev/null) 2>/dev/null \
