@@ -103,27 +103,30 @@ def remove_adapters(eng: Engine, names) -> None:
 
 
 class StepLog:
-    """Wraps the runner's execute to record what each step ran (and its time)."""
+    """Wraps the runner's launch to record what each step ran, and the device time of its
+    launch (None with async scheduling, whose steps must not be synchronised)."""
 
     def __init__(self, eng: Engine) -> None:
         self.eng, self.last = eng, None
-        execute = eng.runner.execute
+        launch, timed = eng.runner.launch, not eng.config.async_scheduling
 
-        def logged(plan, adapters):
-            sync(eng.runner.device)
+        def logged(plan, adapters, prev=None):
+            if timed:
+                sync(eng.runner.device)
             t0 = time.perf_counter()
-            out = execute(plan, adapters)
-            sync(eng.runner.device)
-            self.last = {"execute_ms": (time.perf_counter() - t0) * 1e3,
+            out = launch(plan, adapters, prev)
+            if timed:
+                sync(eng.runner.device)
+            self.last = {"execute_ms": (time.perf_counter() - t0) * 1e3 if timed else None,
                          "decode": len(plan.decode), "prefill": len(plan.prefill),
                          "loads": len(plan.adapter_loads) + len(plan.prefetch),
                          "kv_tokens": sum(r.num_tokens for r in plan.decode)}
             return out
 
-        eng.runner.execute = logged
+        eng.runner.launch = logged
 
     def close(self) -> None:
-        del self.eng.runner.execute  # back to the class's method
+        del self.eng.runner.launch  # back to the class's method
 
 
 # ----------------------------------------------------------------------------- (b) scaling
@@ -217,7 +220,8 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
     log, timed = StepLog(eng), []
     try:
         while eng.has_unfinished():
-            sync(dev)
+            if not eng.config.async_scheduling:  # (async: each call waits for the last step)
+                sync(dev)
             t0 = time.perf_counter()
             eng.step()
             ms = (time.perf_counter() - t0) * 1e3
@@ -238,7 +242,8 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
     step_ms = statistics.median(s["step_ms"] for s in timed)
     return {"batch": batch, "modules": modules_key, "rank": args.decode_rank if modules else 0,
             "steps_timed": len(timed), "ctx_mean": kv_tokens / batch, "step_ms": step_ms,
-            "execute_ms": statistics.median(s["execute_ms"] for s in timed),
+            "execute_ms": (None if eng.config.async_scheduling
+                           else statistics.median(s["execute_ms"] for s in timed)),
             "weight_bytes": weights, "kv_bytes": kv, "adapter_bytes": lora,
             "floor_ms": floor_ms, "ratio": step_ms / floor_ms,
             "tok_s": batch / step_ms * 1e3}
@@ -380,7 +385,8 @@ def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
     print(f"{'batch':>6}{'modules':>8}{'ms/step':>9}{'exec ms':>9}{'floor ms':>9}{'ratio':>7}"
           f"{'weights GB':>11}{'KV GB':>7}{'LoRA GB':>8}{'tok/s':>8}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['modules']:>8}{r['step_ms']:>9.2f}{r['execute_ms']:>9.2f}"
+        exec_ms = "-" if r["execute_ms"] is None else f"{r['execute_ms']:.2f}"
+        print(f"{r['batch']:>6}{r['modules']:>8}{r['step_ms']:>9.2f}{exec_ms:>9}"
               f"{r['floor_ms']:>9.2f}{r['ratio']:>7.2f}{r['weight_bytes'] / 1e9:>11.2f}"
               f"{r['kv_bytes'] / 1e9:>7.2f}{r['adapter_bytes'] / 1e9:>8.2f}{r['tok_s']:>8.0f}")
     return rows
@@ -423,6 +429,8 @@ def parse_args(argv=None):
     ap.add_argument("--decode-rank", type=int, default=16)
     ap.add_argument("--breakdown", type=ints, default=[32],
                     help="decode: batch sizes to profile kernel by kernel (empty: none)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="EngineConfig.async_scheduling: launch each step before collecting the last")
     ap.add_argument("--graph-pieces", type=int, default=None,
                     help="capture each step's CUDA graph in this many pieces (default: "
                          "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")
@@ -450,6 +458,7 @@ def main(argv=None) -> dict:
                               dtype=args.dtype, num_pages=args.num_pages,
                               max_num_seqs=args.max_num_seqs,
                               max_batch_tokens=args.max_batch_tokens,
+                              async_scheduling=args.async_scheduling,
                               **({} if args.mixed_graph_tokens is None
                                  else {"mixed_graph_tokens": args.mixed_graph_tokens})))
     print(f"engine: {eng.runner.num_pages} pages of {eng.runner.page_bytes / 1e6:.1f} MB "

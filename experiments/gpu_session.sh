@@ -163,9 +163,15 @@ case "${1:-}" in
     lane 1 gpu1 'PROFILE=experiments/profiles/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15, 16)" >&2; exit 2 ;;
+  17)  # async scheduling: the batch-32 decode table without (GPU0) and with it (GPU1), then
+       # its tests on CUDA (real graphs, pinned copies, events)
+    lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown "" --out $OUT/sync 2>&1 | grep -A4 "^ *batch"
+      python3 -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py 2>&1 | tail -2'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown "" --async-scheduling --out $OUT/async 2>&1 | grep -A4 "^ *batch"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-17)" >&2; exit 2 ;;
 esac
 wait
-(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* engine kernels 2>/dev/null) 2>/dev/null \
+(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels 2>/dev/null) 2>/dev/null \
   && rm -rf suites sim-vs-replay*)
 for f in "$OUT"/gpu0.log "$OUT"/gpu1.log; do echo "==== $f"; tail -60 "$f"; done

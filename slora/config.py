@@ -75,6 +75,13 @@ class EngineConfig:
     # profiler on the H200 a batch-32 mixed step took 14.5 ms graphed, 79 ms eager: the host
     # launching ~450 Triton kernels bounds an eager step (notes/kernels.md).
     mixed_graph_tokens: int = 2048
+    # Launch each step before collecting the one before it (vLLM's async scheduling): the
+    # host's work for a step (scheduling, the batch, the launch) overlaps the device's for the
+    # last one, decode rows take their input ids on the device, and a request that stops
+    # computes one token more, dropped. Outputs are the same; Engine.step returns a step's
+    # outputs one call later. Off by default: the simulator's cost model and the shipped
+    # profile are of the engine without it.
+    async_scheduling: bool = False
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"

@@ -53,6 +53,7 @@ class Engine:
         self._ended: list[Request] = []  # ended outside a step (failed, aborted): reported next step
         self._decoders: dict[str, IncrementalDecoder] = {}  # per running request
         self._synthetic: dict[tuple, object] = {}  # (rank, targets, seed) -> shared host buffer
+        self._flight = None  # async scheduling: the launched step not yet collected
 
     # -- adapters
     def add_adapter(self, name: str, path: str | Path) -> None:
@@ -144,47 +145,74 @@ class Engine:
             self._ended.append(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._ended)
+        return self.scheduler.has_unfinished() or bool(self._ended) or self._flight is not None
 
     # -- the loop
     def step(self) -> list[RequestOutput]:
-        """One scheduling + forward step; outputs of the requests that progressed or ended."""
-        plan = self.scheduler.schedule(time.monotonic())
-        tokens, logprobs = self.runner.execute(plan, self.adapters)
-        touched = self.scheduler.update(plan, tokens, logprobs, time.monotonic())
+        """One scheduling + forward step; outputs of the requests that progressed or ended.
+        With `async_scheduling` the step is launched and the one before it collected: its
+        outputs are that step's."""
+        if self.config.async_scheduling:
+            touched = self._step_async()
+        else:
+            plan = self.scheduler.schedule(time.monotonic())
+            tokens, logprobs = self.runner.execute(plan, self.adapters)
+            touched = self.scheduler.update(plan, tokens, logprobs, time.monotonic())
         touched += self._ended
         self._ended = []
         return [self._output(r) for r in touched]
 
+    def _step_async(self) -> list[Request]:
+        """Schedule and launch this step while the last one still runs on the device, then
+        collect the last one: the host's work for a step overlaps the device's for the one
+        before. The scheduler sees this step's tokens as PENDING until they are collected; a
+        request found stopped meanwhile drops the token it got in the step that was already
+        running. A step with a sampled (not greedy) row or logprobs is collected at once."""
+        plan = self.scheduler.schedule(time.monotonic())
+        flight = self.runner.launch(plan, self.adapters, prev=self._flight)
+        touched = []
+        if flight is None:
+            touched += plan.finished
+        else:
+            self.scheduler.advance(plan)
+        for done in [self._flight] + ([flight] if flight is not None and not flight.simple else []):
+            if done is not None:
+                tokens, logprobs = self.runner.collect(done)
+                touched += self.scheduler.resolve(done.plan, tokens, logprobs, time.monotonic())
+        self._flight = flight if flight is not None and flight.simple else None
+        return touched
+
     def _output(self, req: Request) -> RequestOutput:
-        text = self._detokenize(req)
+        ids = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]  # known ones
+        text = self._detokenize(req, ids)
         if req.finished:
             self.runner.release(req.request_id)
             self.requests.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id, adapter=req.adapter,
             prompt_token_ids=req.prompt_token_ids, text=text,
-            token_ids=list(req.output_token_ids),
+            token_ids=ids,
             logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None,
             finish_reason=req.finish_reason, finished=req.finished, metrics=req.metrics,
             error=req.error)
 
-    def _detokenize(self, req: Request) -> str:
-        """Text of the output so far, decoded incrementally; the full decode once finished.
-        The earliest stop string ends the request and is cut off with what follows."""
+    def _detokenize(self, req: Request, ids: list[int]) -> str:
+        """Text of the output tokens so far (`ids`), decoded incrementally; the full decode
+        once finished. The earliest stop string ends the request and is cut off with what
+        follows."""
         if self.tokenizer is None:
             return ""
         dec = self._decoders.get(req.request_id)
         if dec is None:
             dec = self._decoders[req.request_id] = IncrementalDecoder(self.tokenizer)
-        text = dec.update(req.output_token_ids)
+        text = dec.update(ids)
         cuts = [at for at in (text.find(s) for s in req.sampling.stop) if at >= 0]
         if cuts:
             text = text[:min(cuts)]
             self.scheduler.abort(req, "stop", time.monotonic())
             req.finish_reason = "stop"  # a stop string wins over a length limit hit together
         elif req.finished:
-            text = self.tokenizer.decode(req.output_token_ids)
+            text = self.tokenizer.decode(ids)
         if req.finished:
             del self._decoders[req.request_id]
         return text

@@ -144,8 +144,10 @@ class StepGraphs:
             return False
         return n_tok == b.num_decode or n_tok <= self.mixed_tokens
 
-    def run(self, b: Batch) -> torch.Tensor:
-        """Logits [S, vocab] for a host batch that `fits`, through a captured graph."""
+    def run(self, b: Batch, fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [S, vocab] for a host batch that `fits`, through a captured graph. `fed`:
+        (rows, ids) on the device that replace those rows' input ids (async scheduling: the
+        tokens of a step still running)."""
         n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
         lora = b.lora
         rank_bucket = 0
@@ -161,6 +163,8 @@ class StepGraphs:
             s_bucket = min(bucket(n_seq, self.seq_buckets), t_bucket)
             key = ("mixed", t_bucket, s_bucket, rank_bucket, self.max_pages)
         self._fill(b, n_tok, n_seq, t_bucket, s_bucket)
+        if fed is not None:
+            self.ids.index_copy_(0, *fed)
         if key not in self.graphs:
             self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket)
         pieces, logits, batch = self.graphs[key]

@@ -93,6 +93,9 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     skipped: int = 0  # steps passed over by a reordering policy (starvation bound)
+    # output tokens still on the device: the last `num_pending` of output_token_ids are
+    # PENDING until their step is collected (EngineConfig.async_scheduling)
+    num_pending: int = 0
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -120,15 +123,23 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def check_stop(self) -> str | None:
-        """Finish reason after the last appended token (stop strings are the engine's job)."""
-        last = self.output_token_ids[-1]
+        """Finish reason after the last known token (stop strings are the engine's job)."""
+        n = len(self.output_token_ids) - self.num_pending
+        last = self.output_token_ids[n - 1]
         if not self.sampling.ignore_eos and last in self.eos_token_ids:
             return "stop"
         if last in self.sampling.stop_token_ids:
             return "stop"
-        if len(self.output_token_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_len:
-            return "length"
-        return None
+        return "length" if self.at_length(n) else None
+
+    def at_length(self, n_out: int | None = None) -> bool:
+        """Whether `n_out` output tokens (default: all, pending ones too) reach max_tokens or
+        the model's length."""
+        n = len(self.output_token_ids) if n_out is None else n_out
+        return n >= self.sampling.max_tokens or len(self.prompt_token_ids) + n >= self.max_len
+
+
+PENDING = -1  # an output token whose step is still running (its value is on the device)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 `execute(plan)` does, in order: copy the adapters the plan loads into their pool pages,
 build the step's flat batch (token ids, positions, KV slots, block tables, LoRA metadata),
-run the model, and sample one token per sequence.
+run the model, and sample one token per sequence. It is `collect(launch(plan))`: with
+`EngineConfig.async_scheduling` the engine launches the next step before it collects this
+one, the decode rows' input ids taken on the device from this step's sampled tokens.
 
     pool[num_layers, num_pages, P]     P = block_size * 2 * num_kv_heads * head_dim
 
@@ -62,6 +64,32 @@ def _runs(pages: list[int]):
             n += 1
         yield i, pages[i], n
         i += n
+
+
+class Flight:
+    """A launched step: its plan and its sampled tokens, on the device and, once `done`, on
+    the host. Steps whose rows all decode greedily without logprobs copy back the tokens
+    alone (`pipelined`: into pinned memory, without waiting); others keep their logits for
+    `ModelRunner.sample`. A graph's logits are its static output, which the next replay
+    overwrites: the argmax (or the copy) is taken at launch."""
+
+    def __init__(self, plan: SchedulerPlan, logits: torch.Tensor, pipelined: bool) -> None:
+        self.plan = plan
+        self.tokens = logits.argmax(dim=-1)
+        simple = all(r.sampling.greedy and r.sampling.logprobs is None for r in plan.seqs)
+        # (collected at once unless pipelined: no later replay can overwrite the logits)
+        self.logits = None if simple else logits.clone() if pipelined else logits
+        self.host, self.done = self.tokens, None
+        if simple and pipelined and self.tokens.is_cuda:
+            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self.host.copy_(self.tokens, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    @property
+    def simple(self) -> bool:
+        """Whether the next step may launch before this one is collected."""
+        return self.logits is None
 
 
 class ModelRunner:
@@ -155,32 +183,75 @@ class ModelRunner:
 
     # -- the step
     def execute(self, plan: SchedulerPlan, adapters: AdapterManager):
+        """Run the plan's step and sample it: (tokens, logprobs), one per sequence."""
+        return self.collect(self.launch(plan, adapters))
+
+    def launch(self, plan: SchedulerPlan, adapters: AdapterManager,
+               prev: Flight | None = None) -> Flight | None:
+        """Queue the plan's step on the device (None when it has no sequences). `prev`: the
+        step still running, not yet collected (async scheduling); the decode rows whose
+        last token it samples take their input ids from its tokens on the device."""
         if self.copy_stream is not None:  # prefetches of the last step land before we read
             torch.cuda.current_stream().wait_stream(self.copy_stream)
+        after_prev = None
+        if prev is not None and self.copy_stream is not None:
+            after_prev = torch.cuda.Event()
+            after_prev.record()  # the running step's work is queued before this point
         self._load_adapters(plan.adapter_loads, adapters)
         if plan.empty:
-            self._prefetch(plan.prefetch, adapters)
-            return [], []
+            self._prefetch(plan.prefetch, adapters, after_prev)
+            return None
         batch = self.prepare(plan, adapters)
+        fed = self._fed_ids(plan, prev)
         if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)
+            logits = self.graphs.run(batch, fed)
         else:
-            logits = self.model.forward(batch.to(self.device), self.pool)
-        self._prefetch(plan.prefetch, adapters)  # queued behind nothing: overlaps the forward
-        return self.sample(logits, plan.seqs)
+            batch = batch.to(self.device)
+            if fed is not None:
+                batch.input_ids.index_copy_(0, *fed)
+            logits = self.model.forward(batch, self.pool)
+        flight = Flight(plan, logits, prev is not None or self.config.async_scheduling)
+        self._prefetch(plan.prefetch, adapters, after_prev)  # overlaps the forward
+        return flight
 
-    def _prefetch(self, loads, adapters: AdapterManager) -> None:
+    def _fed_ids(self, plan: SchedulerPlan, prev: Flight | None):
+        """(rows, ids) on the device: the decode rows whose last token `prev` samples."""
+        if prev is None:
+            return None
+        where = {r.request_id: i for i, r in enumerate(prev.plan.seqs)}
+        pairs = [(i, where[r.request_id]) for i, r in enumerate(plan.decode) if r.num_pending]
+        if not pairs:
+            return None
+        rows = torch.tensor([i for i, _ in pairs], device=self.device)
+        return rows, prev.tokens[torch.tensor([j for _, j in pairs], device=self.device)]
+
+    def collect(self, flight: Flight | None):
+        """The tokens and logprobs of a launched step (waits for it)."""
+        if flight is None:
+            return [], []
+        if flight.logits is None:  # greedy, no logprobs: only the tokens come back
+            if flight.done is not None:
+                flight.done.synchronize()
+            return flight.host.tolist(), [None] * len(flight.plan.seqs)
+        return self.sample(flight.logits, flight.plan.seqs)
+
+    def _prefetch(self, loads, adapters: AdapterManager, after: torch.cuda.Event | None = None) -> None:
         """Copy prefetched adapters on a side stream, issued once the forward is queued, so
         the copies run beside it. Their pages were free (or held idle adapters) at scheduling
-        time: the forward never reads them, so the side stream need not wait for it. The next
-        step's compute waits for these copies. (The H200 showed the cost of doing otherwise:
-        with the copies issued first, and a pageable page-index copy that blocked the host
-        until the side stream drained, a decode step with 8 prefetches took 18.6 ms, not 6.3.)"""
+        time: this step's forward never reads them, so the side stream need not wait for it.
+        `after`: with a step still running (async scheduling) the pages may be ones it
+        writes (a request that ended or was preempted meanwhile), so the copies wait for it.
+        The next step's compute waits for these copies. (The H200 showed the cost of doing
+        otherwise: with the copies issued first, and a pageable page-index copy that blocked
+        the host until the side stream drained, a decode step with 8 prefetches took 18.6
+        ms, not 6.3.)"""
         if not loads:
             return
         if self.copy_stream is None:
             return self._load_adapters(loads, adapters)
         with torch.cuda.stream(self.copy_stream):
+            if after is not None:
+                self.copy_stream.wait_event(after)
             self._load_adapters(loads, adapters)
 
     def prepare(self, plan: SchedulerPlan, adapters: AdapterManager) -> Batch:

@@ -71,3 +71,14 @@ def test_byte_counts(bench):
     # the 7B's weights minus its (untied) embedding table: ~13.2 GB in bf16
     assert bench.weight_read_bytes(cfg, 2) == cfg.weight_bytes(2) - 32000 * 4096 * 2
     assert 13.0e9 < bench.weight_read_bytes(cfg, 2) < 13.3e9
+
+
+def test_bench_scaling_decode_with_async_scheduling(bench, tiny_model_dir, tmp_path):
+    """--async-scheduling: the decode table's steps are timed without synchronising each."""
+    bench.main(["--part", "decode", "--model", str(tiny_model_dir), "--device", "cpu",
+                "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
+                "--batches", "4", "--context", "24", "--decode-tokens", "16", "--breakdown", "",
+                "--async-scheduling", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["decode"]
+    assert [(r["batch"], r["modules"]) for r in rows] == [(4, "none"), (4, "qkvo"), (4, "all")]
+    assert all(r["steps_timed"] > 0 and r["step_ms"] > 0 and r["execute_ms"] is None for r in rows)

@@ -49,11 +49,13 @@ def roomy(tiny_model_dir):
     return jobs, _run(tiny_model_dir, 4096, jobs, 24)[1]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("policy", ["fcfs", "cluster", "fair"])
-def test_tight_pool_gives_roomy_pool_tokens(tiny_model_dir, roomy, policy):
+def test_tight_pool_gives_roomy_pool_tokens(tiny_model_dir, roomy, policy, async_scheduling):
     jobs, want = roomy
     # ranks 1..64 take 1..16 pages of 1024 elements; a request takes 1..3 pages of KV
-    engine, outs = _run(tiny_model_dir, 40, jobs, 24, policy=policy)
+    engine, outs = _run(tiny_model_dir, 40, jobs, 24, policy=policy,
+                        async_scheduling=async_scheduling)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     s = engine.stats()
     used = {a for _, a, _ in jobs if a}
@@ -218,3 +220,19 @@ def test_prefetch_evicts_idle_adapters_the_queue_does_not_need():
     while sim.sched.has_unfinished():
         plan = sim.step(2.0)
         assert not plan.adapter_loads  # a7 was already resident when "next" was admitted
+
+
+def test_a_request_whose_tokens_are_pending_is_not_admitted():
+    """Async scheduling: a request preempted while its step runs waits with a PENDING output
+    token; it is admitted again only once the token is known (its prompt for the recompute)."""
+    from slora.request import PENDING
+
+    alloc = PageAllocator(16)
+    sched = Scheduler(Cfg(block_size=4, num_pages=16), alloc, AdapterManager(alloc, 0))
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), None, 0.0)
+    sched.add(req)
+    req.output_token_ids.append(PENDING)
+    req.num_pending = 1
+    assert sched.schedule(0.0).empty and req in sched.waiting
+    req.output_token_ids[-1], req.num_pending = 7, 0
+    assert sched.schedule(0.0).prefill == [req]

@@ -27,7 +27,7 @@ from slora.config import EngineConfig, cdiv
 from slora.core.adapters import AdapterManager
 from slora.core.pages import KV, PageAllocator
 from slora.core.policies import make_policy
-from slora.request import Request, RequestStatus
+from slora.request import PENDING, Request, RequestStatus
 
 
 @dataclass
@@ -98,6 +98,8 @@ class Scheduler:
         queue = list(self.running)
         while queue:
             req = queue.pop(0)
+            if req.num_pending and req.at_length():
+                continue  # ends once its running step is collected: no room for another token
             need = cdiv(req.num_tokens, self.block_size) - len(req.block_table)
             while not self._grow(req, need, plan):
                 victim = self.running[-1]
@@ -138,6 +140,8 @@ class Scheduler:
         admitted = []
         passed_over = []
         for req in self.policy.order(self.waiting, resident):
+            if req.num_pending:
+                continue  # preempted while its last step runs: its prompt is not known yet
             if len(self.running) + len(admitted) >= cfg.max_num_seqs:
                 break
             if self.policy.expired(req, now):
@@ -229,20 +233,47 @@ class Scheduler:
     def update(self, plan: SchedulerPlan, tokens: list[int],
                logprobs: list[dict[int, float] | None], now: float) -> list[Request]:
         """Append each sequence's sampled token; finish requests that stop. Returns them all."""
-        for req, tok, lp in zip(plan.seqs, tokens, logprobs):
+        self.advance(plan)
+        return self.resolve(plan, tokens, logprobs, now)
+
+    def advance(self, plan: SchedulerPlan) -> None:
+        """The plan's step is running: its sequences' new tokens count as computed and each
+        holds a place (PENDING) for the token it samples. With `async_scheduling` the engine
+        schedules the next step here, before those tokens are known; `resolve` fills them."""
+        for req in plan.seqs:
             self.policy.served(req, req.num_new)
             req.num_computed = req.num_tokens
-            req.output_token_ids.append(tok)
+            req.output_token_ids.append(PENDING)
+            req.num_pending += 1
+
+    def resolve(self, plan: SchedulerPlan, tokens: list[int],
+                logprobs: list[dict[int, float] | None], now: float) -> list[Request]:
+        """The plan's tokens are known: put each in its place and finish the requests that
+        stop. A request that ended while the step ran (a stop found in the step before, an
+        abort) drops its token. Returns the requests it changed and those that failed while
+        the plan was made."""
+        touched = []
+        for req, tok, lp in zip(plan.seqs, tokens, logprobs):
+            if req.finished:
+                continue
+            req.output_token_ids[len(req.output_token_ids) - req.num_pending] = tok
+            req.num_pending -= 1
             if lp is not None:
                 req.logprobs.append(lp)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             reason = req.check_stop()
             if reason:
+                if req.status is RequestStatus.WAITING:  # preempted while its step ran
+                    self.waiting.remove(req)
                 self._finish(req, reason, now)
-        return plan.seqs + plan.finished
+            touched.append(req)
+        return touched + plan.finished
 
     def _finish(self, req: Request, reason: str, now: float, error: str | None = None) -> None:
+        if req.num_pending:  # tokens of steps still running: never to be known
+            del req.output_token_ids[-req.num_pending:]
+            req.num_pending = 0
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.allocator.free(req.block_table)
