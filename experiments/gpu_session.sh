@@ -169,7 +169,12 @@ case "${1:-}" in
       python3 -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py 2>&1 | tail -2'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown "" --async-scheduling --out $OUT/async 2>&1 | grep -A4 "^ *batch"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-17)" >&2; exit 2 ;;
+  18)  # async scheduling at batch 128 (GPU0 without, GPU1 with), then S2 with it (GPU1)
+    lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown "" --out $OUT/sync 2>&1 | grep -A4 "^ *batch"'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown "" --async-scheduling --out $OUT/async 2>&1 | grep -A4 "^ *batch"
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 2000 --num-requests 400 --async-scheduling --out $OUT/scaling 2>&1 | tail -6'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-18)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels 2>/dev/null) 2>/dev/null \
