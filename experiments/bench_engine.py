@@ -58,7 +58,8 @@ def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, **cfg):
     last_first = max(o.metrics.first_token_time for o in outs)
     end = max(o.metrics.finish_time for o in outs)
     decode_toks = sum(len(o.token_ids) - 1 for o in outs)
-    res = {"system": "slora" + (f"+{adapters}x r{rank}" if adapters else ""), "model": model,
+    system = "slora" + (f"+{adapters}x r{rank}" if adapters else "")
+    res = {"system": system + (" async" if cfg.get("async_scheduling") else ""), "model": model,
            "batch": batch, "gen_tok_s": batch * gen_len / wall,
            "decode_tok_s": decode_toks / max(end - last_first, 1e-9), "wall_s": wall,
            "stats": eng.stats()}
@@ -125,6 +126,8 @@ def main():
                     help="HF PEFT output tokens in the race (it is slow; tok/s is what counts)")
     ap.add_argument("--num-pages", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true", help="slora rows only (no HF baselines)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="each slora row again with EngineConfig.async_scheduling")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args()
     from bench_kernels import ceilings
@@ -133,10 +136,13 @@ def main():
     rows = []
     ceil = ceilings(dev)
     print("ceilings:", ceil, flush=True)
+    modes = [False, True] if args.async_scheduling else [False]
     for model in args.models.split(","):
         for b in map(int, args.batches.split(",")):
-            rows.append(slora_run(model, b, args.prompt_len, args.gen_len, num_pages=args.num_pages))
-            print(rows[-1], flush=True)
+            for mode in modes:
+                rows.append(slora_run(model, b, args.prompt_len, args.gen_len,
+                                      num_pages=args.num_pages, async_scheduling=mode))
+                print(rows[-1], flush=True)
         if args.skip_hf:
             continue
         m = hf_model(model)
@@ -147,18 +153,20 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
     if args.race:
-        rows.append(slora_run("llama-2-7b", 32, 128, 128, adapters=32, num_pages=args.num_pages))
-        print(rows[-1], flush=True)
+        for mode in modes:
+            rows.append(slora_run("llama-2-7b", 32, 128, 128, adapters=32, num_pages=args.num_pages,
+                                  async_scheduling=mode))
+            print(rows[-1], flush=True)
         if not args.skip_hf:
             rows.append(peft_race("llama-2-7b", 32, 128, args.race_peft_gen))
             print(rows[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_engine.json").write_text(json.dumps(
         {"ceilings": ceil, "rows": rows, "gpu": torch.cuda.get_device_name()}, indent=1))
-    print(f"\n{'system':<22}{'model':<14}{'batch':>6}{'gen tok/s':>12}{'decode tok/s':>14}")
+    print(f"\n{'system':<28}{'model':<14}{'batch':>6}{'gen tok/s':>12}{'decode tok/s':>14}")
     for r in rows:
         dec = f"{r['decode_tok_s']:14.0f}" if "decode_tok_s" in r else f"{'':>14}"
-        print(f"{r['system']:<22}{r['model']:<14}{r['batch']:>6}{r['gen_tok_s']:12.0f}{dec}")
+        print(f"{r['system']:<28}{r['model']:<14}{r['batch']:>6}{r['gen_tok_s']:12.0f}{dec}")
 
 
 if __name__ == "__main__":

@@ -169,6 +169,10 @@ def _add_replay(sub) -> None:
     adapters.add_argument("--adapter-dir", metavar="DIR",
                           help="DIR/<name> is the PEFT adapter of each adapter name in the trace")
     _add_engine_args(p)
+    p.add_argument("--async-scheduling", action="store_const", const=True,
+                   help="launch each step before collecting the last (the host's work overlaps "
+                   "the GPU's; H200, batch-32 decode: 6.5 -> 5.8 ms); the simulator and its "
+                   "profile model the engine without it")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up (kernel compiles, decode-graph captures) before the clock starts")
@@ -199,8 +203,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_options(args) -> dict:
     keys = ("device", "dtype", "num_pages", "max_num_seqs", "max_batch_tokens", "policy", "backend",
-            "load_format", "slo_ttft_s", "mixed_graph_tokens")
-    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+            "load_format", "slo_ttft_s", "mixed_graph_tokens", "async_scheduling")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def _replay(args) -> int:

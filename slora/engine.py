@@ -175,11 +175,12 @@ class Engine:
             touched += plan.finished
         else:
             self.scheduler.advance(plan)
-        for done in [self._flight] + ([flight] if flight is not None and not flight.simple else []):
+        keep = flight is not None and flight.simple  # left running until the next call
+        for done in (self._flight, None if keep else flight):  # in launch order
             if done is not None:
                 tokens, logprobs = self.runner.collect(done)
                 touched += self.scheduler.resolve(done.plan, tokens, logprobs, time.monotonic())
-        self._flight = flight if flight is not None and flight.simple else None
+        self._flight = flight if keep else None
         return touched
 
     def _output(self, req: Request) -> RequestOutput:
@@ -355,7 +356,7 @@ class Engine:
         import torch
 
         cuda = self.runner.device.type == "cuda"
-        self.runner = None
+        self.runner = self._flight = None
         self._synthetic.clear()
         gc.unfreeze()  # what `warmup` froze is collectable again
         gc.collect()

@@ -117,14 +117,16 @@ def test_refused_and_aborted_requests_are_failed_records_with_reasons():
 # The real engine (tiny random Llama on CPU): awaits slora.Engine and tests/conftest.py.
 
 
-def test_replay_on_tiny_model(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_replay_on_tiny_model(tiny_model_dir, async_scheduling):
     from slora import Engine, EngineConfig
     from slora.config import ModelConfig
     from slora.replay import register_adapters
 
     trace = synthesize(num_adapters=3, rate=8, cv=1, alpha=1, duration=1, input_len=(3, 12),
                        output_len=(1, 5), ranks=(4, 8), seed=0)
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", num_pages=64))
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", num_pages=64,
+                                 async_scheduling=async_scheduling))
     register_adapters(engine, trace, synthetic=True, adapter_dir=None)
     run = replay(engine, trace, vocab_size=ModelConfig.from_dir(tiny_model_dir).vocab_size)
 
