@@ -5,6 +5,10 @@
       -> ModelRunner.execute(plan)          adapter copies, batch metadata, model, sampling
       -> Scheduler.update(plan, tokens)     append tokens, free pages of finished requests
       -> outputs (detokenised, stop strings applied)
+
+With `EngineConfig.async_scheduling` a step is launched (`ModelRunner.launch`) and the scheduler
+advanced (`Scheduler.advance`: the new tokens PENDING) before the step before it is collected
+(`ModelRunner.collect`, `Scheduler.resolve`): see `Engine._step_async`.
 """
 
 from __future__ import annotations

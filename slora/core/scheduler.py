@@ -1,7 +1,11 @@
 """Continuous batching with coordinated memory: KV pages and adapter pages share one pool.
 
 Each step, `schedule(now)` returns a `SchedulerPlan`; the runner executes it; `update(plan,
-tokens, logprobs, now)` advances the requests. The order within `schedule`:
+tokens, logprobs, now)` advances the requests: `advance` (each sequence's new token PENDING)
+then `resolve` (the token in its place, stops checked). Async scheduling calls the two apart,
+scheduling the next step in between: a request whose pending tokens reach its length is not
+scheduled again, and one preempted while its step runs waits until its token is known. The
+order within `schedule`:
 
 1. Running requests decode first (they already hold memory). A request whose next token
    starts a new block needs a page: take a free one, else evict idle adapters (LRU), else
