@@ -190,11 +190,15 @@ ENGINE = dict(num_pages=56, block_size=16, max_num_seqs=8, max_batch_tokens=160,
               prefetch_reserve=4, prefetch_window=4, max_skips=4)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "cluster", "fair", "abort"])
+@pytest.mark.parametrize("policy,async_scheduling", [
+    ("fcfs", False), ("cluster", False), ("fair", False), ("abort", False),
+    ("fcfs", True), ("abort", True)])
 def test_engine_and_simulator_make_the_same_decisions(tiny_model_dir, cpu_profile, monkeypatch,
-                                                      policy):
+                                                      policy, async_scheduling):
+    """... in the sync order of events, and in async scheduling's (each step launched before
+    the one before it is collected; the device runs them back to back)."""
     trace = _decision_trace()
-    engine_options = dict(ENGINE, policy=policy, slo_ttft_s=0.05)
+    engine_options = dict(ENGINE, policy=policy, slo_ttft_s=0.05, async_scheduling=async_scheduling)
 
     # the real engine, computing on CPU, on a virtual clock that advances by the cost model
     clock = VirtualClock()
@@ -202,7 +206,9 @@ def test_engine_and_simulator_make_the_same_decisions(tiny_model_dir, cpu_profil
     engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                                  **engine_options))
     register_adapters(engine, trace, synthetic=True, adapter_dir=None)
-    timing, execute = SimRunner(cpu_profile.cost), engine.runner.execute
+    timing, runner = SimRunner(cpu_profile.cost), engine.runner
+    execute, launch, collect = runner.execute, runner.launch, runner.collect
+    device = {"free": 0.0}  # async: when the launched work ends; each flight's end
 
     def timed_execute(plan, adapters):
         dt = timing.step_time(plan, adapters)
@@ -210,7 +216,22 @@ def test_engine_and_simulator_make_the_same_decisions(tiny_model_dir, cpu_profil
         clock.now += dt
         return out
 
-    engine.runner.execute = timed_execute
+    def timed_launch(plan, adapters, prev=None):
+        device["free"] = max(clock.now, device["free"]) + timing.step_time(plan, adapters)
+        flight = launch(plan, adapters, prev)
+        if flight is not None:
+            device[id(flight)] = device["free"]
+        return flight
+
+    def timed_collect(flight):
+        if flight is not None:
+            clock.now = max(clock.now, device.pop(id(flight)))
+        return collect(flight)
+
+    if async_scheduling:
+        runner.launch, runner.collect = timed_launch, timed_collect
+    else:
+        runner.execute = timed_execute
     real_steps, schedule = [], engine.scheduler.schedule
 
     def recorded_schedule(now):

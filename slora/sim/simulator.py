@@ -14,6 +14,9 @@
 engine, with the virtual clock as its clock: requests arrive at their trace times, an idle
 engine jumps to the next arrival, and the records and metrics come from the same code.
 
+With `async_scheduling` the order is the async engine's (`SimEngine._step_async`): a step is
+scheduled and launched before the one before it is resolved.
+
 Tokens are fake (id 0); replayed requests use `ignore_eos` and `max_tokens = output_len`, so
 every request's length is the trace's, whatever the ids. Adapter page counts follow the
 runner's layout (see `adapter_pages`), computed from the model's config.json alone.
@@ -162,6 +165,10 @@ class SimEngine:
         self.steps = 0
         self._ids = itertools.count()
         self._failed_now: list[Request] = []
+        # async scheduling: the launched step not yet collected (plan, the time it ends), and
+        # when the device is free of the steps and copies launched so far
+        self._flight: tuple[SchedulerPlan, float] | None = None
+        self._device_free = 0.0
 
     # -- adapters
     def add_synthetic_adapter(self, name: str, rank: int,
@@ -198,16 +205,19 @@ class SimEngine:
         return rid
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._failed_now)
+        return self.scheduler.has_unfinished() or bool(self._failed_now) or self._flight is not None
 
     # -- the loop
     def step(self) -> list[RequestOutput]:
         start = self.clock.now
         plan = self.scheduler.schedule(start)
         dt = self.runner.step_time(plan, self.adapters)
-        self.clock.now = start + dt
-        n = len(plan.decode) + len(plan.prefill)
-        touched = self.scheduler.update(plan, [FAKE_TOKEN] * n, [None] * n, self.clock.now)
+        if self.config.async_scheduling:
+            touched = self._step_async(plan, start, dt)
+        else:
+            self.clock.now = start + dt
+            n = len(plan.decode) + len(plan.prefill)
+            touched = self.scheduler.update(plan, [FAKE_TOKEN] * n, [None] * n, self.clock.now)
         self.steps += 1
         if self.check:
             self.allocator.check()
@@ -218,6 +228,26 @@ class SimEngine:
             done += [_output(r) for r in self._failed_now]
             self._failed_now = []
         return done
+
+    def _step_async(self, plan: SchedulerPlan, start: float, dt: float) -> list[Request]:
+        """`Engine._step_async`'s order of events: this step (scheduled at `start`) is
+        launched and the scheduler advanced, then the step before it is collected and
+        resolved. The device runs what is launched back to back: a step starts when it is
+        launched or when the device is free, whichever is later, and its tokens are known
+        when it ends. The cost model's step time is the sync engine's (the host's work
+        included), so this order is not calibrated: see experiments/SIMULATOR.md."""
+        self._device_free = max(start, self._device_free) + dt
+        touched = []
+        if plan.empty:
+            touched += plan.finished
+        else:
+            self.scheduler.advance(plan)
+        prev, self._flight = self._flight, None if plan.empty else (plan, self._device_free)
+        if prev is not None:
+            self.clock.now = max(self.clock.now, prev[1])
+            n = len(prev[0].seqs)
+            touched += self.scheduler.resolve(prev[0], [FAKE_TOKEN] * n, [None] * n, self.clock.now)
+        return touched
 
     def stats(self) -> dict:
         s = self.scheduler.stats()
