@@ -210,7 +210,7 @@ class ModelRunner:
             if fed is not None:
                 batch.input_ids.index_copy_(0, *fed)
             logits = self.model.forward(batch, self.pool)
-        flight = Flight(plan, logits, prev is not None or self.config.async_scheduling)
+        flight = Flight(plan, logits, self.config.async_scheduling)
         self._prefetch(plan.prefetch, adapters, after_prev)  # overlaps the forward
         return flight
 
@@ -233,7 +233,7 @@ class ModelRunner:
             if flight.done is not None:
                 flight.done.synchronize()
             return flight.host.tolist(), [None] * len(flight.plan.seqs)
-        return self.sample(flight.logits, flight.plan.seqs)
+        return self.sample(flight.logits, flight.plan.seqs, flight.tokens)
 
     def _prefetch(self, loads, adapters: AdapterManager, after: torch.cuda.Event | None = None) -> None:
         """Copy prefetched adapters on a side stream, issued once the forward is queued, so
@@ -345,9 +345,10 @@ class ModelRunner:
         return pages, groups
 
     # -- sampling
-    def sample(self, logits: torch.Tensor, seqs: list[Request]):
-        """One token per sequence; vLLM-shaped logprobs of the raw distribution when asked."""
-        tokens = logits.argmax(dim=-1).tolist()
+    def sample(self, logits: torch.Tensor, seqs: list[Request], greedy: torch.Tensor):
+        """One token per sequence (`greedy`: the logits' argmax, taken at launch, for the
+        greedy rows); vLLM-shaped logprobs of the raw distribution when asked."""
+        tokens = greedy.tolist()
         want_lp = any(r.sampling.logprobs is not None for r in seqs)
         logp = torch.log_softmax(logits, dim=-1) if want_lp else None
         out_lp = []

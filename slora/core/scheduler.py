@@ -81,11 +81,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, req: Request, reason: str = "abort", now: float = 0.0) -> None:
-        if req.finished:
-            return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self._finish(req, reason, now)
+        if not req.finished:
+            self._finish(req, reason, now)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -149,7 +146,6 @@ class Scheduler:
             if len(self.running) + len(admitted) >= cfg.max_num_seqs:
                 break
             if self.policy.expired(req, now):
-                self.waiting.remove(req)
                 self._finish(req, "abort", now, "aborted: the first token can no longer meet the "
                              f"{cfg.slo_ttft_s:g} s SLO (early-abort policy)")
                 plan.finished.append(req)
@@ -162,7 +158,6 @@ class Scheduler:
                 if budget <= 0:
                     break
             elif self._never_fits(req):
-                self.waiting.remove(req)
                 self._finish(req, "error", now, self._too_big(req))
                 plan.finished.append(req)
             else:
@@ -267,9 +262,7 @@ class Scheduler:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             reason = req.check_stop()
-            if reason:
-                if req.status is RequestStatus.WAITING:  # preempted while its step ran
-                    self.waiting.remove(req)
+            if reason:  # (it may be waiting: preempted while its step ran)
                 self._finish(req, reason, now)
             touched.append(req)
         return touched + plan.finished
@@ -278,7 +271,9 @@ class Scheduler:
         if req.num_pending:  # tokens of steps still running: never to be known
             del req.output_token_ids[-req.num_pending:]
             req.num_pending = 0
-        if req.status is RequestStatus.RUNNING:
+        if req.status is RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.allocator.free(req.block_table)
             req.block_table = []
