@@ -439,6 +439,79 @@ def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
     return dict(B=B, ctx=ctx, H=H, kvh=kvh, D=D, us=t * 1e3, GBps=nbytes / t / 1e6, err=err)
 
 
+def tune_attention(cfg, device, dtype, gen):
+    """Sweep the decode kernel's tiles (`attention.decode_config`'s keys: tl.dot or CUDA-core
+    sums, keys a step, warps, stages) at one split, then splits 2 and 4 for the best three per
+    shape; decode shapes of a 7B (32 heads, MHA) at a server's contexts. Returns JSON rows."""
+    import slora.kernels.attention as attention
+
+    if cfg["smoke"]:
+        shapes, (H, kvh, D) = [(2, 13)], (4, 2, 16)
+        cfgs = [dict(USE_DOT=u, BLOCK_N=16, num_warps=4, num_stages=1) for u in (True, False)]
+    else:
+        shapes, (H, kvh, D) = [(32, 272), (128, 272), (32, 1024), (256, 272)], (32, 32, 128)
+        cfgs = [dict(USE_DOT=u, BLOCK_N=n, num_warps=w, num_stages=st)
+                for u in (True, False) for n in ((32, 64, 128) if u else (16, 32, 64))
+                for w in (2, 4, 8) for st in (1, 2, 3)]
+    rows = []
+    for B, ctx in shapes:
+        k, v, tables = paged_kv(B, ctx, kvh, D, cfg["block_size"], device, dtype, gen)
+        ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+        q = torch.randn(B, H, D, generator=gen).to(dtype).to(device)
+        expect = ref.paged_decode_attention(q, k, v, tables, ctx_lens, D ** -0.5)
+        nbytes = 2 * B * ctx * kvh * D * q.element_size() + 2 * q.numel() * q.element_size()
+
+        def run(c, splits):
+            fn = lambda: attention.paged_decode_attention(q, k, v, tables, ctx_lens, D ** -0.5,
+                                                          num_splits=splits, cfg=c)
+            try:
+                err = rel_err(fn(), expect)
+                us = bench_graph(fn, device, warmup_ms=5, rep_ms=25) * 1e3
+            except Exception as e:  # a config the compiler rejects (registers, shared memory)
+                print(f"  attention {c} splits {splits}: {type(e).__name__}", flush=True)
+                return None
+            row = dict(B=B, ctx=ctx, splits=splits, **(c or {}), us=us, GBps=nbytes / us / 1e3, err=err)
+            rows.append(row)
+            return row
+
+        default = run(None, None)
+        found = [w for w in (run(c, 1) for c in cfgs) if w is not None]
+        for w in sorted(found, key=lambda w: w["us"])[:3]:
+            c = {key: w[key] for key in ("USE_DOT", "BLOCK_N", "num_warps", "num_stages")}
+            found += [w for w in (run(c, sp) for sp in (2, 4)) if w is not None]
+        print(f"tune attention B={B:3d} ctx={ctx:5d}: default {default['us']:.2f} us "
+              f"({default['GBps']:.0f} GB/s); best:", flush=True)
+        for w in sorted(found, key=lambda w: w["us"])[:5]:
+            c = {key: w[key] for key in ("splits", "USE_DOT", "BLOCK_N", "num_warps", "num_stages")}
+            print(f"    {c} {w['us']:.2f} us {w['GBps']:.0f} GB/s err {w['err']:.1e}", flush=True)
+    return rows
+
+
+def tune_gemm(cfg, device, dtype, gen):
+    """A decode step's GEMMs at a 7B's shapes: F.linear on the [out, in] weight (the model's
+    call) against a matmul on a [in, out] copy, at batch 1-256; weight GB/s. Returns JSON rows."""
+    import torch.nn.functional as F
+
+    d = cfg["hidden"]
+    inter = 11008 if not cfg["smoke"] else 2 * d
+    shapes = {"qkv": (3 * d, d), "o": (d, d), "gate_up": (2 * inter, d), "down": (d, inter)}
+    rows = []
+    for M in ((1, 32, 128, 256) if not cfg["smoke"] else (2,)):
+        line = []
+        for name, (N, K) in shapes.items():
+            w = torch.randn(N, K, generator=gen).to(dtype).to(device)
+            wt = w.t().contiguous()
+            x = torch.randn(M, K, generator=gen).to(dtype).to(device)
+            nbytes = w.numel() * w.element_size()
+            for kind, fn in (("linear", lambda: F.linear(x, w)), ("mm_t", lambda: x @ wt)):
+                us = bench_graph(fn, device, warmup_ms=5, rep_ms=25) * 1e3
+                rows.append(dict(M=M, module=name, kind=kind, us=us, GBps=nbytes / us / 1e3))
+                line.append(f"{name} {kind} {us:7.1f} us {nbytes / us / 1e3:5.0f} GB/s")
+            del w, wt
+        print(f"tune gemm M={M:3d}: " + " | ".join(line), flush=True)
+    return rows
+
+
 def run_prefill_attention(n_seq, n_tok, H, kvh, D, cfg, device, dtype, gen):
     """Causal prefill of n_seq prompts of n_tok tokens (KV already written), vs the twin."""
     k, v, tables = paged_kv(n_seq, n_tok, kvh, D, cfg["block_size"], device, dtype, gen)
@@ -553,8 +626,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
-    ap.add_argument("--tune", nargs="?", const="all", choices=("all", "mbgmv", "mbgmm"),
-                    help="sweep tile configs first (all, or only mbgmv / mbgmm)")
+    ap.add_argument("--tune", nargs="?", const="all",
+                    choices=("all", "mbgmv", "mbgmm", "attention", "gemm"),
+                    help="sweep tile configs first (all, or one of mbgmv / mbgmm / decode "
+                         "attention / the decode GEMMs' weight layout)")
     ap.add_argument("--tune-only", action="store_true", help="stop after the tile sweep")
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--only-mixed", action="store_true",
@@ -585,8 +660,10 @@ def main():
     res["ceilings"] = ceilings(device)
     print(f"ceilings: {res['ceilings']}", flush=True)
     if args.tune:
-        res["tune"] = ((tune_mbgmv(cfg, device, dtype, gen) if args.tune != "mbgmm" else [])
-                       + (tune_mbgmm(cfg, device, dtype, gen) if args.tune != "mbgmv" else []))
+        sweeps = {"mbgmv": tune_mbgmv, "mbgmm": tune_mbgmm, "attention": tune_attention,
+                  "gemm": tune_gemm}
+        res["tune"] = [row for name, sweep in sweeps.items() if args.tune in ("all", name)
+                       for row in sweep(cfg, device, dtype, gen)]
         if args.tune_only:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "bench_kernels_tune.json").write_text(json.dumps(res, indent=1))

@@ -174,9 +174,19 @@ case "${1:-}" in
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown "" --async-scheduling --out $OUT/async 2>&1 | grep -A4 "^ *batch"
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 2000 --num-requests 400 --async-scheduling --out $OUT/scaling 2>&1 | tail -6'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-18)" >&2; exit 2 ;;
+  19)  # session 7's first call: decode attention tile sweep (tl.dot or CUDA-core sums, keys a
+       # step, warps, stages, splits) and the decode GEMMs' weight layout, with the attention
+       # tests on CUDA, then the race with async scheduling beside sync (GPU0); S2 q/k/v/o with
+       # async scheduling (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py 2>&1 | tail -2
+      python3 experiments/bench_kernels.py --tune attention --tune-only --out $OUT/kernels 2>&1 | grep -v "^ *attention {"
+      python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels-gemm 2>&1 | tail -5
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --async-scheduling --out $OUT/engine 2>&1 | tail -8'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --async-scheduling --out $OUT/scaling 2>&1 | tail -8'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-19)" >&2; exit 2 ;;
 esac
 wait
-(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels 2>/dev/null) 2>/dev/null \
+(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
   && rm -rf suites sim-vs-replay*)
 for f in "$OUT"/gpu0.log "$OUT"/gpu1.log; do echo "==== $f"; tail -60 "$f"; done

@@ -53,7 +53,7 @@ def _decode_kernel(
     stride_ob, stride_oh,
     D,
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -71,7 +71,7 @@ def _decode_kernel(
     heads = kvh * QH + offs_h
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32:
+    if DOT_F32 or not USE_DOT:
         q = q.to(tl.float32)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -88,7 +88,9 @@ def _decode_kernel(
                     + offs_d[None, :], mask=kmask, other=0.0)
         v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
                     + offs_d[None, :], mask=kmask, other=0.0)
-        if DOT_F32:
+        if not USE_DOT:  # CUDA cores: [BLOCK_H, 1, D] x [1, BLOCK_N, D], summed over D
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        elif DOT_F32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
@@ -97,7 +99,9 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
+        if not USE_DOT:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        elif DOT_F32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
@@ -154,9 +158,19 @@ def _default_splits(B: int, kvh: int, max_ctx: int, block_n: int, device: torch.
     return int(max(1, min(want, max_ctx // (2 * block_n), 64)))
 
 
+def decode_config(qh: int, D: int, device: torch.device) -> dict:
+    """The decode kernel's tiles: USE_DOT (scores and P.V as tl.dot on a [16, D] q tile, the
+    group padded to 16 rows; otherwise CUDA-core sums over a [pow2(qh), D] tile), BLOCK_N keys
+    a step, num_warps, num_stages. The interpreter takes small key tiles (its cost grows with
+    elements a trip)."""
+    if device.type != "cuda":
+        return dict(USE_DOT=True, BLOCK_N=16, num_warps=4, num_stages=1)
+    return dict(USE_DOT=True, BLOCK_N=64 if D <= 128 else 32, num_warps=4, num_stages=2)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, cfg: dict | None = None) -> torch.Tensor:
     """Decode attention: one new token per sequence over its paged KV (twin:
     `reference.paged_decode_attention`).
 
@@ -165,6 +179,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     >= 1, the new token's K/V already written. Query head h reads KV head h // (H / KVH).
     Returns [B, H, D] in q's dtype. `num_splits` (optional) overrides the split-K heuristic;
     the heuristic bounds the context by block_tables' width, so it needs no device sync.
+    `cfg` (optional, for benchmarks' sweeps) overrides `decode_config`'s keys.
     """
     B, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
@@ -174,13 +189,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B == 0:
         return out
     qh = H // kvh
-    cuda = q.device.type == "cuda"
-    block_h = max(16 if cuda else 1, _pow2(qh))
+    cfg = {**decode_config(qh, D, q.device), **(cfg or {})}
+    block_h = max(16 if cfg["USE_DOT"] and q.device.type == "cuda" else 1, _pow2(qh))
     block_d = _pow2(D)
-    block_n = (64 if D <= 128 else 32) if cuda else 16
     if num_splits is None:
-        num_splits = _default_splits(B, kvh, block_tables.shape[1] * block_size, block_n, q.device)
-    dot_f32 = not cuda or q.dtype == torch.float32
+        num_splits = _default_splits(B, kvh, block_tables.shape[1] * block_size, cfg["BLOCK_N"],
+                                     q.device)
+    dot_f32 = q.device.type != "cuda" or q.dtype == torch.float32
     if num_splits > 1:
         part = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, H, num_splits, 2, dtype=torch.float32, device=q.device)
@@ -195,9 +210,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), block_size,
         out.stride(0), out.stride(1),
         D,
-        QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_F32=dot_f32,
-        num_warps=4, num_stages=2 if cuda else 1)
+        QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, NUM_SPLITS=num_splits, DOT_F32=dot_f32, **cfg)
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D,
                               NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d)
