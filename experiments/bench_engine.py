@@ -59,7 +59,7 @@ def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, **cfg):
     end = max(o.metrics.finish_time for o in outs)
     decode_toks = sum(len(o.token_ids) - 1 for o in outs)
     system = "slora" + (f"+{adapters}x r{rank}" if adapters else "")
-    res = {"system": system + (" async" if cfg.get("async_scheduling") else ""), "model": model,
+    res = {"system": system + ("" if eng.config.async_scheduling else " sync"), "model": model,
            "batch": batch, "gen_tok_s": batch * gen_len / wall,
            "decode_tok_s": decode_toks / max(end - last_first, 1e-9), "wall_s": wall,
            "stats": eng.stats()}
@@ -126,8 +126,9 @@ def main():
                     help="HF PEFT output tokens in the race (it is slow; tok/s is what counts)")
     ap.add_argument("--num-pages", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true", help="slora rows only (no HF baselines)")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="each slora row again with EngineConfig.async_scheduling")
+    ap.add_argument("--sync-too", action="store_true",
+                    help="each slora row again without async scheduling (EngineConfig."
+                         "async_scheduling=False; the default on CUDA is with it)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args()
     from bench_kernels import ceilings
@@ -136,7 +137,7 @@ def main():
     rows = []
     ceil = ceilings(dev)
     print("ceilings:", ceil, flush=True)
-    modes = [False, True] if args.async_scheduling else [False]
+    modes = [None, False] if args.sync_too else [None]  # None: the engine's default
     for model in args.models.split(","):
         for b in map(int, args.batches.split(",")):
             for mode in modes:

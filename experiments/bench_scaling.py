@@ -169,6 +169,10 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         "prompt_tokens": sum(n for n, _ in lens), "output_tokens": out_toks,
         "wall_s": wall, "output_tok_s": out_toks / wall, "req_s": len(outs) / wall,
         "steps": len(steps), "mixed_steps": len(mixed), "mixed_s": sum(mixed),
+        # stalls: graphs captured while serving, the garbage collector, the longest steps
+        "captures": sum(s["graphs"] for s in steps), "gc_s": sum(s["gc_s"] for s in steps),
+        "longest": [{"ms": s["seconds"] * 1e3, **s["features"]}
+                    for s in sorted(steps, key=lambda s: -s["seconds"])[:5]],
         "not_length": sum(o.finish_reason != "length" for o in outs),
         **{k: after[k] - before[k] for k in ("adapter_loads", "adapter_evictions", "preemptions")},
     }
@@ -194,14 +198,15 @@ def part_scaling(eng: Engine, args) -> list[dict]:
           f"{args.input_len}/{args.output_len}, ranks {args.ranks}, alpha {args.alpha}")
     print(f"{'adapters':>9}{'modules':>8}{'used':>6}{'tok/s':>9}{'req/s':>8}{'ratio':>7}"
           f"{'loads':>7}{'evict':>7}{'preempt':>8}{'wall s':>8}{'steps':>7}{'mixed':>7}"
-          f"{'mixed s':>8}")
+          f"{'mixed s':>8}{'graphs':>7}{'longest ms':>11}")
     for r in rows:
         print(f"{r['adapters']:>9}{r['modules']:>8}{r['adapters_used']:>6}{r['output_tok_s']:>9.0f}"
               f"{r['req_s']:>8.2f}{r['ratio']:>7.3f}{r['adapter_loads']:>7}"
               f"{r['adapter_evictions']:>7}{r['preemptions']:>8}{r['wall_s']:>8.1f}"
-              f"{r['steps']:>7}{r['mixed_steps']:>7}{r['mixed_s']:>8.1f}")
+              f"{r['steps']:>7}{r['mixed_steps']:>7}{r['mixed_s']:>8.1f}{r['captures']:>7}"
+              f"{r['longest'][0]['ms'] if r['longest'] else 0:>11.1f}")
     print(f"(mixed: steps with prompts, graphed up to {eng.runner.mixed_graph_tokens} tokens, "
-          "eager past that; mixed s: their wall time)")
+          "eager past that; mixed s: their wall time; graphs: captured while serving)")
     return rows
 
 
@@ -429,8 +434,9 @@ def parse_args(argv=None):
     ap.add_argument("--decode-rank", type=int, default=16)
     ap.add_argument("--breakdown", type=ints, default=[32],
                     help="decode: batch sizes to profile kernel by kernel (empty: none)")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="EngineConfig.async_scheduling: launch each step before collecting the last")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                    help="EngineConfig.async_scheduling: launch each step before collecting the "
+                         "last (default: the engine's, on with CUDA)")
     ap.add_argument("--graph-pieces", type=int, default=None,
                     help="capture each step's CUDA graph in this many pieces (default: "
                          "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")

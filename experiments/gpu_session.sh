@@ -181,7 +181,7 @@ case "${1:-}" in
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py 2>&1 | tail -2
       python3 experiments/bench_kernels.py --tune attention --tune-only --out $OUT/kernels 2>&1 | grep -v "^ *attention {"
       python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels-gemm 2>&1 | tail -5
-      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --async-scheduling --out $OUT/engine 2>&1 | tail -8'
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --sync-too --out $OUT/engine 2>&1 | tail -8'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --async-scheduling --out $OUT/scaling 2>&1 | tail -8'
     ;;
   *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-19)" >&2; exit 2 ;;

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from slora.config import BACKENDS, DTYPES, POLICIES
@@ -169,10 +170,6 @@ def _add_replay(sub) -> None:
     adapters.add_argument("--adapter-dir", metavar="DIR",
                           help="DIR/<name> is the PEFT adapter of each adapter name in the trace")
     _add_engine_args(p)
-    p.add_argument("--async-scheduling", action="store_const", const=True,
-                   help="launch each step before collecting the last (the host's work overlaps "
-                   "the GPU's; H200, batch-32 decode: 6.5 -> 5.8 ms); the simulator and its "
-                   "profile model the engine without it")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up (kernel compiles, decode-graph captures) before the clock starts")
@@ -199,6 +196,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-graph-tokens", type=int,
                    help="steps with prompts of at most this many tokens in all replay CUDA "
                    "graphs too (default 2048; simulate: the profile's; 0: they run eagerly)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   help="launch each step before collecting the last, so the host's work "
+                   "overlaps the GPU's (H200, batch-32 decode: 6.5 -> 5.8 ms). Default: on with "
+                   "CUDA, off on CPU; simulate: the order its profile was measured in (another "
+                   "draws a warning)")
 
 
 def _engine_options(args) -> dict:
@@ -328,29 +330,37 @@ def _add_simulate(sub) -> None:
 def _simulate(args) -> int:
     from slora.config import ModelConfig
     from slora.sim import Profile
-    from slora.sim.simulator import best_point, parse_sweep, point_name, simulate_point
+    from slora.sim.simulator import (ProfileOrderWarning, best_point, order_warning, parse_sweep,
+                                     point_name, simulate_point)
     from slora.workload import read_trace
 
     trace, profile = read_trace(args.trace), Profile.load(args.profile)
     options = _engine_options(args)
+    mismatch = (order_warning(profile, options["async_scheduling"])
+                if options.get("async_scheduling") is not None else None)
+    if mismatch:
+        print(f"slora simulate: warning: {mismatch}", file=sys.stderr)
     options.update({k: getattr(args, k) for k in ("host_cache_gb", "prefetch_window", "prefetch_reserve")
                     if getattr(args, k) is not None})
     num_pages = options.pop("num_pages", None)
     model = ModelConfig.from_dir(args.model) if args.model else None
     points = parse_sweep(args.sweep) if args.sweep else [{}]
     results = []
-    for point in points:
-        run = simulate_point(trace, profile, point, engine_options=options, num_pages=num_pages,
-                             gpu_memory_gb=args.gpu_memory, model=model, default_rank=args.adapter_rank,
-                             trace_path=args.trace, seed=args.seed,
-                             progress=args.progress and not args.sweep)
-        stats = run.result["stats"]
-        print(f"{point_name(point) + ': ' if args.sweep else ''}simulated {len(trace)} requests, "
-              f"{run.result['duration_s']:.1f} s of serving, in {stats['sim_wall_s']:.1f} s "
-              f"({stats['sim_steps']} steps, pool {stats['pages_total']} pages)")
-        out = Path(args.output) / f"{point_name(point)}.json" if args.sweep else Path(args.output)
-        _finish_result(run.result, str(out))
-        results.append((point, run.result))
+    with warnings.catch_warnings():
+        if mismatch:  # warned once above, not once per sweep point
+            warnings.simplefilter("ignore", ProfileOrderWarning)
+        for point in points:
+            run = simulate_point(trace, profile, point, engine_options=options, num_pages=num_pages,
+                                 gpu_memory_gb=args.gpu_memory, model=model,
+                                 default_rank=args.adapter_rank, trace_path=args.trace, seed=args.seed,
+                                 progress=args.progress and not args.sweep)
+            stats = run.result["stats"]
+            print(f"{point_name(point) + ': ' if args.sweep else ''}simulated {len(trace)} requests, "
+                  f"{run.result['duration_s']:.1f} s of serving, in {stats['sim_wall_s']:.1f} s "
+                  f"({stats['sim_steps']} steps, pool {stats['pages_total']} pages)")
+            out = Path(args.output) / f"{point_name(point)}.json" if args.sweep else Path(args.output)
+            _finish_result(run.result, str(out))
+            results.append((point, run.result))
     if args.slo_target is not None:
         best = best_point(results, args.slo_target)
         answer = "none of those swept" if best is None else f"{best[0]['rate']:g} req/s"
@@ -391,6 +401,10 @@ def _add_profile(sub) -> None:
     g.add_argument("--mixed-graph-tokens", type=int,
                    help="profile an engine whose steps with prompts of at most this many tokens "
                         "replay CUDA graphs (simulate with the same setting)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   help="profile the engine with(out) async scheduling (default: with on CUDA); "
+                        "its steps are then timed between collections, as the device runs them "
+                        "back to back. The profile records the setting; simulate follows it")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.set_defaults(handler=_profile)
 
@@ -413,7 +427,7 @@ def _profile(args) -> int:
     if not args.model:
         raise ValueError("--model DIR is required (or --refit PROFILE to refit a stored profile)")
     keys = ("load_format", "device", "dtype", "backend", "num_pages", "block_size",
-            "mixed_graph_tokens")
+            "mixed_graph_tokens", "async_scheduling")
     options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     grid = {"gpu": GPU_GRID, "cpu": CPU_GRID, None: None}[args.grid]
     run_profile(args.model, args.output, engine_options=options, grid=grid, model_name=args.name)

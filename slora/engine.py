@@ -26,7 +26,7 @@ from slora.core.scheduler import Scheduler
 from slora.graphs import round_rank
 from slora.model.loader import PeftAdapter, synthetic_pack
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
-from slora.runner import ModelRunner
+from slora.runner import ModelRunner, resolve_device
 from slora.tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
@@ -39,6 +39,8 @@ class Engine:
             from slora.model.smollm import default_model_dir
 
             config = config.replace(model=str(default_model_dir()))
+        if config.async_scheduling is None:  # auto: where launches are asynchronous
+            config = config.replace(async_scheduling=resolve_device(config.device).type == "cuda")
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         has_tok = (Path(config.model) / "tokenizer.json").is_file()

@@ -118,11 +118,16 @@ class StepGraphs:
         for name, view in self._views32(self.meta32).items():
             setattr(self, name, view)
         self.tables = self.meta32[self._tables_at:].view(B, self.max_blocks)
+        # Two pinned twins, used in turn: with async scheduling a step is filled while the one
+        # before it may not have run its copy yet; the one before that has been collected.
         pin = dev.type == "cuda"
-        self.host64 = torch.zeros(self.meta64.shape, dtype=torch.long, pin_memory=pin)
-        self.host32 = torch.full(self.meta32.shape, scratch, dtype=torch.int32, pin_memory=pin)
-        self._host32 = self._views32(self.host32)
-        self._host_tables = self.host32[self._tables_at:].view(B, self.max_blocks)
+        self._twins = []
+        for _ in range(2):
+            h64 = torch.zeros(self.meta64.shape, dtype=torch.long, pin_memory=pin)
+            h32 = torch.full(self.meta32.shape, scratch, dtype=torch.int32, pin_memory=pin)
+            self._twins.append((h64, h32, self._views32(h32),
+                                h32[self._tables_at:].view(B, self.max_blocks)))
+        self._turn = 0
         self._arange = torch.arange(B, device=dev)  # a decode batch's logits rows
         self._filled_lora = None  # the adapter-side tensors last copied in (see _fill)
         self.pages = torch.zeros(B, max_pages, **i32)
@@ -176,7 +181,8 @@ class StepGraphs:
 
     def _fill(self, b: Batch, n_tok: int, n_seq: int, t_bucket: int, s_bucket: int) -> None:
         bs, scratch = self.runner.block_size, self.runner.scratch_page
-        h64, h32, h = self.host64, self.host32, self._host32
+        h64, h32, h, tables = self._twins[self._turn]
+        self._turn ^= 1
         ids, positions, slots, logits_index = h64
         ids[:n_tok], positions[:n_tok], slots[:n_tok] = b.input_ids, b.positions, b.slot_mapping
         ids[n_tok:t_bucket] = positions[n_tok:t_bucket] = 0
@@ -201,28 +207,26 @@ class StepGraphs:
                 h["dec_slot"][:d] = b.lora.token_slot[:d]
                 h["seg_slot"][:n_seq] = b.lora.seg_slot
                 h["lora_tiles"][:b.lora.tiles.shape[0]] = b.lora.tiles
-        tables = self._host_tables
         width = b.block_tables.shape[1]
         tables[:n_seq, :width] = b.block_tables
         tables[:n_seq, width:] = scratch
         self.meta64[:, :t_bucket].copy_(h64[:, :t_bucket], non_blocking=True)
         end = self._tables_at + n_seq * self.max_blocks
         self.meta32[:end].copy_(h32[:end], non_blocking=True)
-        # (The host twins are rewritten only after this step's sample has synchronised.)
         lora = b.lora
         if lora is None or lora.groups is self._filled_lora:
             return  # steady decode: the same adapters in the same pages as last step
         self._filled_lora = lora.groups
         n_a, width = lora.pages.shape
-        self.pages[:n_a, :width].copy_(lora.pages)
+        self.pages[:n_a, :width].copy_(lora.pages, non_blocking=True)  # (pinned: lora_meta)
         for gname, (off_a, off_b, ranks) in self.group_bufs.items():
             g = lora.groups.get(gname)
             if g is None:  # no adapter of this batch targets the group: rank 0 skips it
                 ranks[:, :n_a].zero_()
                 continue
-            off_a[:n_a].copy_(g.offsets_a)
-            off_b[:n_a].copy_(g.offsets_b)
-            ranks[:, :n_a].copy_(g.ranks)
+            off_a[:n_a].copy_(g.offsets_a, non_blocking=True)
+            off_b[:n_a].copy_(g.offsets_b, non_blocking=True)
+            ranks[:, :n_a].copy_(g.ranks, non_blocking=True)
 
     def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int) -> Batch:
         mixed = kind == "mixed"

@@ -222,8 +222,10 @@ class ModelRunner:
         pairs = [(i, where[r.request_id]) for i, r in enumerate(plan.decode) if r.num_pending]
         if not pairs:
             return None
-        rows = torch.tensor([i for i, _ in pairs], device=self.device)
-        return rows, prev.tokens[torch.tensor([j for _, j in pairs], device=self.device)]
+        # (pinned and non-blocking: a pageable copy would wait for the running step)
+        idx = torch.tensor(list(zip(*pairs)), pin_memory=self.device.type == "cuda")
+        rows, src = idx.to(self.device, non_blocking=True)
+        return rows, prev.tokens[src]
 
     def collect(self, flight: Flight | None):
         """The tokens and logprobs of a launched step (waits for it)."""
@@ -322,11 +324,13 @@ class ModelRunner:
         return meta
 
     def _adapter_tensors(self, names: tuple[str, ...], adapters: AdapterManager):
-        """Page table [n_a, max_pages] and per-group offsets/ranks of the adapters `names`."""
+        """Page table [n_a, max_pages] and per-group offsets/ranks of the adapters `names`;
+        pinned on CUDA, so the graphs copy them in without waiting for the running step."""
+        pin = (lambda t: t.pin_memory()) if self.device.type == "cuda" else (lambda t: t)
         infos = [adapters.adapters[n] for n in names]
         max_pages = max(len(i.pages) for i in infos)
-        pages = torch.tensor([i.pages + [0] * (max_pages - len(i.pages)) for i in infos],
-                             dtype=torch.int32)
+        pages = pin(torch.tensor([i.pages + [0] * (max_pages - len(i.pages)) for i in infos],
+                                 dtype=torch.int32))
         per_adapter = [_layout_tensors(i.layout) for i in infos]
         offsets = torch.stack([o for o, _ in per_adapter])  # [n_a, 7, 2]
         ranks = torch.stack([r for _, r in per_adapter], dim=1)  # [L, n_a, 7]
@@ -336,9 +340,9 @@ class ModelRunner:
             if not r.any():
                 continue
             groups[gname] = GroupMeta(
-                offsets_a=offsets[:, list(mods), 0].contiguous(),
-                offsets_b=offsets[:, list(mods), 1].contiguous(),
-                ranks=r,
+                offsets_a=pin(offsets[:, list(mods), 0].contiguous()),
+                offsets_b=pin(offsets[:, list(mods), 1].contiguous()),
+                ranks=pin(r),
                 max_rank=int(r.max()),
                 **self.group_shapes[gname],
             )

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -169,6 +170,110 @@ def test_profile_round_trips_and_fits_the_cpu(cpu_profile, tmp_path):
     assert {"model", "gpu", "coeffs", "h2d_gbps", "disk_gbps", "samples"} <= set(keys)
 
 
+# A grid of few cases (both mixes with adapters, both late-arrival shapes) and no serving steps:
+# the async-order tests profile an engine in a second or two.
+SMALL_GRID = dict(batches=(1, 4), prompt_lens=(4, 16), mixes=("base", "distinct"), ranks=(4, 8),
+                  decode_steps=3, max_case_tokens=2048, max_adapters=4, transfer_repeats=1,
+                  overlap_repeats=1, serve_s=0.0)
+
+
+def _cases(samples):
+    """The grid's samples by case: {(batch, prompt_len, mix): [(step kind, features), ...]}."""
+    out = {}
+    for s in samples:
+        c = s["case"]
+        out.setdefault((c["batch"], c["prompt_len"], c["mix"]), []).append((c["step"], s["features"]))
+    return out
+
+
+def test_async_profile_times_the_same_cases_in_collect_order(tiny_model_dir, tmp_path):
+    """With async scheduling the profiler times steps between collections, yet its grid holds
+    the sync profile's samples: the same cases, kinds and features, in launch order."""
+    from slora.sim.profile import Grid, profile_engine
+
+    profiles = {}
+    for on in (False, True):
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                     num_pages=256, async_scheduling=on))
+        profiles[on] = profile_engine(engine, Grid(**SMALL_GRID), "tiny", log=lambda _: None)
+    sync, async_ = (_cases(profiles[on].samples) for on in (False, True))
+    assert sync == async_ and len(sync) == 8
+    assert {k for steps in sync.values() for k, _ in steps} == {"prefill", "mixed", "decode"}
+    assert all(s["seconds"] > 0 for s in profiles[True].samples)
+    p = profiles[True]
+    assert p.async_scheduling and not profiles[False].async_scheduling
+    again = Profile.load(p.save(tmp_path / "async.json"))
+    assert again.async_scheduling and again.to_dict() == p.to_dict()
+    old = {k: v for k, v in p.to_dict().items() if k != "async_scheduling"}  # made before it
+    assert Profile.from_dict(old).async_scheduling is False
+
+
+def test_logged_steps_attributes_async_time_to_the_collected_step(tiny_model_dir):
+    """Async scheduling: each launched non-empty plan is logged once, when collected, in
+    launch order, with the time since the collect before it (or since the call that scheduled
+    it, after idling); the times add up to no more than the loop's."""
+    from slora.request import SamplingParams
+    from slora.sim.cost import plan_features
+    from slora.sim.profile import logged_steps
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=128, async_scheduling=True))
+    engine.add_synthetic_adapter("a", 4)
+    greedy, sampled = SamplingParams(max_tokens=5, ignore_eos=True), \
+        SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0)  # collected at once
+    launched, schedule = [], engine.scheduler.schedule
+
+    def recorded(now):
+        plan = schedule(now)
+        if not plan.empty:
+            launched.append(dict(zip(FEATURES, plan_features(plan, engine.adapters))))
+        return plan
+
+    engine.scheduler.schedule = recorded
+    collect = engine.runner.collect
+    t = time.perf_counter()
+    with logged_steps(engine) as steps:
+        for round in range(2):  # the second after idling
+            engine.add_request([1, 2, 3], greedy, "a")
+            engine.step()
+            engine.add_request([4, 5], sampled)  # a late arrival, sampled
+            engine.step()
+            engine.add_request([6] * 7, greedy)
+            while engine.has_unfinished():
+                engine.step()
+    wall = time.perf_counter() - t
+    assert [s["features"] for s in steps] == launched and len(launched) >= 10
+    assert all(s["seconds"] > 0 and 0 <= s["gc_s"] <= s["seconds"] for s in steps)
+    assert sum(s["seconds"] for s in steps) <= wall
+    assert steps[0]["copies"] and steps[0]["load_bytes"]  # the adapter's first load
+    # everything restored
+    assert "step" not in vars(engine) and "collect" not in vars(engine.runner)
+    assert engine.runner.collect == collect and engine.scheduler.schedule is recorded
+
+
+def test_logged_steps_sync_times_each_call(tiny_model_dir):
+    """Without async scheduling a step's time is that of the `step()` call that ran it."""
+    from slora.request import SamplingParams
+    from slora.sim.profile import logged_steps
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=64))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    calls, step = [], engine.step
+
+    with logged_steps(engine) as steps:
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            calls.append(time.perf_counter() - t)
+    assert len(steps) == len(calls) == 4
+    assert all(0 < s["seconds"] <= c for s, c in zip(steps, calls))
+    assert [s["features"]["prefill_tokens"] for s in steps] == [3, 0, 0, 0]
+    assert set(steps[0]) == {"features", "seconds", "copies", "load_bytes", "prefetch_bytes",
+                             "gc_s", "graphs"}
+    assert "step" not in vars(engine) and engine.step == step
+
+
 # ----------------------------------------------------------------------------- same decisions
 
 def _decisions(plan, now):
@@ -245,7 +350,9 @@ def test_engine_and_simulator_make_the_same_decisions(tiny_model_dir, cpu_profil
 
     # the simulator on the same trace, recording the same facts after each step
     sim_steps = []
-    sim_run = simulate(trace, cpu_profile, engine_options=engine_options,
+    # (the profile's order of events is the simulation's: no ProfileOrderWarning here)
+    profile = dataclasses.replace(cpu_profile, async_scheduling=async_scheduling)
+    sim_run = simulate(trace, profile, engine_options=engine_options,
                        num_pages=engine_options["num_pages"],
                        model=ModelConfig.from_dir(tiny_model_dir), check=True,
                        on_step=lambda plan, start, dt: sim_steps.append(_decisions(plan, start)))
@@ -386,6 +493,44 @@ def test_cli_simulate_and_plot(tmp_path, cpu_profile):
     assert len(files) == 3
     assert main(["plot", *map(str, files), "-o", str(tmp_path / "fig.png")]) == 0
     assert (tmp_path / "fig.png").stat().st_size > 0
+
+
+def test_simulating_in_another_order_than_the_profile_warns(tmp_path, cpu_profile, capsys,
+                                                            monkeypatch):
+    """A sync profile simulated with async scheduling (or the reverse) draws one warning line
+    that says to re-profile; the simulation still runs. Without the flag a simulation takes
+    the profile's order. `slora profile --async-scheduling` profiles an engine with it."""
+    import slora.sim.profile
+    from slora.cli import main
+    from slora.sim.simulator import ProfileOrderWarning
+
+    got = {}
+    monkeypatch.setattr(slora.sim.profile, "run_profile",
+                        lambda model, output, engine_options, **kw: got.update(engine_options))
+    assert main(["profile", "--model", "m", "--async-scheduling", "-o", "p.json"]) == 0
+    assert got == {"async_scheduling": True}
+
+    trace = synthesize(num_adapters=2, rate=50, cv=1, alpha=1, duration=0.2, input_len=(4, 8),
+                       output_len=(2, 4), ranks=(4,), seed=0)
+    with pytest.warns(ProfileOrderWarning, match="--async-scheduling"):
+        simulate(trace, cpu_profile, engine_options=dict(async_scheduling=True), num_pages=64)
+    trace_path, out = tmp_path / "t.jsonl", tmp_path / "sim.json"
+    write_trace(trace, trace_path)
+    prof = cpu_profile.save(tmp_path / "cpu.json")
+    args = ["simulate", str(trace_path), "--profile", str(prof), "--num-pages", "64", "-o", str(out)]
+    sweep = args[:-1] + [str(tmp_path / "sweep"), "--async-scheduling", "--sweep", "rate=25,50"]
+    assert main(sweep) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "re-profile with `slora profile --async-scheduling`" in err
+    assert main(args) == 0 and "warning" not in capsys.readouterr().err
+    async_prof = dataclasses.replace(cpu_profile, async_scheduling=True).save(tmp_path / "a.json")
+    args[3] = str(async_prof)
+    # without the flag the simulation runs in the profile's order; asking for the other warns
+    assert main(args) == 0 and "warning" not in capsys.readouterr().err
+    assert json.loads(out.read_text())["config"]["engine"]["async_scheduling"] is True
+    assert main(args + ["--no-async-scheduling"]) == 0
+    assert "re-profile without --async-scheduling" in capsys.readouterr().err
+    assert main(args + ["--async-scheduling"]) == 0 and "warning" not in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- speed

@@ -346,8 +346,10 @@ class Profile:
     model: a name or path; model_config: the model's config.json (the simulator reads shapes
     from it: page size, adapter pages, weight bytes); dtype and block_size the engine ran with;
     num_pages: the pool the engine sized on that device (the simulator's default);
-    gpu_memory_gb: the device's total memory; samples: the measurements the fit used,
-    [{"features": {...}, "seconds": t}, ...].
+    gpu_memory_gb: the device's total memory; async_scheduling: whether the engine ran with
+    `EngineConfig.async_scheduling`, its steps then timed between collections (see
+    `slora.sim.profile.logged_steps`; simulate in the same order); samples: the measurements
+    the fit used, [{"features": {...}, "seconds": t}, ...].
     """
 
     model: str
@@ -359,6 +361,7 @@ class Profile:
     num_pages: int | None = None
     gpu_memory_gb: float | None = None
     mixed_graph_tokens: int = 0  # the engine's setting when profiled (simulate's default)
+    async_scheduling: bool = False  # the engine's setting when profiled (profiles before: off)
     fit_stats: dict = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)
     transfer_samples: dict = field(default_factory=dict)
@@ -368,8 +371,8 @@ class Profile:
         return {"format": PROFILE_FORMAT, "model": self.model, "gpu": self.gpu,
                 "dtype": self.dtype, "block_size": self.block_size, "num_pages": self.num_pages,
                 "gpu_memory_gb": self.gpu_memory_gb, "mixed_graph_tokens": self.mixed_graph_tokens,
-                "coeffs": c.coeffs, "host_coeffs": c.host_coeffs,
-                "h2d_gbps": c.h2d_gbps,
+                "async_scheduling": self.async_scheduling, "coeffs": c.coeffs,
+                "host_coeffs": c.host_coeffs, "h2d_gbps": c.h2d_gbps,
                 "disk_gbps": c.disk_gbps, "load_overhead_s": c.load_overhead_s,
                 "prefetch_overlap": c.prefetch_overlap, "fit": self.fit_stats,
                 "model_config": self.model_config, "samples": self.samples,
@@ -388,8 +391,10 @@ class Profile:
                    model_config=d["model_config"], dtype=d.get("dtype", "bfloat16"),
                    block_size=d.get("block_size", 16), num_pages=d.get("num_pages"),
                    gpu_memory_gb=d.get("gpu_memory_gb"),
-                   mixed_graph_tokens=d.get("mixed_graph_tokens", 0), fit_stats=d.get("fit", {}),
-                   samples=d.get("samples", []), transfer_samples=d.get("transfer_samples", {}))
+                   mixed_graph_tokens=d.get("mixed_graph_tokens", 0),
+                   async_scheduling=bool(d.get("async_scheduling", False)),
+                   fit_stats=d.get("fit", {}), samples=d.get("samples", []),
+                   transfer_samples=d.get("transfer_samples", {}))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -10,7 +10,10 @@ scheduling, batch metadata, the forward, sampling and output building are all in
    prefill + decode, then pure decode at growing context. Adapter mixes: base model only, one
    adapter for all, distinct adapters of mixed ranks. `Engine.warmup()` runs first, so kernel
    compilation, graph captures and allocator growth land before any timed step. Steps that
-   copied an adapter are left out: copies are measured on their own.
+   copied an adapter are left out: copies are measured on their own. With
+   `EngineConfig.async_scheduling` the steps are timed in its order, between collections
+   (`logged_steps`), and the profile says so (`Profile.async_scheduling`): simulate in the
+   order the profile was measured in.
 2. Host -> device copies of adapters of each rank into their pool pages, and host-cache misses
    (the runner's read-and-pack path; for synthetic adapters that is the pinned host copy),
    fitted as overhead + bytes / bandwidth.
@@ -80,7 +83,8 @@ def _sync(engine) -> None:
 
 class PlanTap:
     """Wraps `engine.scheduler.schedule` to see each plan's features as it is made (before
-    update changes the requests), and optionally to inject a prefetch copy."""
+    update changes the requests), and optionally to inject a prefetch copy. `on_plan`, if
+    set, is called with each plan once its record is taken."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -91,6 +95,7 @@ class PlanTap:
         self.prefetch_bytes: list[int] = []  # and its prefetch copies
         self.empty = True
         self.inject: tuple[str, list[int]] | None = None
+        self.on_plan: Callable | None = None
         engine.scheduler.schedule = self
 
     def __call__(self, now):
@@ -104,7 +109,14 @@ class PlanTap:
         self.load_bytes = [infos[name].nbytes for name, _ in plan.adapter_loads]
         self.prefetch_bytes = [infos[name].nbytes for name, _ in plan.prefetch]
         self.empty = plan.empty
+        if self.on_plan is not None:
+            self.on_plan(plan)
         return plan
+
+    def record(self) -> dict:
+        """The last plan's step-log fields: copies, features, load_bytes, prefetch_bytes."""
+        return {"copies": self.copies, "features": dict(zip(FEATURES, self.features)),
+                "load_bytes": self.load_bytes, "prefetch_bytes": self.prefetch_bytes}
 
     def close(self) -> None:
         self.engine.scheduler.schedule = self.schedule
@@ -124,11 +136,20 @@ def _graph_memory(engine) -> str:
 
 @contextmanager
 def logged_steps(engine):
-    """Within the block, time every non-empty `engine.step()` and note its plan's cost-model
+    """Within the block, time every non-empty step of `engine` and note its plan's cost-model
     features and the adapter copies it made (bytes of each blocking load and prefetch); yields
-    the list the steps are appended to. Two notes for finding stalls, which no fit reads:
-    `gc_s`, the garbage collector's time within the step, and `graphs`, the CUDA graphs the
-    step captured (a bucket the warm-up missed)."""
+    the list the steps are appended to, in launch order. Two notes for finding stalls, which
+    no fit reads: `gc_s`, the garbage collector's time within the step's seconds, and
+    `graphs`, the CUDA graphs captured within them (a bucket the warm-up missed).
+
+    A step's seconds: without async scheduling, the time of the `engine.step()` call that ran
+    it. With it (`EngineConfig.async_scheduling`) a call launches one step and collects
+    another, so the time goes to the step collected, as `SimEngine._step_async` runs it: from
+    the collect of the step before it, or the start of the call that scheduled it if that came
+    later (the engine was idle), to the return of its own collect; in steady decode, the
+    period between collections. Its gc_s and graphs are those of that interval (a graph
+    captured at the next step's launch shows on the step whose collect it delayed). On a CPU
+    the launch computes the step, so there step N's time holds step N+1's forward."""
     tap, steps = PlanTap(engine), []
     gc_time = [0.0, 0.0]  # [start of the collection in progress, total]
 
@@ -142,23 +163,62 @@ def logged_steps(engine):
         graphs = engine.runner.graphs
         return 0 if graphs is None else len(graphs.graphs)
 
+    def mark():
+        return time.perf_counter(), gc_time[1], captured()
+
+    def entry(start, end, record):
+        return {"seconds": end[0] - start[0], **record, "gc_s": end[1] - start[1],
+                "graphs": end[2] - start[2]}
+
     def step():
-        t, gc0, n0 = time.perf_counter(), gc_time[1], captured()
+        start = mark()
         out = type(engine).step(engine)
         if not tap.empty:
-            steps.append({"seconds": time.perf_counter() - t, "copies": tap.copies,
-                          "features": dict(zip(FEATURES, tap.features)),
-                          "load_bytes": tap.load_bytes, "prefetch_bytes": tap.prefetch_bytes,
-                          "gc_s": gc_time[1] - gc0, "graphs": captured() - n0})
+            steps.append(entry(start, mark(), tap.record()))
         return out
 
-    engine.step = step
+    # async scheduling: the plans launched but not collected, id -> (plan, record, mark at the
+    # start of the call that scheduled it); and the mark of the last collect
+    made, call, last = {}, [None], [(float("-inf"), 0.0, 0)]
+
+    def on_plan(plan):
+        if not plan.empty:
+            made[id(plan)] = (plan, tap.record(), call[0])
+
+    def async_step():
+        call[0] = mark()
+        return type(engine).step(engine)
+
+    runner = engine.runner
+    collect = runner.collect
+
+    def timed_collect(flight):
+        out = collect(flight)
+        if flight is not None:
+            now = mark()
+            _, record, start = made.pop(id(flight.plan), (None, None, None))
+            if record is not None:  # (None: launched before the block)
+                steps.append(entry(max(last[0], start, key=lambda m: m[0]), now, record))
+            last[0] = now
+        return out
+
+    is_async = engine.config.async_scheduling
+    own_collect = "collect" in vars(runner)  # an instance attribute already (a test's wrapper)
+    if is_async:
+        tap.on_plan, runner.collect, engine.step = on_plan, timed_collect, async_step
+    else:
+        engine.step = step
     gc.callbacks.append(on_gc)
     try:
         yield steps
     finally:
         gc.callbacks.remove(on_gc)
         del engine.step  # the class's method again
+        if is_async:
+            if own_collect:
+                runner.collect = collect
+            else:
+                del runner.collect
         tap.close()
 
 
@@ -244,7 +304,11 @@ def _timed_step(engine, tap: PlanTap) -> float:
 
 
 def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 0) -> list[dict]:
-    """Step samples over `grid`: [{"features": {...}, "seconds": t, "case": ...}, ...]."""
+    """Step samples over `grid`: [{"features": {...}, "seconds": t, "case": ...}, ...].
+
+    Steps are timed by `logged_steps`, so with async scheduling each is timed as the device
+    runs it, between collections. Either way a case's steps come out in launch order: its
+    prefill, its mixed step (when part of the batch arrived late), then decode."""
     from slora.request import SamplingParams
 
     rng = random.Random(seed)
@@ -254,14 +318,13 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
     # Compiles and graph captures off the clock: every decode bucket at every rank bucket of
     # the profiling adapters (each case used to run twice, keeping the second, for this).
     log(f"  warm-up: {engine.warmup():.1f} s{_graph_memory(engine)}")
-    tap = PlanTap(engine)
     samples = []
     bs = engine.config.block_size
     free_tokens = engine.allocator.num_free * bs  # without evicting the profiling adapters
     cases = [(n, plen, mix) for mix in grid.mixes for plen in grid.prompt_lens for n in grid.batches
              if n * (plen + grid.decode_steps + bs) <= min(grid.max_case_tokens, free_tokens // 2)
              and plen + grid.decode_steps + 1 < engine.max_model_len]
-    try:
+    with logged_steps(engine) as steps:
         for i, (n, plen, mix) in enumerate(cases):
             adapters = [None] * n if mix == "base" else (
                 [names[i % len(names)]] * n if mix == "one"
@@ -275,21 +338,22 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
             for p, a in zip(prompts[:first], adapters[:first]):
                 engine.add_request(p, sp, a)
             pending = list(zip(prompts[first:], adapters[first:]))
-            kind = "prefill"
+            done = len(steps)
             while engine.has_unfinished():
-                t = _timed_step(engine, tap)
-                if not tap.copies and not tap.empty:
-                    samples.append({"features": dict(zip(FEATURES, tap.features)), "seconds": t,
-                                    "case": {"batch": n, "prompt_len": plen, "mix": mix,
-                                             "step": kind}})
+                engine.step()
                 for p, a in pending:
                     engine.add_request(p, sp, a)
-                kind = "mixed" if pending else "decode"
                 pending = []
+            # (every step of the case is collected by now: the engine is idle)
+            kinds = ["prefill", "mixed" if first < n else "decode"]
+            for k, step in enumerate(steps[done:]):
+                if not step["copies"]:
+                    samples.append({"features": step["features"], "seconds": step["seconds"],
+                                    "case": {"batch": n, "prompt_len": plen, "mix": mix,
+                                             "step": kinds[k] if k < 2 else "decode"}})
+            last = steps[-1]["seconds"] * 1e3 if len(steps) > done else float("nan")
             log(f"  case {i + 1}/{len(cases)}: batch {n}, prompt {plen}, {mix}: "
-                f"last step {t * 1e3:.2f} ms")
-    finally:
-        tap.close()
+                f"last step {last:.2f} ms")
     return samples
 
 
@@ -424,7 +488,8 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
 
     grid = grid or (GPU_GRID if engine.runner.device.type == "cuda" else CPU_GRID)
     t0 = time.perf_counter()
-    log(f"profiling {model_name or engine.config.model} on {device_name(engine)}: steps")
+    order = ", async scheduling" if engine.config.async_scheduling else ""
+    log(f"profiling {model_name or engine.config.model} on {device_name(engine)}{order}: steps")
     samples = measure_steps(engine, grid, log)
     log("serving steps")
     samples += measure_serving(engine, grid, log)
@@ -449,7 +514,7 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
                    model_config=model_config, dtype=dtype, block_size=engine.config.block_size,
                    num_pages=engine.runner.num_pages, gpu_memory_gb=device_memory_gb(engine),
                    mixed_graph_tokens=engine.runner.mixed_graph_tokens,
-                   fit_stats=stats, samples=samples,
+                   async_scheduling=engine.config.async_scheduling, fit_stats=stats, samples=samples,
                    transfer_samples={"h2d": transfers["h2d"], "disk": transfers["disk"]})
 
 

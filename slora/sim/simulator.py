@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
@@ -234,8 +235,9 @@ class SimEngine:
         launched and the scheduler advanced, then the step before it is collected and
         resolved. The device runs what is launched back to back: a step starts when it is
         launched or when the device is free, whichever is later, and its tokens are known
-        when it ends. The cost model's step time is the sync engine's (the host's work
-        included), so this order is not calibrated: see experiments/SIMULATOR.md."""
+        when it ends. dt is then the time between collections, which a profile measured
+        with async scheduling holds (`Profile.async_scheduling`); a sync profile's step
+        times include the host's work that this order hides (`simulate` warns)."""
         self._device_free = max(start, self._device_free) + dt
         touched = []
         if plan.empty:
@@ -269,6 +271,23 @@ def _output(req: Request) -> RequestOutput:
 
 # ---------------------------------------------------------------------------------------------
 # Running a trace
+
+
+class ProfileOrderWarning(UserWarning):
+    """The simulation runs in another order of events than the profile's steps were timed in."""
+
+
+def order_warning(profile: Profile, async_scheduling: bool) -> str | None:
+    """Why `profile`'s step times do not fit a simulation with(out) async scheduling, or None."""
+    if bool(profile.async_scheduling) == bool(async_scheduling):
+        return None
+    if async_scheduling:
+        return (f"the profile of {profile.model} on {profile.gpu} timed its steps without async "
+                "scheduling (each with the host's work, which async scheduling hides), but this "
+                "simulation runs with it; re-profile with `slora profile --async-scheduling`")
+    return (f"the profile of {profile.model} on {profile.gpu} timed its steps with async "
+            "scheduling (between collections, the host's work hidden), but this simulation runs "
+            "without it; re-profile without --async-scheduling, or simulate with it")
 
 
 def resolve_pages(profile: Profile, model: ModelConfig, block_size: int, dtype: str,
@@ -327,6 +346,7 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     num_pages / gpu_memory_gb: the pool (see `resolve_pages`).
     model: the model's shapes; default: the profile's config.json.
     seed: of the random prompt token ids (as replay's; they do not change the timing).
+    Warns (`ProfileOrderWarning`) when the engine's `async_scheduling` is not the profile's.
     """
     from slora.metrics import result_dict, summarize
     from slora.replay import replay
@@ -343,7 +363,12 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     fraction = options.get("gpu_memory_fraction", 0.85)
     pages = resolve_pages(profile, model, options["block_size"], dtype, num_pages, gpu_memory_gb,
                           fraction)
+    if options.get("async_scheduling") is None:  # auto: the order the profile was timed in
+        options["async_scheduling"] = profile.async_scheduling
     config = EngineConfig(model=profile.model, num_pages=pages, **options)
+    mismatch = order_warning(profile, config.async_scheduling)
+    if mismatch:
+        warnings.warn(mismatch, ProfileOrderWarning, stacklevel=2)
     sim = SimEngine(config, model, profile.cost, dtype, check=check, on_step=on_step)
     register_trace_adapters(sim, trace, default_rank)
     wall = time.perf_counter()
@@ -355,6 +380,7 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     config_out = {"trace": trace_path, "workload": dict(trace.params), "engine": asdict(config),
                   "adapters": "synthetic", "seed": seed,
                   "profile": {"model": profile.model, "gpu": profile.gpu, "dtype": profile.dtype,
+                              "async_scheduling": profile.async_scheduling,
                               "cost": profile.cost.to_dict()},
                   "gpu_memory_gb": gpu_memory_gb, **(extra_config or {})}
     return SimRun(result_dict(summary, source="simulate", config=config_out, stats=stats),
