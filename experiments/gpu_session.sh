@@ -184,7 +184,21 @@ case "${1:-}" in
       python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --sync-too --out $OUT/engine 2>&1 | tail -8'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --async-scheduling --out $OUT/scaling 2>&1 | tail -8'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-19)" >&2; exit 2 ;;
+  20)  # async scheduling on by default (no host waits in its launches): the CUDA tests, a profile
+       # timed in its order validated on three 60 s traces (n100 GPU0; n1000, n2000 GPU1), the
+       # decode table (GPU0), the race with sync beside it and S2 q/k/v/o (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py tests/test_engine_triton.py 2>&1 | tail -2
+      bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch $OUT/profile.done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=$OUT/sim-vs-replay-0 \
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14
+      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A8 "^ *batch"'
+    lane 1 gpu1 'python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --sync-too --out $OUT/engine 2>&1 | tail -7
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -6
+      while [ ! -f $OUT/profile.done ]; do sleep 5; done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
+        RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-20)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
