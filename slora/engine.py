@@ -275,14 +275,15 @@ class Engine:
         On a fresh GPU machine each Triton kernel variant compiles on first use and each
         decode-graph bucket is captured on first use: seconds of stalls that would otherwise
         land on the first requests (vLLM captures its graphs at start for the same reason).
-        This runs one full prefill step (`max_batch_tokens`: the allocator grows to its
-        largest activations), then a short batch at every graph batch bucket, without LoRA
+        This runs a short batch at every graph batch bucket, without LoRA
         and with one temporary adapter per rank bucket of the registered adapters and of
         `ranks` (adapters to come; graphs are keyed by the rank rounded up to a power of two),
         the widest first so the graphs' page-table width is set once. Only idle engines warm
         up; the copies show in `stats()`. With `mixed_graph_tokens` set, one prefill step
-        per mixed-step graph bucket (tokens x sequences) too, at each rank bucket (a 7B on
-        the H200: ~35 s; `progress` shows a bar). Last, the objects that exist are frozen out
+        per mixed-step graph bucket (tokens x sequences) too, at each rank bucket, and three
+        eager steps past them; then one full prefill step (`max_batch_tokens`: the allocator
+        grows to its largest activations). A 7B on the H200: ~50 s; `progress` shows a bar.
+        Last, the objects that exist are frozen out
         of the garbage collector's view (`gc.freeze`; `close` unfreezes them)."""
         if self.has_unfinished():
             raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
@@ -296,22 +297,41 @@ class Engine:
             names.append(f"__warmup_r{r}")
             self.add_synthetic_adapter(names[-1], r, LORA_MODULES)
         sp = SamplingParams(max_tokens=3, ignore_eos=True)
-        # one step of max_batch_tokens prefill: the allocator grows to its largest activations
-        length = min(self.config.max_batch_tokens, self.max_model_len - 4)
-        n = min(self.config.max_num_seqs, cdiv(self.config.max_batch_tokens, length))
-        batches = [(None, [[1] * length] * n)] if self.runner.device.type == "cuda" else []
+        batches = []  # (adapter, prompts, prompts that join one step later)
         for name in names[1:] + names[:1]:
-            batches += [(name, [[1] * 8] * b) for b in buckets]
+            batches += [(name, [[1] * 8] * b, []) for b in buckets]
             # one prefill step per mixed-step graph bucket (t tokens, n prompts)
-            batches += [(name, [[1] * (t - n + 1)] + [[1]] * (n - 1))
+            batches += [(name, [[1] * (t - n + 1)] + [[1]] * (n - 1), [])
                         for t, n in self._mixed_buckets()]
+        # Steps past the mixed graphs run eagerly, and Triton compiles a kernel again for each
+        # new class of its integer arguments (1, a multiple of 16, other): H200 serving stopped
+        # 0.3-1 s at its first eager steps. At each rank bucket: one sequence of t tokens (odd),
+        # two of a multiple of 16, and a mixed step (a decode row, then a prompt joins).
+        limit = min(self.config.max_batch_tokens, self.max_model_len - 4)
+        t = (graphs.mixed_tokens if graphs is not None else limit) + 1
+        if t + 16 <= limit:
+            batches += [(name, prompts, late) for name in names[1:] + names[:1]
+                        for prompts, late in (([[1] * t], []), ([[1] * (t // 2 + 8)] * 2, []),
+                                              ([[1] * 8], [[1] * t]))]
+        # last, one step of max_batch_tokens prefill: the allocator grows to its largest
+        # activations (after the captures, which give their cached blocks back)
+        if self.runner.device.type == "cuda":
+            n = min(self.config.max_num_seqs, cdiv(self.config.max_batch_tokens, limit))
+            batches.append((None, [[1] * limit] * n, []))
         bar = _progress(len(batches), unit="step", desc="warm-up") if progress else None
         try:
-            for name, prompts in batches:
-                need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts)
+            for name, prompts, late in batches:
+                need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts + late)
                         + self.adapters.pages_needed(name))
                 if need <= self.allocator.num_free:  # (a pool too small skips the largest)
-                    self.generate(prompts, sp, adapters=name)
+                    for p in prompts:
+                        self.add_request(p, sp, name)
+                    if late:
+                        self.step()
+                        for p in late:
+                            self.add_request(p, sp, name)
+                    while self.has_unfinished():
+                        self.step()
                 if bar is not None:
                     bar.update()
         finally:

@@ -23,7 +23,7 @@ from slora.core.scheduler import SchedulerPlan
 from slora.kernels import GroupMeta, LoraMeta, make_backend
 from slora.kernels.reference import LORA_ALIGN
 from slora.kernels.tiles import tile_rows, token_tiles
-from slora.graphs import StepGraphs
+from slora.graphs import StepGraphs, round_rank
 from slora.model.llama import GROUPS, Batch, LlamaModel
 from slora.model.loader import load_weights, random_weights, strides
 from slora.request import Request, SamplingParams
@@ -343,7 +343,9 @@ class ModelRunner:
                 offsets_a=pin(offsets[:, list(mods), 0].contiguous()),
                 offsets_b=pin(offsets[:, list(mods), 1].contiguous()),
                 ranks=pin(r),
-                max_rank=int(r.max()),
+                # the rank bucket, as graphs have it: eager steps then run the kernel
+                # variants the warm-up compiled (rows keep their own ranks)
+                max_rank=round_rank(int(r.max())),
                 **self.group_shapes[gname],
             )
         return pages, groups

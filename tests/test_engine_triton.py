@@ -185,3 +185,32 @@ def test_warmup_captures_every_mixed_bucket_a_step_can_reach(tiny_model_dir):
             for rank in (0, round_rank(8)):
                 key = (t, min(bucket(n_seq, graphs.seq_buckets), t), rank)
                 assert key in captured, (n_tok, n_seq, rank)
+
+
+def test_warmup_runs_eager_steps_past_the_mixed_graphs(tiny_model_dir):
+    """Past `mixed_graph_tokens` steps run eagerly, and a Triton kernel compiles again for each
+    new class of its integer arguments: the warm-up runs, at each rank bucket, a step of one
+    prompt of odd length, one of two prompts (a multiple of 16 tokens) and a mixed step (a
+    decode row beside a prompt), all past the graphs. (H200: the first eager steps of S2's
+    runs took 0.4-1.3 s.)"""
+    from slora.graphs import StepGraphs
+
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=256, cuda_graphs=False, max_num_seqs=8))
+    e.add_synthetic_adapter("a", 8)
+    graphs = e.runner.graphs = StepGraphs(e.runner, 8, mixed_tokens=32, capture=False)
+    steps, launch = [], e.runner.launch
+
+    def logged(plan, adapters, prev=None):
+        if plan.seqs:
+            steps.append((sum(r.num_new for r in plan.seqs), len(plan.decode),
+                          {r.adapter for r in plan.seqs}))
+        return launch(plan, adapters, prev)
+
+    e.runner.launch = logged
+    e.warmup()
+    gc.unfreeze()
+    eager = [s for s in steps if s[0] > graphs.mixed_tokens]
+    for adapter in (None, "__warmup_r16"):
+        mine = [(tokens, decode) for tokens, decode, names in eager if names == {adapter}]
+        assert (33, 0) in mine and (48, 0) in mine and (34, 1) in mine, (adapter, mine)
