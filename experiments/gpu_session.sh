@@ -198,7 +198,19 @@ case "${1:-}" in
       PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-20)" >&2; exit 2 ;;
+  21)  # as 20 after the warm-up's eager steps (S2's first eager steps took 0.4-1.3 s in call 2),
+       # with S2 for all seven modules too
+    lane 0 gpu0 'bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch $OUT/profile.done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=$OUT/sim-vs-replay-0 \
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14
+      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A8 "^ *batch"'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -5
+      while [ ! -f $OUT/profile.done ]; do sleep 5; done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
+        RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-21)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
