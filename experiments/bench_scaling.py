@@ -171,7 +171,8 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         "steps": len(steps), "mixed_steps": len(mixed), "mixed_s": sum(mixed),
         # stalls: graphs captured while serving, the garbage collector, the longest steps
         "captures": sum(s["graphs"] for s in steps), "gc_s": sum(s["gc_s"] for s in steps),
-        "longest": [{"ms": s["seconds"] * 1e3, **s["features"]}
+        "compiles": [k for s in steps for k in s["compiles"]],
+        "longest": [{"ms": s["seconds"] * 1e3, "compiles": s["compiles"], **s["features"]}
                     for s in sorted(steps, key=lambda s: -s["seconds"])[:5]],
         "not_length": sum(o.finish_reason != "length" for o in outs),
         **{k: after[k] - before[k] for k in ("adapter_loads", "adapter_evictions", "preemptions")},
@@ -198,15 +199,21 @@ def part_scaling(eng: Engine, args) -> list[dict]:
           f"{args.input_len}/{args.output_len}, ranks {args.ranks}, alpha {args.alpha}")
     print(f"{'adapters':>9}{'modules':>8}{'used':>6}{'tok/s':>9}{'req/s':>8}{'ratio':>7}"
           f"{'loads':>7}{'evict':>7}{'preempt':>8}{'wall s':>8}{'steps':>7}{'mixed':>7}"
-          f"{'mixed s':>8}{'graphs':>7}{'longest ms':>11}")
+          f"{'mixed s':>8}{'graphs':>7}{'compiles':>9}{'longest ms':>11}")
     for r in rows:
         print(f"{r['adapters']:>9}{r['modules']:>8}{r['adapters_used']:>6}{r['output_tok_s']:>9.0f}"
               f"{r['req_s']:>8.2f}{r['ratio']:>7.3f}{r['adapter_loads']:>7}"
               f"{r['adapter_evictions']:>7}{r['preemptions']:>8}{r['wall_s']:>8.1f}"
               f"{r['steps']:>7}{r['mixed_steps']:>7}{r['mixed_s']:>8.1f}{r['captures']:>7}"
+              f"{len(r['compiles']):>9}"
               f"{r['longest'][0]['ms'] if r['longest'] else 0:>11.1f}")
     print(f"(mixed: steps with prompts, graphed up to {eng.runner.mixed_graph_tokens} tokens, "
-          "eager past that; mixed s: their wall time; graphs: captured while serving)")
+          "eager past that; mixed s: their wall time; graphs, compiles: CUDA graphs captured "
+          "and Triton kernels compiled while serving)")
+    for r in rows:
+        if r["compiles"]:
+            print(f"  compiled while serving, {r['adapters']} adapters {r['modules']}: "
+                  + ", ".join(sorted(set(r["compiles"]))))
     return rows
 
 

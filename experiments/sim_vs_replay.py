@@ -122,7 +122,7 @@ def step_residuals(path: Path, profile: Profile) -> str:
     from slora.sim.profile import read_step_log
 
     kinds: dict[str, list[tuple[float, float]]] = {}
-    stalls = []  # steps over 3x the model's time: (measured, predicted, gc, graphs captured)
+    stalls = []  # steps over 3x the model's time: (measured, predicted, gc, graphs, compiles)
     for s in read_step_log(path):
         f = s["features"]
         kind = ("mixed" if f["decode_seqs"] else "prefill") if f["prefill_tokens"] else "decode"
@@ -135,7 +135,7 @@ def step_residuals(path: Path, profile: Profile) -> str:
                                   sum(map(cost.copy_time, s["prefetch_bytes"])), 0.0)
         kinds.setdefault(kind, []).append((s["seconds"], pred))
         if s["seconds"] > 3 * pred:
-            stalls.append((s["seconds"], pred, s["gc_s"], s["graphs"]))
+            stalls.append((s["seconds"], pred, s["gc_s"], s["graphs"], len(s["compiles"])))
     lines = [f"steps of {path.name}: measured vs the cost model's step time",
              f"{'kind':<24}{'steps':>7}{'measured ms':>13}{'model ms':>10}{'model/measured':>16}"]
     for kind, v in sorted(kinds.items()):
@@ -143,9 +143,10 @@ def step_residuals(path: Path, profile: Profile) -> str:
         lines.append(f"{kind:<24}{len(v):>7}{meas * 1e3:>13.2f}{pred * 1e3:>10.2f}{pred / meas:>16.2f}")
     if stalls:
         lines.append(f"stalls (steps over 3x the model's time): {len(stalls)}, "
-                     f"{sum(m - p for m, p, _, _ in stalls) * 1e3:.0f} ms over the model; within "
-                     f"them the garbage collector {sum(g for _, _, g, _ in stalls) * 1e3:.0f} ms, "
-                     f"{sum(n for *_, n in stalls)} graph captures")
+                     f"{sum(m - p for m, p, *_ in stalls) * 1e3:.0f} ms over the model; within "
+                     f"them the garbage collector {sum(g for _, _, g, _, _ in stalls) * 1e3:.0f} "
+                     f"ms, {sum(n for *_, n, _ in stalls)} graph captures, "
+                     f"{sum(c for *_, c in stalls)} Triton compiles")
     return "\n".join(lines)
 
 

@@ -270,8 +270,42 @@ def test_logged_steps_sync_times_each_call(tiny_model_dir):
     assert all(0 < s["seconds"] <= c for s, c in zip(steps, calls))
     assert [s["features"]["prefill_tokens"] for s in steps] == [3, 0, 0, 0]
     assert set(steps[0]) == {"features", "seconds", "copies", "load_bytes", "prefetch_bytes",
-                             "gc_s", "graphs"}
+                             "gc_s", "graphs", "compiles"}
     assert "step" not in vars(engine) and engine.step == step
+
+
+def test_logged_steps_note_the_triton_kernels_compiled_within_a_step(tiny_model_dir, monkeypatch):
+    """A step in which Triton compiles a kernel (a specialization the warm-up missed) names it
+    in its `compiles`; Triton's compile hook is chained while the block runs and put back.
+    (Under the interpreter nothing compiles: the runner's launch calls the hook itself.)"""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from slora.request import SamplingParams
+    from slora.sim.profile import logged_steps
+
+    earlier = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook",
+                        lambda *, fn, **kw: earlier.append(fn.name))
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=64))
+    launch, n = engine.runner.launch, [0]
+
+    def compiling(plan, adapters, prev=None):
+        n[0] += 1
+        if n[0] == 2:  # the second step compiles a kernel
+            knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="_decode_kernel"), key=None)
+        return launch(plan, adapters, prev)
+
+    engine.runner.launch = compiling
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    hook = knobs.runtime.jit_post_compile_hook
+    with logged_steps(engine) as steps:
+        while engine.has_unfinished():
+            engine.step()
+    assert [s["compiles"] for s in steps] == [[], ["_decode_kernel"], []]
+    assert earlier == ["_decode_kernel"] and knobs.runtime.jit_post_compile_hook is hook
 
 
 # ----------------------------------------------------------------------------- same decisions

@@ -42,7 +42,7 @@ from .tiles import as_tiles, tile_rows
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
     qk_scale,
@@ -51,16 +51,16 @@ def _decode_kernel(
     stride_vp, stride_vs, stride_vh,
     stride_bt, block_size,
     stride_ob, stride_oh,
-    D,
+    D, num_splits,
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
     # This split's share of the sequence, in whole BLOCK_N tiles.
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     lo = sp * per_split
     hi = tl.minimum(lo + per_split, ctx)
 
@@ -109,27 +109,27 @@ def _decode_kernel(
         m_i = m_new
 
     omask = h_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
     else:
-        # partials: part [B, H, NUM_SPLITS, D] fp32, ml [B, H, NUM_SPLITS, 2] fp32 (max, sum)
-        row = (b * (tl.num_programs(1) * QH) + heads) * NUM_SPLITS + sp
+        # partials: part [B, H, num_splits, D] fp32, ml [B, H, num_splits, 2] fp32 (max, sum)
+        row = (b * (tl.num_programs(1) * QH) + heads) * num_splits + sp
         tl.store(part_ptr + row[:, None] * D + offs_d[None, :], acc, mask=omask)
         tl.store(ml_ptr + row * 2, m_i, mask=h_ok)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=h_ok)
 
 
-@triton.jit
-def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D,
-                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D, num_splits,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
-    row = (b * H + h) * NUM_SPLITS + offs_s
+    s_ok = offs_s < num_splits
+    row = (b * H + h) * num_splits + offs_s
     m = tl.load(ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -209,11 +209,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_size,
         out.stride(0), out.stride(1),
-        D,
-        QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, NUM_SPLITS=num_splits, DOT_F32=dot_f32, **cfg)
+        D, num_splits,
+        QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32, **cfg)
     if num_splits > 1:
-        _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D,
-                              NUM_SPLITS=num_splits, BLOCK_S=_pow2(num_splits), BLOCK_D=block_d)
+        _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,
+                              BLOCK_S=_pow2(num_splits), BLOCK_D=block_d)
     return out
 
 

@@ -138,9 +138,11 @@ def _graph_memory(engine) -> str:
 def logged_steps(engine):
     """Within the block, time every non-empty step of `engine` and note its plan's cost-model
     features and the adapter copies it made (bytes of each blocking load and prefetch); yields
-    the list the steps are appended to, in launch order. Two notes for finding stalls, which
-    no fit reads: `gc_s`, the garbage collector's time within the step's seconds, and
-    `graphs`, the CUDA graphs captured within them (a bucket the warm-up missed).
+    the list the steps are appended to, in launch order. Three notes for finding stalls,
+    which no fit reads: `gc_s`, the garbage collector's time within the step's seconds,
+    `graphs`, the CUDA graphs captured within them (a bucket the warm-up missed), and
+    `compiles`, the Triton kernels compiled within them (a new specialization: a class of an
+    integer argument or a constexpr the warm-up did not meet), by name.
 
     A step's seconds: without async scheduling, the time of the `engine.step()` call that ran
     it. With it (`EngineConfig.async_scheduling`) a call launches one step and collects
@@ -163,12 +165,20 @@ def logged_steps(engine):
         graphs = engine.runner.graphs
         return 0 if graphs is None else len(graphs.graphs)
 
+    compiled: list[str] = []  # Triton kernels compiled so far within the block
+    knobs = _triton_runtime_knobs()
+    chained = knobs.jit_post_compile_hook if knobs is not None else None
+
+    def on_compile(*, fn, **kw):
+        compiled.append(fn.name)
+        return chained(fn=fn, **kw) if chained is not None else None
+
     def mark():
-        return time.perf_counter(), gc_time[1], captured()
+        return time.perf_counter(), gc_time[1], captured(), len(compiled)
 
     def entry(start, end, record):
         return {"seconds": end[0] - start[0], **record, "gc_s": end[1] - start[1],
-                "graphs": end[2] - start[2]}
+                "graphs": end[2] - start[2], "compiles": compiled[start[3]:end[3]]}
 
     def step():
         start = mark()
@@ -209,10 +219,14 @@ def logged_steps(engine):
     else:
         engine.step = step
     gc.callbacks.append(on_gc)
+    if knobs is not None:
+        knobs.jit_post_compile_hook = on_compile
     try:
         yield steps
     finally:
         gc.callbacks.remove(on_gc)
+        if knobs is not None:
+            knobs.jit_post_compile_hook = chained
         del engine.step  # the class's method again
         if is_async:
             if own_collect:
@@ -220,6 +234,15 @@ def logged_steps(engine):
             else:
                 del runner.collect
         tap.close()
+
+
+def _triton_runtime_knobs():
+    """Triton's runtime knobs (its compile hooks), or None without Triton."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return getattr(knobs, "runtime", None)
 
 
 def write_step_log(steps: list[dict], path: str | Path) -> None:
@@ -232,8 +255,9 @@ def write_step_log(steps: list[dict], path: str | Path) -> None:
 
 def read_step_log(path: str | Path) -> list[dict]:
     """A step log (`write_step_log`): [{"features", "seconds", "copies", "load_bytes",
-    "prefetch_bytes", "gc_s", "graphs"}, ...], checked. Logs written before the copies' bytes
-    were logged read with None for them; before the stall notes, with 0."""
+    "prefetch_bytes", "gc_s", "graphs", "compiles"}, ...], checked. Logs written before the
+    copies' bytes were logged read with None for them; before the stall notes, with 0 (or no
+    compiles)."""
     import json
 
     steps = []
@@ -246,7 +270,8 @@ def read_step_log(path: str | Path) -> list[dict]:
                               **{k: None if step.get(k) is None else [int(b) for b in step[k]]
                                  for k in ("load_bytes", "prefetch_bytes")},
                               "gc_s": float(step.get("gc_s", 0.0)),
-                              "graphs": int(step.get("graphs", 0))})
+                              "graphs": int(step.get("graphs", 0)),
+                              "compiles": [str(k) for k in step.get("compiles", [])]})
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"step log {path} line {n}: not a step ({e}); expected "
                                  '{"features": {...}, "seconds": s, "copies": bool}') from None
