@@ -106,14 +106,20 @@ class StepGraphs:
         # [B] (Batch.dec_ctx_lens), token adapter rows [T], decode rows' adapter rows [T]
         # (LoraMeta.dec_slot), segment starts [B + 1], segment adapter rows [B], the prompts'
         # work tiles of prefill attention and of MBGMM (slora.kernels.tiles); then the block
-        # tables [B, blocks].
-        self.meta64 = torch.zeros(4, T, dtype=torch.long, device=dev)
+        # tables [B, blocks]. Every field starts 16-byte aligned: Triton specializes a pointer
+        # on it, and a graph's kernels should be the variants eager steps run (aligned tensors
+        # of their own), or an eager step compiles again while serving.
+        self.meta64 = torch.zeros(4, cdiv(T, 2) * 2, dtype=torch.long, device=dev)
         self.ids, self.positions, self.slots, self.logits_index = self.meta64
         n_tiles = 1 + 2 * capacity(T, B, self.tile)
         self._sizes32 = {"ctx": B, "dec_ctx": B, "token_slot": T, "dec_slot": T,
                          "q_start": B + 1, "seg_slot": B, "att_tiles": n_tiles,
                          "lora_tiles": n_tiles}
-        self._tables_at = sum(self._sizes32.values())  # where the tables start in meta32
+        self._at32, at = {}, 0  # each field's offset in meta32, a multiple of 4 int32s
+        for name, size in self._sizes32.items():
+            self._at32[name] = at
+            at += cdiv(size, 4) * 4
+        self._tables_at = at  # where the tables start
         self.meta32 = torch.full((self._tables_at + B * self.max_blocks,), scratch, **i32)
         for name, view in self._views32(self.meta32).items():
             setattr(self, name, view)
@@ -135,13 +141,12 @@ class StepGraphs:
         self.group_bufs = {
             name: (torch.zeros(B, len(mods), dtype=torch.int64, device=dev),
                    torch.zeros(B, len(mods), dtype=torch.int64, device=dev),
-                   torch.zeros(L, B, len(mods), **i32))
+                   torch.zeros(L, cdiv(B, 4) * 4, len(mods), **i32))  # (layers 16-byte aligned)
             for name, mods in GROUPS.items()}
 
     def _views32(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """The named int32 fields of meta32 (or of its host twin) before the block tables."""
-        sizes = self._sizes32
-        return dict(zip(sizes, buf[:self._tables_at].split(list(sizes.values()))))
+        return {name: buf[at:at + self._sizes32[name]] for name, at in self._at32.items()}
 
     def fits(self, b: Batch) -> bool:
         n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
@@ -224,9 +229,9 @@ class StepGraphs:
             if g is None:  # no adapter of this batch targets the group: rank 0 skips it
                 ranks[:, :n_a].zero_()
                 continue
-            off_a[:n_a].copy_(g.offsets_a, non_blocking=True)
-            off_b[:n_a].copy_(g.offsets_b, non_blocking=True)
-            ranks[:, :n_a].copy_(g.ranks, non_blocking=True)
+            off_a[:n_a].copy_(g.offsets_a[:n_a], non_blocking=True)
+            off_b[:n_a].copy_(g.offsets_b[:n_a], non_blocking=True)
+            ranks[:, :n_a].copy_(g.ranks[:, :n_a], non_blocking=True)  # (its rows are padded)
 
     def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int) -> Batch:
         mixed = kind == "mixed"

@@ -214,3 +214,33 @@ def test_warmup_runs_eager_steps_past_the_mixed_graphs(tiny_model_dir):
     for adapter in (None, "__warmup_r16"):
         mine = [(tokens, decode) for tokens, decode, names in eager if names == {adapter}]
         assert (33, 0) in mine and (48, 0) in mine and (34, 1) in mine, (adapter, mine)
+
+
+def test_step_metadata_starts_16_byte_aligned(tiny_model_dir):
+    """Triton specializes a pointer argument on 16-byte alignment, so a kernel fed an unaligned
+    slice is another variant, compiled when first met: on the H200, serving one adapter
+    compiled MBGMV again (its ranks' per-layer slices, 12 bytes apart) and eager steps the
+    decode kernel (the graphs' block tables sat at an odd offset). Every field of the graphs'
+    buffers and every layer's slice of an adapter batch's ranks starts aligned, whatever the
+    batch size and adapter count."""
+    from slora.graphs import StepGraphs
+
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=256, cuda_graphs=False, max_num_seqs=7))
+    graphs = StepGraphs(e.runner, 7, mixed_tokens=33, capture=False)
+    twins = [(graphs.meta32, graphs.tables)] + [(h32, tables) for _, h32, _, tables in graphs._twins]
+    for buf, tables in twins:
+        assert all(v.data_ptr() % 16 == 0 for v in graphs._views32(buf).values())
+        assert tables.data_ptr() % 16 == 0
+    assert all(row.data_ptr() % 16 == 0 for row in graphs.meta64)
+    assert all(ranks[layer].data_ptr() % 16 == 0 for _, _, ranks in graphs.group_bufs.values()
+               for layer in range(len(ranks)))
+    names = []
+    for n in range(1, 6):
+        names.append(f"a{n}")
+        e.add_synthetic_adapter(names[-1], 4 * n)
+        e.adapters.adapters[names[-1]].pages = list(range(n))  # (no load needed: tensors only)
+        _, groups = e.runner._adapter_tensors(tuple(names), e.adapters)
+        for g in groups.values():
+            assert all(g.ranks[layer].data_ptr() % 16 == 0 for layer in range(len(g.ranks)))
+            assert g.ranks[:, n:].eq(0).all() and g.max_rank == 32 if n > 4 else True
