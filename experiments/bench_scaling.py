@@ -213,7 +213,7 @@ def part_scaling(eng: Engine, args) -> list[dict]:
     for r in rows:
         if r["compiles"]:
             print(f"  compiled while serving, {r['adapters']} adapters {r['modules']}: "
-                  + ", ".join(sorted(set(r["compiles"]))))
+                  + ", ".join(sorted({c.split("[")[0] for c in r["compiles"]})))
     return rows
 
 

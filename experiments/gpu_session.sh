@@ -211,9 +211,10 @@ case "${1:-}" in
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
     ;;
   22)  # the decode kernel's split count a runtime argument (no compile per count) and the step
-       # logs' Triton compiles: attention tests on CUDA, the decode table and the race (GPU0);
+       # logs' Triton compiles: attention and engine tests on CUDA (call 4 of session 7 ran the
+       # attention ones), the decode table and the race (GPU0);
        # S2 with the compiles of its stalls named (GPU1)
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py 2>&1 | tail -2
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_engine_triton.py tests/test_async_scheduling.py 2>&1 | tail -2
       python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A8 "^ *batch"
       python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -5'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -12'

@@ -142,7 +142,8 @@ def logged_steps(engine):
     which no fit reads: `gc_s`, the garbage collector's time within the step's seconds,
     `graphs`, the CUDA graphs captured within them (a bucket the warm-up missed), and
     `compiles`, the Triton kernels compiled within them (a new specialization: a class of an
-    integer argument or a constexpr the warm-up did not meet), by name.
+    integer argument, a pointer's alignment or a constexpr the warm-up did not meet), each as
+    Triton writes its name and specialization.
 
     A step's seconds: without async scheduling, the time of the `engine.step()` call that ran
     it. With it (`EngineConfig.async_scheduling`) a call launches one step and collects
@@ -170,7 +171,8 @@ def logged_steps(engine):
     chained = knobs.jit_post_compile_hook if knobs is not None else None
 
     def on_compile(*, fn, **kw):
-        compiled.append(fn.name)
+        # its name and specialization (argument types, 16-byte alignment, constexprs)
+        compiled.append(kw.get("repr") or fn.name)
         return chained(fn=fn, **kw) if chained is not None else None
 
     def mark():
