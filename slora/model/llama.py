@@ -76,6 +76,15 @@ class Batch:
         return _to(self, device)
 
 
+def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`. A host tensor goes to a GPU through pinned memory without blocking: a
+    pageable copy synchronises the stream, so an eager step launched while the step before it
+    runs (async scheduling) would wait for it."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _to(obj, device, moved: dict | None = None):
     """Copy of a dataclass with its tensors (and nested dataclasses') moved to `device`; a
     tensor two fields share (LoraMeta.seg_start is Batch.q_start_t) moves once."""
@@ -84,7 +93,7 @@ def _to(obj, device, moved: dict | None = None):
     for name, value in vars(obj).items():
         if isinstance(value, torch.Tensor):
             if id(value) not in moved:
-                moved[id(value)] = value.to(device)
+                moved[id(value)] = _h2d(value, device)
             changes[name] = moved[id(value)]
         elif hasattr(value, "__dataclass_fields__"):
             changes[name] = _to(value, device, moved)
