@@ -209,6 +209,10 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
         xa = k.mbgmv_shrink(x, P.pool[l], P.pages, offa, P.ranks, slots, P.stride, r)
         k.mbgmv_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, slots, out_dims, P.strides)
 
+    def fused(l):  # the same in one launch (lora.mbgmv; lora.FUSED_MBGMV picks it in the engine)
+        lora.mbgmv(x, y, P.pool[l], P.pages, offa, offb, P.ranks, slots, P.stride, out_dims,
+                   P.strides, r)
+
     def base():
         for l in range(L):
             torch_gather_bmm(x, y, P.pool[l], P, slots)
@@ -229,18 +233,23 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
             apply(k, 0)
             errs[f"err_{name}"] = rel_err(y - y0, y_ref - y0)
             y.copy_(y0)
+        fused(0)
+        errs["err_fused"] = rel_err(y - y0, y_ref - y0)
+        y.copy_(y0)
         torch_gather_bmm(x, y, P.pool[0], P, slots)
         errs["err_torch"] = rel_err(y - y0, y_ref - y0)
         y.copy_(y0)
     t_ours = bench_graph(lambda: [apply(lora, l) for l in range(L)], device) / L
+    extra["us_fused"] = bench_graph(lambda: [fused(l) for l in range(L)], device) / L * 1e3
     t_base = bench_graph(base, device) / L
     if cuda_k is not None:
         extra["us_cuda"] = bench_graph(lambda: [apply(cuda_k, l) for l in range(L)], device) / L * 1e3
     el = x.element_size()
     nbytes = x.numel() * el + P.adapter_bytes(n_a) + 2 * y.numel() * el
     flops = 2 * T * r * (3 * d + sum(out_dims))
-    if "us_cuda" in extra:
-        extra["GBps_cuda"] = nbytes / extra["us_cuda"] / 1e3
+    for name in ("cuda", "fused"):
+        if f"us_{name}" in extra:
+            extra[f"GBps_{name}"] = nbytes / extra[f"us_{name}"] / 1e3
     del P
     return dict(T=T, rank=r, layers=L, bytes=nbytes, flops=flops, **extra, us_ours=t_ours * 1e3,
                 us_torch=t_base * 1e3, GBps_ours=nbytes / t_ours / 1e6,
@@ -248,9 +257,12 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
 
 
 def tune_mbgmv(cfg, device, dtype, gen):
-    """Sweep shrink/expand tile configs at a few decode shapes; returns rows for the JSON."""
+    """Sweep shrink/expand tile configs, and the fused kernel's (`lora.mbgmv`, both in one
+    launch), at a few decode shapes; returns rows for the JSON."""
     rows = []
-    orig_s, orig_e = lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg
+    orig_s, orig_e, orig_f = lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg, lora._mbgmv_fused_cfg
+    fused_cfgs = [dict(BLOCK_R=br, CH=ch, CHN=chn, num_warps=nw) for br in (2, 4)
+                  for ch in (4, 8, 16) for chn in (8, 16, 32) for nw in (4, 8)]
     shrink_cfgs = [dict(BLOCK_R=br, CH=ch, num_warps=nw) for br in (1, 2, 4, 8)
                    for ch in (8, 16, 32) for nw in (4, 8)]
     expand_cfgs = [dict(BLOCK_R=br, CHN=chn, num_warps=nw) for br in (2, 4, 8)
@@ -270,20 +282,26 @@ def tune_mbgmv(cfg, device, dtype, gen):
         el = x.element_size()
         a_bytes = T * r * 3 * d * el + x.numel() * el
         b_bytes = T * r * sum(out_dims) * el + 2 * y.numel() * el
+        offa, offb = P.offsets[:, :, 0].contiguous(), P.offsets[:, :, 1].contiguous()
         for kind, cfgs, nbytes in (("shrink", shrink_cfgs, a_bytes),
-                                   ("expand", expand_cfgs, b_bytes)):
+                                   ("expand", expand_cfgs, b_bytes),
+                                   ("fused", fused_cfgs, a_bytes + b_bytes - y.numel() * el)):
             for c in (cfgs if not cfg["smoke"] else cfgs[:2]):
                 lora._mbgmv_shrink_cfg = (lambda *a, c=c: dict(c)) if kind == "shrink" else orig_s
                 lora._mbgmv_expand_cfg = (lambda *a, c=c: dict(c)) if kind == "expand" else orig_e
+                lora._mbgmv_fused_cfg = (lambda *a, c=c: dict(c)) if kind == "fused" else orig_f
 
                 def fn():
                     for l in range(L):
                         if kind == "shrink":
                             lora.mbgmv_shrink(x, P.pool[l], P.pages, P.offsets[:, :, 0], P.ranks,
                                               slots, P.stride, r)
-                        else:
+                        elif kind == "expand":
                             lora.mbgmv_expand(xa, y, P.pool[l], P.pages, P.offsets[:, :, 1],
                                               P.ranks, slots, out_dims, P.strides)
+                        else:
+                            lora.mbgmv(x, y, P.pool[l], P.pages, offa, offb, P.ranks, slots,
+                                       P.stride, out_dims, P.strides, r)
                 try:
                     us = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / L * 1e3
                 except Exception as e:  # a config the compiler rejects (registers, shared memory)
@@ -291,12 +309,8 @@ def tune_mbgmv(cfg, device, dtype, gen):
                     continue
                 rows.append(dict(kind=kind, T=T, rank=r, **c, us=us, GBps=nbytes / us / 1e3))
             lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg = orig_s, orig_e
-            default = bench_graph(lambda: [
-                lora.mbgmv_shrink(x, P.pool[l], P.pages, P.offsets[:, :, 0], P.ranks, slots,
-                                  P.stride, r) if kind == "shrink" else
-                lora.mbgmv_expand(xa, y, P.pool[l], P.pages, P.offsets[:, :, 1], P.ranks, slots,
-                                  out_dims, P.strides) for l in range(L)], device,
-                warmup_ms=5, rep_ms=20) / L * 1e3
+            lora._mbgmv_fused_cfg = orig_f
+            default = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / L * 1e3  # (the defaults)
             top = sorted((w for w in rows if w["kind"] == kind and w["T"] == T and w["rank"] == r),
                          key=lambda w: w["us"])[:4]
             print(f"tune {kind:6s} T={T:3d} r={r:3d}: default {default:.2f} us "
@@ -687,8 +701,10 @@ def main():
             row = run_mbgmv(T, r, cfg, device, dtype, gen)
             res["mbgmv"].append(row)
             print(f"mbgmv T={T:4d} r={r:4d}: {row['us_ours']:8.2f} us {row['GBps_ours']:7.0f} GB/s"
+                  f" | fused {row['us_fused']:8.2f} us {row['GBps_fused']:7.0f} GB/s"
                   f" | torch {row['us_torch']:8.2f} us {row['GBps_torch']:7.0f} GB/s"
-                  f" | err {row.get('err_ours', 0):.1e} / {row.get('err_torch', 0):.1e}",
+                  f" | err {row.get('err_ours', 0):.1e} / {row.get('err_fused', 0):.1e} / "
+                  f"{row.get('err_torch', 0):.1e}",
                   flush=True)
     res["mbgmm"] = [run_mbgmm(r, cfg, device, dtype, gen) for r in cfg["mbgmm_ranks"]]
     if not args.skip_attention:
@@ -713,6 +729,8 @@ def main():
     for w in res["mbgmv"]:
         cu = (f" | csrc {w['us_cuda']:8.2f} us {pct(w['GBps_cuda'])} err {w.get('err_cuda', float('nan')):.1e}"
               if "us_cuda" in w else "")
+        cu += (f" | fused {w['us_fused']:8.2f} us {pct(w['GBps_fused'])} err "
+               f"{w.get('err_fused', float('nan')):.1e}" if "us_fused" in w else "")
         print(f"{w['T']:5d} {w['rank']:5d} {w['us_ours']:8.2f} {w['GBps_ours']:7.0f} "
               f"{pct(w['GBps_ours'])} | {w['us_torch']:9.2f} {w['GBps_torch']:7.0f} "
               f"{pct(w['GBps_torch'])} | {w['us_torch'] / w['us_ours']:6.2f}x{cu}")

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_engine import MODELS, prompts  # noqa: E402
 import slora.graphs  # noqa: E402
+import slora.kernels.lora  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slora.config import LORA_MODULES, ModelConfig  # noqa: E402
 from slora.sim.profile import logged_steps  # noqa: E402
@@ -444,6 +445,9 @@ def parse_args(argv=None):
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                     help="EngineConfig.async_scheduling: launch each step before collecting the "
                          "last (default: the engine's, on with CUDA)")
+    ap.add_argument("--fused-mbgmv", action="store_true",
+                    help="MBGMV as one launch (slora.kernels.lora.FUSED_MBGMV; off by default "
+                         "until measured)")
     ap.add_argument("--graph-pieces", type=int, default=None,
                     help="capture each step's CUDA graph in this many pieces (default: "
                          "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")
@@ -464,6 +468,8 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if args.graph_pieces is not None:
         slora.graphs.GRAPH_PIECES = args.graph_pieces  # read at each capture
+    if args.fused_mbgmv:
+        slora.kernels.lora.FUSED_MBGMV = True  # read at each launch (and capture)
     ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
     if ceil:
         print("ceilings:", ceil, flush=True)

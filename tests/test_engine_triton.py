@@ -30,15 +30,22 @@ BACKENDS = _backends()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"] if DEVICE == "cpu" else ["float32", "bfloat16"])
-def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, dtype):
+def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, dtype, monkeypatch):
+    """Every backend gives the twins' tokens; "triton-fused" is the Triton backend with MBGMV
+    as one launch (`lora.FUSED_MBGMV`)."""
+    from slora.kernels import lora
+
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
              "r20": adapter_factory(tiny_model_dir, r=20, target_modules="all-linear", seed=1)}
     prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin"]
     adapters = ["r3", None, "r20", "r3"]
     results = {}
-    for backend in BACKENDS:
+    backends = BACKENDS + ("triton-fused",)
+    for backend in backends:
+        monkeypatch.setattr(lora, "FUSED_MBGMV", backend == "triton-fused")
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype=dtype,
-                                num_pages=48, backend=backend, cuda_graphs=False))
+                                num_pages=48, backend=backend.removesuffix("-fused"),
+                                cuda_graphs=False))
         for n, p in paths.items():
             e.add_adapter(n, p)
         sps = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0) for n in (6, 3, 8, 5)]
@@ -50,7 +57,7 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
         while e.has_unfinished():
             done.update({o.request_id: o for o in e.step() if o.finished})
         results[backend] = [done[i] for i in ids]
-    for a, b in (pair for name in BACKENDS[1:] for pair in zip(results["torch"], results[name])):
+    for a, b in (pair for name in backends[1:] for pair in zip(results["torch"], results[name])):
         if dtype == "float32":
             assert a.token_ids == b.token_ids
         la = [lp[t] for lp, t in zip(a.logprobs, a.token_ids)]

@@ -31,6 +31,10 @@ Tiling, and why:
     rows ([BLOCK_R, CHN, 64] tiles). Small tiles, few registers: on the H200 occupancy (loads
     in flight per SM) decided speed more than tile size did; see the *_cfg functions for the
     measured choices.
+  * `mbgmv` runs both in one launch (`FUSED_MBGMV`, off until measured on the GPU): the expand
+    kernel with FUSED on computes each block of rank rows' xa itself (those rows of A over the
+    whole d_in, from L2 after the first of the d_out / (64*CHN) programs that share them), so
+    xa never goes to memory and the second launch's fixed cost goes.
   * MBGMM uses tl.dot on (BLOCK_M tokens x 64) by (64 x BLOCK_R ranks) tiles (shrink) and
     (BLOCK_M x BLOCK_R) by (BLOCK_R x 64 columns) tiles (expand); 64-wide K or N tiles keep one
     page lookup per rank row. Dot tiles are at least 16 in every dimension on the GPU.
@@ -128,12 +132,22 @@ def _mbgmv_shrink_kernel(
         return
 
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
-    r3 = offs_r[:, None, None]
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+    res = _shrink_rows(x_row, pool_ptr, pages_row, off_a, offs_r, rank, d_in, stride, P,
+                       BLOCK_R, CH, EVEN_K)
+    tl.store(xa_row, res, mask=offs_r < max_rank)
+
+
+@triton.jit
+def _shrink_rows(x_row, pool_ptr, pages_row, off_a, rows, rank, d_in, stride, P,
+                 BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 [BLOCK_R]: x_row . A[rows] of one adapter's module over d_in (rows at or past
+    `rank` give 0), streaming CH aligned chunks of every row an iteration."""
+    r3 = rows[:, None, None]
     c3 = tl.arange(0, CH)[None, :, None] * CK
     e3 = tl.arange(0, CK)[None, None, :]
     row_ok = r3 < rank
     row_v = off_a + r3 * stride  # [R, 1, 1] virtual row starts
-    x_row = x_ptr + t.to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_R, CH), tl.float32)
     for k0 in range(0, d_in, CH * CK):
         kc = k0 + c3  # [1, CH, 1] chunk starts
@@ -152,8 +166,37 @@ def _mbgmv_shrink_kernel(
         # Reduce each chunk at once (in-thread, then 3 warp shuffles): a small accumulator
         # keeps registers low, so more programs fit on an SM and more loads are in flight.
         acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32), axis=2)
-    res = tl.sum(acc, axis=1)
-    tl.store(xa_row, res, mask=offs_r < max_rank)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _out_tile(out_ptr, t, stride_out, col, n0, d_out, CHN: tl.constexpr, EVEN_N: tl.constexpr):
+    """(pointers, mask, values) of token t's columns n0..n0+64*CHN-1 of a module whose columns
+    start at `col` of out. Read first, so the latency overlaps the adapter reads that follow."""
+    c2 = n0 + tl.arange(0, CHN)[:, None] * CK
+    cols = c2 + tl.arange(0, CK)[None, :]
+    ptrs = out_ptr + t.to(tl.int64) * stride_out + col + cols
+    if EVEN_N:
+        omask = c2 < d_out  # per chunk: keeps the out accesses 16-byte vectors
+    else:
+        omask = cols < d_out
+    return ptrs, omask, tl.load(ptrs, mask=omask, other=0.0)
+
+
+@triton.jit
+def _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N: tl.constexpr):
+    """fp32 [R, CHN, 64]: B^T[rows] of one adapter's module at the column chunks starting at
+    `nc` ([1, CHN, 1]); rows at or past `rank` and columns past d_out give 0."""
+    e3 = tl.arange(0, CK)[None, None, :]
+    cmask = (rows < rank) & (nc < d_out)
+    v = off_b + rows * stride + nc
+    page = tl.load(pages_row + v // P, mask=cmask, other=0)
+    base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CK, CK, CK])
+    if EVEN_N:
+        bmask = cmask
+    else:
+        bmask = cmask & (nc + e3 < d_out)
+    return tl.load(pool_ptr + base + e3, mask=bmask, other=0.0).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["stride_pg"])
@@ -163,7 +206,9 @@ def _mbgmv_expand_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
     d0, d1, d2, d3, s0, s1, s2, s3,
+    x_ptr, offa_ptr, stride_x, d_in, stride_in,  # FUSED: the shrink's inputs (else unused)
     BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr,
+    FUSED: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -180,35 +225,24 @@ def _mbgmv_expand_kernel(
     stride = _select(g, s0, s1, s2, s3)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
 
-    # The out tile is read first, so its latency overlaps the adapter reads below.
-    c2 = n0 + tl.arange(0, CHN)[:, None] * CK
-    cols = c2 + tl.arange(0, CK)[None, :]
-    ptrs = out_ptr + t.to(tl.int64) * stride_out + col + cols
-    if EVEN_N:
-        omask = c2 < d_out  # per chunk: keeps the out accesses 16-byte vectors
-    else:
-        omask = cols < d_out
-    o = tl.load(ptrs, mask=omask, other=0.0)
+    ptrs, omask, o = _out_tile(out_ptr, t, stride_out, col, n0, d_out, CHN, EVEN_N)
 
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     r3 = tl.arange(0, BLOCK_R)[:, None, None]
     nc = n0 + tl.arange(0, CHN)[None, :, None] * CK  # [1, CHN, 1] chunk starts
-    e3 = tl.arange(0, CK)[None, None, :]
     xa_row = xa_ptr + (t * G + g) * max_rank
+    if FUSED:
+        off_a = tl.load(offa_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
+        x_row = x_ptr + t.to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_R, CHN, CK), tl.float32)
     for rr in range(0, rank, BLOCK_R):
         rows = rr + r3
-        cmask = (rows < rank) & (nc < d_out)
-        v = off_b + rows * stride + nc
-        page = tl.load(pages_row + v // P, mask=cmask, other=0)
-        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CK, CK, CK])
-        if EVEN_N:
-            bmask = cmask
+        if FUSED:  # these rank rows' xa, here: the whole d_in of their A rows
+            w = _shrink_rows(x_row, pool_ptr, pages_row, off_a, rr + tl.arange(0, BLOCK_R),
+                             rank, d_in, stride_in, P, BLOCK_R, CH, EVEN_K)[:, None, None]
         else:
-            bmask = cmask & (nc + e3 < d_out)
-        b = tl.load(pool_ptr + base + e3, mask=bmask, other=0.0)
-        w = tl.load(xa_row + rows, mask=rows < rank, other=0.0)
-        acc += b.to(tl.float32) * w
+            w = tl.load(xa_row + rows, mask=rows < rank, other=0.0)
+        acc += _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N) * w
     delta = tl.sum(acc, axis=0)  # [CHN, CK]
     tl.store(ptrs, _add_rounded(o, delta), mask=omask)
 
@@ -290,7 +324,56 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         xa, out, pool_l, pages, offsets_b, ranks, token_slot,
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, *d, *s, EVEN_N=all(x % CHUNK == 0 for x in out_dims), **cfg)
+        G, max_rank, *d, *s, xa, offsets_b, 0, 0, 0,
+        EVEN_N=all(x % CHUNK == 0 for x in out_dims), FUSED=False, CH=1, EVEN_K=True, **cfg)
+
+
+def _mbgmv_fused_cfg(T: int, G: int, max_rank: int, d_in: int, max_out: int,
+                     device: torch.device) -> dict:
+    """Not yet measured on a GPU (`FUSED_MBGMV` is off): [4 rank rows x 8 chunks] of A an
+    iteration as shrink's, and 512 output columns a program, so a (token, module) pair's A is
+    streamed by d_out / 512 programs at once (from L2 after the first)."""
+    ch = min(8, _pow2(triton.cdiv(d_in, CHUNK)))
+    chn = min(8, _pow2(triton.cdiv(max_out, CHUNK)))
+    if device.type != "cuda":  # interpreter: fewer, larger programs
+        return dict(BLOCK_R=min(16, _pow2(max_rank)), CH=ch, CHN=min(4, chn))
+    return dict(BLOCK_R=min(4, _pow2(max_rank)), CH=ch, CHN=chn, num_warps=4)
+
+
+# MBGMV as one launch (shrink and expand fused: `mbgmv`) instead of two. Off until measured
+# on the GPU (`bench_kernels.py` times both; notes/GPU_PLAN.md): the two-launch pair paid a
+# fixed ~3-5 us a launch at small batch (53-58% of copy at 64 tokens, rank 16).
+FUSED_MBGMV = False
+
+
+def mbgmv(x: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+          offsets_a: torch.Tensor, offsets_b: torch.Tensor, ranks: torch.Tensor,
+          token_slot: torch.Tensor, stride_in: int, out_dims: tuple[int, ...],
+          strides: tuple[int, ...], max_rank: int) -> None:
+    """MBGMV shrink and expand in one launch, in place: out[t, cols_g] += (x[t] @ A_g^T) @ B_g^T
+    of token t's own adapter; base-only rows (slot -1) untouched. Twin: `reference.lora_shrink`
+    then `reference.lora_expand`. The expand kernel with FUSED on, grid (token, module, 64*CHN
+    output columns): each program computes its token's xa a block of rank rows at a time (the
+    whole d_in of those rows of A) and adds those rows' share of its columns at once, so xa
+    never leaves registers."""
+    _check_meta(x, pool_l, pages, offsets_a, ranks)
+    T, d_in = x.shape
+    assert offsets_b.shape == offsets_a.shape and offsets_b.stride() == offsets_a.stride()
+    assert out.shape == (T, sum(out_dims)) and len(out_dims) == offsets_a.shape[1]
+    assert stride_in % CHUNK == 0 and stride_in >= d_in
+    if T == 0 or max_rank == 0:
+        return
+    d, s = _dims4(out_dims, strides)
+    G = len(out_dims)
+    cfg = _mbgmv_fused_cfg(T, G, max_rank, d_in, max(out_dims), x.device)
+    grid = (T, G, triton.cdiv(max(out_dims), cfg["CHN"] * CHUNK))
+    _mbgmv_expand_kernel[grid](
+        out, out, pool_l, pages, offsets_b, ranks, token_slot,  # (no xa: computed in place)
+        out.stride(0), pool_l.shape[1],
+        pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
+        G, max_rank, *d, *s, x, offsets_a, x.stride(0), d_in, stride_in,
+        EVEN_N=all(n % CHUNK == 0 for n in out_dims), FUSED=True,
+        EVEN_K=d_in % CHUNK == 0, **cfg)
 
 
 # ----------------------------------------------------------------------------- MBGMM
