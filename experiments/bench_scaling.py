@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_engine import MODELS, prompts  # noqa: E402
 import slora.graphs  # noqa: E402
 import slora.kernels.lora  # noqa: E402
+import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slora.config import LORA_MODULES, ModelConfig  # noqa: E402
 from slora.sim.profile import logged_steps  # noqa: E402
@@ -445,6 +446,9 @@ def parse_args(argv=None):
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                     help="EngineConfig.async_scheduling: launch each step before collecting the "
                          "last (default: the engine's, on with CUDA)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="launch the Triton kernels with programmatic dependent launch "
+                         "(slora.kernels.pdl.ENABLED; off by default until measured)")
     ap.add_argument("--fused-mbgmv", action="store_true",
                     help="MBGMV as one launch (slora.kernels.lora.FUSED_MBGMV; off by default "
                          "until measured)")
@@ -470,6 +474,8 @@ def main(argv=None) -> dict:
         slora.graphs.GRAPH_PIECES = args.graph_pieces  # read at each capture
     if args.fused_mbgmv:
         slora.kernels.lora.FUSED_MBGMV = True  # read at each launch (and capture)
+    if args.pdl:
+        slora.kernels.pdl.ENABLED = True  # idem
     ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
     if ceil:
         print("ceilings:", ceil, flush=True)

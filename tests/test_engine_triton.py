@@ -251,3 +251,33 @@ def test_step_metadata_starts_16_byte_aligned(tiny_model_dir):
         for g in groups.values():
             assert all(g.ranks[layer].data_ptr() % 16 == 0 for layer in range(len(g.ranks)))
             assert g.ranks[:, n:].eq(0).all() and g.max_rank == 32 if n > 4 else True
+
+
+def test_pdl_launch_options(monkeypatch):
+    """Programmatic dependent launch is off unless turned on, and only ever asked of CUDA."""
+    from slora.kernels import pdl
+
+    assert pdl.options(torch.device("cuda")) == {"PDL": False}
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.options(torch.device("cpu")) == {"PDL": False}
+    assert pdl.options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch is a CUDA launch attribute")
+def test_pdl_gives_the_same_tokens(tiny_model_dir, adapter_factory, monkeypatch):
+    """With every Triton kernel launched with PDL (each waits for the one before it first), in
+    CUDA graphs and eager steps, an adapter row and a base row get the same tokens as without."""
+    from slora.kernels import pdl
+
+    path = adapter_factory(tiny_model_dir, r=8, target_modules="all-linear")
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
+                                num_pages=64))
+        e.add_adapter("a", path)
+        res = e.generate(["Hello there", "The quick brown fox"],
+                         SamplingParams(max_tokens=8, ignore_eos=True), adapters=["a", None])
+        outs[on] = [o.token_ids for o in res]
+        e.close()
+    assert outs[True] == outs[False]

@@ -66,6 +66,8 @@ import triton
 import triton.language as tl
 
 from .reference import LORA_ALIGN
+from . import pdl
+from .pdl import wait
 from .tiles import as_tiles, tile_rows
 
 CHUNK = LORA_ALIGN  # elements in one aligned chunk: one page lookup each
@@ -116,8 +118,9 @@ def _mbgmv_shrink_kernel(
     stride_x, d_in, stride, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
-    BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait(PDL)  # (PDL: the kernel before this one is done)
     t = tl.program_id(0)
     g = tl.program_id(1)
     r0 = tl.program_id(2) * BLOCK_R
@@ -208,8 +211,9 @@ def _mbgmv_expand_kernel(
     d0, d1, d2, d3, s0, s1, s2, s3,
     x_ptr, offa_ptr, stride_x, d_in, stride_in,  # FUSED: the shrink's inputs (else unused)
     BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr,
-    FUSED: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr,
+    FUSED: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait(PDL)  # (PDL: the kernel before this one is done)
     t = tl.program_id(0)
     g = tl.program_id(1)
     n0 = tl.program_id(2) * (CHN * CK)
@@ -298,7 +302,7 @@ def mbgmv_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x, pool_l, pages, offsets_a, ranks, token_slot, xa,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, EVEN_K=d_in % CHUNK == 0, **cfg)
+        G, max_rank, EVEN_K=d_in % CHUNK == 0, **cfg, **pdl.options(x.device))
     return xa
 
 
@@ -325,7 +329,8 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, *d, *s, xa, offsets_b, 0, 0, 0,
-        EVEN_N=all(x % CHUNK == 0 for x in out_dims), FUSED=False, CH=1, EVEN_K=True, **cfg)
+        EVEN_N=all(x % CHUNK == 0 for x in out_dims), FUSED=False, CH=1, EVEN_K=True, **cfg,
+        **pdl.options(out.device))
 
 
 def _mbgmv_fused_cfg(T: int, G: int, max_rank: int, d_in: int, max_out: int,
@@ -373,7 +378,7 @@ def mbgmv(x: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages: torch
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, *d, *s, x, offsets_a, x.stride(0), d_in, stride_in,
         EVEN_N=all(n % CHUNK == 0 for n in out_dims), FUSED=True,
-        EVEN_K=d_in % CHUNK == 0, **cfg)
+        EVEN_K=d_in % CHUNK == 0, **cfg, **pdl.options(out.device))
 
 
 # ----------------------------------------------------------------------------- MBGMM
@@ -386,8 +391,9 @@ def _mbgmm_shrink_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_rt, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait(PDL)  # (PDL: the kernel before this one is done)
     g = tl.program_id(1) // (n_rt * split_k)
     r0 = (tl.program_id(1) // split_k % n_rt) * BLOCK_R
     k_lo = (tl.program_id(1) % split_k) * k_split  # this program's slice of d_in
@@ -456,8 +462,9 @@ def _mbgmm_expand_kernel(
     G, max_rank, n_nt,
     d0, d1, d2, d3, s0, s1, s2, s3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait(PDL)  # (PDL: the kernel before this one is done)
     g = tl.program_id(1) // n_nt
     n0 = (tl.program_id(1) % n_nt) * BLOCK_N
     d_out = _select(g, d0, d1, d2, d3)
@@ -596,7 +603,7 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_rt, split_k, k_split, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
-        DOT_F32=_dot_f32(x, pool_l), **cfg)
+        DOT_F32=_dot_f32(x, pool_l), **cfg, **pdl.options(x.device))
     return xa
 
 
@@ -630,4 +637,4 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_nt, *d, *s, BLOCK_N=CHUNK, EVEN_N=all(x % CHUNK == 0 for x in out_dims),
-        DOT_F32=_dot_f32(out, pool_l), **cfg)
+        DOT_F32=_dot_f32(out, pool_l), **cfg, **pdl.options(out.device))
