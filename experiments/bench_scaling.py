@@ -328,8 +328,9 @@ def _host_profile(step, steps: int, top: int = 20) -> list[dict]:
 
 def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int = 8) -> dict:
     """Where a step's time goes, under torch.profiler: `steps` steady decode steps (every
-    request decoding: the CUDA-graph path), then `steps` mixed steps (the same batch plus one
-    new 128-token prompt each: a graph replay up to mixed_graph_tokens). GPU busy time per
+    request decoding: the CUDA-graph path), then `steps` mixed steps (the same batch plus
+    `--mixed-prompts` new prompts of `--mixed-prompt-len` tokens each, one 128-token prompt by
+    default: a graph replay up to mixed_graph_tokens, eager past it). GPU busy time per
     step against its wall time shows the idle share, split into short gaps (between a graph's
     kernels) and long ones (the GPU waiting while the CPU schedules, builds the batch, launches
     eager kernels and samples); the kernel table shows the GPU's."""
@@ -345,10 +346,13 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
         eng.step()
     for _ in range(2):  # steady state (graph captured, adapters resident)
         eng.step()
-    extra = prompts(2 * steps + 1, 128, cfg.vocab_size, seed=7)
+    k = args.mixed_prompts
+    extra = prompts((2 * steps + 1) * k, args.mixed_prompt_len, cfg.vocab_size, seed=7)
 
-    def mixed(i):
-        eng.add_request(extra[i], SamplingParams(max_tokens=1, ignore_eos=True), adapter=names[i % len(names)])
+    def mixed(i):  # k prompts join, each with the next adapter in turn
+        for j in range(i * k, (i + 1) * k):
+            eng.add_request(extra[j], SamplingParams(max_tokens=1, ignore_eos=True),
+                            adapter=names[j % len(names)])
         eng.step()
 
     mixed(2 * steps)  # off the clock: a mixed-step graph bucket is captured on first use
@@ -446,6 +450,11 @@ def parse_args(argv=None):
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                     help="EngineConfig.async_scheduling: launch each step before collecting the "
                          "last (default: the engine's, on with CUDA)")
+    ap.add_argument("--mixed-prompts", type=int, default=1,
+                    help="breakdown: prompts joining each mixed step, each with its own adapter")
+    ap.add_argument("--mixed-prompt-len", type=int, default=128,
+                    help="breakdown: tokens of each of them (S2's eager steps: --mixed-prompts "
+                         "31 --mixed-prompt-len 256, ~8k tokens)")
     ap.add_argument("--pdl", action="store_true",
                     help="launch the Triton kernels with programmatic dependent launch "
                          "(slora.kernels.pdl.ENABLED; off by default until measured)")

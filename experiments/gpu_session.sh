@@ -222,13 +222,15 @@ case "${1:-}" in
   23)  # MBGMV as one launch (lora.FUSED_MBGMV) and programmatic dependent launch (pdl.ENABLED),
        # neither yet on a GPU: the tests on CUDA, the decode table without either (GPU0), with
        # PDL (GPU0), with fused MBGMV (GPU1), the kernel table with its fused column and tile
-       # sweep (GPU1); S2 with the compile check (GPU0)
+       # sweep, and the kernels of an S2-like eager step (32 decode rows + 31 prompts of 256
+       # tokens, each its own adapter) (GPU1); S2 with the compile check (GPU0)
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py tests/test_async_scheduling.py 2>&1 | tail -2
       python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A8 "^ *batch"
       python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown "" --pdl --out $OUT/breakdown-pdl 2>&1 | grep -A8 "^ *batch"
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown "" --fused-mbgmv --out $OUT/breakdown-fused 2>&1 | grep -A8 "^ *batch"
-      python3 experiments/bench_kernels.py --tune mbgmv --skip-attention --out $OUT/kernels 2>&1 | grep "^tune\|^mbgmv\|^    {" | head -80'
+      python3 experiments/bench_kernels.py --tune mbgmv --skip-attention --out $OUT/kernels 2>&1 | grep "^tune\|^mbgmv\|^    {" | head -80
+      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32 --mixed-prompts 31 --mixed-prompt-len 256 --out $OUT/breakdown-eager 2>&1 | grep -A16 "^kernel breakdown, mixed"'
     ;;
   *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-23)" >&2; exit 2 ;;
 esac

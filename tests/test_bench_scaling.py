@@ -24,7 +24,8 @@ def test_bench_scaling_cpu(bench, tiny_model_dir, tmp_path):
                 "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
                 "--adapters", "1,5", "--num-requests", "12", "--input-len", "8,40",
                 "--output-len", "2,12", "--batches", "1,4", "--context", "24",
-                "--decode-tokens", "16", "--breakdown", "4", "--out", str(tmp_path)])
+                "--decode-tokens", "16", "--breakdown", "4", "--mixed-prompts", "2",
+                "--mixed-prompt-len", "20", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "bench_scaling.json").read_text())
 
     rows = res["scaling"]
