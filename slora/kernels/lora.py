@@ -336,10 +336,11 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
 def _mbgmv_fused_cfg(T: int, G: int, max_rank: int, d_in: int, max_out: int,
                      device: torch.device) -> dict:
     """Not yet measured on a GPU (`FUSED_MBGMV` is off): [4 rank rows x 8 chunks] of A an
-    iteration as shrink's, and 512 output columns a program, so a (token, module) pair's A is
-    streamed by d_out / 512 programs at once (from L2 after the first)."""
+    iteration, and 1,024 output columns a program, so each (token, module) pair's A is streamed
+    by d_out / 1,024 programs (4 for a 7B's 4,096: DRAM once, L2 the rest; at 512 columns the
+    L2 traffic doubles, at 2,048 the programs halve). `bench_kernels.py --tune mbgmv` sweeps it."""
     ch = min(8, _pow2(triton.cdiv(d_in, CHUNK)))
-    chn = min(8, _pow2(triton.cdiv(max_out, CHUNK)))
+    chn = min(16, _pow2(triton.cdiv(max_out, CHUNK)))
     if device.type != "cuda":  # interpreter: fewer, larger programs
         return dict(BLOCK_R=min(16, _pow2(max_rank)), CH=ch, CHN=min(4, chn))
     return dict(BLOCK_R=min(4, _pow2(max_rank)), CH=ch, CHN=chn, num_warps=4)
