@@ -1,0 +1,112 @@
+"""Compile every Triton kernel of slora for a GPU, without one: lowering errors the interpreter
+cannot see (it runs the kernels as numpy), and registers / shared memory of each variant.
+
+    python experiments/compile_check.py [--arch 90]     # exit 1 if any variant fails
+
+Each kernel is compiled (Triton -> PTX -> cubin with the wheel's ptxas) in the variants the
+engine launches on the GPU: the default tiles, the options that are off until measured
+(programmatic dependent launch, MBGMV in one launch, the CUDA-core decode attention), bf16.
+Run it with TRITON_INTERPRET unset: under the interpreter `triton.jit` makes no compilable
+kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from slora.kernels import attention, fused, lora  # noqa: E402
+
+LORA = {"x_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16", "xa_ptr": "*fp32",
+        "pages_ptr": "*i32", "offs_ptr": "*i64", "offa_ptr": "*i64", "ranks_ptr": "*i32",
+        "slot_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i32", "tiles_ptr": "*i32"}
+ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
+        "bt_ptr": "*i32", "ctx_ptr": "*i32", "part_ptr": "*fp32", "ml_ptr": "*fp32",
+        "q_start_ptr": "*i32", "tiles_ptr": "*i32", "qk_scale": "fp32"}
+FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
+         "out_ptr": "*bf16", "qkv_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
+         "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
+         "eps": "fp32"}
+
+
+def variants():
+    """(name, kernel, argument types, constexprs, options) of each variant to compile."""
+    out = []
+    for pdl in (False, True):
+        opts = dict(num_warps=4, launch_pdl=pdl)
+        p = f" PDL={pdl}"
+        out += [
+            ("mbgmv shrink [4 x 32]" + p, lora._mbgmv_shrink_kernel, LORA,
+             dict(BLOCK_R=4, CH=32, EVEN_K=True, PDL=pdl), opts),
+            ("mbgmv shrink [1 x 32]" + p, lora._mbgmv_shrink_kernel, LORA,
+             dict(BLOCK_R=1, CH=32, EVEN_K=True, PDL=pdl), dict(opts, num_warps=8)),
+            ("mbgmv expand [2 x 8]" + p, lora._mbgmv_expand_kernel, {**LORA, "x_ptr": "*fp32"},
+             dict(BLOCK_R=2, CHN=8, EVEN_N=True, FUSED=False, CH=1, EVEN_K=True, PDL=pdl), opts),
+            ("mbgmv fused [4 x 8 x 16]" + p, lora._mbgmv_expand_kernel, LORA,
+             dict(BLOCK_R=4, CHN=16, EVEN_N=True, FUSED=True, CH=8, EVEN_K=True, PDL=pdl), opts),
+            ("mbgmm shrink" + p, lora._mbgmm_shrink_kernel, LORA,
+             dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False, PDL=pdl), opts),
+            ("mbgmm expand" + p, lora._mbgmm_expand_kernel, LORA,
+             dict(BLOCK_M=64, BLOCK_R=16, BLOCK_N=64, EVEN_N=True, DOT_F32=False, PDL=pdl), opts),
+            ("decode attention" + p, attention._decode_kernel, ATTN,
+             dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
+                  USE_DOT=True, PDL=pdl), dict(opts, num_stages=2)),
+            ("decode attention, split" + p, attention._decode_kernel, ATTN,
+             dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False,
+                  USE_DOT=True, PDL=pdl), dict(opts, num_stages=2)),
+            ("merge" + p, attention._merge_kernel, ATTN,
+             dict(BLOCK_S=8, BLOCK_D=128, PDL=pdl), opts),
+            ("prefill attention" + p, attention._prefill_kernel, ATTN,
+             dict(QH=1, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, DOT_F32=False, PDL=pdl),
+             dict(opts, num_stages=2)),
+            ("add_rms_norm" + p, fused._rms_norm_kernel, FUSED,
+             dict(HAS_DELTA=True, BLOCK=4096, PDL=pdl), opts),
+            ("rope_write_kv" + p, fused._rope_kv_kernel, FUSED,
+             dict(BLOCK=64, PDL=pdl), dict(opts, num_warps=1)),
+            ("silu_mul" + p, fused._silu_mul_kernel, FUSED, dict(BLOCK=1024, PDL=pdl), opts),
+        ]
+    out.append(("decode attention, CUDA cores", attention._decode_kernel, ATTN,
+                dict(QH=1, BLOCK_H=1, BLOCK_D=128, BLOCK_N=32, SPLIT=False, DOT_F32=False,
+                     USE_DOT=False, PDL=False), dict(num_warps=4, num_stages=2)))
+    return out
+
+
+def compile_variant(kernel, types, constexprs, options, arch: int):
+    if not hasattr(kernel, "fn"):
+        raise RuntimeError("the kernel is not compilable here: unset TRITON_INTERPRET")
+    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32")
+           for p in inspect.signature(kernel.fn).parameters}
+    return triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", arch, 32),
+                          options=options)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("compile_check: TRITON_INTERPRET=1 makes no compilable kernels; unset it")
+        return 2
+    failed = 0
+    print(f"{'variant':<36}{'shared B':>10}  sm_{args.arch}")
+    for name, kernel, types, constexprs, options in variants():
+        try:
+            k = compile_variant(kernel, types, constexprs, options, args.arch)
+            print(f"{name:<36}{k.metadata.shared:>10}  ok")
+        except Exception as e:  # report every failing variant, then fail
+            failed += 1
+            print(f"{name:<36}{'':>10}  FAILED: {type(e).__name__}: {str(e)[:300]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
