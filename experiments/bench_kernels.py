@@ -7,9 +7,10 @@ Measures, in one run:
      the bf16 GEMM rate (8192^3 torch.matmul);
   2. MBGMV (decode): one q/k/v group of 3 modules, each 4096 -> r -> 4096 (Llama-2-7B's MHA
      shapes), batch T in 1/16/64/256 x rank 8/16/32/64/128, every token its own adapter, shrink
-     + expand. Achieved GB/s over the bytes that must move: x, the T adapters' A and B^T rows,
-     y read and written. Beside it: plain torch, a chunk-granular index_select gather of the
-     same pages + bmm (the metadata that indexes it is built outside the timing);
+     + expand, and the same in one launch (`lora.mbgmv`, "fused"). Achieved GB/s over the bytes
+     that must move: x, the T adapters' A and B^T rows, y read and written. Beside it: plain
+     torch, a chunk-granular index_select gather of the same pages + bmm (the metadata that
+     indexes it is built outside the timing);
   3. MBGMM (prefill): 8 segments x 512 tokens, each its own adapter, the same q/k/v group, ranks
      16 and 64: TFLOP/s and GB/s, beside torch gather + matmul per segment;
   4. paged decode attention (Llama-2-7B: 32 heads, head_dim 128, MHA and GQA 8 KV heads),
@@ -27,8 +28,10 @@ Prints a short table last and writes the full results as JSON to --out (default 
 
 --smoke runs tiny shapes on the CPU under the Triton interpreter (no timing worth reading): it
 checks that the shape logic, the layouts and the torch baselines agree with the twins.
---tune sweeps the MBGMV tile configurations (batch 16-256) and the MBGMM ones before the main
-sweep (--tune-only stops there).
+--tune sweeps tile configurations before the main sweep (--tune-only stops there): MBGMV's
+(batch 16-256; shrink, expand and fused), MBGMM's, or one of them (--tune mbgmv|mbgmm), the
+decode attention's (--tune attention: tl.dot or CUDA cores, keys a step, warps, stages,
+splits) or the decode GEMMs' weight layout (--tune gemm).
 """
 
 from __future__ import annotations
