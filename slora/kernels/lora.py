@@ -244,9 +244,11 @@ def _mbgmv_expand_kernel(
         if FUSED:  # these rank rows' xa, here: the whole d_in of their A rows
             w = _shrink_rows(x_row, pool_ptr, pages_row, off_a, rr + tl.arange(0, BLOCK_R),
                              rank, d_in, stride_in, P, BLOCK_R, CH, EVEN_K)[:, None, None]
-        else:
-            w = tl.load(xa_row + rows, mask=rows < rank, other=0.0)
-        acc += _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N) * w
+            acc += _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P,
+                           EVEN_N) * w
+        else:  # (the B tile's loads issued before xa's, as measured on the H200)
+            b = _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N)
+            acc += b * tl.load(xa_row + rows, mask=rows < rank, other=0.0)
     delta = tl.sum(acc, axis=0)  # [CHN, CK]
     tl.store(ptrs, _add_rounded(o, delta), mask=omask)
 
