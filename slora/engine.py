@@ -308,8 +308,8 @@ class Engine:
         # 0.3-1 s at its first eager steps. At each rank bucket: one sequence of t tokens (odd),
         # two of a multiple of 16, and a mixed step (a decode row, then a prompt joins).
         limit = min(self.config.max_batch_tokens, self.max_model_len - 4)
-        t = (graphs.mixed_tokens if graphs is not None else limit) + 1
-        if t + 16 <= limit:
+        t = graphs.mixed_tokens + 1 if graphs is not None else None
+        if t is not None and t + 16 <= limit:
             batches += [(name, prompts, late) for name in names[1:] + names[:1]
                         for prompts, late in (([[1] * t], []), ([[1] * (t // 2 + 8)] * 2, []),
                                               ([[1] * 8], [[1] * t]))]
