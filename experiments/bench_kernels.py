@@ -7,10 +7,9 @@ Measures, in one run:
      the bf16 GEMM rate (8192^3 torch.matmul);
   2. MBGMV (decode): one q/k/v group of 3 modules, each 4096 -> r -> 4096 (Llama-2-7B's MHA
      shapes), batch T in 1/16/64/256 x rank 8/16/32/64/128, every token its own adapter, shrink
-     + expand, and the same in one launch (`lora.mbgmv`, "fused"). Achieved GB/s over the bytes
-     that must move: x, the T adapters' A and B^T rows, y read and written. Beside it: plain
-     torch, a chunk-granular index_select gather of the same pages + bmm (the metadata that
-     indexes it is built outside the timing);
+     + expand. Achieved GB/s over the bytes that must move: x, the T adapters' A and B^T rows,
+     y read and written. Beside it: plain torch, a chunk-granular index_select gather of the
+     same pages + bmm (the metadata that indexes it is built outside the timing);
   3. MBGMM (prefill): 8 segments x 512 tokens, each its own adapter, the same q/k/v group, ranks
      16 and 64: TFLOP/s and GB/s, beside torch gather + matmul per segment;
   4. paged decode attention (Llama-2-7B: 32 heads, head_dim 128, MHA and GQA 8 KV heads),
@@ -29,7 +28,7 @@ Prints a short table last and writes the full results as JSON to --out (default 
 --smoke runs tiny shapes on the CPU under the Triton interpreter (no timing worth reading): it
 checks that the shape logic, the layouts and the torch baselines agree with the twins.
 --tune sweeps tile configurations before the main sweep (--tune-only stops there): MBGMV's
-(batch 16-256; shrink, expand and fused), MBGMM's, or one of them (--tune mbgmv|mbgmm), the
+(batch 16-256; shrink and expand), MBGMM's, or one of them (--tune mbgmv|mbgmm), the
 decode attention's (--tune attention: tl.dot or CUDA cores, keys a step, warps, stages,
 splits) or the decode GEMMs' weight layout (--tune gemm).
 """
@@ -212,10 +211,6 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
         xa = k.mbgmv_shrink(x, P.pool[l], P.pages, offa, P.ranks, slots, P.stride, r)
         k.mbgmv_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, slots, out_dims, P.strides)
 
-    def fused(l):  # the same in one launch (lora.mbgmv; lora.FUSED_MBGMV picks it in the engine)
-        lora.mbgmv(x, y, P.pool[l], P.pages, offa, offb, P.ranks, slots, P.stride, out_dims,
-                   P.strides, r)
-
     def base():
         for l in range(L):
             torch_gather_bmm(x, y, P.pool[l], P, slots)
@@ -236,23 +231,18 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
             apply(k, 0)
             errs[f"err_{name}"] = rel_err(y - y0, y_ref - y0)
             y.copy_(y0)
-        fused(0)
-        errs["err_fused"] = rel_err(y - y0, y_ref - y0)
-        y.copy_(y0)
         torch_gather_bmm(x, y, P.pool[0], P, slots)
         errs["err_torch"] = rel_err(y - y0, y_ref - y0)
         y.copy_(y0)
     t_ours = bench_graph(lambda: [apply(lora, l) for l in range(L)], device) / L
-    extra["us_fused"] = bench_graph(lambda: [fused(l) for l in range(L)], device) / L * 1e3
     t_base = bench_graph(base, device) / L
     if cuda_k is not None:
         extra["us_cuda"] = bench_graph(lambda: [apply(cuda_k, l) for l in range(L)], device) / L * 1e3
     el = x.element_size()
     nbytes = x.numel() * el + P.adapter_bytes(n_a) + 2 * y.numel() * el
     flops = 2 * T * r * (3 * d + sum(out_dims))
-    for name in ("cuda", "fused"):
-        if f"us_{name}" in extra:
-            extra[f"GBps_{name}"] = nbytes / extra[f"us_{name}"] / 1e3
+    if "us_cuda" in extra:
+        extra["GBps_cuda"] = nbytes / extra["us_cuda"] / 1e3
     del P
     return dict(T=T, rank=r, layers=L, bytes=nbytes, flops=flops, **extra, us_ours=t_ours * 1e3,
                 us_torch=t_base * 1e3, GBps_ours=nbytes / t_ours / 1e6,
@@ -260,12 +250,9 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
 
 
 def tune_mbgmv(cfg, device, dtype, gen):
-    """Sweep shrink/expand tile configs, and the fused kernel's (`lora.mbgmv`, both in one
-    launch), at a few decode shapes; returns rows for the JSON."""
+    """Sweep shrink/expand tile configs at a few decode shapes; returns rows for the JSON."""
     rows = []
-    orig_s, orig_e, orig_f = lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg, lora._mbgmv_fused_cfg
-    fused_cfgs = [dict(BLOCK_R=br, CH=ch, CHN=chn, num_warps=nw) for br in (2, 4)
-                  for ch in (4, 8, 16) for chn in (8, 16, 32) for nw in (4, 8)]
+    orig_s, orig_e = lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg
     shrink_cfgs = [dict(BLOCK_R=br, CH=ch, num_warps=nw) for br in (1, 2, 4, 8)
                    for ch in (8, 16, 32) for nw in (4, 8)]
     expand_cfgs = [dict(BLOCK_R=br, CHN=chn, num_warps=nw) for br in (2, 4, 8)
@@ -285,26 +272,20 @@ def tune_mbgmv(cfg, device, dtype, gen):
         el = x.element_size()
         a_bytes = T * r * 3 * d * el + x.numel() * el
         b_bytes = T * r * sum(out_dims) * el + 2 * y.numel() * el
-        offa, offb = P.offsets[:, :, 0].contiguous(), P.offsets[:, :, 1].contiguous()
         for kind, cfgs, nbytes in (("shrink", shrink_cfgs, a_bytes),
-                                   ("expand", expand_cfgs, b_bytes),
-                                   ("fused", fused_cfgs, a_bytes + b_bytes - y.numel() * el)):
+                                   ("expand", expand_cfgs, b_bytes)):
             for c in (cfgs if not cfg["smoke"] else cfgs[:2]):
                 lora._mbgmv_shrink_cfg = (lambda *a, c=c: dict(c)) if kind == "shrink" else orig_s
                 lora._mbgmv_expand_cfg = (lambda *a, c=c: dict(c)) if kind == "expand" else orig_e
-                lora._mbgmv_fused_cfg = (lambda *a, c=c: dict(c)) if kind == "fused" else orig_f
 
                 def fn():
                     for l in range(L):
                         if kind == "shrink":
                             lora.mbgmv_shrink(x, P.pool[l], P.pages, P.offsets[:, :, 0], P.ranks,
                                               slots, P.stride, r)
-                        elif kind == "expand":
+                        else:
                             lora.mbgmv_expand(xa, y, P.pool[l], P.pages, P.offsets[:, :, 1],
                                               P.ranks, slots, out_dims, P.strides)
-                        else:
-                            lora.mbgmv(x, y, P.pool[l], P.pages, offa, offb, P.ranks, slots,
-                                       P.stride, out_dims, P.strides, r)
                 try:
                     us = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / L * 1e3
                 except Exception as e:  # a config the compiler rejects (registers, shared memory)
@@ -312,7 +293,6 @@ def tune_mbgmv(cfg, device, dtype, gen):
                     continue
                 rows.append(dict(kind=kind, T=T, rank=r, **c, us=us, GBps=nbytes / us / 1e3))
             lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg = orig_s, orig_e
-            lora._mbgmv_fused_cfg = orig_f
             default = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / L * 1e3  # (the defaults)
             top = sorted((w for w in rows if w["kind"] == kind and w["T"] == T and w["rank"] == r),
                          key=lambda w: w["us"])[:4]
@@ -328,16 +308,20 @@ def tune_mbgmv(cfg, device, dtype, gen):
 # ----------------------------------------------------------------------------- MBGMM
 
 def tune_mbgmm(cfg, device, dtype, gen):
-    """Sweep MBGMM tile configs (token tile, warps, pipeline stages) for shrink and expand."""
+    """Sweep MBGMM launch configs for shrink (d_in slices, warps) and expand (warps, pipeline
+    stages) at a few prefill shapes: `mbgmm_tune` (segments x tokens), one short prompt (as a
+    graphed mixed step has) to many long ones."""
     rows = []
     orig = lora._mbgmm_cfg
     d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
-    n_seg, seg_len = cfg["segments"]
-    T = n_seg * seg_len
     # BLOCK_M is the work list's tile (tiles.tile_rows), not swept here
-    cfgs = ([dict(num_warps=nw, num_stages=st) for nw in (4, 8) for st in (2, 3, 4)]
-            if not cfg["smoke"] else [dict(num_stages=1)])
-    for r in cfg["mbgmm_ranks"]:
+    smoke = cfg["smoke"]
+    sweeps = {"shrink": [dict(split_k=k, num_warps=nw) for k in (1, 2, 4, 8, 16, 32)
+                         for nw in (4, 8)] if not smoke else [dict(split_k=1, num_stages=1)],
+              "expand": [dict(num_warps=nw, num_stages=st) for nw in (4, 8) for st in (2, 3, 4)]
+              if not smoke else [dict(num_stages=1)]}
+    for (n_seg, seg_len), r in ((s, r) for s in cfg["mbgmm_tune"] for r in cfg["mbgmm_ranks"]):
+        T = n_seg * seg_len
         P = Pool(n_seg, r, d, out_dims, cfg["page_size"], 2, dtype, device, gen)
         seg_start = torch.arange(0, T + 1, seg_len, dtype=torch.int32, device=device)
         seg_slot = torch.randperm(n_seg, generator=gen).to(torch.int32).to(device)
@@ -347,17 +331,18 @@ def tune_mbgmm(cfg, device, dtype, gen):
         tiles = work_tiles(seg_start, seg_slot, x)
         xa = lora.mbgmm_shrink(x, P.pool[0], P.pages, offa, P.ranks, seg_start, seg_slot,
                                P.stride, r, tiles)
-        for kind in ("shrink", "expand"):
-            for c in cfgs:
-                def patched(*a, c=c):  # only `kind` runs while it is patched
-                    return {**orig(*a), **c}
-                lora._mbgmm_cfg = patched
+        for kind, cfgs in sweeps.items():
+            for c in [None] + cfgs:  # None: the defaults
+                c = c or {}
+                split = c.get("split_k")
+                opts = {k: v for k, v in c.items() if k != "split_k"}
+                lora._mbgmm_cfg = lambda *a, o=opts: {**orig(*a), **o}
 
                 def fn():
                     for l in range(2):
                         if kind == "shrink":
                             lora.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start,
-                                              seg_slot, P.stride, r, tiles)
+                                              seg_slot, P.stride, r, tiles, split_k=split)
                         else:
                             lora.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start,
                                               seg_slot, out_dims, P.strides, tiles)
@@ -366,13 +351,16 @@ def tune_mbgmm(cfg, device, dtype, gen):
                 except Exception as e:  # a config the compiler rejects
                     print(f"  mbgmm {kind} {c}: {type(e).__name__}", flush=True)
                     continue
-                rows.append(dict(kind="mbgmm_" + kind, rank=r, **c, us=us))
-            lora._mbgmm_cfg = orig
-            top = sorted((w for w in rows if w["kind"] == "mbgmm_" + kind and w["rank"] == r),
-                         key=lambda w: w["us"])[:3]
-            print(f"tune mbgmm {kind} r={r}: default {orig(r, x)}; best: "
-                  + "; ".join(f"{ {k: w[k] for k in c} } {w['us']:.1f} us" for w in top),
-                  flush=True)
+                finally:
+                    lora._mbgmm_cfg = orig
+                rows.append(dict(kind="mbgmm_" + kind, segments=n_seg, seg_len=seg_len, rank=r,
+                                 default=not c, **c, us=us))
+            mine = [w for w in rows if w["kind"] == "mbgmm_" + kind and w["rank"] == r
+                    and w["segments"] == n_seg and w["seg_len"] == seg_len]
+            top = sorted((w for w in mine if not w["default"]), key=lambda w: w["us"])[:3]
+            print(f"tune mbgmm {kind} {n_seg} x {seg_len} r={r}: default {mine[0]['us']:.1f} us; "
+                  "best: " + "; ".join(f"{ {k: w[k] for k in w if k in sweeps[kind][0]} } "
+                                       f"{w['us']:.1f} us" for w in top), flush=True)
         del P
     return rows
 
@@ -657,13 +645,14 @@ def main():
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
         cfg = dict(smoke=True, hidden=128, page_size=512, batches=(1, 3), ranks=(8, 20),
-                   segments=(2, 5), mbgmm_ranks=(8,), block_size=4,
+                   segments=(2, 5), mbgmm_ranks=(8,), mbgmm_tune=((2, 5),), block_size=4,
                    attn=[(2, 13, 4, 2, 16)], prefill_attn=[(2, 9, 4, 2, 16)],
                    mixed=(3,), mixed_ctx=20, mixed_prompt=7, mixed_heads=2)
     else:
         cfg = dict(smoke=False, hidden=4096, page_size=16 * 2 * 32 * 128,  # Llama-2-7B block 16
                    batches=(1, 16, 32, 64, 128, 256), ranks=(8, 16, 32, 64, 128),
                    segments=(8, 512), mbgmm_ranks=(16, 64), block_size=16,
+                   mbgmm_tune=((1, 256), (2, 256), (8, 512)),
                    attn=[(32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
                          (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],
                    prefill_attn=[(8, 512, 32, 32, 128), (2, 2048, 32, 8, 128)],
@@ -704,10 +693,8 @@ def main():
             row = run_mbgmv(T, r, cfg, device, dtype, gen)
             res["mbgmv"].append(row)
             print(f"mbgmv T={T:4d} r={r:4d}: {row['us_ours']:8.2f} us {row['GBps_ours']:7.0f} GB/s"
-                  f" | fused {row['us_fused']:8.2f} us {row['GBps_fused']:7.0f} GB/s"
                   f" | torch {row['us_torch']:8.2f} us {row['GBps_torch']:7.0f} GB/s"
-                  f" | err {row.get('err_ours', 0):.1e} / {row.get('err_fused', 0):.1e} / "
-                  f"{row.get('err_torch', 0):.1e}",
+                  f" | err {row.get('err_ours', 0):.1e} / {row.get('err_torch', 0):.1e}",
                   flush=True)
     res["mbgmm"] = [run_mbgmm(r, cfg, device, dtype, gen) for r in cfg["mbgmm_ranks"]]
     if not args.skip_attention:
@@ -732,8 +719,6 @@ def main():
     for w in res["mbgmv"]:
         cu = (f" | csrc {w['us_cuda']:8.2f} us {pct(w['GBps_cuda'])} err {w.get('err_cuda', float('nan')):.1e}"
               if "us_cuda" in w else "")
-        cu += (f" | fused {w['us_fused']:8.2f} us {pct(w['GBps_fused'])} err "
-               f"{w.get('err_fused', float('nan')):.1e}" if "us_fused" in w else "")
         print(f"{w['T']:5d} {w['rank']:5d} {w['us_ours']:8.2f} {w['GBps_ours']:7.0f} "
               f"{pct(w['GBps_ours'])} | {w['us_torch']:9.2f} {w['GBps_torch']:7.0f} "
               f"{pct(w['GBps_torch'])} | {w['us_torch'] / w['us_ours']:6.2f}x{cu}")

@@ -46,8 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_engine import MODELS, prompts  # noqa: E402
 import slora.graphs  # noqa: E402
-import slora.kernels.lora  # noqa: E402
-import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slora.config import LORA_MODULES, ModelConfig  # noqa: E402
 from slora.sim.profile import logged_steps  # noqa: E402
@@ -160,6 +158,7 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     sync(eng.runner.device)
     wall = time.perf_counter() - t0
     mixed = [s["seconds"] for s in steps if s["features"]["prefill_tokens"]]
+    eager = [s["seconds"] for s in steps if s["features"]["eager"]]
     after = eng.stats()
     if modules is not None:
         remove_adapters(eng, trace.adapters)
@@ -171,6 +170,7 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         "prompt_tokens": sum(n for n, _ in lens), "output_tokens": out_toks,
         "wall_s": wall, "output_tok_s": out_toks / wall, "req_s": len(outs) / wall,
         "steps": len(steps), "mixed_steps": len(mixed), "mixed_s": sum(mixed),
+        "eager_steps": len(eager), "eager_s": sum(eager),  # steps past the graphs (a subset of mixed)
         # stalls: graphs captured while serving, the garbage collector, the longest steps
         "captures": sum(s["graphs"] for s in steps), "gc_s": sum(s["gc_s"] for s in steps),
         "compiles": [k for s in steps for k in s["compiles"]],
@@ -201,16 +201,17 @@ def part_scaling(eng: Engine, args) -> list[dict]:
           f"{args.input_len}/{args.output_len}, ranks {args.ranks}, alpha {args.alpha}")
     print(f"{'adapters':>9}{'modules':>8}{'used':>6}{'tok/s':>9}{'req/s':>8}{'ratio':>7}"
           f"{'loads':>7}{'evict':>7}{'preempt':>8}{'wall s':>8}{'steps':>7}{'mixed':>7}"
-          f"{'mixed s':>8}{'graphs':>7}{'compiles':>9}{'longest ms':>11}")
+          f"{'mixed s':>8}{'eager':>6}{'eager s':>8}{'graphs':>7}{'compiles':>9}{'longest ms':>11}")
     for r in rows:
         print(f"{r['adapters']:>9}{r['modules']:>8}{r['adapters_used']:>6}{r['output_tok_s']:>9.0f}"
               f"{r['req_s']:>8.2f}{r['ratio']:>7.3f}{r['adapter_loads']:>7}"
               f"{r['adapter_evictions']:>7}{r['preemptions']:>8}{r['wall_s']:>8.1f}"
-              f"{r['steps']:>7}{r['mixed_steps']:>7}{r['mixed_s']:>8.1f}{r['captures']:>7}"
+              f"{r['steps']:>7}{r['mixed_steps']:>7}{r['mixed_s']:>8.1f}"
+              f"{r['eager_steps']:>6}{r['eager_s']:>8.1f}{r['captures']:>7}"
               f"{len(r['compiles']):>9}"
               f"{r['longest'][0]['ms'] if r['longest'] else 0:>11.1f}")
     print(f"(mixed: steps with prompts, graphed up to {eng.runner.mixed_graph_tokens} tokens, "
-          "eager past that; mixed s: their wall time; graphs, compiles: CUDA graphs captured "
+          "eager past that; mixed s: their wall time; eager: the eager ones; graphs, compiles: CUDA graphs captured "
           "and Triton kernels compiled while serving)")
     for r in rows:
         if r["compiles"]:
@@ -455,12 +456,6 @@ def parse_args(argv=None):
     ap.add_argument("--mixed-prompt-len", type=int, default=128,
                     help="breakdown: tokens of each of them (S2's eager steps: --mixed-prompts "
                          "31 --mixed-prompt-len 256, ~8k tokens)")
-    ap.add_argument("--pdl", action="store_true",
-                    help="launch the Triton kernels with programmatic dependent launch "
-                         "(slora.kernels.pdl.ENABLED; off by default until measured)")
-    ap.add_argument("--fused-mbgmv", action="store_true",
-                    help="MBGMV as one launch (slora.kernels.lora.FUSED_MBGMV; off by default "
-                         "until measured)")
     ap.add_argument("--graph-pieces", type=int, default=None,
                     help="capture each step's CUDA graph in this many pieces (default: "
                          "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")
@@ -481,10 +476,6 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if args.graph_pieces is not None:
         slora.graphs.GRAPH_PIECES = args.graph_pieces  # read at each capture
-    if args.fused_mbgmv:
-        slora.kernels.lora.FUSED_MBGMV = True  # read at each launch (and capture)
-    if args.pdl:
-        slora.kernels.pdl.ENABLED = True  # idem
     ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
     if ceil:
         print("ceilings:", ceil, flush=True)

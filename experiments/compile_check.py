@@ -4,8 +4,8 @@ cannot see (it runs the kernels as numpy), and registers / shared memory of each
     python experiments/compile_check.py [--arch 90]     # exit 1 if any variant fails
 
 Each kernel is compiled (Triton -> PTX -> cubin with the wheel's ptxas) in the variants the
-engine launches on the GPU: the default tiles, the options that are off until measured
-(programmatic dependent launch, MBGMV in one launch, the CUDA-core decode attention), bf16.
+engine launches on the GPU: the default tiles and the CUDA-core decode attention (an option
+kept with its test), bf16.
 Run it with TRITON_INTERPRET unset: under the interpreter `triton.jit` makes no compilable
 kernel.
 """
@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from slora.kernels import attention, fused, lora  # noqa: E402
 
 LORA = {"x_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16", "xa_ptr": "*fp32",
-        "pages_ptr": "*i32", "offs_ptr": "*i64", "offa_ptr": "*i64", "ranks_ptr": "*i32",
+        "pages_ptr": "*i32", "offs_ptr": "*i64", "ranks_ptr": "*i32",
         "slot_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i32", "tiles_ptr": "*i32"}
 ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
         "bt_ptr": "*i32", "ctx_ptr": "*i32", "part_ptr": "*fp32", "ml_ptr": "*fp32",
@@ -40,44 +40,37 @@ FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16
 
 def variants():
     """(name, kernel, argument types, constexprs, options) of each variant to compile."""
-    out = []
-    for pdl in (False, True):
-        opts = dict(num_warps=4, launch_pdl=pdl)
-        p = f" PDL={pdl}"
-        out += [
-            ("mbgmv shrink [4 x 32]" + p, lora._mbgmv_shrink_kernel, LORA,
-             dict(BLOCK_R=4, CH=32, EVEN_K=True, PDL=pdl), opts),
-            ("mbgmv shrink [1 x 32]" + p, lora._mbgmv_shrink_kernel, LORA,
-             dict(BLOCK_R=1, CH=32, EVEN_K=True, PDL=pdl), dict(opts, num_warps=8)),
-            ("mbgmv expand [2 x 8]" + p, lora._mbgmv_expand_kernel, {**LORA, "x_ptr": "*fp32"},
-             dict(BLOCK_R=2, CHN=8, EVEN_N=True, FUSED=False, CH=1, EVEN_K=True, PDL=pdl), opts),
-            ("mbgmv fused [4 x 8 x 16]" + p, lora._mbgmv_expand_kernel, LORA,
-             dict(BLOCK_R=4, CHN=16, EVEN_N=True, FUSED=True, CH=8, EVEN_K=True, PDL=pdl), opts),
-            ("mbgmm shrink" + p, lora._mbgmm_shrink_kernel, LORA,
-             dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False, PDL=pdl), opts),
-            ("mbgmm expand" + p, lora._mbgmm_expand_kernel, LORA,
-             dict(BLOCK_M=64, BLOCK_R=16, BLOCK_N=64, EVEN_N=True, DOT_F32=False, PDL=pdl), opts),
-            ("decode attention" + p, attention._decode_kernel, ATTN,
-             dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
-                  USE_DOT=True, PDL=pdl), dict(opts, num_stages=2)),
-            ("decode attention, split" + p, attention._decode_kernel, ATTN,
-             dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False,
-                  USE_DOT=True, PDL=pdl), dict(opts, num_stages=2)),
-            ("merge" + p, attention._merge_kernel, ATTN,
-             dict(BLOCK_S=8, BLOCK_D=128, PDL=pdl), opts),
-            ("prefill attention" + p, attention._prefill_kernel, ATTN,
-             dict(QH=1, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, DOT_F32=False, PDL=pdl),
-             dict(opts, num_stages=2)),
-            ("add_rms_norm" + p, fused._rms_norm_kernel, FUSED,
-             dict(HAS_DELTA=True, BLOCK=4096, PDL=pdl), opts),
-            ("rope_write_kv" + p, fused._rope_kv_kernel, FUSED,
-             dict(BLOCK=64, PDL=pdl), dict(opts, num_warps=1)),
-            ("silu_mul" + p, fused._silu_mul_kernel, FUSED, dict(BLOCK=1024, PDL=pdl), opts),
-        ]
-    out.append(("decode attention, CUDA cores", attention._decode_kernel, ATTN,
-                dict(QH=1, BLOCK_H=1, BLOCK_D=128, BLOCK_N=32, SPLIT=False, DOT_F32=False,
-                     USE_DOT=False, PDL=False), dict(num_warps=4, num_stages=2)))
-    return out
+    opts = dict(num_warps=4)
+    return [
+        ("mbgmv shrink [4 x 32]", lora._mbgmv_shrink_kernel, LORA,
+         dict(BLOCK_R=4, CH=32, EVEN_K=True), opts),
+        ("mbgmv shrink [1 x 32]", lora._mbgmv_shrink_kernel, LORA,
+         dict(BLOCK_R=1, CH=32, EVEN_K=True), dict(opts, num_warps=8)),
+        ("mbgmv expand [2 x 8]", lora._mbgmv_expand_kernel, LORA,
+         dict(BLOCK_R=2, CHN=8, EVEN_N=True), opts),
+        ("mbgmm shrink", lora._mbgmm_shrink_kernel, LORA,
+         dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False),
+         dict(opts, num_warps=8, num_stages=3)),
+        ("mbgmm expand", lora._mbgmm_expand_kernel, LORA,
+         dict(BLOCK_M=64, BLOCK_R=16, BLOCK_N=64, EVEN_N=True, DOT_F32=False),
+         dict(opts, num_stages=2)),
+        ("decode attention", attention._decode_kernel, ATTN,
+         dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
+              USE_DOT=True), dict(opts, num_stages=2)),
+        ("decode attention, split", attention._decode_kernel, ATTN,
+         dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False,
+              USE_DOT=True), dict(opts, num_stages=2)),
+        ("decode attention, CUDA cores", attention._decode_kernel, ATTN,
+         dict(QH=1, BLOCK_H=1, BLOCK_D=128, BLOCK_N=32, SPLIT=False, DOT_F32=False,
+              USE_DOT=False), dict(opts, num_stages=2)),
+        ("merge", attention._merge_kernel, ATTN, dict(BLOCK_S=8, BLOCK_D=128), opts),
+        ("prefill attention", attention._prefill_kernel, ATTN,
+         dict(QH=1, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, DOT_F32=False),
+         dict(opts, num_stages=2)),
+        ("add_rms_norm", fused._rms_norm_kernel, FUSED, dict(HAS_DELTA=True, BLOCK=4096), opts),
+        ("rope_write_kv", fused._rope_kv_kernel, FUSED, dict(BLOCK=64), dict(opts, num_warps=1)),
+        ("silu_mul", fused._silu_mul_kernel, FUSED, dict(BLOCK=1024), opts),
+    ]
 
 
 def compile_variant(kernel, types, constexprs, options, arch: int):

@@ -26,8 +26,14 @@ export OUT=${OUT:-results/gpu}
 LIMIT=${LIMIT:-540}
 mkdir -p "$OUT"
 nvidia-smi -L
+NGPU=$(nvidia-smi -L | wc -l)
 lane() {  # lane GPU NAME COMMANDS: run COMMANDS on GPU under the limit, log to $OUT/NAME.log
-  (CUDA_VISIBLE_DEVICES=$1 timeout "$LIMIT" bash -c "$3" >"$OUT/$2.log" 2>&1; echo "[$2 exit $?]" >>"$OUT/$2.log") &
+  # (on a one-GPU machine the lanes run one after the other on GPU 0, each under LIMIT)
+  if [ "$NGPU" -lt 2 ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout "$LIMIT" bash -c "$3" >"$OUT/$2.log" 2>&1; echo "[$2 exit $?]" >>"$OUT/$2.log"
+  else
+    (CUDA_VISIBLE_DEVICES=$1 timeout "$LIMIT" bash -c "$3" >"$OUT/$2.log" 2>&1; echo "[$2 exit $?]" >>"$OUT/$2.log") &
+  fi
 }
 case "${1:-}" in
   1)
@@ -219,20 +225,33 @@ case "${1:-}" in
       python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -5'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -12'
     ;;
-  23)  # MBGMV as one launch (lora.FUSED_MBGMV) and programmatic dependent launch (pdl.ENABLED),
-       # neither yet on a GPU: the tests on CUDA, the decode table without either (GPU0), with
-       # PDL (GPU0), with fused MBGMV (GPU1), the kernel table with its fused column and tile
-       # sweep, and the kernels of an S2-like eager step (32 decode rows + 31 prompts of 256
-       # tokens, each its own adapter) (GPU1); S2 with the compile check (GPU0)
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py tests/test_async_scheduling.py 2>&1 | tail -2
-      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A8 "^ *batch"
-      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown "" --pdl --out $OUT/breakdown-pdl 2>&1 | grep -A8 "^ *batch"
-      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
-    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown "" --fused-mbgmv --out $OUT/breakdown-fused 2>&1 | grep -A8 "^ *batch"
-      python3 experiments/bench_kernels.py --tune mbgmv --skip-attention --out $OUT/kernels 2>&1 | grep "^tune\|^mbgmv\|^    {" | head -80
-      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32 --mixed-prompts 31 --mixed-prompt-len 256 --out $OUT/breakdown-eager 2>&1 | grep -A16 "^kernel breakdown, mixed"'
+  # 23 (session 8, call 1) timed MBGMV as one launch and programmatic dependent launch; both
+  # lost or tied and are gone (notes/h200-2026-11-30-s8/README.md)
+  24)  # where S2's LoRA time goes in its steps with prompts (+1.4-1.7 s over 119 steps in call
+       # 1 of session 8): graphed mixed steps' kernels at batch 256 and 128 with 1-2 prompts
+       # of 256 tokens (rank 64 GPU0, 16 GPU1); S2 q/k/v/o with its eager steps' time apart
+    lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --batches 256 --breakdown 256 --mixed-prompts 1 --mixed-prompt-len 256 --decode-rank 64 --out $OUT/breakdown-256 2>&1 | grep -A16 "^kernel breakdown, mixed"
+      python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --mixed-prompts 2 --mixed-prompt-len 256 --decode-rank 16 --out $OUT/breakdown-128 2>&1 | grep -A16 "^kernel breakdown"'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-23)" >&2; exit 2 ;;
+  25)  # MBGMV over a mixed graph's sequence rows only (not its token bucket), the MBGMM sweep
+       # (d_in slices for short prompts): CUDA tests, the mixed-step kernels at batch 128, S2
+       # q/k/v/o (GPU0); MBGMM sweep, the batch-256 rank-64 mixed step (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py tests/test_async_scheduling.py 2>&1 | tail -2
+      python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --mixed-prompts 2 --mixed-prompt-len 256 --decode-rank 16 --out $OUT/breakdown-128 2>&1 | grep -A12 "^kernel breakdown, mixed"
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -7'
+    lane 1 gpu1 'python3 experiments/bench_kernels.py --tune mbgmm --tune-only --out $OUT/kernels 2>&1 | grep "^tune"
+      python3 experiments/bench_scaling.py --part decode --batches 256 --breakdown 256 --mixed-prompts 1 --mixed-prompt-len 256 --decode-rank 64 --out $OUT/breakdown-256 > $OUT/b256.log 2>&1; grep -A14 "^kernel breakdown, mixed" $OUT/b256.log || tail -20 $OUT/b256.log'
+    ;;
+  26)  # MBGMM launch settings from call 25's sweep (shrink 8 warps and its d_in split, expand 2
+       # stages): the LoRA CUDA tests, the kernel tables (MBGMV vs copy, MBGMM), the decode
+       # table and a batch-128 mixed step, S2 q/k/v/o and all seven at 2,000 adapters
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py 2>&1 | tail -2
+      python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | tail -45
+      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 128 --mixed-prompts 2 --mixed-prompt-len 256 --out $OUT/breakdown 2>&1 | grep -B2 -A9 "^ *batch\|^kernel breakdown, mixed"
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -7'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-26)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

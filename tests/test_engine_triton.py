@@ -30,21 +30,16 @@ BACKENDS = _backends()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"] if DEVICE == "cpu" else ["float32", "bfloat16"])
-def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, dtype, monkeypatch):
-    """Every backend gives the twins' tokens; "triton-fused" is the Triton backend with MBGMV
-    as one launch (`lora.FUSED_MBGMV`)."""
-    from slora.kernels import lora
-
+def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, dtype):
+    """Every backend gives the twins' tokens."""
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
              "r20": adapter_factory(tiny_model_dir, r=20, target_modules="all-linear", seed=1)}
     prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin"]
     adapters = ["r3", None, "r20", "r3"]
     results = {}
-    backends = BACKENDS + ("triton-fused",)
-    for backend in backends:
-        monkeypatch.setattr(lora, "FUSED_MBGMV", backend == "triton-fused")
+    for backend in BACKENDS:
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype=dtype,
-                                num_pages=48, backend=backend.removesuffix("-fused"),
+                                num_pages=48, backend=backend,
                                 cuda_graphs=False))
         for n, p in paths.items():
             e.add_adapter(n, p)
@@ -57,7 +52,7 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
         while e.has_unfinished():
             done.update({o.request_id: o for o in e.step() if o.finished})
         results[backend] = [done[i] for i in ids]
-    for a, b in (pair for name in backends[1:] for pair in zip(results["torch"], results[name])):
+    for a, b in (pair for name in BACKENDS[1:] for pair in zip(results["torch"], results[name])):
         if dtype == "float32":
             assert a.token_ids == b.token_ids
         la = [lp[t] for lp, t in zip(a.logprobs, a.token_ids)]
@@ -251,33 +246,3 @@ def test_step_metadata_starts_16_byte_aligned(tiny_model_dir):
         for g in groups.values():
             assert all(g.ranks[layer].data_ptr() % 16 == 0 for layer in range(len(g.ranks)))
             assert g.ranks[:, n:].eq(0).all() and g.max_rank == 32 if n > 4 else True
-
-
-def test_pdl_launch_options(monkeypatch):
-    """Programmatic dependent launch is off unless turned on, and only ever asked of CUDA."""
-    from slora.kernels import pdl
-
-    assert pdl.options(torch.device("cuda")) == {"PDL": False}
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.options(torch.device("cpu")) == {"PDL": False}
-    assert pdl.options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch is a CUDA launch attribute")
-def test_pdl_gives_the_same_tokens(tiny_model_dir, adapter_factory, monkeypatch):
-    """With every Triton kernel launched with PDL (each waits for the one before it first), in
-    CUDA graphs and eager steps, an adapter row and a base row get the same tokens as without."""
-    from slora.kernels import pdl
-
-    path = adapter_factory(tiny_model_dir, r=8, target_modules="all-linear")
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(pdl, "ENABLED", on)
-        e = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
-                                num_pages=64))
-        e.add_adapter("a", path)
-        res = e.generate(["Hello there", "The quick brown fox"],
-                         SamplingParams(max_tokens=8, ignore_eos=True), adapters=["a", None])
-        outs[on] = [o.token_ids for o in res]
-        e.close()
-    assert outs[True] == outs[False]

@@ -1,5 +1,5 @@
 """Every Triton kernel compiles for the H200 (sm_90) in the variants the engine launches
-there, PDL and fused MBGMV included (experiments/compile_check.py, the wheel's ptxas, no GPU
+there (experiments/compile_check.py, the wheel's ptxas, no GPU
 needed): lowering errors the interpreter, which runs the kernels as numpy, cannot see. Runs
 in a subprocess without TRITON_INTERPRET, which this suite sets."""
 
@@ -19,5 +19,5 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     compiled = [l for l in res.stdout.splitlines() if l.endswith("  ok")]
     assert "FAILED" not in res.stdout
-    # each of the 10 kernels at least once, with and without PDL
-    assert len(compiled) >= 20 and any("PDL=True" in l for l in compiled), res.stdout
+    # every variant of the 10 kernels
+    assert len(compiled) == 13, res.stdout

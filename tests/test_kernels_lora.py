@@ -182,36 +182,6 @@ def test_mbgmv_matches_twin(T, group, dtype, impl):
     check_expand(out, out_ref, out0, slots, dtype)
 
 
-# (BLOCK_R, CH, CHN) of the fused kernel: the interpreter's default, and GPU-like small tiles
-@pytest.mark.parametrize("tiles,dtype", [(None, d) for d in DTYPES]
-                         + [((4, 2, 1), torch.float16), ((1, 1, 2), torch.float16)],
-                         ids=[f"default-{d}" for d in DTYPES] + ["4x2x1", "1x1x2"])
-@pytest.mark.parametrize("group", list(GROUPS))
-def test_fused_mbgmv_matches_the_twins(group, dtype, tiles, monkeypatch):
-    """`mbgmv` (shrink and expand in one launch, xa kept in registers) against the twins'
-    shrink then expand: mixed ranks, a base-only row, several adapters, every tiling."""
-    from slora.kernels import lora
-
-    if tiles is not None:
-        br, ch, chn = tiles
-        monkeypatch.setattr(lora, "_mbgmv_fused_cfg", lambda *a: dict(BLOCK_R=br, CH=ch, CHN=chn))
-    gen = torch.Generator().manual_seed(7 + len(group) + DTYPES.index(dtype))
-    d_in, out_dims = GROUPS[group]
-    T = 5
-    grp = Group(3, d_in, out_dims, dtype, gen)
-    slots = random_slots(T, 3, gen).to(DEVICE)
-    x = torch.randn(T, d_in, generator=gen).to(dtype).to(DEVICE)
-    out0 = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(DEVICE)
-    out, out_ref = out0.clone(), out0.clone()
-    lora.mbgmv(x, out, grp.pool, grp.pages, grp.offsets_a, grp.offsets_b, grp.ranks, slots,
-               grp.stride, out_dims, grp.strides, grp.max_rank)
-    xa_ref = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots,
-                             grp.stride, grp.max_rank)
-    ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
-                    out_dims, grp.strides)
-    check_expand(out, out_ref, out0, slots, dtype)
-
-
 def random_segments(n_a, gen, n_seg=4, max_len=11, long=0):
     """Segments of 1..max_len tokens (the first `long` when given), the second base-only."""
     lens = torch.randint(1, max_len + 1, (n_seg,), generator=gen)

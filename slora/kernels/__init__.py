@@ -115,14 +115,10 @@ class TritonBackend(TorchBackend):
         slot = meta.token_slot if decode_only else meta.dec_slot
         if slot is not None:
             n = slot.shape[0]
-            if self._lora.FUSED_MBGMV:  # one launch (off until measured on the GPU)
-                self._lora.mbgmv(x[:n], out[:n], pool_l, meta.pages, g.offsets_a, g.offsets_b,
-                                 ranks, slot, g.stride_in, g.out_dims, g.strides_out, g.max_rank)
-            else:
-                xa = self._lora.mbgmv_shrink(x[:n], pool_l, meta.pages, g.offsets_a, ranks, slot,
-                                             g.stride_in, g.max_rank)
-                self._lora.mbgmv_expand(xa, out[:n], pool_l, meta.pages, g.offsets_b, ranks,
-                                        slot, g.out_dims, g.strides_out)
+            xa = self._lora.mbgmv_shrink(x[:n], pool_l, meta.pages, g.offsets_a, ranks, slot,
+                                         g.stride_in, g.max_rank)
+            self._lora.mbgmv_expand(xa, out[:n], pool_l, meta.pages, g.offsets_b, ranks, slot,
+                                    g.out_dims, g.strides_out)
         if decode_only:
             return
         xa = self._lora.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, meta.seg_start,

@@ -37,8 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-from .pdl import wait
 from .tiles import as_tiles, tile_rows
 
 LOG2E = 1.4426950408889634
@@ -55,9 +53,8 @@ def _decode_kernel(
     stride_ob, stride_oh,
     D, num_splits,
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, USE_DOT: tl.constexpr,
 ):
-    wait(PDL)  # (PDL: the kernel before this one is done)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -126,8 +123,7 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D, num_splits,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    wait(PDL)  # (PDL: the kernel before this one is done)
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -214,12 +210,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), block_size,
         out.stride(0), out.stride(1),
         D, num_splits,
-        QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32, **cfg,
-        **pdl.options(q.device))
+        QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32, **cfg)
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,
-                              BLOCK_S=_pow2(num_splits), BLOCK_D=block_d,
-                              **pdl.options(q.device))
+                              BLOCK_S=_pow2(num_splits), BLOCK_D=block_d)
     return out
 
 
@@ -236,9 +230,8 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     D,
     QH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    wait(PDL)  # (PDL: the kernel before this one is done)
     h = tl.program_id(1)
     for i in range(tl.program_id(0), tl.load(tiles_ptr), tl.num_programs(0)):
         s = tl.load(tiles_ptr + 1 + 2 * i)
@@ -358,5 +351,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         D,
         QH=H // kvh, BLOCK_M=block_m, BLOCK_D=_pow2(D), BLOCK_N=block_n,
         DOT_F32=not cuda or q.dtype == torch.float32,
-        num_warps=4, num_stages=2 if cuda else 1, **pdl.options(q.device))
+        num_warps=4, num_stages=2 if cuda else 1)
     return out

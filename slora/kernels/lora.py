@@ -31,10 +31,6 @@ Tiling, and why:
     rows ([BLOCK_R, CHN, 64] tiles). Small tiles, few registers: on the H200 occupancy (loads
     in flight per SM) decided speed more than tile size did; see the *_cfg functions for the
     measured choices.
-  * `mbgmv` runs both in one launch (`FUSED_MBGMV`, off until measured on the GPU): the expand
-    kernel with FUSED on computes each block of rank rows' xa itself (those rows of A over the
-    whole d_in, from L2 after the first of the d_out / (64*CHN) programs that share them), so
-    xa never goes to memory and the second launch's fixed cost goes.
   * MBGMM uses tl.dot on (BLOCK_M tokens x 64) by (64 x BLOCK_R ranks) tiles (shrink) and
     (BLOCK_M x BLOCK_R) by (BLOCK_R x 64 columns) tiles (expand); 64-wide K or N tiles keep one
     page lookup per rank row. Dot tiles are at least 16 in every dimension on the GPU.
@@ -66,8 +62,6 @@ import triton
 import triton.language as tl
 
 from .reference import LORA_ALIGN
-from . import pdl
-from .pdl import wait
 from .tiles import as_tiles, tile_rows
 
 CHUNK = LORA_ALIGN  # elements in one aligned chunk: one page lookup each
@@ -118,9 +112,8 @@ def _mbgmv_shrink_kernel(
     stride_x, d_in, stride, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
-    BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    wait(PDL)  # (PDL: the kernel before this one is done)
     t = tl.program_id(0)
     g = tl.program_id(1)
     r0 = tl.program_id(2) * BLOCK_R
@@ -209,11 +202,8 @@ def _mbgmv_expand_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
     d0, d1, d2, d3, s0, s1, s2, s3,
-    x_ptr, offa_ptr, stride_x, d_in, stride_in,  # FUSED: the shrink's inputs (else unused)
     BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr,
-    FUSED: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait(PDL)  # (PDL: the kernel before this one is done)
     t = tl.program_id(0)
     g = tl.program_id(1)
     n0 = tl.program_id(2) * (CHN * CK)
@@ -235,20 +225,12 @@ def _mbgmv_expand_kernel(
     r3 = tl.arange(0, BLOCK_R)[:, None, None]
     nc = n0 + tl.arange(0, CHN)[None, :, None] * CK  # [1, CHN, 1] chunk starts
     xa_row = xa_ptr + (t * G + g) * max_rank
-    if FUSED:
-        off_a = tl.load(offa_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
-        x_row = x_ptr + t.to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_R, CHN, CK), tl.float32)
     for rr in range(0, rank, BLOCK_R):
         rows = rr + r3
-        if FUSED:  # these rank rows' xa, here: the whole d_in of their A rows
-            w = _shrink_rows(x_row, pool_ptr, pages_row, off_a, rr + tl.arange(0, BLOCK_R),
-                             rank, d_in, stride_in, P, BLOCK_R, CH, EVEN_K)[:, None, None]
-            acc += _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P,
-                           EVEN_N) * w
-        else:  # (the B tile's loads issued before xa's, as measured on the H200)
-            b = _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N)
-            acc += b * tl.load(xa_row + rows, mask=rows < rank, other=0.0)
+        # (the B tile's loads issued before xa's, as measured on the H200)
+        b = _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N)
+        acc += b * tl.load(xa_row + rows, mask=rows < rank, other=0.0)
     delta = tl.sum(acc, axis=0)  # [CHN, CK]
     tl.store(ptrs, _add_rounded(o, delta), mask=omask)
 
@@ -304,7 +286,7 @@ def mbgmv_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x, pool_l, pages, offsets_a, ranks, token_slot, xa,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, EVEN_K=d_in % CHUNK == 0, **cfg, **pdl.options(x.device))
+        G, max_rank, EVEN_K=d_in % CHUNK == 0, **cfg)
     return xa
 
 
@@ -330,58 +312,8 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         xa, out, pool_l, pages, offsets_b, ranks, token_slot,
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, *d, *s, xa, offsets_b, 0, 0, 0,
-        EVEN_N=all(x % CHUNK == 0 for x in out_dims), FUSED=False, CH=1, EVEN_K=True, **cfg,
-        **pdl.options(out.device))
+        G, max_rank, *d, *s, EVEN_N=all(x % CHUNK == 0 for x in out_dims), **cfg)
 
-
-def _mbgmv_fused_cfg(T: int, G: int, max_rank: int, d_in: int, max_out: int,
-                     device: torch.device) -> dict:
-    """Not yet measured on a GPU (`FUSED_MBGMV` is off): [4 rank rows x 8 chunks] of A an
-    iteration, and 1,024 output columns a program, so each (token, module) pair's A is streamed
-    by d_out / 1,024 programs (4 for a 7B's 4,096: DRAM once, L2 the rest; at 512 columns the
-    L2 traffic doubles, at 2,048 the programs halve). `bench_kernels.py --tune mbgmv` sweeps it."""
-    ch = min(8, _pow2(triton.cdiv(d_in, CHUNK)))
-    chn = min(16, _pow2(triton.cdiv(max_out, CHUNK)))
-    if device.type != "cuda":  # interpreter: fewer, larger programs
-        return dict(BLOCK_R=min(16, _pow2(max_rank)), CH=ch, CHN=min(4, chn))
-    return dict(BLOCK_R=min(4, _pow2(max_rank)), CH=ch, CHN=chn, num_warps=4)
-
-
-# MBGMV as one launch (shrink and expand fused: `mbgmv`) instead of two. Off until measured
-# on the GPU (`bench_kernels.py` times both; notes/GPU_PLAN.md): the two-launch pair paid a
-# fixed ~3-5 us a launch at small batch (53-58% of copy at 64 tokens, rank 16).
-FUSED_MBGMV = False
-
-
-def mbgmv(x: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
-          offsets_a: torch.Tensor, offsets_b: torch.Tensor, ranks: torch.Tensor,
-          token_slot: torch.Tensor, stride_in: int, out_dims: tuple[int, ...],
-          strides: tuple[int, ...], max_rank: int) -> None:
-    """MBGMV shrink and expand in one launch, in place: out[t, cols_g] += (x[t] @ A_g^T) @ B_g^T
-    of token t's own adapter; base-only rows (slot -1) untouched. Twin: `reference.lora_shrink`
-    then `reference.lora_expand`. The expand kernel with FUSED on, grid (token, module, 64*CHN
-    output columns): each program computes its token's xa a block of rank rows at a time (the
-    whole d_in of those rows of A) and adds those rows' share of its columns at once, so xa
-    never leaves registers."""
-    _check_meta(x, pool_l, pages, offsets_a, ranks)
-    T, d_in = x.shape
-    assert offsets_b.shape == offsets_a.shape and offsets_b.stride() == offsets_a.stride()
-    assert out.shape == (T, sum(out_dims)) and len(out_dims) == offsets_a.shape[1]
-    assert stride_in % CHUNK == 0 and stride_in >= d_in
-    if T == 0 or max_rank == 0:
-        return
-    d, s = _dims4(out_dims, strides)
-    G = len(out_dims)
-    cfg = _mbgmv_fused_cfg(T, G, max_rank, d_in, max(out_dims), x.device)
-    grid = (T, G, triton.cdiv(max(out_dims), cfg["CHN"] * CHUNK))
-    _mbgmv_expand_kernel[grid](
-        out, out, pool_l, pages, offsets_b, ranks, token_slot,  # (no xa: computed in place)
-        out.stride(0), pool_l.shape[1],
-        pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, *d, *s, x, offsets_a, x.stride(0), d_in, stride_in,
-        EVEN_N=all(n % CHUNK == 0 for n in out_dims), FUSED=True,
-        EVEN_K=d_in % CHUNK == 0, **cfg, **pdl.options(out.device))
 
 
 # ----------------------------------------------------------------------------- MBGMM
@@ -394,9 +326,8 @@ def _mbgmm_shrink_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_rt, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    wait(PDL)  # (PDL: the kernel before this one is done)
     g = tl.program_id(1) // (n_rt * split_k)
     r0 = (tl.program_id(1) // split_k % n_rt) * BLOCK_R
     k_lo = (tl.program_id(1) % split_k) * k_split  # this program's slice of d_in
@@ -465,9 +396,8 @@ def _mbgmm_expand_kernel(
     G, max_rank, n_nt,
     d0, d1, d2, d3, s0, s1, s2, s3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    wait(PDL)  # (PDL: the kernel before this one is done)
     g = tl.program_id(1) // n_nt
     n0 = (tl.program_id(1) % n_nt) * BLOCK_N
     d_out = _select(g, d0, d1, d2, d3)
@@ -536,27 +466,31 @@ def _dot_min(device: torch.device) -> int:
     return 16 if device.type == "cuda" else 1
 
 
-def _mbgmm_cfg(max_rank: int, x: torch.Tensor) -> dict:
+def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
     """Tiles for MBGMM: BLOCK_M tokens (`tile_rows`: the work list's tile) by BLOCK_R ranks,
-    64-wide K (shrink) or N (expand). Not yet tuned on the GPU: the first H200 run measured
-    136 us (rank 16) and 282 us (rank 64) for 8 x 512 tokens of a q/k/v group, 2.3-4.5x its
-    byte floor; `bench_kernels.py --tune` sweeps these."""
+    64-wide K (shrink) or N (expand). Measured on the H200 (`bench_kernels.py --tune mbgmm`,
+    q/k/v group, 1 x 256 to 8 x 512 tokens, ranks 16 and 64; session 8): shrink with 8 warps
+    and expand with 2 pipeline stages were best at every shape (shrink 126 -> 65 us at 8 x 512
+    rank 64 with its d_in split, below; expand 207 -> 185 us)."""
     block_r = max(_dot_min(x.device), min(64, _pow2(max_rank)))
-    return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=4,
-                num_stages=3 if x.device.type == "cuda" else 1)
+    if x.device.type != "cuda":
+        return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=4,
+                    num_stages=1)
+    return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r,
+                num_warps=8 if shrink else 4, num_stages=3 if shrink else 2)
 
 
 def _split_k(d_in: int, programs: int, device: torch.device) -> int:
     """Slices of d_in for MBGMM shrink. A prefill step of one short prompt gives few (token
-    tile, module, rank tile) programs with work, each streaming all of d_in in turn: the H200
-    showed 48 us per q/k/v launch for one 128-token prompt beside 32 decode rows, latency
-    rather than bandwidth. Up to 8 slices (at least 8 chunks each) when there are fewer than
-    1,024 programs; the slices' partial sums meet in xa by atomic adds. One slice (plain
-    stores) on CPU."""
+    tile, module, rank tile) programs with work, each streaming all of d_in in turn: latency,
+    not bandwidth. The slices' partial sums meet in xa by atomic adds. Measured on the H200
+    (session 8): the best split kept programs x slices near 200-400 (16 slices for one
+    256-token prompt, 13.6 us against 17.2 at 8; 2 for 8 x 512 tokens, 65 us against 126
+    at 8), with at least 4 chunks a slice. One slice (plain stores) on CPU."""
     if device.type != "cuda":
         return 1
     split = 1
-    while split < 8 and programs * split < 1024 and d_in >= 16 * CHUNK * split:
+    while split < 16 and programs * split * 2 <= 384 and d_in >= 4 * CHUNK * split * 2:
         split *= 2
     return split
 
@@ -591,7 +525,7 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     xa = torch.zeros(T, G, max_rank, dtype=torch.float32, device=x.device)
     if T == 0 or S == 0 or max_rank == 0:
         return xa
-    cfg = _mbgmm_cfg(max_rank, x)
+    cfg = _mbgmm_cfg(max_rank, x, shrink=True)
     tiles = as_tiles(tiles, seg_start, cfg["BLOCK_M"], keep=seg_slot)
     programs = programs or (tiles.shape[0] - 1) // 2
     if programs == 0:
@@ -606,7 +540,7 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_rt, split_k, k_split, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
-        DOT_F32=_dot_f32(x, pool_l), **cfg, **pdl.options(x.device))
+        DOT_F32=_dot_f32(x, pool_l), **cfg)
     return xa
 
 
@@ -629,7 +563,7 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
     if T == 0 or S == 0 or max_rank == 0:
         return
     d, s = _dims4(out_dims, strides)
-    cfg = _mbgmm_cfg(max_rank, out)
+    cfg = _mbgmm_cfg(max_rank, out, shrink=False)
     tiles = as_tiles(tiles, seg_start, cfg["BLOCK_M"], keep=seg_slot)
     programs = programs or (tiles.shape[0] - 1) // 2
     if programs == 0:
@@ -640,4 +574,4 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_nt, *d, *s, BLOCK_N=CHUNK, EVEN_N=all(x % CHUNK == 0 for x in out_dims),
-        DOT_F32=_dot_f32(out, pool_l), **cfg, **pdl.options(out.device))
+        DOT_F32=_dot_f32(out, pool_l), **cfg)
