@@ -251,7 +251,14 @@ case "${1:-}" in
       python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 128 --mixed-prompts 2 --mixed-prompt-len 256 --out $OUT/breakdown 2>&1 | grep -B2 -A9 "^ *batch\|^kernel breakdown, mixed"
       python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -7'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-26)" >&2; exit 2 ;;
+  27)  # MBGMM's d_in split capped by the tokens a graph holds (not its bucket's worst-case
+       # programs): the MBGMM CUDA tests, the race, a batch-128 mixed step, S2 q/k/v/o
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k mbgmm 2>&1 | tail -1
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -6
+      python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --mixed-prompts 2 --mixed-prompt-len 256 --out $OUT/breakdown 2>&1 | grep -A11 "^kernel breakdown, mixed"
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -5'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-27)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -531,8 +531,9 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     if programs == 0:
         return xa
     n_rt = triton.cdiv(max_rank, cfg["BLOCK_R"])
-    if split_k is None:
-        split_k = _split_k(d_in, programs * G * n_rt, x.device)
+    if split_k is None:  # (a graph's `programs` covers its bucket's worst case: cap by tokens)
+        split_k = _split_k(d_in, min(programs, triton.cdiv(T, cfg["BLOCK_M"])) * G * n_rt,
+                           x.device)
     k_split = triton.cdiv(triton.cdiv(d_in, CHUNK), split_k) * CHUNK
     split_k = triton.cdiv(d_in, k_split)  # no empty slice
     _mbgmm_shrink_kernel[(programs, G * n_rt * split_k)](
