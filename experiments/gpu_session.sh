@@ -258,9 +258,14 @@ case "${1:-}" in
       python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --mixed-prompts 2 --mixed-prompt-len 256 --out $OUT/breakdown 2>&1 | grep -A11 "^kernel breakdown, mixed"
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -5'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-27)" >&2; exit 2 ;;
+  28)  # the shipped profile against replay after this session's mixed-step LoRA changes, on the
+       # two traces with many adapters
+    lane 0 gpu0 'DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" RESULTS=$OUT/sim-vs-replay-1 \
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-28)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
   && rm -rf suites sim-vs-replay*)
-for f in "$OUT"/gpu0.log "$OUT"/gpu1.log; do echo "==== $f"; tail -60 "$f"; done
+for f in "$OUT"/gpu0.log "$OUT"/gpu1.log; do [ -f "$f" ] && { echo "==== $f"; tail -60 "$f"; }; done; true
