@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                        engine_options=options, model=ModelConfig.from_dir(args.model)).result
         sim_path.write_text(json.dumps(sim, indent=2, default=str) + "\n")
         print(f"[{name}] simulate ({sim['stats']['sim_wall_s']:.1f} s)\n{format_summary(sim)}")
-        print(step_residuals(out / f"{name}-steps.jsonl", profile))
+        if (out / f"{name}-steps.jsonl").exists():  # (a replay's results copied without it)
+            print(step_residuals(out / f"{name}-steps.jsonl", profile))
     table = comparison_table(out, args.only or list(TRACES), profile)
     (out / "table.md").write_text(table + "\n")
     print(table)
