@@ -263,7 +263,11 @@ case "${1:-}" in
     lane 0 gpu0 'DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" RESULTS=$OUT/sim-vs-replay-1 \
         bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-28)" >&2; exit 2 ;;
+  29)  # where an S2-like graphed mixed step's LoRA time goes: 192 decode rows of rank 64 and one
+       # 256-token prompt (S2's mixed steps: ~250 rows, ranks 8-64, 1-2 prompts)
+    lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --batches 192 --breakdown 192 --mixed-prompts 1 --mixed-prompt-len 256 --decode-rank 64 --out $OUT/breakdown-192 2>&1 | grep -A14 "^ *batch\|^kernel breakdown\|^host, mixed"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-29)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
