@@ -151,7 +151,6 @@ def test_mixed_step_graphs_match_eager(tiny_model_dir, adapter_factory):
 def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
     """With mixed-step graphs on, `Engine.warmup` runs one prefill step per (token bucket,
     sequence bucket), so serving does not stop to capture them."""
-    from slora.config import bucket
     from slora.graphs import StepGraphs
 
     e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",

@@ -315,7 +315,6 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         G, max_rank, *d, *s, EVEN_N=all(x % CHUNK == 0 for x in out_dims), **cfg)
 
 
-
 # ----------------------------------------------------------------------------- MBGMM
 
 @triton.jit(do_not_specialize=["stride_pg", "split_k"])
