@@ -153,7 +153,7 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     before = eng.stats()
     sync(eng.runner.device)
     t0 = time.perf_counter()
-    with logged_steps(eng) as steps:  # where the time goes: steps with prompts vs decode-only
+    with logged_steps(eng, allocs=True) as steps:  # where the time goes: with prompts or not
         outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
     sync(eng.runner.device)
     wall = time.perf_counter() - t0
@@ -174,11 +174,22 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         # stalls: graphs captured while serving, the garbage collector, the longest steps
         "captures": sum(s["graphs"] for s in steps), "gc_s": sum(s["gc_s"] for s in steps),
         "compiles": [k for s in steps for k in s["compiles"]],
-        "longest": [{"ms": s["seconds"] * 1e3, "compiles": s["compiles"], **s["features"]}
+        "longest": [{"ms": s["seconds"] * 1e3, "compiles": s["compiles"],
+                     "allocs": s.get("allocs"), **s["features"]}
                     for s in sorted(steps, key=lambda s: -s["seconds"])[:5]],
         "not_length": sum(o.finish_reason != "length" for o in outs),
         **{k: after[k] - before[k] for k in ("adapter_loads", "adapter_evictions", "preemptions")},
     }
+
+
+def _stall(step: dict) -> str:
+    """One of the longest steps, for the table's notes: its time, tokens and, on CUDA, the
+    allocator growth within it."""
+    a = step.get("allocs")
+    grew = (f", cudaMalloc x{a['device']}, pinned blocks x{a['host']} ({a['host_ms']:.1f} ms)"
+            if a else "")
+    return (f"{step['ms']:.0f} ms ({step['prefill_tokens']} prompt tokens, "
+            f"{step['decode_seqs']} decode rows{grew})")
 
 
 def part_scaling(eng: Engine, args) -> list[dict]:
@@ -217,6 +228,8 @@ def part_scaling(eng: Engine, args) -> list[dict]:
         if r["compiles"]:
             print(f"  compiled while serving, {r['adapters']} adapters {r['modules']}: "
                   + ", ".join(sorted({c.split("[")[0] for c in r["compiles"]})))
+        print(f"  longest steps, {r['adapters']} adapters {r['modules']}: "
+              + "; ".join(_stall(s) for s in r["longest"][:3]))
     return rows
 
 

@@ -38,6 +38,10 @@ def test_bench_scaling_cpu(bench, tiny_model_dir, tmp_path):
         # every step logged: 12 requests with prompts of 8-40 tokens in an 8-sequence batch
         # need at least two steps with prompts, and their time is part of the row's
         assert r["steps"] > r["mixed_steps"] >= 2 and 0 < r["mixed_s"] < r["wall_s"]
+        # eager steps (past the mixed graphs) are some of those; the allocators' growth is
+        # read on CUDA only
+        assert r["eager_steps"] <= r["mixed_steps"] and 0 <= r["eager_s"] <= r["mixed_s"]
+        assert r["longest"] and all(s["allocs"] is None for s in r["longest"])
     assert rows[0]["ratio"] == 1.0 and rows[0]["adapter_loads"] == 0
     assert all(r["adapter_loads"] >= r["adapters_used"] >= 1 for r in rows[1:])
 
@@ -83,3 +87,11 @@ def test_bench_scaling_decode_with_async_scheduling(bench, tiny_model_dir, tmp_p
     rows = json.loads((tmp_path / "bench_scaling.json").read_text())["decode"]
     assert [(r["batch"], r["modules"]) for r in rows] == [(4, "none"), (4, "qkvo"), (4, "all")]
     assert all(r["steps_timed"] > 0 and r["step_ms"] > 0 and r["execute_ms"] is None for r in rows)
+
+
+def test_stall_note_names_the_allocator_growth(bench):
+    step = {"ms": 356.2, "prefill_tokens": 7987, "decode_seqs": 162, "allocs": None}
+    assert bench._stall(step) == "356 ms (7987 prompt tokens, 162 decode rows)"
+    step["allocs"] = {"device": 2, "host": 3, "host_ms": 41.25}
+    assert bench._stall(step) == ("356 ms (7987 prompt tokens, 162 decode rows, cudaMalloc x2, "
+                                  "pinned blocks x3 (41.2 ms))")

@@ -135,7 +135,7 @@ def _graph_memory(engine) -> str:
 
 
 @contextmanager
-def logged_steps(engine):
+def logged_steps(engine, allocs: bool = False):
     """Within the block, time every non-empty step of `engine` and note its plan's cost-model
     features and the adapter copies it made (bytes of each blocking load and prefetch); yields
     the list the steps are appended to, in launch order. Three notes for finding stalls,
@@ -143,7 +143,10 @@ def logged_steps(engine):
     `graphs`, the CUDA graphs captured within them (a bucket the warm-up missed), and
     `compiles`, the Triton kernels compiled within them (a new specialization: a class of an
     integer argument, a pointer's alignment or a constexpr the warm-up did not meet), each as
-    Triton writes its name and specialization.
+    Triton writes its name and specialization. `allocs` (CUDA; off by default, as reading the
+    allocators' statistics costs each step tens of microseconds) adds a fourth: `allocs`, the
+    device allocator's cudaMalloc calls and the pinned host allocator's new blocks within the
+    step, with the milliseconds those host allocations took.
 
     A step's seconds: without async scheduling, the time of the `engine.step()` call that ran
     it. With it (`EngineConfig.async_scheduling`) a call launches one step and collects
@@ -175,12 +178,19 @@ def logged_steps(engine):
         compiled.append(kw.get("repr") or fn.name)
         return chained(fn=fn, **kw) if chained is not None else None
 
+    alloc_stats = _alloc_stats(engine.runner.device) if allocs else None
+
     def mark():
-        return time.perf_counter(), gc_time[1], captured(), len(compiled)
+        counts = alloc_stats() if alloc_stats else ()
+        return time.perf_counter(), gc_time[1], captured(), len(compiled), counts
 
     def entry(start, end, record):
-        return {"seconds": end[0] - start[0], **record, "gc_s": end[1] - start[1],
-                "graphs": end[2] - start[2], "compiles": compiled[start[3]:end[3]]}
+        e = {"seconds": end[0] - start[0], **record, "gc_s": end[1] - start[1],
+             "graphs": end[2] - start[2], "compiles": compiled[start[3]:end[3]]}
+        if alloc_stats:
+            d = [b - a for a, b in zip(start[4], end[4])]
+            e["allocs"] = {"device": d[0], "host": d[1], "host_ms": d[2] / 1e3}
+        return e
 
     def step():
         start = mark()
@@ -236,6 +246,24 @@ def logged_steps(engine):
             else:
                 del runner.collect
         tap.close()
+
+
+def _alloc_stats(device):
+    """A function giving (cudaMalloc calls, pinned host blocks created, microseconds spent
+    creating them) so far on a CUDA `device`; None elsewhere."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+
+    host_stats = getattr(torch.cuda, "host_memory_stats", dict)  # (older torch: none)
+
+    def stats():
+        dev = torch.cuda.memory_stats(device)
+        host = host_stats()
+        return (dev.get("num_device_alloc", 0), host.get("num_host_alloc", 0),
+                host.get("host_alloc_time.total", 0))
+    return stats
 
 
 def _triton_runtime_knobs():
