@@ -29,7 +29,7 @@ Prints a short table last and writes the full results as JSON to --out (default 
 checks that the shape logic, the layouts and the torch baselines agree with the twins.
 --tune sweeps tile configurations before the main sweep (--tune-only stops there): MBGMV's
 (batch 16-256; shrink and expand), MBGMM's, or one of them (--tune mbgmv|mbgmm), the
-decode attention's (--tune attention: tl.dot or CUDA cores, keys a step, warps, stages,
+decode attention's (--tune attention: keys a step, warps, stages,
 splits) or the decode GEMMs' weight layout (--tune gemm).
 """
 
@@ -445,19 +445,18 @@ def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
 
 
 def tune_attention(cfg, device, dtype, gen):
-    """Sweep the decode kernel's tiles (`attention.decode_config`'s keys: tl.dot or CUDA-core
-    sums, keys a step, warps, stages) at one split, then splits 2 and 4 for the best three per
+    """Sweep the decode kernel's tiles (`attention.decode_config`'s keys: keys a step, warps,
+    stages) at one split, then splits 2 and 4 for the best three per
     shape; decode shapes of a 7B (32 heads, MHA) at a server's contexts. Returns JSON rows."""
     import slora.kernels.attention as attention
 
     if cfg["smoke"]:
         shapes, (H, kvh, D) = [(2, 13)], (4, 2, 16)
-        cfgs = [dict(USE_DOT=u, BLOCK_N=16, num_warps=4, num_stages=1) for u in (True, False)]
+        cfgs = [dict(BLOCK_N=16, num_warps=4, num_stages=1)]
     else:
         shapes, (H, kvh, D) = [(32, 272), (128, 272), (32, 1024), (256, 272)], (32, 32, 128)
-        cfgs = [dict(USE_DOT=u, BLOCK_N=n, num_warps=w, num_stages=st)
-                for u in (True, False) for n in ((32, 64, 128) if u else (16, 32, 64))
-                for w in (2, 4, 8) for st in (1, 2, 3)]
+        cfgs = [dict(BLOCK_N=n, num_warps=w, num_stages=st)
+                for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)]
     rows = []
     for B, ctx in shapes:
         k, v, tables = paged_kv(B, ctx, kvh, D, cfg["block_size"], device, dtype, gen)
@@ -482,12 +481,12 @@ def tune_attention(cfg, device, dtype, gen):
         default = run(None, None)
         found = [w for w in (run(c, 1) for c in cfgs) if w is not None]
         for w in sorted(found, key=lambda w: w["us"])[:3]:
-            c = {key: w[key] for key in ("USE_DOT", "BLOCK_N", "num_warps", "num_stages")}
+            c = {key: w[key] for key in ("BLOCK_N", "num_warps", "num_stages")}
             found += [w for w in (run(c, sp) for sp in (2, 4)) if w is not None]
         print(f"tune attention B={B:3d} ctx={ctx:5d}: default {default['us']:.2f} us "
               f"({default['GBps']:.0f} GB/s); best:", flush=True)
         for w in sorted(found, key=lambda w: w["us"])[:5]:
-            c = {key: w[key] for key in ("splits", "USE_DOT", "BLOCK_N", "num_warps", "num_stages")}
+            c = {key: w[key] for key in ("splits", "BLOCK_N", "num_warps", "num_stages")}
             print(f"    {c} {w['us']:.2f} us {w['GBps']:.0f} GB/s err {w['err']:.1e}", flush=True)
     return rows
 

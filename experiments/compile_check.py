@@ -4,8 +4,7 @@ cannot see (it runs the kernels as numpy), and registers / shared memory of each
     python experiments/compile_check.py [--arch 90]     # exit 1 if any variant fails
 
 Each kernel is compiled (Triton -> PTX -> cubin with the wheel's ptxas) in the variants the
-engine launches on the GPU: the default tiles and the CUDA-core decode attention (an option
-kept with its test), bf16.
+engine launches on the GPU (the default tiles, bf16).
 Run it with TRITON_INTERPRET unset: under the interpreter `triton.jit` makes no compilable
 kernel.
 """
@@ -55,14 +54,11 @@ def variants():
          dict(BLOCK_M=64, BLOCK_R=16, BLOCK_N=64, EVEN_N=True, DOT_F32=False),
          dict(opts, num_stages=2)),
         ("decode attention", attention._decode_kernel, ATTN,
-         dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
-              USE_DOT=True), dict(opts, num_stages=2)),
+         dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False),
+         dict(opts, num_stages=2)),
         ("decode attention, split", attention._decode_kernel, ATTN,
-         dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False,
-              USE_DOT=True), dict(opts, num_stages=2)),
-        ("decode attention, CUDA cores", attention._decode_kernel, ATTN,
-         dict(QH=1, BLOCK_H=1, BLOCK_D=128, BLOCK_N=32, SPLIT=False, DOT_F32=False,
-              USE_DOT=False), dict(opts, num_stages=2)),
+         dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False),
+         dict(opts, num_stages=2)),
         ("merge", attention._merge_kernel, ATTN, dict(BLOCK_S=8, BLOCK_D=128), opts),
         ("prefill attention", attention._prefill_kernel, ATTN,
          dict(QH=1, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, DOT_F32=False),

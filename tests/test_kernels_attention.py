@@ -57,12 +57,10 @@ def rel_err(a, b):
 SHAPES = [(8, 2, 16), (4, 4, 32), (3, 1, 16), (4, 2, 80)]
 
 
-# (splits, tl.dot or CUDA-core sums for the scores and P.V: `decode_config`'s USE_DOT)
-@pytest.mark.parametrize("num_splits,use_dot", [(None, True), (3, True), (3, False)],
-                         ids=["one-split", "3-splits", "3-splits-no-dot"])
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["one-split", "3-splits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H%d-KV%d-D%d" % s)
-def test_decode_attention_matches_twin(shape, dtype, num_splits, use_dot):
+def test_decode_attention_matches_twin(shape, dtype, num_splits):
     H, kvh, D = shape
     block_size = 8
     # Lengths cross page boundaries: 1 token, exactly one page, one past, many pages.
@@ -73,8 +71,7 @@ def test_decode_attention_matches_twin(shape, dtype, num_splits, use_dot):
     q = torch.randn(len(ctx_lens), H, D, generator=gen).to(dtype).to(DEVICE)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
     scale = D ** -0.5
-    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=num_splits,
-                                 cfg={"USE_DOT": use_dot})
+    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=num_splits)
     expect = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any()

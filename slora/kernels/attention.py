@@ -53,7 +53,7 @@ def _decode_kernel(
     stride_ob, stride_oh,
     D, num_splits,
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, USE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -71,7 +71,7 @@ def _decode_kernel(
     heads = kvh * QH + offs_h
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32 or not USE_DOT:
+    if DOT_F32:
         q = q.to(tl.float32)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -88,9 +88,7 @@ def _decode_kernel(
                     + offs_d[None, :], mask=kmask, other=0.0)
         v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
                     + offs_d[None, :], mask=kmask, other=0.0)
-        if not USE_DOT:  # CUDA cores: [BLOCK_H, 1, D] x [1, BLOCK_N, D], summed over D
-            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        elif DOT_F32:
+        if DOT_F32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
@@ -99,9 +97,7 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if not USE_DOT:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        elif DOT_F32:
+        if DOT_F32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
@@ -158,14 +154,15 @@ def _default_splits(B: int, kvh: int, max_ctx: int, block_n: int, device: torch.
     return int(max(1, min(want, max_ctx // (2 * block_n), 64)))
 
 
-def decode_config(qh: int, D: int, device: torch.device) -> dict:
-    """The decode kernel's tiles: USE_DOT (scores and P.V as tl.dot on a [16, D] q tile, the
-    group padded to 16 rows; otherwise CUDA-core sums over a [pow2(qh), D] tile), BLOCK_N keys
-    a step, num_warps, num_stages. The interpreter takes small key tiles (its cost grows with
-    elements a trip)."""
+def decode_config(D: int, device: torch.device) -> dict:
+    """The decode kernel's tiles: BLOCK_N keys a step, num_warps, num_stages (scores and P.V
+    are tl.dot on a q tile of the head group padded to 16 rows). The interpreter takes small
+    key tiles (its cost grows with elements a trip). On the H200 (session 7) these were best at
+    every decode shape swept; CUDA-core sums over an unpadded group never came near (session
+    8 removed that variant)."""
     if device.type != "cuda":
-        return dict(USE_DOT=True, BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(USE_DOT=True, BLOCK_N=64 if D <= 128 else 32, num_warps=4, num_stages=2)
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_N=64 if D <= 128 else 32, num_warps=4, num_stages=2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -189,8 +186,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if B == 0:
         return out
     qh = H // kvh
-    cfg = {**decode_config(qh, D, q.device), **(cfg or {})}
-    block_h = max(16 if cfg["USE_DOT"] and q.device.type == "cuda" else 1, _pow2(qh))
+    cfg = {**decode_config(D, q.device), **(cfg or {})}
+    block_h = max(16 if q.device.type == "cuda" else 1, _pow2(qh))
     block_d = _pow2(D)
     if num_splits is None:
         num_splits = _default_splits(B, kvh, block_tables.shape[1] * block_size, cfg["BLOCK_N"],
