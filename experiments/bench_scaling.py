@@ -222,8 +222,8 @@ def part_scaling(eng: Engine, args) -> list[dict]:
               f"{len(r['compiles']):>9}"
               f"{r['longest'][0]['ms'] if r['longest'] else 0:>11.1f}")
     print(f"(mixed: steps with prompts, graphed up to {eng.runner.mixed_graph_tokens} tokens, "
-          "eager past that; mixed s: their wall time; eager: the eager ones; graphs, compiles: CUDA graphs captured "
-          "and Triton kernels compiled while serving)")
+          "eager past that; mixed s: their wall time; eager: the eager ones; graphs, compiles: "
+          "CUDA graphs captured and Triton kernels compiled while serving)")
     for r in rows:
         if r["compiles"]:
             print(f"  compiled while serving, {r['adapters']} adapters {r['modules']}: "

@@ -283,8 +283,8 @@ class Engine:
         per mixed-step graph bucket (tokens x sequences) too, at each rank bucket, and three
         eager steps past them; then one full prefill step (`max_batch_tokens`: the allocator
         grows to its largest activations). A 7B on the H200: ~50 s; `progress` shows a bar.
-        Last, the objects that exist are frozen out
-        of the garbage collector's view (`gc.freeze`; `close` unfreezes them)."""
+        Last, the objects that exist are frozen out of the garbage collector's view
+        (`gc.freeze`; `close` unfreezes them)."""
         if self.has_unfinished():
             raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
         t0 = time.perf_counter()
