@@ -30,7 +30,7 @@ checks that the shape logic, the layouts and the torch baselines agree with the 
 --tune sweeps tile configurations before the main sweep (--tune-only stops there): MBGMV's
 (batch 16-256; shrink and expand), MBGMM's, or one of them (--tune mbgmv|mbgmm), the
 decode attention's (--tune attention: keys a step, warps, stages,
-splits) or the decode GEMMs' weight layout (--tune gemm).
+splits) or the decode GEMMs' (--tune gemm: cuBLAS against slora.kernels.gemm's tiles).
 """
 
 from __future__ import annotations
@@ -492,27 +492,56 @@ def tune_attention(cfg, device, dtype, gen):
 
 
 def tune_gemm(cfg, device, dtype, gen):
-    """A decode step's GEMMs at a 7B's shapes: F.linear on the [out, in] weight (the model's
-    call) against a matmul on a [in, out] copy, at batch 1-256; weight GB/s. Returns JSON rows."""
+    """A decode step's base GEMMs at a 7B's shapes and batch 1-128: F.linear (cuBLAS) against
+    the few-rows Triton kernel (slora.kernels.gemm) at each tile of a sweep, and at the tiles
+    `skinny_cfg` picks. Each op runs over enough layers' distinct weights (>= 256 MB) that L2
+    holds none of them, and reports the time per layer and the weight bytes' share of copy
+    bandwidth. (Session 7 measured F.linear on [out, in] against a matmul on an [in, out] copy:
+    within 1-3%; notes/kernels.md.) Returns JSON rows."""
     import torch.nn.functional as F
+
+    from slora.kernels import gemm
 
     d = cfg["hidden"]
     inter = 11008 if not cfg["smoke"] else 2 * d
     shapes = {"qkv": (3 * d, d), "o": (d, d), "gate_up": (2 * inter, d), "down": (d, inter)}
+    copy = ceilings(device)["copy_GBps"] if device.type == "cuda" else float("nan")
+    tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+             for bn in (16, 32, 64) for bk in (128, 256, 512) for nw in (4, 8) for ns in (3, 5)
+             if bn * bk * 2 * ns <= 160 << 10 and (nw == 4 or bn * bk >= 64 * 128)]
+    if cfg["smoke"]:
+        tiles = [dict(BLOCK_N=16, BLOCK_K=32)]
     rows = []
-    for M in ((1, 32, 128, 256) if not cfg["smoke"] else (2,)):
-        line = []
+    for M in ((1, 16, 32, 64, 128) if not cfg["smoke"] else (2,)):
         for name, (N, K) in shapes.items():
-            w = torch.randn(N, K, generator=gen).to(dtype).to(device)
-            wt = w.t().contiguous()
+            nbytes = N * K * torch.tensor([], dtype=dtype).element_size()
+            L = layers_for(nbytes, cfg["smoke"])
+            ws = [(torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device) for _ in range(L)]
             x = torch.randn(M, K, generator=gen).to(dtype).to(device)
-            nbytes = w.numel() * w.element_size()
-            for kind, fn in (("linear", lambda: F.linear(x, w)), ("mm_t", lambda: x @ wt)):
-                us = bench_graph(fn, device, warmup_ms=5, rep_ms=25) * 1e3
-                rows.append(dict(M=M, module=name, kind=kind, us=us, GBps=nbytes / us / 1e3))
-                line.append(f"{name} {kind} {us:7.1f} us {nbytes / us / 1e3:5.0f} GB/s")
-            del w, wt
-        print(f"tune gemm M={M:3d}: " + " | ".join(line), flush=True)
+            want = F.linear(x.float(), ws[0].float())
+
+            def timed(kind, fn, **extra):
+                err = rel_err(fn(ws[0]).float(), want)
+                us = bench_graph(lambda: [fn(w) for w in ws], device, warmup_ms=5, rep_ms=20) / L * 1e3
+                row = dict(M=M, module=name, kind=kind, us=us, GBps=nbytes / us / 1e3, err=err, **extra)
+                rows.append(row)
+                return row
+
+            base = timed("cublas", lambda w: F.linear(x, w))
+            pick = gemm.skinny_cfg(M, N, K, device)
+            default = timed("triton", lambda w: gemm.skinny_linear(x, w, cfg=pick), tile=pick)
+            best = default
+            for t in tiles:
+                t = dict(t, BLOCK_M=max(16 if device.type == "cuda" else 1, gemm._pow2(M)))
+                r = timed("triton-sweep", lambda w: gemm.skinny_linear(x, w, cfg=t), tile=t)
+                best = min(best, r, key=lambda r: r["us"])
+            del ws
+            pc = (lambda r: f"{100 * r['GBps'] / copy:4.0f}%") if copy == copy else (lambda r: "  - ")
+            bt = best["tile"]
+            print(f"tune gemm M={M:3d} {name:8s} cublas {base['us']:7.1f} us {pc(base)} | triton "
+                  f"{default['us']:7.1f} us {pc(default)} | best {best['us']:7.1f} us {pc(best)} "
+                  f"N{bt['BLOCK_N']} K{bt['BLOCK_K']} w{bt.get('num_warps')} s{bt.get('num_stages')}"
+                  f" | err {default['err']:.1e}", flush=True)
     return rows
 
 
@@ -633,7 +662,7 @@ def main():
     ap.add_argument("--tune", nargs="?", const="all",
                     choices=("all", "mbgmv", "mbgmm", "attention", "gemm"),
                     help="sweep tile configs first (all, or one of mbgmv / mbgmm / decode "
-                         "attention / the decode GEMMs' weight layout)")
+                         "attention / the decode GEMMs: cuBLAS against the few-rows Triton kernel)")
     ap.add_argument("--tune-only", action="store_true", help="stop after the tile sweep")
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--only-mixed", action="store_true",

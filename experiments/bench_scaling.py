@@ -472,8 +472,13 @@ def parse_args(argv=None):
     ap.add_argument("--graph-pieces", type=int, default=None,
                     help="capture each step's CUDA graph in this many pieces (default: "
                          "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")
+    ap.add_argument("--gemm-rows", type=int, default=None,
+                    help="base GEMMs of at most this many rows through the Triton kernel "
+                         "(default: slora.kernels.gemm.MAX_ROWS; 0 = cuBLAS always, to compare)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args(argv)
+    if args.gemm_rows is not None and args.gemm_rows < 0:
+        ap.error(f"--gemm-rows {args.gemm_rows}: expected 0 or more")
     if args.graph_pieces is not None and args.graph_pieces < 1:
         ap.error(f"--graph-pieces {args.graph_pieces}: expected 1 or more")
     if set(args.modules) - {"qkvo", "all"}:
@@ -489,6 +494,10 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if args.graph_pieces is not None:
         slora.graphs.GRAPH_PIECES = args.graph_pieces  # read at each capture
+    if args.gemm_rows is not None:
+        from slora.kernels import gemm
+
+        gemm.MAX_ROWS = args.gemm_rows  # read at each call
     ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
     if ceil:
         print("ceilings:", ceil, flush=True)

@@ -267,7 +267,15 @@ case "${1:-}" in
        # 256-token prompt (S2's mixed steps: ~250 rows, ranks 8-64, 1-2 prompts)
     lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --batches 192 --breakdown 192 --mixed-prompts 1 --mixed-prompt-len 256 --decode-rank 64 --out $OUT/breakdown-192 2>&1 | grep -A14 "^ *batch\|^kernel breakdown\|^host, mixed"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-29)" >&2; exit 2 ;;
+  30)  # session 9: the decode GEMMs through the few-rows Triton kernel (slora.kernels.gemm):
+       # its CUDA tests, the tile sweep against cuBLAS, the decode table without and with it
+       # (GPU0); S2's no-LoRA stall with CUDA's lazy module loading and without (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemm.py 2>&1 | tail -1
+      python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels 2>&1 | grep "^tune"
+      for r in 0 64; do python3 experiments/bench_scaling.py --part decode --batches 1,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A9 "^ *batch"; done'
+    lane 1 gpu1 'for m in LAZY EAGER; do echo "CUDA_MODULE_LOADING=$m"; CUDA_MODULE_LOADING=$m python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1 --num-requests 400 --out $OUT/scaling-$m 2>&1 | tail -7; done'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-30)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

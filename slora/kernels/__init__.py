@@ -1,8 +1,9 @@
 """Kernel backends behind one small interface.
 
-`TorchBackend` runs the twins in `reference.py` (the CPU path, and the specification).
-`TritonBackend` runs the Triton kernels: MBGMV for decode rows, MBGMM for prefill segments,
-paged decode attention. Both take the same `Batch` / `LoraMeta` built by the runner.
+`TorchBackend` runs the twins in `reference.py` (the CPU path, and the specification) and
+F.linear for the base GEMMs. `TritonBackend` runs the Triton kernels: MBGMV for decode rows,
+MBGMM for prefill segments, paged decode attention, the fused elementwise kernels, and the
+base GEMMs of a decode step's few rows (`gemm.linear`; cuBLAS past them). Both take the same `Batch` / `LoraMeta` built by the runner.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from slora.kernels import reference as ref
 
@@ -54,6 +56,7 @@ class LoraMeta:
 class TorchBackend:
     name = "torch"
 
+    linear = staticmethod(F.linear)
     rms_norm = staticmethod(ref.rms_norm)
     add_rms_norm = staticmethod(ref.add_rms_norm)
     rope_write_kv = staticmethod(ref.rope_write_kv)
@@ -78,9 +81,11 @@ class TritonBackend(TorchBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from slora.kernels import attention, fused, lora  # triton imported only for this backend
+        # triton imported only for this backend
+        from slora.kernels import attention, fused, gemm, lora
 
         self._attn, self._lora = attention, lora
+        self.linear = gemm.linear
         self.rms_norm = fused.rms_norm
         self.add_rms_norm = fused.add_rms_norm
         self.rope_write_kv = fused.rope_write_kv

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from slora.config import ModelConfig
 from slora.kernels import reference as ref
@@ -151,23 +150,23 @@ class LlamaModel:
                 h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps)
             else:
                 x, h = be.add_rms_norm(x, down, lw.ln1, cfg.rms_norm_eps)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            qkv = be.linear(h, lw.qkv, lw.qkv_bias)
             if b.lora is not None:
                 be.lora(qkv, h, pool[layer], b.lora, layer, "qkv")
             q = be.rope_write_kv(qkv, b.positions, self.inv_freq, kc, vc, b.slot_mapping,
                                  cfg.num_heads, cfg.num_kv_heads)
             attn = be.attention(q, kc, vc, b, self.scale).reshape(-1, cfg.q_size)
-            o = F.linear(attn, lw.o, lw.o_bias)
+            o = be.linear(attn, lw.o, lw.o_bias)
             if b.lora is not None:
                 be.lora(o, attn, pool[layer], b.lora, layer, "o")
             x, h = be.add_rms_norm(x, o, lw.ln2, cfg.rms_norm_eps)
-            gate_up = F.linear(h, lw.gate_up)
+            gate_up = be.linear(h, lw.gate_up)
             if b.lora is not None:
                 be.lora(gate_up, h, pool[layer], b.lora, layer, "gate_up")
             act = be.silu_mul(gate_up)
-            down = F.linear(act, lw.down)
+            down = be.linear(act, lw.down)
             if b.lora is not None:
                 be.lora(down, act, pool[layer], b.lora, layer, "down")
         x = (x + down)[b.logits_index]
         x = be.rms_norm(x, w.norm, cfg.rms_norm_eps)
-        return F.linear(x, w.lm_head).float()
+        return be.linear(x, w.lm_head).float()

@@ -1,0 +1,99 @@
+"""A decode step's base-model GEMMs with few rows (Triton): out = x @ W^T (+ bias).
+
+Twin: `torch.nn.functional.linear` (what `TorchBackend.linear` runs).
+
+At decode batch sizes a base GEMM is a weight stream: each of W's bytes is read once and used
+for a handful of rows, so its speed is the fraction of copy bandwidth it reaches. cuBLAS picks
+split-K kernels for the narrow ones (o and down of a 7B at batch 32: two kernels plus a reduce,
+~71% of copy in the H200 decode step, session 3's profile). Here each program owns BLOCK_N
+output features (rows of W) and streams them over the whole K, with every row of x in the
+tile: one launch, no reduction, and the grid (N / BLOCK_N programs) fills the GPU on its own
+for a 7B's shapes (4,096 / 32 = 128 programs on 132 SMs). The tile is W's rows by x's rows,
+[BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M], so the dot's wide side is W's and x pads only to 16.
+
+`linear` takes this path for at most `MAX_ROWS` rows of a 16-bit x on CUDA and calls F.linear
+otherwise (more rows make the GEMM compute-bound, cuBLAS's ground).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 64  # rows of x up to which `linear` runs the Triton kernel (on CUDA, 16-bit)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + offs_k[:, None]  # x^T tile
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w, xt)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def skinny_cfg(M: int, N: int, K: int, device: torch.device) -> dict:
+    """Tiles: BLOCK_N rows of W a program, BLOCK_K a step. Not yet measured on the H200."""
+    if device.type != "cuda":  # interpreter: few, large programs
+        return dict(BLOCK_M=_pow2(M), BLOCK_N=min(64, _pow2(N)), BLOCK_K=min(128, _pow2(K)))
+    return dict(BLOCK_M=max(16, _pow2(M)), BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  cfg: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, by the
+    Triton kernel whatever M (see `linear` for when the engine uses it). `cfg` overrides the
+    tiles (the benchmark's sweep)."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert w.shape == (N, K) and w.stride(1) == 1 and x.stride(1) == 1, "x and w: unit column stride"
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    cfg = dict(cfg or skinny_cfg(M, N, K, x.device))
+    if cfg["BLOCK_M"] < M:
+        raise ValueError(f"skinny_linear: {M} rows do not fit BLOCK_M={cfg['BLOCK_M']}")
+    dot_f32 = x.device.type != "cuda" or x.dtype == torch.float32
+    _skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0,
+        DOT_F32=dot_f32, **cfg)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the Triton kernel for a decode step's few rows (16-bit, on CUDA)."""
+    if (x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and w.stride(-1) == 1):
+        return skinny_linear(x, w, bias)
+    return F.linear(x, w, bias)

@@ -1,0 +1,59 @@
+"""The few-rows GEMM Triton kernel (slora.kernels.gemm) against its twin, F.linear:
+interpreted on CPU (fp32, fp16) and for real on CUDA (bf16 too, at the engine's tiles)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slora.kernels import gemm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 64, 128), (5, 96, 200), (16, 130, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_f_linear(dtype, M, N, K, bias):
+    # x a row slice of a wider tensor (row stride > K), N and K not multiples of the tiles
+    x = _rand(M, K + 24, dtype=dtype)[:, 8:K + 8]
+    w = _rand(N, K, dtype=dtype) / K ** 0.5
+    b = _rand(N, dtype=dtype) if bias else None
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = gemm.skinny_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (M, N)
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32),
+                                 dict(BLOCK_M=8, BLOCK_N=32, BLOCK_K=64)])
+def test_skinny_linear_tiles(cfg):
+    # the benchmark's sweep passes tiles; masks cover N and K tails at each
+    x, w = _rand(7, 100, dtype=torch.float32), _rand(50, 100, dtype=torch.float32)
+    if DEVICE == "cuda":
+        cfg = dict(cfg, BLOCK_M=max(16, cfg["BLOCK_M"]))
+    torch.testing.assert_close(gemm.skinny_linear(x, w, cfg=cfg), F.linear(x, w),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_linear_rejects_rows_past_its_tile():
+    x, w = _rand(20, 32, dtype=torch.float32), _rand(16, 32, dtype=torch.float32)
+    with pytest.raises(ValueError, match="20 rows do not fit BLOCK_M=16"):
+        gemm.skinny_linear(x, w, cfg=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32))
+
+
+def test_linear_dispatch():
+    # off CUDA, or past MAX_ROWS, or fp32: F.linear itself (bit-identical)
+    x, w = _rand(3, 32, dtype=torch.float32), _rand(8, 32, dtype=torch.float32)
+    assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+    if DEVICE == "cuda":
+        x, w = _rand(gemm.MAX_ROWS, 256, dtype=torch.bfloat16), _rand(512, 256, dtype=torch.bfloat16)
+        torch.testing.assert_close(gemm.linear(x, w).float(), F.linear(x.float(), w.float()),
+                                   atol=3e-2, rtol=3e-2)
+        x = _rand(gemm.MAX_ROWS + 1, 256, dtype=torch.bfloat16)
+        assert torch.equal(gemm.linear(x, w), F.linear(x, w))
