@@ -275,7 +275,15 @@ case "${1:-}" in
       for r in 0 64; do python3 experiments/bench_scaling.py --part decode --batches 1,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A9 "^ *batch"; done'
     lane 1 gpu1 'for m in LAZY EAGER; do echo "CUDA_MODULE_LOADING=$m"; CUDA_MODULE_LOADING=$m python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1 --num-requests 400 --out $OUT/scaling-$m 2>&1 | tail -7; done'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-30)" >&2; exit 2 ;;
+  31)  # the few-rows GEMM with K split across programs (call 30: without a split it lost to
+       # cuBLAS at 32 and 64 rows): its CUDA tests and the tile sweep (GPU0); the engine's
+       # CUDA tests and the decode table without and with it (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemm.py 2>&1 | tail -1
+      python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels 2>&1 | grep "^tune\|Error"'
+    lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
+      for r in 0 64; do python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A12 "^ *batch"; done'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-31)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

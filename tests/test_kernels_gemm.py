@@ -30,15 +30,23 @@ def test_skinny_linear_matches_f_linear(dtype, M, N, K, bias):
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32),
-                                 dict(BLOCK_M=8, BLOCK_N=32, BLOCK_K=64)])
-def test_skinny_linear_tiles(cfg):
-    # the benchmark's sweep passes tiles; masks cover N and K tails at each
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT=1),
+                                 dict(BLOCK_M=8, BLOCK_N=32, BLOCK_K=64, SPLIT=1),
+                                 dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=16, SPLIT=3),
+                                 dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT=9)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_tiles(cfg, bias):
+    # the benchmark's sweep passes tiles; masks cover N and K tails at each. Split launches
+    # sum K slices through the last slice to finish (SPLIT=9 over 100 columns of 32: 4 slices
+    # hold any); three launches in a row check each leaves its tile counters at zero.
     x, w = _rand(7, 100, dtype=torch.float32), _rand(50, 100, dtype=torch.float32)
+    b = _rand(50, dtype=torch.float32) if bias else None
     if DEVICE == "cuda":
         cfg = dict(cfg, BLOCK_M=max(16, cfg["BLOCK_M"]))
-    torch.testing.assert_close(gemm.skinny_linear(x, w, cfg=cfg), F.linear(x, w),
-                               atol=1e-4, rtol=1e-4)
+    for _ in range(3):
+        torch.testing.assert_close(gemm.skinny_linear(x, w, b, cfg=cfg), F.linear(x, w, b),
+                                   atol=1e-4, rtol=1e-4)
+    assert not gemm.prepare(x.device).any()
 
 
 def test_skinny_linear_rejects_rows_past_its_tile():
@@ -55,5 +63,10 @@ def test_linear_dispatch():
         x, w = _rand(gemm.MAX_ROWS, 256, dtype=torch.bfloat16), _rand(512, 256, dtype=torch.bfloat16)
         torch.testing.assert_close(gemm.linear(x, w).float(), F.linear(x.float(), w.float()),
                                    atol=3e-2, rtol=3e-2)
-        x = _rand(gemm.MAX_ROWS + 1, 256, dtype=torch.bfloat16)
+        # the engine's tiles with K split (4,096 columns over 16 tiles of W's rows)
+        x, w = _rand(32, 4096, dtype=torch.bfloat16), _rand(1024, 4096, dtype=torch.bfloat16) / 64
+        assert gemm.skinny_cfg(32, 1024, 4096, x.device)["SPLIT"] > 1
+        torch.testing.assert_close(gemm.linear(x, w).float(), F.linear(x.float(), w.float()),
+                                   atol=3e-2, rtol=3e-2)
+        x = _rand(gemm.MAX_ROWS + 1, 4096, dtype=torch.bfloat16)
         assert torch.equal(gemm.linear(x, w), F.linear(x, w))

@@ -139,6 +139,10 @@ def make_backend(name: str, device: torch.device):
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         return TorchBackend()
+    if name in ("triton", "cuda") and device.type == "cuda":
+        from slora.kernels import gemm
+
+        gemm.prepare(device)  # the GEMMs' tile counters, before any graph capture
     if name == "triton":
         return TritonBackend()
     if name == "cuda":

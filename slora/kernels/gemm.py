@@ -25,20 +25,24 @@ import triton.language as tl
 MAX_ROWS = 64  # rows of x up to which `linear` runs the Triton kernel (on CUDA, 16-bit)
 
 
-@triton.jit
-def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
-                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+@triton.jit(do_not_specialize=["k_split", "split"])
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_split,
+                   split, stride_x, stride_w, stride_out, stride_part,
+                   SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                   DOT_F32: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(0)
+    s = tl.program_id(1)  # which K slice
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + offs_k[:, None]  # x^T tile
+    k_lo = s * k_split
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + (k_lo + offs_k)[:, None]  # x^T
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
@@ -52,10 +56,43 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w,
             acc += tl.dot(w, xt)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SPLIT_K:
+        # Each slice leaves its partial tile in `part`; the last to finish adds them up in
+        # slice order (the same sum whichever finishes last) and resets the tile's counter
+        # for the next launch (or graph replay).
+        cell = offs_n[:, None] * BLOCK_M + offs_m[None, :]
+        tl.store(part_ptr + s * stride_part + cell, acc)
+        tl.debug_barrier()  # every thread's partial written before the count is
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if done != split - 1:
+            return
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for i in range(split):
+            acc += tl.load(part_ptr + i * stride_part + cell, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+MAX_TILES = 4096  # output tiles a split launch may count (a 7B's widest: 32,000 / 64 = 500)
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def prepare(device: torch.device) -> torch.Tensor:
+    """Allocate the split launches' tile counters on `device` (zeros; each launch leaves them
+    zero). Call before capturing a CUDA graph: an allocation inside a capture would be the
+    graph's own memory. `make_backend` calls it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _COUNTS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("slora.kernels.gemm: call prepare(device) before capturing a "
+                               "CUDA graph (its tile counters must outlive the graph)")
+        _COUNTS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTS[device]
 
 
 def _pow2(n: int) -> int:
@@ -63,10 +100,16 @@ def _pow2(n: int) -> int:
 
 
 def skinny_cfg(M: int, N: int, K: int, device: torch.device) -> dict:
-    """Tiles: BLOCK_N rows of W a program, BLOCK_K a step. Not yet measured on the H200."""
+    """Tiles: BLOCK_N rows of W a program, BLOCK_K a step, K cut in SPLIT slices so that
+    tiles x slices reach about `programs`. Not yet measured on the H200."""
     if device.type != "cuda":  # interpreter: few, large programs
-        return dict(BLOCK_M=_pow2(M), BLOCK_N=min(64, _pow2(N)), BLOCK_K=min(128, _pow2(K)))
-    return dict(BLOCK_M=max(16, _pow2(M)), BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=_pow2(M), BLOCK_N=min(64, _pow2(N)), BLOCK_K=min(128, _pow2(K)),
+                    SPLIT=1)
+    block_n, block_k, programs = 64, 128, 264
+    tiles = triton.cdiv(N, block_n)
+    split = max(1, min(programs // tiles, triton.cdiv(K, block_k)))
+    return dict(BLOCK_M=max(16, _pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
+                num_warps=4, num_stages=4)  # (64 + 64) x 128 x 2 B x 4 stages: 128 KB
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -83,10 +126,23 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     cfg = dict(cfg or skinny_cfg(M, N, K, x.device))
     if cfg["BLOCK_M"] < M:
         raise ValueError(f"skinny_linear: {M} rows do not fit BLOCK_M={cfg['BLOCK_M']}")
+    tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    # K slices of whole BLOCK_K steps; `split` is the number of them that hold any K
+    split = cfg.pop("SPLIT")
+    k_split = triton.cdiv(triton.cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = triton.cdiv(K, k_split)
+    part = count = out
+    if split > 1:
+        if tiles > MAX_TILES:
+            raise ValueError(f"skinny_linear: {tiles} output tiles, more than MAX_TILES={MAX_TILES}")
+        count = prepare(x.device)
+        part = torch.empty(split, tiles * cfg["BLOCK_N"], cfg["BLOCK_M"], dtype=torch.float32,
+                           device=x.device)
     dot_f32 = x.device.type != "cuda" or x.dtype == torch.float32
-    _skinny_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0,
+    _skinny_kernel[(tiles, split)](
+        x, w, bias if bias is not None else w, out, part, count, M, N, K, k_split, split,
+        x.stride(0), w.stride(0), out.stride(0), tiles * cfg["BLOCK_N"] * cfg["BLOCK_M"],
+        SPLIT_K=split > 1, HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0,
         DOT_F32=dot_f32, **cfg)
     return out
 
