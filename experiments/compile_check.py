@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from slora.kernels import attention, fused, lora  # noqa: E402
+from slora.kernels import attention, fused, gemm, lora  # noqa: E402
 
 LORA = {"x_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16", "xa_ptr": "*fp32",
         "pages_ptr": "*i32", "offs_ptr": "*i64", "ranks_ptr": "*i32",
@@ -35,6 +35,8 @@ FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16
          "out_ptr": "*bf16", "qkv_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
          "eps": "fp32"}
+GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        "part_ptr": "*fp32", "count_ptr": "*i32"}
 
 
 def variants():
@@ -66,6 +68,9 @@ def variants():
         ("add_rms_norm", fused._rms_norm_kernel, FUSED, dict(HAS_DELTA=True, BLOCK=4096), opts),
         ("rope_write_kv", fused._rope_kv_kernel, FUSED, dict(BLOCK=64), dict(opts, num_warps=1)),
         ("silu_mul", fused._silu_mul_kernel, FUSED, dict(BLOCK=1024), opts),
+        ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
+         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, BLOCK_M=32, BLOCK_N=64,
+              BLOCK_K=128), dict(opts, num_stages=4)),
     ]
 
 

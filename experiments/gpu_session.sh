@@ -283,7 +283,13 @@ case "${1:-}" in
     lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
       for r in 0 64; do python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A12 "^ *batch"; done'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-31)" >&2; exit 2 ;;
+  32)  # as 31 after the K slices' start regained its divisibility hint (call 31's kernel
+       # issued no 16-byte cp.async: the PTX, compiled on CPU)
+    lane 0 gpu0 'python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels 2>&1 | grep "^tune\|Error"'
+    lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemm.py 2>&1 | tail -1
+      for r in 0 64; do python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A12 "^ *batch"; done'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-32)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
