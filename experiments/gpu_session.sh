@@ -289,7 +289,14 @@ case "${1:-}" in
     lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemm.py 2>&1 | tail -1
       for r in 0 64; do python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A12 "^ *batch"; done'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-32)" >&2; exit 2 ;;
+  33)  # the few-rows GEMM's tiles from call 32's sweep, up to 32 rows: its CUDA tests, the
+       # engine's, the decode table without and with it (GPU0); the race, S2 q/k/v/o (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemm.py tests/test_engine_triton.py 2>&1 | tail -1
+      for r in 0 32; do python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A12 "^ *batch"; done'
+    lane 1 gpu1 'python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -5
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -6'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-33)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -3,26 +3,32 @@
 Twin: `torch.nn.functional.linear` (what `TorchBackend.linear` runs).
 
 At decode batch sizes a base GEMM is a weight stream: each of W's bytes is read once and used
-for a handful of rows, so its speed is the fraction of copy bandwidth it reaches. cuBLAS picks
-split-K kernels for the narrow ones (o and down of a 7B at batch 32: two kernels plus a reduce,
-~71% of copy in the H200 decode step, session 3's profile). Here each program owns BLOCK_N
-output features (rows of W) and streams them over the whole K, with every row of x in the
-tile: one launch, no reduction, and the grid (N / BLOCK_N programs) fills the GPU on its own
-for a 7B's shapes (4,096 / 32 = 128 programs on 132 SMs). The tile is W's rows by x's rows,
-[BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M], so the dot's wide side is W's and x pads only to 16.
+for a handful of rows, so its speed is the fraction of copy bandwidth it reaches. Each program
+here owns BLOCK_N output features (rows of W) over one slice of K, with every row of x in the
+tile: [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M] steps, W's side the wide one, x padded to 16
+rows at least. Where N / BLOCK_N tiles leave SMs idle (o and down of a 7B: 64 tiles on 132
+SMs) K is cut in slices; each slice writes its fp32 partial, and the last slice of a tile to
+finish (an atomic count per tile) sums them in slice order and writes the output. One launch,
+no separate reduce kernel (cuBLAS runs split-K as a GEMM and a reduce).
 
 `linear` takes this path for at most `MAX_ROWS` rows of a 16-bit x on CUDA and calls F.linear
-otherwise (more rows make the GEMM compute-bound, cuBLAS's ground).
+otherwise. H200, Llama-2-7B shapes, 32 rows, per layer (session 9, call 4): q/k/v 30.3 us
+against cuBLAS's 31.5, o 13.9 / 15.0, gate/up 49.5 / 53.1, down 30.0 / 30.4; at 64 rows
+cuBLAS won.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 64  # rows of x up to which `linear` runs the Triton kernel (on CUDA, 16-bit)
+# Rows of x up to which `linear` runs the Triton kernel (on CUDA, 16-bit). At 64 rows cuBLAS
+# won (H200 decode step at batch 64: 6.86 ms with cuBLAS, 7.34 with this kernel; session 9).
+MAX_ROWS = 32
 
 
 @triton.jit(do_not_specialize=["split"])
@@ -101,17 +107,25 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def skinny_cfg(M: int, N: int, K: int, device: torch.device) -> dict:
-    """Tiles: BLOCK_N rows of W a program, BLOCK_K a step, K cut in SPLIT slices so that
-    tiles x slices reach about `programs`. Not yet measured on the H200."""
+    """Tiles measured on the H200 (`bench_kernels.py --tune gemm`, session 9 call 4: a 7B's
+    four decode GEMMs at 1, 16, 32 and 64 rows over 48 tile settings): 64 rows of W by 128
+    columns a step with 4 warps was best or within 2% of best at 1-32 rows for every shape,
+    with K cut so that tiles x slices reach about one program per SM (o and down: 64 tiles, 2
+    slices), 3 stages without a split (gate_up: 48.3 against 50.8 us with 4) and 4 with one."""
     if device.type != "cuda":  # interpreter: few, large programs
         return dict(BLOCK_M=_pow2(M), BLOCK_N=min(64, _pow2(N)), BLOCK_K=min(128, _pow2(K)),
                     SPLIT=1)
-    block_n, block_k, programs = 64, 128, 264
-    tiles = triton.cdiv(N, block_n)
-    split = max(1, min(programs // tiles, triton.cdiv(K, block_k)))
+    block_n, block_k = 64, 128
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    split = max(1, min(_sms(index) // triton.cdiv(N, block_n), triton.cdiv(K, block_k)))
     return dict(BLOCK_M=max(16, _pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                num_warps=4, num_stages=4)  # (64 + 64) x 128 x 2 B x 4 stages: 128 KB
+                num_warps=4, num_stages=3 if split == 1 else 4)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
