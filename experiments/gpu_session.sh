@@ -296,7 +296,12 @@ case "${1:-}" in
     lane 1 gpu1 'python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -5
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -6'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-33)" >&2; exit 2 ;;
+  34)  # where a batch-32 decode step's time goes with the few-rows GEMM (GPU0) and with cuBLAS
+       # (GPU1): the decode table and the kernel breakdown
+    lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32 --out $OUT/breakdown-rows32 2>&1 | grep -A22 "^ *batch\|^kernel breakdown, decode"'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32 --gemm-rows 0 --out $OUT/breakdown-rows0 2>&1 | grep -A22 "^ *batch\|^kernel breakdown, decode"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-34)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
