@@ -523,6 +523,7 @@ def main(argv=None) -> dict:
             for key in ("none", "qkvo"):
                 result["breakdown"].append(kernel_breakdown(eng, args, b, key))
                 print_breakdown(result["breakdown"][-1])
+    eng.close()  # (so that main can run again in one process)
     result["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

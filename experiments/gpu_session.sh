@@ -301,7 +301,12 @@ case "${1:-}" in
     lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32 --out $OUT/breakdown-rows32 2>&1 | grep -A22 "^ *batch\|^kernel breakdown, decode"'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32 --gemm-rows 0 --out $OUT/breakdown-rows0 2>&1 | grep -A22 "^ *batch\|^kernel breakdown, decode"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-34)" >&2; exit 2 ;;
+  35)  # the engine's CUDA tests after the GEMM change (GPU0); the batch-16/32 decode table under
+       # five tile rules of the few-rows GEMM (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py tests/test_async_engine.py tests/test_csrc.py tests/test_engine.py tests/test_kernels_fused.py 2>&1 | tail -2'
+    lane 1 gpu1 'python3 notes/h200-2026-11-30-s9/call7/gemm_rules.py 2>&1 | grep -A7 "^== rule\|^ *batch" | grep -v "^--"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-35)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
