@@ -270,7 +270,7 @@ case "${1:-}" in
   30)  # session 9: the decode GEMMs through the few-rows Triton kernel (slora.kernels.gemm):
        # its CUDA tests, the tile sweep against cuBLAS, the decode table without and with it
        # (GPU0); S2's no-LoRA stall with CUDA's lazy module loading and without (GPU1)
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemm.py 2>&1 | tail -1
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py 2>&1 | tail -1
       python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels 2>&1 | grep "^tune"
       for r in 0 64; do python3 experiments/bench_scaling.py --part decode --batches 1,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A9 "^ *batch"; done'
     lane 1 gpu1 'for m in LAZY EAGER; do echo "CUDA_MODULE_LOADING=$m"; CUDA_MODULE_LOADING=$m python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1 --num-requests 400 --out $OUT/scaling-$m 2>&1 | tail -7; done'
@@ -278,7 +278,7 @@ case "${1:-}" in
   31)  # the few-rows GEMM with K split across programs (call 30: without a split it lost to
        # cuBLAS at 32 and 64 rows): its CUDA tests and the tile sweep (GPU0); the engine's
        # CUDA tests and the decode table without and with it (GPU1)
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemm.py 2>&1 | tail -1
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py 2>&1 | tail -1
       python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels 2>&1 | grep "^tune\|Error"'
     lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
       for r in 0 64; do python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A12 "^ *batch"; done'
@@ -286,12 +286,12 @@ case "${1:-}" in
   32)  # as 31 after the K slices' start regained its divisibility hint (call 31's kernel
        # issued no 16-byte cp.async: the PTX, compiled on CPU)
     lane 0 gpu0 'python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels 2>&1 | grep "^tune\|Error"'
-    lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemm.py 2>&1 | tail -1
+    lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py 2>&1 | tail -1
       for r in 0 64; do python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A12 "^ *batch"; done'
     ;;
   33)  # the few-rows GEMM's tiles from call 32's sweep, up to 32 rows: its CUDA tests, the
        # engine's, the decode table without and with it (GPU0); the race, S2 q/k/v/o (GPU1)
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemm.py tests/test_engine_triton.py 2>&1 | tail -1
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py tests/test_engine_triton.py 2>&1 | tail -1
       for r in 0 32; do python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --gemm-rows $r --breakdown "" --out $OUT/breakdown-rows$r 2>&1 | grep -A12 "^ *batch"; done'
     lane 1 gpu1 'python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -5
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -6'

@@ -1,10 +1,12 @@
-"""Fused Triton kernels (add + RMSNorm, rotary + KV write, SwiGLU) against their torch twins,
-interpreted on CPU (fp32, fp16) and for real on CUDA (bf16 too)."""
+"""Fused Triton kernels (add + RMSNorm, rotary + KV write, SwiGLU) and the few-rows GEMM
+(slora.kernels.gemm) against their torch twins (F.linear for the GEMM), interpreted on CPU
+(fp32, fp16) and for real on CUDA (bf16 too; the GEMM at the engine's tiles)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from slora.kernels import fused
+from slora.kernels import fused, gemm
 from slora.kernels import reference as ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,3 +55,60 @@ def test_silu_mul(dtype, N):
     gu = _rand(3, 2 * N, dtype=dtype)
     torch.testing.assert_close(fused.silu_mul(gu), ref.silu_mul(gu), atol=TOL[dtype] * 4,
                                rtol=TOL[dtype] * 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 64, 128), (5, 96, 200), (16, 130, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_f_linear(dtype, M, N, K, bias):
+    # x a row slice of a wider tensor (row stride > K), N and K not multiples of the tiles
+    x = _rand(M, K + 24, dtype=dtype)[:, 8:K + 8]
+    w = _rand(N, K, dtype=dtype) / K ** 0.5
+    b = _rand(N, dtype=dtype) if bias else None
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = gemm.skinny_linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (M, N)
+    tol = max(TOL[dtype], 1e-4)  # (fp32: sums of up to 200 products)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT=1),
+                                 dict(BLOCK_M=8, BLOCK_N=32, BLOCK_K=64, SPLIT=1),
+                                 dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=16, SPLIT=3),
+                                 dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT=9)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_tiles(cfg, bias):
+    # the benchmark's sweep passes tiles; masks cover N and K tails at each. Split launches
+    # sum K slices through the last slice to finish (SPLIT=9 over 100 columns of 32: 4 slices
+    # hold any); three launches in a row check each leaves its tile counters at zero.
+    x, w = _rand(7, 100, dtype=torch.float32), _rand(50, 100, dtype=torch.float32)
+    b = _rand(50, dtype=torch.float32) if bias else None
+    if DEVICE == "cuda":
+        cfg = dict(cfg, BLOCK_M=max(16, cfg["BLOCK_M"]))
+    for _ in range(3):
+        torch.testing.assert_close(gemm.skinny_linear(x, w, b, cfg=cfg), F.linear(x, w, b),
+                                   atol=1e-4, rtol=1e-4)
+    assert not gemm.prepare(x.device).any()
+
+
+def test_skinny_linear_rejects_rows_past_its_tile():
+    x, w = _rand(20, 32, dtype=torch.float32), _rand(16, 32, dtype=torch.float32)
+    with pytest.raises(ValueError, match="20 rows do not fit BLOCK_M=16"):
+        gemm.skinny_linear(x, w, cfg=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32))
+
+
+def test_linear_dispatch():
+    # off CUDA, or past MAX_ROWS, or fp32: F.linear itself (bit-identical)
+    x, w = _rand(3, 32, dtype=torch.float32), _rand(8, 32, dtype=torch.float32)
+    assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+    if DEVICE == "cuda":
+        x, w = _rand(gemm.MAX_ROWS, 256, dtype=torch.bfloat16), _rand(512, 256, dtype=torch.bfloat16)
+        torch.testing.assert_close(gemm.linear(x, w).float(), F.linear(x.float(), w.float()),
+                                   atol=3e-2, rtol=3e-2)
+        # the engine's tiles with K split (4,096 columns over 16 tiles of W's rows)
+        x, w = _rand(32, 4096, dtype=torch.bfloat16), _rand(1024, 4096, dtype=torch.bfloat16) / 64
+        assert gemm.skinny_cfg(32, 1024, 4096, x.device)["SPLIT"] > 1
+        torch.testing.assert_close(gemm.linear(x, w).float(), F.linear(x.float(), w.float()),
+                                   atol=3e-2, rtol=3e-2)
+        x = _rand(gemm.MAX_ROWS + 1, 4096, dtype=torch.bfloat16)
+        assert torch.equal(gemm.linear(x, w), F.linear(x, w))

@@ -3,7 +3,8 @@
 `TorchBackend` runs the twins in `reference.py` (the CPU path, and the specification) and
 F.linear for the base GEMMs. `TritonBackend` runs the Triton kernels: MBGMV for decode rows,
 MBGMM for prefill segments, paged decode attention, the fused elementwise kernels, and the
-base GEMMs of a decode step's few rows (`gemm.linear`; cuBLAS past them). Both take the same `Batch` / `LoraMeta` built by the runner.
+base GEMMs of a decode step's few rows (`gemm.linear`; cuBLAS past them). Both take the same
+`Batch` / `LoraMeta` built by the runner.
 """
 
 from __future__ import annotations
