@@ -139,6 +139,49 @@ def s2_trace(args, num_adapters: int):
                       ranks=args.ranks, seed=args.seed)
 
 
+class StepTrace:
+    """torch.profiler over an engine's next `n` steps (host and device), for S2's stalls:
+    `table()` lists the ops with the most host time and with the most device time. Wraps
+    whatever `eng.step` is now (`logged_steps`' wrapper, inside its block) and puts it back
+    after n steps or at `close()`."""
+
+    def __init__(self, eng: Engine, n: int) -> None:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if eng.runner.device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.eng, self.n, self.count = eng, n, 0
+        self.own = "step" in vars(eng)  # an instance attribute already (a wrapper)
+        self.step = eng.step
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.start()
+        eng.step = self.traced
+
+    def traced(self):
+        out = self.step()
+        self.count += 1
+        if self.count == self.n:
+            self.close()
+        return out
+
+    def close(self) -> None:
+        if self.prof is None:
+            return
+        sync(self.eng.runner.device)
+        self.prof.stop()
+        self.events, self.prof = self.prof.key_averages(), None
+        if self.own:
+            self.eng.step = self.step
+        else:
+            del self.eng.step  # the class's method again
+
+    def table(self, rows: int = 12) -> str:
+        keys = ["self_cpu_time_total"] + (["self_device_time_total"]
+                                          if any(e.self_device_time_total for e in self.events)
+                                          else [])
+        return "\n".join(self.events.table(sort_by=k, row_limit=rows, max_name_column_width=60)
+                         for k in keys)
+
+
 def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     modules = MODULE_SETS[modules_key]
     lens = [(r.prompt_len, r.output_len) for r in trace.requests]
@@ -153,8 +196,13 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     before = eng.stats()
     sync(eng.runner.device)
     t0 = time.perf_counter()
+    traced = None
     with logged_steps(eng, allocs=True) as steps:  # where the time goes: with prompts or not
+        if args.trace_steps:
+            traced = StepTrace(eng, args.trace_steps)
         outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
+        if traced is not None:
+            traced.close()
     sync(eng.runner.device)
     wall = time.perf_counter() - t0
     mixed = [s["seconds"] for s in steps if s["features"]["prefill_tokens"]]
@@ -163,6 +211,11 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     if modules is not None:
         remove_adapters(eng, trace.adapters)
     out_toks = sum(len(o.token_ids) for o in outs)
+    if traced is not None:
+        print(f"trace of the first {args.trace_steps} steps, modules {modules_key}, "
+              f"{len(trace.adapters) if modules is not None else 0} adapters (step ms: "
+              + ", ".join(f"{s['seconds'] * 1e3:.0f}" for s in steps[:args.trace_steps])
+              + ")\n" + traced.table(), flush=True)
     return {
         "adapters": len(trace.adapters) if modules is not None else 0,
         "modules": modules_key, "requests": len(outs),
@@ -472,6 +525,10 @@ def parse_args(argv=None):
     ap.add_argument("--graph-pieces", type=int, default=None,
                     help="capture each step's CUDA graph in this many pieces (default: "
                          "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="scaling: profile each row's first N steps (torch.profiler) and print "
+                         "the ops with the most host and device time (its overhead lands in "
+                         "the row's figures)")
     ap.add_argument("--gemm-rows", type=int, default=None,
                     help="base GEMMs of at most this many rows through the Triton kernel "
                          "(default: slora.kernels.gemm.MAX_ROWS; 0 = cuBLAS always, to compare)")

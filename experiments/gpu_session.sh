@@ -306,7 +306,10 @@ case "${1:-}" in
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_async_scheduling.py tests/test_async_engine.py tests/test_csrc.py tests/test_engine.py tests/test_kernels_fused.py 2>&1 | tail -2'
     lane 1 gpu1 'python3 notes/h200-2026-11-30-s9/call7/gemm_rules.py 2>&1 | grep -A7 "^== rule\|^ *batch" | grep -v "^--"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-35)" >&2; exit 2 ;;
+  36)  # S2's no-LoRA stall: torch.profiler over each row's first 8 steps (no LoRA, one adapter)
+    lane 0 gpu0 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1 --num-requests 400 --trace-steps 8 --out $OUT/scaling 2>&1 | grep -v "^USDT"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-36)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

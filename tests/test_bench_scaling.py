@@ -95,3 +95,19 @@ def test_stall_note_names_the_allocator_growth(bench):
     step["allocs"] = {"device": 2, "host": 3, "host_ms": 41.25}
     assert bench._stall(step) == ("356 ms (7987 prompt tokens, 162 decode rows, cudaMalloc x2, "
                                   "pinned blocks x3 (41.2 ms))")
+
+
+def test_trace_steps_prints_where_the_first_steps_went(bench, tiny_model_dir, tmp_path, capsys):
+    """--trace-steps N: each S2 row's first N steps under torch.profiler, a table of their ops
+    printed; the engine's own step method is back afterwards."""
+    bench.main(["--part", "scaling", "--model", str(tiny_model_dir), "--device", "cpu",
+                "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
+                "--adapters", "1", "--num-requests", "6", "--input-len", "8,20",
+                "--output-len", "2,6", "--batches", "4", "--trace-steps", "2",
+                "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "trace of the first 2 steps, modules none, 0 adapters (step ms: " in out
+    assert "trace of the first 2 steps, modules qkvo, 1 adapters (step ms: " in out
+    assert out.count("Self CPU time total") == 2  # one table a row
+    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["scaling"]
+    assert [r["not_length"] for r in rows] == [0, 0]
