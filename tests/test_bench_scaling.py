@@ -103,7 +103,7 @@ def test_trace_steps_prints_where_the_first_steps_went(bench, tiny_model_dir, tm
     bench.main(["--part", "scaling", "--model", str(tiny_model_dir), "--device", "cpu",
                 "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
                 "--adapters", "1", "--num-requests", "6", "--input-len", "8,20",
-                "--output-len", "2,6", "--batches", "4", "--trace-steps", "2",
+                "--output-len", "2,6", "--modules", "qkvo", "--batches", "4", "--trace-steps", "2",
                 "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "trace of the first 2 steps, modules none, 0 adapters (step ms: " in out

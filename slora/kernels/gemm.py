@@ -137,7 +137,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     tiles (the benchmark's sweep)."""
     M, K = x.shape
     N = w.shape[0]
-    assert w.shape == (N, K) and w.stride(1) == 1 and x.stride(1) == 1, "x and w: unit column stride"
+    assert w.shape == (N, K) and w.stride(1) == 1 and x.stride(1) == 1, \
+        "x and w: unit column stride"
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
@@ -152,7 +153,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     part = count = out
     if split > 1:
         if tiles > MAX_TILES:
-            raise ValueError(f"skinny_linear: {tiles} output tiles, more than MAX_TILES={MAX_TILES}")
+            raise ValueError(f"skinny_linear: {tiles} output tiles, more than "
+                             f"MAX_TILES={MAX_TILES}")
         count = prepare(x.device)
         part = torch.empty(split, tiles * cfg["BLOCK_N"], cfg["BLOCK_M"], dtype=torch.float32,
                            device=x.device)
