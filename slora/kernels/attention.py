@@ -42,6 +42,45 @@ from .tiles import as_tiles, tile_rows
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _attend_tile(q, k_ptr, v_ptr, bt_row, offs_n, n_ok, qpos, offs_d, d_ok, kvh, qk_scale,
+                 m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                 stride_vh, block_size, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr):
+    """One BLOCK_N tile of keys (positions offs_n, valid where n_ok) of one KV head, read
+    through the block table row, folded into the online softmax state (m_i, l_i, acc) of the
+    q rows. CAUSAL (prefill): row i sees keys at positions <= qpos[i], so a row may have no
+    valid key yet (its max stays -inf) and the exponentials are taken against 0 there."""
+    page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
+    slot = offs_n % block_size
+    kmask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
+                + offs_d[None, :], mask=kmask, other=0.0)
+    v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
+                + offs_d[None, :], mask=kmask, other=0.0)
+    if DOT_F32:
+        sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    if CAUSAL:
+        ok = n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
+    else:
+        ok = n_ok[None, :]
+    sc = tl.where(ok, sc * qk_scale, float("-inf"))  # log2 domain
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    if CAUSAL:
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:
+        m_ref = m_new
+    p = tl.exp2(sc - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
@@ -81,28 +120,10 @@ def _decode_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % block_size
-        kmask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
-                    + offs_d[None, :], mask=kmask, other=0.0)
-        v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
-                    + offs_d[None, :], mask=kmask, other=0.0)
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_ok[None, :], s * qk_scale, float("-inf"))  # log2 domain
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, k_ptr, v_ptr, bt_row, offs_n, n_ok, None, offs_d, d_ok, kvh, qk_scale,
+            m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            block_size, False, DOT_F32)
 
     omask = h_ok[:, None] & d_ok[None, :]
     if not SPLIT:
@@ -233,75 +254,37 @@ def _prefill_kernel(
     for i in range(tl.program_id(0), tl.load(tiles_ptr), tl.num_programs(0)):
         s = tl.load(tiles_ptr + 1 + 2 * i)
         m0 = tl.load(tiles_ptr + 2 + 2 * i)
-        _prefill_tile(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, out_ptr, s, m0, h,
-                      qk_scale, stride_qt, stride_qh, stride_kp, stride_ks, stride_kh,
-                      stride_vp, stride_vs, stride_vh, stride_bt, block_size,
-                      stride_ot, stride_oh, D, QH, BLOCK_M, BLOCK_D, BLOCK_N, DOT_F32)
-
-
-@triton.jit
-def _prefill_tile(
-    q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, out_ptr, s, m0, h,
-    qk_scale,
-    stride_qt, stride_qh,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
-    stride_bt, block_size,
-    stride_ot, stride_oh,
-    D,
-    QH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,
-):
-    """Query tile m0..m0+BLOCK_M-1 of sequence s (clipped to its tokens), query head h."""
-    q_lo = tl.load(q_start_ptr + s)
-    q_hi = tl.load(q_start_ptr + s + 1)
-    ctx = tl.load(ctx_ptr + s)
-    kvh = h // QH
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < q_hi
-    d_ok = offs_d < D
-    qpos = ctx - (q_hi - q_lo) + (offs_m - q_lo)  # cache position of each new token
-    q = tl.load(q_ptr + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh
-                + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-    # Causal: this tile's last token sees positions <= its own, so keys stop there.
-    hi = tl.minimum(ctx, tl.max(tl.where(m_ok, qpos, 0), axis=0) + 1)
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % block_size
-        kmask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
-                    + offs_d[None, :], mask=kmask, other=0.0)
-        v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
-                    + offs_d[None, :], mask=kmask, other=0.0)
+        # query tile m0..m0+BLOCK_M-1 of sequence s (clipped to its tokens), query head h
+        q_lo = tl.load(q_start_ptr + s)
+        q_hi = tl.load(q_start_ptr + s + 1)
+        ctx = tl.load(ctx_ptr + s)
+        kvh = h // QH
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_ok = offs_m < q_hi
+        d_ok = offs_d < D
+        qpos = ctx - (q_hi - q_lo) + (offs_m - q_lo)  # cache position of each new token
+        q = tl.load(q_ptr + offs_m.to(tl.int64)[:, None] * stride_qt + h * stride_qh
+                    + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_F32:
-            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        ok = n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
-        sc = tl.where(ok, sc * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows with nothing seen yet
-        p = tl.exp2(sc - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+        # Causal: this tile's last token sees positions <= its own, so keys stop there.
+        hi = tl.minimum(ctx, tl.max(tl.where(m_ok, qpos, 0), axis=0) + 1)
+        for n0 in range(0, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, bt_row, offs_n, n_ok, qpos, offs_d, d_ok, kvh, qk_scale,
+                m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                block_size, True, DOT_F32)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh
+                 + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & d_ok[None, :])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
