@@ -505,7 +505,7 @@ def tune_gemm(cfg, device, dtype, gen):
     d = cfg["hidden"]
     inter = 11008 if not cfg["smoke"] else 2 * d
     shapes = {"qkv": (3 * d, d), "o": (d, d), "gate_up": (2 * inter, d), "down": (d, inter)}
-    copy = ceilings(device)["copy_GBps"] if device.type == "cuda" else float("nan")
+    copy = cfg["copy_GBps"]  # (measured by main at the start of the run)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     # tiles x K slices: about 1, 2 or 4 programs an SM
     tiles = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, programs=p * sms)
@@ -700,6 +700,7 @@ def main():
            "dtype": str(dtype), "torch": torch.__version__, "triton": triton.__version__,
            "config": {k: v for k, v in cfg.items()}}
     res["ceilings"] = ceilings(device)
+    cfg["copy_GBps"] = res["ceilings"]["copy_GBps"]
     print(f"ceilings: {res['ceilings']}", flush=True)
     if args.tune:
         sweeps = {"mbgmv": tune_mbgmv, "mbgmm": tune_mbgmm, "attention": tune_attention,
