@@ -245,3 +245,33 @@ def test_step_metadata_starts_16_byte_aligned(tiny_model_dir):
         for g in groups.values():
             assert all(g.ranks[layer].data_ptr() % 16 == 0 for layer in range(len(g.ranks)))
             assert g.ranks[:, n:].eq(0).all() and g.max_rank == 32 if n > 4 else True
+
+
+def test_few_rows_gemm_in_the_engine_gives_the_twins_tokens(tiny_model_dir, adapter_factory,
+                                                            monkeypatch):
+    """The engine with its base GEMMs of few rows through the Triton kernel (the path a GPU
+    takes for decode steps; forced here for fp32 on CPU, where the interpreter runs it) gives
+    the torch backend's greedy tokens."""
+    from slora.kernels import gemm
+
+    calls = []
+
+    def forced(x, w, bias=None):
+        if x.shape[0] <= gemm.MAX_ROWS:
+            calls.append(x.shape[0])
+            return gemm.skinny_linear(x, w, bias)
+        return torch.nn.functional.linear(x, w, bias)
+
+    path = adapter_factory(tiny_model_dir, r=8, target_modules="all-linear")
+    tokens = {}
+    for backend in ("torch", "triton"):
+        if backend == "triton":
+            monkeypatch.setattr(gemm, "linear", forced)
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
+                                num_pages=48, backend=backend, cuda_graphs=False))
+        e.add_adapter("a", path)
+        outs = e.generate(["The quick brown fox", "Hello", "Paris is"],
+                          SamplingParams(max_tokens=5, ignore_eos=True), adapters=["a", None, "a"])
+        tokens[backend] = [o.token_ids for o in outs]
+    assert calls, "the kernel ran"
+    assert tokens["triton"] == tokens["torch"]
