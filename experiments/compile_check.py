@@ -4,7 +4,11 @@ cannot see (it runs the kernels as numpy), and registers / shared memory of each
     python experiments/compile_check.py [--arch 90]     # exit 1 if any variant fails
 
 Each kernel is compiled (Triton -> PTX -> cubin with the wheel's ptxas) in the variants the
-engine launches on the GPU (the default tiles, bf16).
+engine launches on the GPU (the default tiles, bf16), with the integer specialization a
+Llama-2-7B step gives them (every pointer 16-byte aligned, the arguments in DIV16 multiples of
+16, as Triton marks them at launch): registers and spills depend on it (the decode attention
+kernel without it: 255 registers and a 488-byte stack; with it: 126 and none). Registers and
+stack bytes come from the wheel's cuobjdump.
 Run it with TRITON_INTERPRET unset: under the interpreter `triton.jit` makes no compilable
 kernel.
 """
@@ -14,7 +18,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,6 +44,14 @@ FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16
          "eps": "fp32"}
 GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "part_ptr": "*fp32", "count_ptr": "*i32"}
+# integer arguments that are multiples of 16 when a 7B's step launches the kernels (hidden 4096,
+# head_dim 128, 32 heads, pages of 16 tokens, LoRA rows and offsets aligned to 64 elements)
+DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3", "s0", "s1",
+         "s2", "s3", "stride_qb", "stride_qh", "stride_qt", "stride_kp", "stride_ks",
+         "stride_kh", "stride_vp", "stride_vs", "stride_vh", "block_size", "stride_ob",
+         "stride_oh", "stride_ot", "D", "N", "stride_d", "stride_t", "kc_page", "kc_row",
+         "kc_head", "vc_page", "vc_row", "vc_head", "stride_gu", "K", "k_split", "stride_w",
+         "stride_part"}
 
 
 def variants():
@@ -77,10 +92,28 @@ def variants():
 def compile_variant(kernel, types, constexprs, options, arch: int):
     if not hasattr(kernel, "fn"):
         raise RuntimeError("the kernel is not compilable here: unset TRITON_INTERPRET")
-    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32")
-           for p in inspect.signature(kernel.fn).parameters}
-    return triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", arch, 32),
-                          options=options)
+    params = list(inspect.signature(kernel.fn).parameters)
+    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
+    div16 = [i for i, p in enumerate(params) if sig[p] != "constexpr"
+             and (sig[p].startswith("*") or p in DIV16)
+             and p not in kernel.do_not_specialize]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in div16}
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs),
+                          target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def resources(compiled) -> str:
+    """'REG n STACK b' of a compiled kernel, from the wheel's cuobjdump ('' without it)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f"{found[1]:>5}{found[2]:>7}" if found else ""
 
 
 def main(argv=None) -> int:
@@ -91,11 +124,11 @@ def main(argv=None) -> int:
         print("compile_check: TRITON_INTERPRET=1 makes no compilable kernels; unset it")
         return 2
     failed = 0
-    print(f"{'variant':<36}{'shared B':>10}  sm_{args.arch}")
+    print(f"{'variant':<36}{'shared B':>10}{'regs':>5}{'stack':>7}  sm_{args.arch}")
     for name, kernel, types, constexprs, options in variants():
         try:
             k = compile_variant(kernel, types, constexprs, options, args.arch)
-            print(f"{name:<36}{k.metadata.shared:>10}  ok")
+            print(f"{name:<36}{k.metadata.shared:>10}{resources(k) or ' ' * 12}  ok")
         except Exception as e:  # report every failing variant, then fail
             failed += 1
             print(f"{name:<36}{'':>10}  FAILED: {type(e).__name__}: {str(e)[:300]}")
