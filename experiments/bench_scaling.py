@@ -530,8 +530,9 @@ def parse_args(argv=None):
                          "the ops with the most host and device time (its overhead lands in "
                          "the row's figures)")
     ap.add_argument("--gemm-rows", type=int, default=None,
-                    help="base GEMMs of at most this many rows through the Triton kernel "
-                         "(default: slora.kernels.gemm.MAX_ROWS; 0 = cuBLAS always, to compare)")
+                    help="EngineConfig.gemm_max_rows: base GEMMs of at most this many rows "
+                         "through the Triton kernel (default: the engine's; 0 = cuBLAS always, "
+                         "to compare)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args(argv)
     if args.gemm_rows is not None and args.gemm_rows < 0:
@@ -551,10 +552,6 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if args.graph_pieces is not None:
         slora.graphs.GRAPH_PIECES = args.graph_pieces  # read at each capture
-    if args.gemm_rows is not None:
-        from slora.kernels import gemm
-
-        gemm.MAX_ROWS = args.gemm_rows  # read at each call
     ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
     if ceil:
         print("ceilings:", ceil, flush=True)
@@ -563,6 +560,8 @@ def main(argv=None) -> dict:
                               max_num_seqs=args.max_num_seqs,
                               max_batch_tokens=args.max_batch_tokens,
                               async_scheduling=args.async_scheduling,
+                              **({} if args.gemm_rows is None
+                                 else {"gemm_max_rows": args.gemm_rows}),
                               **({} if args.mixed_graph_tokens is None
                                  else {"mixed_graph_tokens": args.mixed_graph_tokens})))
     print(f"engine: {eng.runner.num_pages} pages of {eng.runner.page_bytes / 1e6:.1f} MB "

@@ -83,6 +83,12 @@ class EngineConfig:
     # device is done (H200, batch-32 decode: 6.5 -> 5.8 ms), off on CPU, where it computes
     # the step; the simulator takes its profile's order (`Profile.async_scheduling`).
     async_scheduling: bool | None = None
+    # Base GEMMs (q/k/v, o, gate/up, down, lm_head) of at most this many rows run through
+    # slora's few-rows Triton kernel on CUDA (slora.kernels.gemm: a decode step's weight
+    # stream; H200 batch-32 decode 5.73 -> 5.46 ms), cuBLAS past them (at 64 rows cuBLAS won:
+    # batch-64 decode 6.86 ms with cuBLAS, 7.34 with the kernel); 0: cuBLAS always. CPU runs
+    # F.linear whatever this is.
+    gemm_max_rows: int = 32
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"
@@ -114,6 +120,7 @@ class EngineConfig:
         need(self.prefetch_reserve >= 0, "prefetch_reserve", "must be >= 0")
         need(self.load_format in ("auto", "dummy"), "load_format", "expected 'auto' or 'dummy'")
         need(self.mixed_graph_tokens >= 0, "mixed_graph_tokens", "must be >= 0 (0: eager)")
+        need(self.gemm_max_rows >= 0, "gemm_max_rows", "must be >= 0 (0: cuBLAS always)")
 
     @property
     def host_cache_bytes(self) -> int:

@@ -96,6 +96,8 @@ def test_bad_inputs_are_clear_errors(engine):
         SamplingParams(max_tokens=0)
     with pytest.raises(ConfigError, match="block_size"):
         EngineConfig(block_size=3)
+    with pytest.raises(ConfigError, match=r"gemm_max_rows=-1: must be >= 0"):
+        EngineConfig(gemm_max_rows=-1)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.add_request([])
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -98,17 +98,18 @@ def test_skinny_linear_rejects_rows_past_its_tile():
 
 
 def test_linear_dispatch():
-    # off CUDA, or past MAX_ROWS, or fp32: F.linear itself (bit-identical)
+    # off CUDA, or past max_rows, or fp32: F.linear itself (bit-identical)
     x, w = _rand(3, 32, dtype=torch.float32), _rand(8, 32, dtype=torch.float32)
-    assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+    assert torch.equal(gemm.linear(x, w, max_rows=32), F.linear(x, w))
     if DEVICE == "cuda":
-        x, w = _rand(gemm.MAX_ROWS, 256, dtype=torch.bfloat16), _rand(512, 256, dtype=torch.bfloat16)
-        torch.testing.assert_close(gemm.linear(x, w).float(), F.linear(x.float(), w.float()),
+        x, w = _rand(32, 256, dtype=torch.bfloat16), _rand(512, 256, dtype=torch.bfloat16)
+        torch.testing.assert_close(gemm.linear(x, w, max_rows=32).float(), F.linear(x.float(), w.float()),
                                    atol=3e-2, rtol=3e-2)
         # the engine's tiles with K split (4,096 columns over 16 tiles of W's rows)
         x, w = _rand(32, 4096, dtype=torch.bfloat16), _rand(1024, 4096, dtype=torch.bfloat16) / 64
         assert gemm.skinny_cfg(32, 1024, 4096, x.device)["SPLIT"] > 1
-        torch.testing.assert_close(gemm.linear(x, w).float(), F.linear(x.float(), w.float()),
+        torch.testing.assert_close(gemm.linear(x, w, max_rows=32).float(), F.linear(x.float(), w.float()),
                                    atol=3e-2, rtol=3e-2)
-        x = _rand(gemm.MAX_ROWS + 1, 4096, dtype=torch.bfloat16)
-        assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+        assert torch.equal(gemm.linear(x, w, max_rows=0), F.linear(x, w))  # cuBLAS always
+        x = _rand(33, 4096, dtype=torch.bfloat16)
+        assert torch.equal(gemm.linear(x, w, max_rows=32), F.linear(x, w))

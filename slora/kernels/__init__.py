@@ -9,6 +9,7 @@ base GEMMs of a decode step's few rows (`gemm.linear`; cuBLAS past them). Both t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -81,12 +82,12 @@ class TorchBackend:
 class TritonBackend(TorchBackend):
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, gemm_max_rows: int) -> None:
         # triton imported only for this backend
         from slora.kernels import attention, fused, gemm, lora
 
         self._attn, self._lora = attention, lora
-        self.linear = gemm.linear
+        self.linear = functools.partial(gemm.linear, max_rows=gemm_max_rows)
         self.rms_norm = fused.rms_norm
         self.add_rms_norm = fused.add_rms_norm
         self.rope_write_kv = fused.rope_write_kv
@@ -135,7 +136,9 @@ class TritonBackend(TorchBackend):
                                 meta.tile_programs)
 
 
-def make_backend(name: str, device: torch.device):
+def make_backend(name: str, device: torch.device, gemm_max_rows: int):
+    """The backend `name` ("auto", "torch", "triton" or "cuda") for `device`; the GPU backends
+    run base GEMMs of at most `gemm_max_rows` rows through `gemm.linear`."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
@@ -145,12 +148,12 @@ def make_backend(name: str, device: torch.device):
 
         gemm.prepare(device)  # the GEMMs' tile counters, before any graph capture
     if name == "triton":
-        return TritonBackend()
+        return TritonBackend(gemm_max_rows)
     if name == "cuda":
         if device.type != "cuda":
             raise ValueError("EngineConfig.backend='cuda' runs the csrc CUDA kernels and needs a "
                              "CUDA device; use backend='torch' (or 'auto') on CPU")
         from slora.kernels.cuda import CudaBackend
 
-        return CudaBackend()
+        return CudaBackend(gemm_max_rows)
     raise ValueError(f"unknown backend {name!r}")

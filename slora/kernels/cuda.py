@@ -105,8 +105,8 @@ class CudaBackend(TritonBackend):
 
     name = "cuda"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, gemm_max_rows: int) -> None:
+        super().__init__(gemm_max_rows)
         self._lora = _Mixed(self._lora)
 
 

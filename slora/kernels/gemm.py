@@ -11,8 +11,8 @@ SMs) K is cut in slices; each slice writes its fp32 partial, and the last slice 
 finish (an atomic count per tile) sums them in slice order and writes the output. One launch,
 no separate reduce kernel (cuBLAS runs split-K as a GEMM and a reduce).
 
-`linear` takes this path for at most `MAX_ROWS` rows of a 16-bit x on CUDA and calls F.linear
-otherwise. H200, Llama-2-7B shapes, 32 rows, per layer (session 9, call 4): q/k/v 30.3 us
+`linear` takes this path for at most `max_rows` rows (`EngineConfig.gemm_max_rows`) of a
+16-bit x on CUDA and calls F.linear otherwise. H200, Llama-2-7B shapes, 32 rows, per layer (session 9, call 4): q/k/v 30.3 us
 against cuBLAS's 31.5, o 13.9 / 15.0, gate/up 49.5 / 53.1, down 30.0 / 30.4; at 64 rows
 cuBLAS won.
 """
@@ -25,11 +25,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-# Rows of x up to which `linear` runs the Triton kernel (on CUDA, 16-bit). At 64 rows cuBLAS
-# won (H200 decode step at batch 64: 6.86 ms with cuBLAS, 7.34 with this kernel; session 9).
-MAX_ROWS = 32
-
 
 @triton.jit(do_not_specialize=["split"])
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_split,
@@ -167,9 +162,11 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return out
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the Triton kernel for a decode step's few rows (16-bit, on CUDA)."""
-    if (x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           max_rows: int) -> torch.Tensor:
+    """F.linear, through the Triton kernel for a decode step's few rows: at most `max_rows`
+    of a 16-bit x on CUDA (`EngineConfig.gemm_max_rows`, whose note says why 32)."""
+    if (x.is_cuda and 0 < x.shape[0] <= max_rows and x.dtype in (torch.bfloat16, torch.float16)
             and x.stride(-1) == 1 and w.stride(-1) == 1):
         return skinny_linear(x, w, bias)
     return F.linear(x, w, bias)
