@@ -309,7 +309,14 @@ case "${1:-}" in
   36)  # S2's no-LoRA stall: torch.profiler over each row's first 8 steps (no LoRA, one adapter)
     lane 0 gpu0 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1 --num-requests 400 --trace-steps 8 --out $OUT/scaling 2>&1 | grep -v "^USDT"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-36)" >&2; exit 2 ;;
+  37)  # for the next session (not yet run): the decode attention sweep with a register cap
+       # (maxnreg 96 / 80: 126 registers hold it to 4 programs an SM) beside tiles and splits,
+       # and the batch-32/128 decode table and kernels (GPU0); S2 q/k/v/o and all seven (GPU1)
+    lane 0 gpu0 'python3 experiments/bench_kernels.py --tune attention --tune-only --out $OUT/kernels 2>&1 | grep -A6 "^tune attention"
+      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 32 --out $OUT/breakdown 2>&1 | grep -A12 "^ *batch\|^kernel breakdown, decode"'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-37)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
