@@ -114,3 +114,11 @@ def test_replay_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert result["config"]["engine"]["num_pages"] == 64 and "pages_total" in result["stats"]
     assert 0 <= result["ttft_p50_s"] <= result["ttft_p90_s"] <= result["ttft_p99_s"]
     assert "SLO attainment" in capsys.readouterr().out
+
+
+def test_replay_engine_options_carry_the_gemm_row_limit():
+    from slora.cli import _engine_options, build_parser
+
+    args = build_parser().parse_args(["replay", "t.jsonl", "--model", "m", "-o", "r.json",
+                                      "--gemm-max-rows", "0", "--num-pages", "64"])
+    assert _engine_options(args) == {"gemm_max_rows": 0, "num_pages": 64}
