@@ -43,42 +43,47 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(q, k_ptr, v_ptr, bt_row, offs_n, n_ok, qpos, offs_d, d_ok, kvh, qk_scale,
-                 m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                 stride_vh, block_size, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr):
-    """One BLOCK_N tile of keys (positions offs_n, valid where n_ok) of one KV head, read
-    through the block table row, folded into the online softmax state (m_i, l_i, acc) of the
-    q rows. CAUSAL (prefill): row i sees keys at positions <= qpos[i], so a row may have no
-    valid key yet (its max stays -inf) and the exponentials are taken against 0 there."""
-    page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
-    slot = offs_n % block_size
-    kmask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
-                + offs_d[None, :], mask=kmask, other=0.0)
-    v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
-                + offs_d[None, :], mask=kmask, other=0.0)
-    if DOT_F32:
-        sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k))
-    if CAUSAL:
-        ok = n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
-    else:
-        ok = n_ok[None, :]
-    sc = tl.where(ok, sc * qk_scale, float("-inf"))  # log2 domain
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    if CAUSAL:
-        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-    else:
-        m_ref = m_new
-    p = tl.exp2(sc - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DOT_F32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale,
+            m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            block_size, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr):
+    """Keys lo..hi-1 of one KV head, read through the block table row BLOCK_N at a time,
+    folded into the online softmax state (m_i, l_i, acc) of the q rows; returns the state.
+    CAUSAL (prefill): row i sees keys at positions <= qpos[i], so a row may have no valid key
+    yet (its max stays -inf) and the exponentials are taken against 0 there."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % block_size
+        kmask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        if DOT_F32:
+            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        if CAUSAL:
+            ok = n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
+        else:
+            ok = n_ok[None, :]
+        sc = tl.where(ok, sc * qk_scale, float("-inf"))  # log2 domain
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        if CAUSAL:
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        else:
+            m_ref = m_new
+        p = tl.exp2(sc - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -117,13 +122,9 @@ def _decode_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        m_i, l_i, acc = _attend_tile(
-            q, k_ptr, v_ptr, bt_row, offs_n, n_ok, None, offs_d, d_ok, kvh, qk_scale,
-            m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            block_size, False, DOT_F32)
+    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_row, lo, hi, None, offs_d, d_ok, kvh, qk_scale,
+                            m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp,
+                            stride_vs, stride_vh, block_size, BLOCK_N, False, DOT_F32)
 
     omask = h_ok[:, None] & d_ok[None, :]
     if not SPLIT:
@@ -274,13 +275,10 @@ def _prefill_kernel(
         bt_row = bt_ptr + s.to(tl.int64) * stride_bt
         # Causal: this tile's last token sees positions <= its own, so keys stop there.
         hi = tl.minimum(ctx, tl.max(tl.where(m_ok, qpos, 0), axis=0) + 1)
-        for n0 in range(0, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < hi
-            m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_row, offs_n, n_ok, qpos, offs_d, d_ok, kvh, qk_scale,
-                m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                block_size, True, DOT_F32)
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_row, 0, hi, qpos, offs_d, d_ok, kvh,
+                                qk_scale, m_i, l_i, acc, stride_kp, stride_ks, stride_kh,
+                                stride_vp, stride_vs, stride_vh, block_size, BLOCK_N, True,
+                                DOT_F32)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
