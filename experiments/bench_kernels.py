@@ -542,7 +542,8 @@ def tune_gemm(cfg, device, dtype, gen):
             default = timed("triton", lambda w: gemm.skinny_linear(x, w, cfg=pick), tile=pick)
             best = default
             for t in tiles:
-                t = dict(t, BLOCK_M=max(16 if device.type == "cuda" else 1, gemm._pow2(M)))
+                t = dict(t, BLOCK_M=max(16 if device.type == "cuda" else 1,
+                                        triton.next_power_of_2(M)))
                 n_tiles = triton.cdiv(N, t["BLOCK_N"])
                 t["SPLIT"] = max(1, min(t.pop("programs") // n_tiles, triton.cdiv(K, t["BLOCK_K"])))
                 r = timed("triton-sweep", lambda w: gemm.skinny_linear(x, w, cfg=t), tile=t)

@@ -12,9 +12,9 @@ finish (an atomic count per tile) sums them in slice order and writes the output
 no separate reduce kernel (cuBLAS runs split-K as a GEMM and a reduce).
 
 `linear` takes this path for at most `max_rows` rows (`EngineConfig.gemm_max_rows`) of a
-16-bit x on CUDA and calls F.linear otherwise. H200, Llama-2-7B shapes, 32 rows, per layer (session 9, call 4): q/k/v 30.3 us
-against cuBLAS's 31.5, o 13.9 / 15.0, gate/up 49.5 / 53.1, down 30.0 / 30.4; at 64 rows
-cuBLAS won.
+16-bit x on CUDA and calls F.linear otherwise. H200, Llama-2-7B shapes, 32 rows, per layer
+(session 9, call 4): q/k/v 30.3 us against cuBLAS's 31.5, o 13.9 / 15.0, gate/up 49.5 / 53.1,
+down 30.0 / 30.4; at 64 rows cuBLAS won.
 """
 
 from __future__ import annotations
@@ -100,10 +100,6 @@ def prepare(device: torch.device) -> torch.Tensor:
     return _COUNTS[device]
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=None)
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -115,13 +111,13 @@ def skinny_cfg(M: int, N: int, K: int, device: torch.device) -> dict:
     columns a step with 4 warps was best or within 2% of best at 1-32 rows for every shape,
     with K cut so that tiles x slices reach about one program per SM (o and down: 64 tiles, 2
     slices), 3 stages without a split (gate_up: 48.3 against 50.8 us with 4) and 4 with one."""
+    pow2 = triton.next_power_of_2
     if device.type != "cuda":  # interpreter: few, large programs
-        return dict(BLOCK_M=_pow2(M), BLOCK_N=min(64, _pow2(N)), BLOCK_K=min(128, _pow2(K)),
-                    SPLIT=1)
+        return dict(BLOCK_M=pow2(M), BLOCK_N=min(64, pow2(N)), BLOCK_K=min(128, pow2(K)), SPLIT=1)
     block_n, block_k = 64, 128
     index = device.index if device.index is not None else torch.cuda.current_device()
     split = max(1, min(_sms(index) // triton.cdiv(N, block_n), triton.cdiv(K, block_k)))
-    return dict(BLOCK_M=max(16, _pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
+    return dict(BLOCK_M=max(16, pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
                 num_warps=4, num_stages=3 if split == 1 else 4)
 
 
