@@ -53,7 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slora.kernels import lora  # noqa: E402
 from slora.kernels import tiles as tiles_mod  # noqa: E402
 from slora.kernels import reference as ref  # noqa: E402
-from slora.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from slora.kernels.attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_prefill_attention,
+    rope_paged_decode_attention,
+)
+from slora.kernels.fused import rope_write_kv  # noqa: E402
 
 ALIGN = ref.LORA_ALIGN
 
@@ -441,7 +446,24 @@ def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
     err = rel_err(out, expect)
     t = bench_graph(lambda: paged_decode_attention(q, k, v, tables, ctx_lens, scale), device)
     nbytes = 2 * B * ctx * kvh * D * q.element_size() + 2 * q.numel() * q.element_size()
-    return dict(B=B, ctx=ctx, H=H, kvh=kvh, D=D, us=t * 1e3, GBps=nbytes / t / 1e6, err=err)
+    # A decode step's rotary + K/V store, then attention: two launches (fused.rope_write_kv
+    # and the kernel above) against the one that folds them (rope_paged_decode_attention).
+    qkv = torch.randn(B, (H + 2 * kvh) * D, generator=gen).to(dtype).to(device)
+    pos = (ctx_lens - 1).long()
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=device).float() / D))
+    last = (ctx - 1) // cfg["block_size"]
+    slots = (tables[:, last].long() * cfg["block_size"] + (ctx - 1) % cfg["block_size"])
+
+    def two(qkv=qkv):  # (rotates q in place: timed last)
+        qr = rope_write_kv(qkv, pos, inv, k, v, slots, H, kvh)
+        return paged_decode_attention(qr, k, v, tables, ctx_lens, scale)
+
+    one = lambda: rope_paged_decode_attention(qkv, pos, inv, k, v, slots, tables,  # noqa: E731
+                                              ctx_lens, scale, H, kvh)
+    err_rope = rel_err(one(), two(qkv.clone()))
+    t_one, t_two = bench_graph(one, device), bench_graph(two, device)
+    return dict(B=B, ctx=ctx, H=H, kvh=kvh, D=D, us=t * 1e3, GBps=nbytes / t / 1e6, err=err,
+                us_rope_two=t_two * 1e3, us_rope_one=t_one * 1e3, err_rope=err_rope)
 
 
 def tune_attention(cfg, device, dtype, gen):
@@ -695,7 +717,7 @@ def main():
                    batches=(1, 16, 32, 64, 128, 256), ranks=(8, 16, 32, 64, 128),
                    segments=(8, 512), mbgmm_ranks=(16, 64), block_size=16,
                    mbgmm_tune=((1, 256), (2, 256), (8, 512)),
-                   attn=[(32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
+                   attn=[(32, 272, 32, 32, 128), (128, 272, 32, 32, 128), (32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
                          (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],
                    prefill_attn=[(8, 512, 32, 32, 128), (2, 2048, 32, 8, 128)],
                    mixed=(32, 128, 256), mixed_ctx=272, mixed_prompt=128, mixed_heads=32)
@@ -772,7 +794,9 @@ def main():
               f"{m['TFLOPs_torch']:6.1f} TFLOP/s | err {m['err_ours']:.1e}")
     for a in res.get("attention", []):
         print(f"decode attn B={a['B']:3d} ctx={a['ctx']:5d} H={a['H']} KVH={a['kvh']} D={a['D']}: "
-              f"{a['us']:8.1f} us {a['GBps']:6.0f} GB/s {pct(a['GBps'])} err {a['err']:.1e}")
+              f"{a['us']:8.1f} us {a['GBps']:6.0f} GB/s {pct(a['GBps'])} err {a['err']:.1e}"
+              f" | rotary + K/V store + attention: two launches {a['us_rope_two']:.1f} us, "
+              f"one {a['us_rope_one']:.1f} us (err {a['err_rope']:.1e})")
     for a in res.get("prefill_attention", []):
         print(f"prefill attn {a['n_seq']} x {a['n_tok']} H={a['H']} KVH={a['kvh']} D={a['D']}: "
               f"{a['us']:8.1f} us {a['TFLOPs']:6.1f} TFLOP/s | twin {a['us_twin']:8.1f} us "

@@ -514,6 +514,8 @@ def parse_args(argv=None):
     ap.add_argument("--decode-rank", type=int, default=16)
     ap.add_argument("--breakdown", type=ints, default=[32],
                     help="decode: batch sizes to profile kernel by kernel (empty: none)")
+    ap.add_argument("--breakdown-modules", type=lambda s: s.split(","), default=["none", "qkvo"],
+                    help="breakdown: module sets to profile, of none,qkvo,all")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                     help="EngineConfig.async_scheduling: launch each step before collecting the "
                          "last (default: the engine's, on with CUDA)")
@@ -539,6 +541,8 @@ def parse_args(argv=None):
         ap.error(f"--gemm-rows {args.gemm_rows}: expected 0 or more")
     if args.graph_pieces is not None and args.graph_pieces < 1:
         ap.error(f"--graph-pieces {args.graph_pieces}: expected 1 or more")
+    if set(args.breakdown_modules) - {"none", "qkvo", "all"}:
+        ap.error(f"--breakdown-modules {','.join(args.breakdown_modules)}: choose from none,qkvo,all")
     if set(args.modules) - {"qkvo", "all"}:
         ap.error(f"--modules {','.join(args.modules)}: choose from qkvo,all")
     if max(args.batches) > args.max_num_seqs:
@@ -576,7 +580,7 @@ def main(argv=None) -> dict:
         result["decode"] = part_decode(eng, args, ceil["copy_GBps"])
         result["breakdown"] = []
         for b in args.breakdown:
-            for key in ("none", "qkvo"):
+            for key in args.breakdown_modules:
                 result["breakdown"].append(kernel_breakdown(eng, args, b, key))
                 print_breakdown(result["breakdown"][-1])
     eng.close()  # (so that main can run again in one process)

@@ -37,7 +37,8 @@ LORA = {"x_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16", "xa_ptr": "*f
         "slot_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i32", "tiles_ptr": "*i32"}
 ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
         "bt_ptr": "*i32", "ctx_ptr": "*i32", "part_ptr": "*fp32", "ml_ptr": "*fp32",
-        "q_start_ptr": "*i32", "tiles_ptr": "*i32", "qk_scale": "fp32"}
+        "q_start_ptr": "*i32", "tiles_ptr": "*i32", "qk_scale": "fp32", "pos_ptr": "*i64",
+        "inv_ptr": "*fp32", "slot_ptr": "*i64"}
 FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
          "out_ptr": "*bf16", "qkv_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
@@ -71,11 +72,14 @@ def variants():
          dict(BLOCK_M=64, BLOCK_R=16, BLOCK_N=64, EVEN_N=True, DOT_F32=False),
          dict(opts, num_stages=2)),
         ("decode attention", attention._decode_kernel, ATTN,
-         dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False),
-         dict(opts, num_stages=2)),
+         dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
+              ROPE=False), dict(opts, num_stages=2)),
+        ("decode attention, rotary + K/V store", attention._decode_kernel, ATTN,
+         dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
+              ROPE=True), dict(opts, num_stages=2)),
         ("decode attention, split", attention._decode_kernel, ATTN,
-         dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False),
-         dict(opts, num_stages=2)),
+         dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False,
+              ROPE=False), dict(opts, num_stages=2)),
         ("merge", attention._merge_kernel, ATTN, dict(BLOCK_S=8, BLOCK_D=128), opts),
         ("prefill attention", attention._prefill_kernel, ATTN,
          dict(QH=1, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, DOT_F32=False),

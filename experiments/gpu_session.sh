@@ -309,14 +309,23 @@ case "${1:-}" in
   36)  # S2's no-LoRA stall: torch.profiler over each row's first 8 steps (no LoRA, one adapter)
     lane 0 gpu0 'python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1 --num-requests 400 --trace-steps 8 --out $OUT/scaling 2>&1 | grep -v "^USDT"'
     ;;
-  37)  # for the next session (not yet run): the decode attention sweep with a register cap
-       # (maxnreg 96 / 80: 126 registers hold it to 4 programs an SM) beside tiles and splits,
-       # and the batch-32/128 decode table and kernels (GPU0); S2 q/k/v/o and all seven (GPU1)
-    lane 0 gpu0 'python3 experiments/bench_kernels.py --tune attention --tune-only --out $OUT/kernels 2>&1 | grep -A6 "^tune attention"
-      python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 32 --out $OUT/breakdown 2>&1 | grep -A12 "^ *batch\|^kernel breakdown, decode"'
-    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8'
+  37)  # session 10, call 1: the decode attention sweep with a register cap (maxnreg 96 / 80:
+       # 126 registers hold it to 4 programs an SM) beside tiles and splits, the batch-32
+       # decode table and its kernels without LoRA and with all seven modules (GPU0); the
+       # MBGMV tile sweep and MBGMV / MBGMM against copy (GPU1)
+    lane 0 gpu0 'python3 experiments/bench_kernels.py --tune attention --tune-only --out $OUT/kernels-attn 2>&1 | grep -A6 "^tune attention"
+      python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown 32 --breakdown-modules none,all --out $OUT/breakdown 2>&1 | grep -A14 "^ *batch\|^kernel breakdown, decode"'
+    lane 1 gpu1 'python3 experiments/bench_kernels.py --tune mbgmv --tune-only --out $OUT/kernels-mbgmv 2>&1 | grep -A4 "^tune"
+      python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | tail -40'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-37)" >&2; exit 2 ;;
+  38)  # the decode kernel with the rotary + K/V store folded in (rope_paged_decode_attention):
+       # the attention, fused and engine CUDA tests, the kernel table (two launches against
+       # one) (GPU0); the decode table at batch 1/32/128 and batch 32's kernels (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_engine_triton.py 2>&1 | tail -2
+      python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | grep "decode attn\|^ *64 \|^ *128 \|^ *256 "'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 1,32,128 --breakdown 32 --breakdown-modules none --out $OUT/breakdown 2>&1 | grep -A12 "^ *batch\|^kernel breakdown, decode"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-38)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

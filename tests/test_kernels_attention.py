@@ -17,7 +17,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from slora.kernels import reference as ref  # noqa: E402
-from slora.kernels.attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from slora.kernels.attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_prefill_attention,
+    rope_paged_decode_attention,
+)
 from slora.kernels.tiles import tile_rows, token_tiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,6 +80,44 @@ def test_decode_attention_matches_twin(shape, dtype, num_splits):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any()
     assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["one-split", "3-splits"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H%d-KV%d-D%d" % s)
+def test_rope_decode_attention_matches_twins(shape, dtype, num_splits):
+    """Rotary + K/V store + decode attention in one launch, against the twins run in turn
+    (reference.rope_write_kv, then reference.paged_decode_attention): the output, and the
+    cache with the new tokens' K and V at their slots (every other row untouched)."""
+    H, kvh, D = shape
+    block_size = 8
+    ctx_lens = [1, 8, 9, 29, 40]  # each sequence's new token sits at position ctx - 1
+    gen = torch.Generator().manual_seed(H * 100 + D + 7 * (num_splits or 0))
+    k_cache, v_cache, tables = make_cache(ctx_lens, block_size, kvh, D, dtype, gen)
+    pool = k_cache.as_strided((k_cache.shape[0], 2 * block_size * kvh * D), (k_cache.stride(0), 1))
+    tables_cpu = tables.cpu().long()
+    slots = torch.tensor([int(tables_cpu[s, (c - 1) // block_size]) * block_size
+                          + (c - 1) % block_size for s, c in enumerate(ctx_lens)], device=DEVICE)
+    positions = torch.tensor([c - 1 + 3 * s for s, c in enumerate(ctx_lens)], device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
+    qkv = torch.randn(len(ctx_lens), (H + 2 * kvh) * D, generator=gen).to(dtype).to(DEVICE)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    scale = D ** -0.5
+
+    pool_ref = pool.clone()
+    kc_ref, vc_ref = ref.kv_views(pool_ref, block_size, kvh, D)
+    q_ref = ref.rope_write_kv(qkv.clone(), positions, inv_freq, kc_ref, vc_ref, slots, H, kvh)
+    expect = ref.paged_decode_attention(q_ref, kc_ref, vc_ref, tables, ctx, scale)
+
+    before = qkv.clone()
+    out = rope_paged_decode_attention(qkv, positions, inv_freq, k_cache, v_cache, slots, tables,
+                                      ctx, scale, H, kvh, num_splits=num_splits)
+    assert torch.equal(qkv, before)  # q is rotated in registers, not in place
+    assert out.shape == (len(ctx_lens), H, D) and out.dtype == dtype
+    assert not torch.isnan(out).any()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, expect) < tol
+    torch.testing.assert_close(pool, pool_ref, atol=tol, rtol=tol, equal_nan=True)
 
 
 def test_decode_attention_long_context_splits_agree():

@@ -68,6 +68,14 @@ class TorchBackend:
         return ref.paged_attention(q, k_cache, v_cache, b.block_tables, b.q_start,
                                    b.ctx_lens_list, scale)
 
+    def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
+                       num_kv_heads):
+        """Rotary on q and k of the fused qkv output, K/V stored at the tokens' slots, then
+        attention: [T, H, D]."""
+        q = self.rope_write_kv(qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping,
+                               num_heads, num_kv_heads)
+        return self.attention(q, k_cache, v_cache, b, scale)
+
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         g = meta.groups.get(group)
         if g is None:
@@ -92,6 +100,15 @@ class TritonBackend(TorchBackend):
         self.add_rms_norm = fused.add_rms_norm
         self.rope_write_kv = fused.rope_write_kv
         self.silu_mul = fused.silu_mul
+
+    def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
+                       num_kv_heads):
+        if b.num_decode == len(b.q_start) - 1:  # decode only: rotary and K/V store folded in
+            return self._attn.rope_paged_decode_attention(
+                qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping, b.block_tables,
+                b.ctx_lens, scale, num_heads, num_kv_heads)
+        return super().rope_attention(qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
+                                      num_kv_heads)
 
     def attention(self, q, k_cache, v_cache, b, scale):
         if b.num_decode == len(b.q_start) - 1:  # decode only: the split-K decode kernel

@@ -20,6 +20,10 @@ Decode tiling, and why:
     each part writes an unnormalised partial (acc, max, sum) and a second small kernel merges
     them. With one split the kernel writes the normalised output directly.
   * head_dim may be any size: the D axis is padded to a power of two and masked.
+  * `rope_paged_decode_attention` folds the rotary + K/V store (`fused.rope_write_kv`) into
+    the same launch for decode-only steps: each program rotates its q rows from the token's
+    [q | k | v] row, and the program whose split holds the new position rotates and stores the
+    new K and V before it reads keys. One launch (and one ramp and tail) fewer a layer.
 
 Prefill (`paged_prefill_attention`, flash-attention style): programs per (query tile, query
 head), the tiles taken from a host-built work list (`tiles.py`); keys walked BLOCK_N at a time
@@ -86,9 +90,21 @@ def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale,
     return m_i, l_i, acc
 
 
+@triton.jit
+def _rotary(ptr, offs_d, mask, half, c, s):
+    """HF's rotary (x * cos + rotate_half(x) * sin) of the rows at ptr (columns offs_d), in
+    fp32 and rounded to ptr's dtype, as `fused.rope_write_kv` computes it."""
+    first = offs_d < half
+    x = tl.load(ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(ptr + tl.where(first, offs_d + half, offs_d - half), mask=mask,
+                other=0.0).to(tl.float32)
+    return (x * c + tl.where(first, -y, y) * s).to(ptr.dtype.element_ty)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
+    pos_ptr, inv_ptr, slot_ptr,
     qk_scale,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -97,7 +113,7 @@ def _decode_kernel(
     stride_ob, stride_oh,
     D, num_splits,
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -113,8 +129,33 @@ def _decode_kernel(
     h_ok = offs_h < QH
     d_ok = offs_d < D
     heads = kvh * QH + offs_h
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q_row = q_ptr + b.to(tl.int64) * stride_qb
+    qmask = h_ok[:, None] & d_ok[None, :]
+    if ROPE:
+        # q_row is the token's [q | k | v] row, unrotated: rotate q (every split) and the new
+        # key, and store the new key and value at the token's slot (the split holding its
+        # position), before the keys are read; the barrier makes the stores visible to the
+        # program's other threads.
+        half = D // 2
+        f = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_ptr + offs_d % half, mask=d_ok,
+                                                         other=0.0)
+        dt = q_ptr.dtype.element_ty
+        c = tl.cos(f).to(dt).to(tl.float32)
+        s = tl.sin(f).to(dt).to(tl.float32)
+        q = _rotary(q_row + heads[:, None] * stride_qh, offs_d[None, :], qmask, half,
+                    c[None, :], s[None, :])
+        if (lo < ctx) & (ctx <= hi):
+            k_new = q_row + (QH * tl.num_programs(1) + kvh) * stride_qh  # past the H q heads
+            v_new = k_new + tl.num_programs(1) * stride_qh  # past the KV k heads
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            page, r = slot // block_size, slot % block_size
+            tl.store(k_ptr + page * stride_kp + r * stride_ks + kvh * stride_kh + offs_d,
+                     _rotary(k_new, offs_d, d_ok, half, c, s), mask=d_ok)
+            tl.store(v_ptr + page * stride_vp + r * stride_vs + kvh * stride_vh + offs_d,
+                     tl.load(v_new + offs_d, mask=d_ok), mask=d_ok)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_row + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
 
@@ -126,7 +167,7 @@ def _decode_kernel(
                             m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp,
                             stride_vs, stride_vh, block_size, BLOCK_N, False, DOT_F32)
 
-    omask = h_ok[:, None] & d_ok[None, :]
+    omask = qmask
     if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
@@ -200,11 +241,36 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the heuristic bounds the context by block_tables' width, so it needs no device sync.
     `cfg` (optional, for benchmarks' sweeps) overrides `decode_config`'s keys.
     """
+    return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg)
+
+
+def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
+                                inv_freq: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                                block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
+                                num_heads: int, num_kv_heads: int,
+                                num_splits: int | None = None,
+                                cfg: dict | None = None) -> torch.Tensor:
+    """`fused.rope_write_kv` and `paged_decode_attention` in one launch (twin:
+    `reference.rope_write_kv`, then `reference.paged_decode_attention`): qkv [B, (H + 2 KVH) *
+    D] is each sequence's new token, unrotated; its K and V are stored at slot_mapping, the
+    position ctx_lens - 1 of its sequence. qkv is left as it was (the q heads unrotated).
+    Returns [B, H, D]."""
+    B = qkv.shape[0]
+    D = k_cache.shape[-1]
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D
+    assert k_cache.shape[2] == num_kv_heads and D % 2 == 0 and inv_freq.dtype == torch.float32
+    q = qkv[:, : num_heads * D].view(B, num_heads, D)
+    return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
+                   rope=(positions, inv_freq, slot_mapping))
+
+
+def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg, rope=None):
     B, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
     assert Dk == D and H % kvh == 0 and q.stride(2) == 1
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and v_cache.shape == k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     qh = H // kvh
@@ -220,8 +286,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ml = torch.empty(B, H, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
+    positions, inv_freq, slot_mapping = rope if rope is not None else (ctx_lens,) * 3  # (unused)
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, out, part, ml,
+        positions, inv_freq, slot_mapping,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -229,7 +297,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), block_size,
         out.stride(0), out.stride(1),
         D, num_splits,
-        QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32, **cfg)
+        QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32,
+        ROPE=rope is not None, **cfg)
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,
                               BLOCK_S=_pow2(num_splits), BLOCK_D=block_d)

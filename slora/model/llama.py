@@ -153,9 +153,8 @@ class LlamaModel:
             qkv = be.linear(h, lw.qkv, lw.qkv_bias)
             if b.lora is not None:
                 be.lora(qkv, h, pool[layer], b.lora, layer, "qkv")
-            q = be.rope_write_kv(qkv, b.positions, self.inv_freq, kc, vc, b.slot_mapping,
-                                 cfg.num_heads, cfg.num_kv_heads)
-            attn = be.attention(q, kc, vc, b, self.scale).reshape(-1, cfg.q_size)
+            attn = be.rope_attention(qkv, self.inv_freq, kc, vc, b, self.scale, cfg.num_heads,
+                                     cfg.num_kv_heads).reshape(-1, cfg.q_size)
             o = be.linear(attn, lw.o, lw.o_bias)
             if b.lora is not None:
                 be.lora(o, attn, pool[layer], b.lora, layer, "o")
