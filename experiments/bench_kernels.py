@@ -36,6 +36,7 @@ splits) or the decode GEMMs' (--tune gemm: cuBLAS against slora.kernels.gemm's t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -58,7 +59,6 @@ from slora.kernels.attention import (  # noqa: E402
     paged_prefill_attention,
     rope_paged_decode_attention,
 )
-from slora.kernels.fused import rope_write_kv  # noqa: E402
 
 ALIGN = ref.LORA_ALIGN
 
@@ -454,12 +454,11 @@ def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
     last = (ctx - 1) // cfg["block_size"]
     slots = (tables[:, last].long() * cfg["block_size"] + (ctx - 1) % cfg["block_size"])
 
-    def two(qkv=qkv):  # (rotates q in place: timed last)
-        qr = rope_write_kv(qkv, pos, inv, k, v, slots, H, kvh)
-        return paged_decode_attention(qr, k, v, tables, ctx_lens, scale)
+    def rope_attn(fold, qkv=qkv):  # (two launches rotate q in place: timed last)
+        return rope_paged_decode_attention(qkv, pos, inv, k, v, slots, tables, ctx_lens, scale,
+                                           H, kvh, fold=fold)
 
-    one = lambda: rope_paged_decode_attention(qkv, pos, inv, k, v, slots, tables,  # noqa: E731
-                                              ctx_lens, scale, H, kvh)
+    one, two = (functools.partial(rope_attn, f) for f in (True, False))
     err_rope = rel_err(one(), two(qkv.clone()))
     t_one, t_two = bench_graph(one, device), bench_graph(two, device)
     return dict(B=B, ctx=ctx, H=H, kvh=kvh, D=D, us=t * 1e3, GBps=nbytes / t / 1e6, err=err,
