@@ -339,7 +339,12 @@ case "${1:-}" in
       PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-39)" >&2; exit 2 ;;
+  40)  # the kernel tables with MBGMV against a copy of its own bytes beside the 2 GiB copy
+       # (GPU0); the decode table at batch 1/16/32/64 (GPU1)
+    lane 0 gpu0 'python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -48'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A14 "^ *batch"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-40)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
