@@ -344,7 +344,14 @@ case "${1:-}" in
     lane 0 gpu0 'python3 experiments/bench_kernels.py --out $OUT/kernels 2>&1 | tail -48'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A14 "^ *batch"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-40)" >&2; exit 2 ;;
+  41)  # the one-split decode kernel with several items a program (items_per_program): the
+       # attention and engine CUDA tests, its items sweep (GPU0); the decode table at batch
+       # 32/64/128/256 (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_engine_triton.py 2>&1 | tail -2
+      python3 notes/h200-2026-11-30-s10/call6/attn_items.py 2>&1 | tail -20'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 32,64,128,256 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A14 "^ *batch"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-41)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
