@@ -121,29 +121,6 @@ def test_rope_decode_attention_matches_twins(shape, dtype, num_splits, fold):
     torch.testing.assert_close(pool, pool_ref, atol=tol, rtol=tol, equal_nan=True)
 
 
-@pytest.mark.parametrize("items", [2, 4], ids=lambda n: f"{n}-items")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H%d-KV%d-D%d" % s)
-def test_decode_attention_items_per_program_matches_twin(shape, dtype, items):
-    """Several (sequence, KV head) items a program, their key tiles one loop: items of
-    different lengths meet inside a program (the state restarts at each item's first tile)
-    and the last program holds fewer items than the others. Every other sequence's scores are
-    large, so an item whose softmax kept the one before's running max would underflow."""
-    H, kvh, D = shape
-    ctx_lens = [1, 8, 9, 29, 40, 3, 17]
-    gen = torch.Generator().manual_seed(H * 10 + D + items)
-    k_cache, v_cache, tables = make_cache(ctx_lens, 8, kvh, D, dtype, gen)
-    q = torch.randn(len(ctx_lens), H, D, generator=gen)
-    q[::2] *= 40
-    q = q.to(dtype).to(DEVICE)
-    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, D ** -0.5, num_splits=1,
-                                 items=items)
-    expect = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, D ** -0.5)
-    assert not torch.isnan(out).any()
-    assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 1e-2)
-
-
 def test_decode_attention_long_context_splits_agree():
     """Split-K and one pass give the same answer over a context of many pages."""
     gen = torch.Generator().manual_seed(5)

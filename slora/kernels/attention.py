@@ -52,55 +52,43 @@ def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale,
             m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             block_size, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr):
     """Keys lo..hi-1 of one KV head, read through the block table row BLOCK_N at a time,
-    folded into the online softmax state (m_i, l_i, acc) of the q rows; returns the state."""
-    for n0 in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, bt_row, n0, hi, qpos, offs_d, d_ok, kvh,
-                                     qk_scale, m_i, l_i, acc, stride_kp, stride_ks, stride_kh,
-                                     stride_vp, stride_vs, stride_vh, block_size, BLOCK_N,
-                                     CAUSAL, DOT_F32)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _attend_tile(q, k_ptr, v_ptr, bt_row, n0, hi, qpos, offs_d, d_ok, kvh, qk_scale,
-                 m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                 stride_vh, block_size, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """Keys n0..n0+BLOCK_N-1 (those below hi) folded into the state: one step of `_attend`.
+    folded into the online softmax state (m_i, l_i, acc) of the q rows; returns the state.
     CAUSAL (prefill): row i sees keys at positions <= qpos[i], so a row may have no valid key
     yet (its max stays -inf) and the exponentials are taken against 0 there."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hi
-    page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
-    slot = offs_n % block_size
-    kmask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
-                + offs_d[None, :], mask=kmask, other=0.0)
-    v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
-                + offs_d[None, :], mask=kmask, other=0.0)
-    if DOT_F32:
-        sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k))
-    if CAUSAL:
-        ok = n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
-    else:
-        ok = n_ok[None, :]
-    sc = tl.where(ok, sc * qk_scale, float("-inf"))  # log2 domain
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-    if CAUSAL:
-        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-    else:
-        m_ref = m_new
-    p = tl.exp2(sc - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DOT_F32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
+        slot = offs_n % block_size
+        kmask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        v = tl.load(v_ptr + (page * stride_vp + slot * stride_vs + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kmask, other=0.0)
+        if DOT_F32:
+            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        if CAUSAL:
+            ok = n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
+        else:
+            ok = n_ok[None, :]
+        sc = tl.where(ok, sc * qk_scale, float("-inf"))  # log2 domain
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        if CAUSAL:
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        else:
+            m_ref = m_new
+        p = tl.exp2(sc - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -193,62 +181,6 @@ def _decode_kernel(
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=h_ok)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
-def _decode_items_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr,
-    qk_scale,
-    stride_qb, stride_qh,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
-    stride_bt, block_size,
-    stride_ob, stride_oh,
-    D, n_items, KVH,
-    QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    ITEMS: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """`_decode_kernel` with one split, for ITEMS (sequence, KV head) items a program: the key
-    tiles of all its items are one loop, so the next item's first tiles load while the last
-    item's end, and its state starts afresh at each item's first tile; each item's output is
-    stored at its last tile."""
-    offs_i = tl.arange(0, ITEMS)
-    items = tl.program_id(0) * ITEMS + offs_i
-    ctx_i = tl.load(ctx_ptr + items // KVH, mask=items < n_items, other=0)
-    tiles_i = tl.cdiv(ctx_i, BLOCK_N)
-    ends = tl.sum(tl.where(offs_i[None, :] <= offs_i[:, None], tiles_i[None, :], 0), axis=1)
-
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    qmask = (offs_h < QH)[:, None] & (offs_d < D)[None, :]
-    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    for it in range(0, tl.sum(tiles_i, axis=0)):
-        pick = offs_i == tl.sum((ends <= it).to(tl.int32), axis=0)  # the item tile `it` is in
-        item = tl.sum(tl.where(pick, items, 0), axis=0)
-        ctx = tl.sum(tl.where(pick, ctx_i, 0), axis=0)
-        end = tl.sum(tl.where(pick, ends, 0), axis=0)
-        start = end - tl.cdiv(ctx, BLOCK_N)
-        b = (item // KVH).to(tl.int64)
-        kvh = item % KVH
-        first = it == start
-        m_i = tl.where(first, float("-inf"), m_i)
-        l_i = tl.where(first, 0.0, l_i)
-        acc = tl.where(first, 0.0, acc)
-        heads = kvh * QH + offs_h
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=qmask, other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, bt_ptr + b * stride_bt,
-                                     (it - start) * BLOCK_N, ctx, None, offs_d, offs_d < D, kvh,
-                                     qk_scale, m_i, l_i, acc, stride_kp, stride_ks, stride_kh,
-                                     stride_vp, stride_vs, stride_vh, block_size, BLOCK_N,
-                                     False, DOT_F32)
-        o = acc / l_i[:, None]  # (every tile holds a key of its item: l_i > 0)
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=qmask & (it == end - 1))
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D, num_splits,
                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -299,8 +231,7 @@ def decode_config(D: int, device: torch.device) -> dict:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, cfg: dict | None = None,
-                           items: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, cfg: dict | None = None) -> torch.Tensor:
     """Decode attention: one new token per sequence over its paged KV (twin:
     `reference.paged_decode_attention`).
 
@@ -309,11 +240,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     >= 1, the new token's K/V already written. Query head h reads KV head h // (H / KVH).
     Returns [B, H, D] in q's dtype. `num_splits` (optional) overrides the split-K heuristic;
     the heuristic bounds the context by block_tables' width, so it needs no device sync.
-    `cfg` (optional, for benchmarks' sweeps) overrides `decode_config`'s keys; `items`
-    (optional, for tests and benchmarks; a power of two) overrides `items_per_program`.
+    `cfg` (optional, for benchmarks' sweeps) overrides `decode_config`'s keys.
     """
-    return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
-                   items=items)
+    return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg)
 
 
 def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
@@ -361,21 +290,7 @@ def fold_rope(programs: int, device: torch.device) -> bool:
     return programs <= 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def items_per_program(n_items: int, device: torch.device) -> int:
-    """(Sequence, KV head) items a program of the one-split decode kernel takes: enough that
-    the programs fit one round on the GPU (4 an SM, as its registers allow), a power of two up
-    to 16. A program's start (context length, block table, first key tiles: a chain of
-    dependent loads) is otherwise paid once a round: on the H200 the same 142 MB of KV at 32
-    heads read 50.3 us as 16 sequences x 544 keys (512 programs), 54.1 as 32 x 272, 59.4 as
-    64 x 136 and 70.5 as 128 x 68 (session 10, call 5). 1 (a program an item) on CPU."""
-    if device.type != "cuda":
-        return 1
-    per_round = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return min(16, _pow2(triton.cdiv(n_items, per_round)))
-
-
-def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg, rope=None,
-            items=None):
+def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg, rope=None):
     B, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
     assert Dk == D and H % kvh == 0 and q.stride(2) == 1
@@ -391,21 +306,6 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
         num_splits = _default_splits(B, kvh, block_tables.shape[1] * block_size, cfg["BLOCK_N"],
                                      q.device)
     dot_f32 = q.device.type != "cuda" or q.dtype == torch.float32
-    if items is None:
-        items = items_per_program(B * kvh, q.device) if num_splits == 1 and rope is None else 1
-    if items > 1:
-        assert num_splits == 1 and rope is None and items == _pow2(items)
-        _decode_items_kernel[(triton.cdiv(B * kvh, items),)](
-            q, k_cache, v_cache, block_tables, ctx_lens, out,
-            scale * LOG2E,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0), block_size,
-            out.stride(0), out.stride(1),
-            D, B * kvh, kvh,
-            QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, ITEMS=items, DOT_F32=dot_f32, **cfg)
-        return out
     if num_splits > 1:
         part = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, H, num_splits, 2, dtype=torch.float32, device=q.device)
