@@ -352,7 +352,15 @@ case "${1:-}" in
       python3 notes/h200-2026-11-30-s10/call6/attn_items.py 2>&1 | tail -20'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 32,64,128,256 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A14 "^ *batch"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-41)" >&2; exit 2 ;;
+  42)  # the key loop with each tile's page ids loaded a tile ahead: attention CUDA tests, the
+       # same-bytes layouts (call 5's script) and the attention tile sweep (GPU0); the decode
+       # table at batch 1/32/128 (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py 2>&1 | tail -1
+      python3 notes/h200-2026-11-30-s10/call5/attn_rounds.py 2>&1 | tail -16
+      python3 experiments/bench_kernels.py --tune attention --tune-only --out $OUT/kernels-attn 2>&1 | grep -A3 "^tune attention"'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 1,32,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A11 "^ *batch"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-42)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
