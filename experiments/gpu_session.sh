@@ -352,7 +352,8 @@ case "${1:-}" in
       python3 notes/h200-2026-11-30-s10/call6/attn_items.py 2>&1 | tail -20'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 32,64,128,256 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A14 "^ *batch"'
     ;;
-  42)  # the key loop with each tile's page ids loaded a tile ahead: attention CUDA tests, the
+  42)  # the key loop with each tile's page ids loaded a tile ahead (at c8ec58e; reverted after
+       # this call: slower at the default tiles, 158 registers): attention CUDA tests, the
        # same-bytes layouts (call 5's script) and the attention tile sweep (GPU0); the decode
        # table at batch 1/32/128 (GPU1)
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py 2>&1 | tail -1

@@ -55,16 +55,10 @@ def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale,
     folded into the online softmax state (m_i, l_i, acc) of the q rows; returns the state.
     CAUSAL (prefill): row i sees keys at positions <= qpos[i], so a row may have no valid key
     yet (its max stays -inf) and the exponentials are taken against 0 there."""
-    # Each tile's page ids are loaded one tile ahead, so a tile's K/V loads wait on no load of
-    # their own iteration (the block table's latency is not paid again in every tile).
-    offs_n = lo + tl.arange(0, BLOCK_N)
-    page_next = tl.load(bt_row + offs_n // block_size, mask=offs_n < hi, other=0)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        page = page_next.to(tl.int64)
-        ahead = offs_n + BLOCK_N
-        page_next = tl.load(bt_row + ahead // block_size, mask=ahead < hi, other=0)
+        page = tl.load(bt_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
         slot = offs_n % block_size
         kmask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (page * stride_kp + slot * stride_ks + kvh * stride_kh)[:, None]
