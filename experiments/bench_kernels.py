@@ -271,10 +271,11 @@ def tune_mbgmv(cfg, device, dtype, gen):
     """Sweep shrink/expand tile configs at a few decode shapes; returns rows for the JSON."""
     rows = []
     orig_s, orig_e = lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg
+    # (CH 64: a 4096-wide d_in in one trip; BLOCK_R 16 / CHN 1: rank 16 in one trip)
     shrink_cfgs = [dict(BLOCK_R=br, CH=ch, num_warps=nw) for br in (1, 2, 4, 8)
-                   for ch in (8, 16, 32) for nw in (4, 8)]
-    expand_cfgs = [dict(BLOCK_R=br, CHN=chn, num_warps=nw) for br in (2, 4, 8)
-                   for chn in (2, 4, 8) for nw in (2, 4)]
+                   for ch in (8, 16, 32, 64) for nw in (4, 8)]
+    expand_cfgs = [dict(BLOCK_R=br, CHN=chn, num_warps=nw) for br in (2, 4, 8, 16)
+                   for chn in (1, 2, 4, 8) for nw in (2, 4)]
     shapes = [(16, 16), (32, 16), (64, 16), (64, 64), (256, 16), (256, 128)] if not cfg["smoke"] else [(2, 8)]
     d = cfg["hidden"]
     out_dims = (d,) * 3

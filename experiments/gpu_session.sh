@@ -361,7 +361,10 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --tune attention --tune-only --out $OUT/kernels-attn 2>&1 | grep -A3 "^tune attention"'
     lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 1,32,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A11 "^ *batch"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-42)" >&2; exit 2 ;;
+  43)  # the MBGMV tile sweep with one-trip tiles added (shrink CH 64, expand BLOCK_R 16 / CHN 1)
+    lane 0 gpu0 'python3 experiments/bench_kernels.py --tune mbgmv --tune-only --out $OUT/kernels-mbgmv 2>&1 | grep -A4 "^tune"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-43)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
