@@ -594,6 +594,52 @@ def tune_gemm(cfg, device, dtype, gen):
     return rows
 
 
+def run_gemm_lora(cfg, device, dtype, gen):
+    """A decode step's base GEMM of each module group with its rank-16 LoRA expand, every row
+    its own adapter: the few-rows GEMM then `lora.mbgmv_expand` (two launches, what the engine
+    runs) against the GEMM with the expand in its epilogue (`gemm.LoraExpand`, one launch).
+    Weights and adapter pools over enough layers that L2 holds none. Returns JSON rows."""
+    from slora.kernels import gemm
+
+    d = cfg["hidden"]
+    inter = 11008 if not cfg["smoke"] else 2 * d
+    r = 16 if not cfg["smoke"] else 8
+    groups = {"qkv": (d, (d, d, d)), "o": (d, (d,)), "gate_up": (d, (inter, inter)),
+              "down": (inter, (d,))}
+    rows = []
+    for M in ((1, 16, 32) if not cfg["smoke"] else (2,)):
+        for name, (K, out_dims) in groups.items():
+            N = sum(out_dims)
+            L = layers_for(N * K * 2, cfg["smoke"])
+            ws = [(torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device) for _ in range(L)]
+            P = Pool(M, r, K, out_dims, cfg["page_size"], L, dtype, device, gen)
+            offa, offb = P.offsets[:, :, 0].contiguous(), P.offsets[:, :, 1].contiguous()
+            slots = torch.randperm(M, generator=gen).to(torch.int32).to(device)
+            x = torch.randn(M, K, generator=gen).to(dtype).to(device)
+            xa = lora.mbgmv_shrink(x, P.pool[0], P.pages, offa, P.ranks, slots, P.stride, r)
+            pick = gemm.skinny_cfg(M, N, K, device)
+
+            def two(l):
+                out = gemm.skinny_linear(x, ws[l], cfg=pick)
+                lora.mbgmv_expand(xa, out, P.pool[l], P.pages, offb, P.ranks, slots, out_dims,
+                                  P.strides)
+                return out
+
+            def one(l):
+                return gemm.skinny_linear(x, ws[l], cfg=pick, lora=gemm.LoraExpand(
+                    xa, P.pool[l], P.pages, offb, P.ranks, slots, out_dims, P.strides))
+
+            err = rel_err(one(0).float(), two(0).float())
+            t_two = bench_graph(lambda: [two(l) for l in range(L)], device) / L * 1e3
+            t_one = bench_graph(lambda: [one(l) for l in range(L)], device) / L * 1e3
+            rows.append(dict(M=M, module=name, rank=r, us_two=t_two, us_one=t_one, err=err))
+            print(f"gemm+lora M={M:3d} {name:8s} rank {r}: GEMM then expand {t_two:7.1f} us, "
+                  f"expand in the GEMM {t_one:7.1f} us ({t_one - t_two:+.1f}) err {err:.1e}",
+                  flush=True)
+            del ws, P
+    return rows
+
+
 def run_prefill_attention(n_seq, n_tok, H, kvh, D, cfg, device, dtype, gen):
     """Causal prefill of n_seq prompts of n_tok tokens (KV already written), vs the twin."""
     k, v, tables = paged_kv(n_seq, n_tok, kvh, D, cfg["block_size"], device, dtype, gen)
@@ -714,6 +760,9 @@ def main():
                          "attention / the decode GEMMs: cuBLAS against the few-rows Triton kernel)")
     ap.add_argument("--tune-only", action="store_true", help="stop after the tile sweep")
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--gemm-lora", action="store_true",
+                    help="only the decode GEMMs with their LoRA expand: two launches against "
+                         "the expand in the GEMM's epilogue")
     ap.add_argument("--only-mixed", action="store_true",
                     help="only the mixed-step comparison (decode rows through the prefill kernels "
                          "or through the decode kernels)")
@@ -743,6 +792,11 @@ def main():
     res["ceilings"] = ceilings(device)
     cfg["copy_GBps"] = res["ceilings"]["copy_GBps"]
     print(f"ceilings: {res['ceilings']}", flush=True)
+    if args.gemm_lora:
+        res["gemm_lora"] = run_gemm_lora(cfg, device, dtype, gen)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_kernels_gemm_lora.json").write_text(json.dumps(res, indent=1))
+        return
     if args.tune:
         sweeps = {"mbgmv": tune_mbgmv, "mbgmm": tune_mbgmm, "attention": tune_attention,
                   "gemm": tune_gemm}

@@ -44,7 +44,8 @@ FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
          "eps": "fp32"}
 GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-        "part_ptr": "*fp32", "count_ptr": "*i32"}
+        "part_ptr": "*fp32", "count_ptr": "*i32", "xa_ptr": "*fp32", "pool_ptr": "*bf16",
+        "pages_ptr": "*i32", "offs_ptr": "*i64", "ranks_ptr": "*i32", "slot_ptr": "*i32"}
 # integer arguments that are multiples of 16 when a 7B's step launches the kernels (hidden 4096,
 # head_dim 128, 32 heads, pages of 16 tokens, LoRA rows and offsets aligned to 64 elements)
 DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3", "s0", "s1",
@@ -88,8 +89,11 @@ def variants():
         ("rope_write_kv", fused._rope_kv_kernel, FUSED, dict(BLOCK=64), dict(opts, num_warps=1)),
         ("silu_mul", fused._silu_mul_kernel, FUSED, dict(BLOCK=1024), opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
-         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, BLOCK_M=32, BLOCK_N=64,
-              BLOCK_K=128), dict(opts, num_stages=4)),
+         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, LORA=False, LORA_R=1,
+              BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
+        ("few-rows gemm + LoRA expand", gemm._skinny_kernel, GEMM,
+         dict(SPLIT_K=False, HAS_BIAS=False, EVEN_K=True, DOT_F32=False, LORA=True, LORA_R=4,
+              BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=3)),
     ]
 
 

@@ -364,7 +364,13 @@ case "${1:-}" in
   43)  # the MBGMV tile sweep with one-trip tiles added (shrink CH 64, expand BLOCK_R 16 / CHN 1)
     lane 0 gpu0 'python3 experiments/bench_kernels.py --tune mbgmv --tune-only --out $OUT/kernels-mbgmv 2>&1 | grep -A4 "^tune"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-43)" >&2; exit 2 ;;
+  44)  # for the next session (not yet run): the few-rows GEMM with the LoRA expand in its
+       # epilogue (gemm.LoraExpand; not used by the engine yet): its CUDA tests, and each
+       # decode GEMM + rank-16 expand in two launches against one at 1 / 16 / 32 rows
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_fused.py 2>&1 | tail -1
+      python3 experiments/bench_kernels.py --gemm-lora --out $OUT/kernels 2>&1 | grep "^gemm+lora"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-44)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

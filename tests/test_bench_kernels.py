@@ -31,3 +31,13 @@ def test_gemm_sweep_smoke(tmp_path):
     assert {r["module"] for r in rows} == {"qkv", "o", "gate_up", "down"}
     assert {r["kind"] for r in rows} == {"cublas", "triton", "triton-sweep"}
     assert all(r["err"] < 1e-5 and r["us"] > 0 for r in rows)
+
+
+def test_gemm_lora_smoke(tmp_path):
+    """--gemm-lora: each decode GEMM with its LoRA expand in two launches and in one, the two
+    agreeing in fp32, for every module group."""
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_kernels.py"), "--smoke",
+                    "--gemm-lora", "--out", str(tmp_path)], check=True, capture_output=True)
+    rows = json.loads((tmp_path / "bench_kernels_gemm_lora.json").read_text())["gemm_lora"]
+    assert {r["module"] for r in rows} == {"qkv", "o", "gate_up", "down"}
+    assert all(r["err"] < 1e-5 and r["us_one"] > 0 and r["us_two"] > 0 for r in rows)

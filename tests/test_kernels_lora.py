@@ -306,3 +306,41 @@ def test_mbgmv_other_tilings(monkeypatch, tiles):
     ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
                     out_dims, grp.strides)
     check_expand(out, out_ref, out0, slots, torch.float16)
+
+
+@pytest.mark.parametrize("split", [1, 2], ids=["one-slice", "split-k"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", [1, 5])
+def test_skinny_linear_with_lora_expand_matches_twins(T, dtype, split):
+    """The few-rows GEMM with each row's LoRA delta added in its epilogue (gemm.LoraExpand)
+    gives F.linear then reference.lora_expand: modules of different widths (one 64-column
+    tile lies in one module), ranks that differ per adapter and module (0 included), base-only
+    rows, with and without K split across programs."""
+    from slora.kernels import gemm
+
+    gen = torch.Generator().manual_seed(77 * T + DTYPES.index(dtype) + split)
+    d_in, out_dims = 96, (128, 64, 64)
+    grp = Group(3, d_in, out_dims, dtype, gen)
+    slots = random_slots(T, 3, gen) if T > 1 else torch.tensor([2], dtype=torch.int32)
+    slots = slots.to(DEVICE)
+    x = torch.randn(T, d_in, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(sum(out_dims), d_in, generator=gen) * 0.1).to(dtype).to(DEVICE)
+    bias = torch.randn(sum(out_dims), generator=gen).to(dtype).to(DEVICE)
+    xa = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots, grp.stride,
+                         grp.max_rank)
+    expect = torch.nn.functional.linear(x, w, bias)
+    base = expect.clone()
+    ref.lora_expand(xa, expect, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
+                    out_dims, grp.strides)
+    cfg = gemm.skinny_cfg(T, sum(out_dims), d_in, torch.device(DEVICE))
+    cfg.update(BLOCK_N=64, BLOCK_K=32, SPLIT=split)
+    lora = gemm.LoraExpand(xa, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots, out_dims,
+                           grp.strides)
+    out = gemm.skinny_linear(x, w, bias, cfg=cfg, lora=lora)
+    plain = gemm.skinny_linear(x, w, bias, cfg=cfg)
+    assert not torch.isnan(out).any()
+    rows = slots >= 0
+    assert torch.equal(out[~rows], plain[~rows])  # base-only rows: the GEMM alone
+    assert rel_err(out, expect) < tol(dtype)
+    if rows.any():  # the deltas themselves (the kernel's own GEMM as their base)
+        assert rel_err(out - plain, expect - base) < tol(dtype) * 2
