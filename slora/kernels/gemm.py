@@ -33,21 +33,28 @@ import triton
 import triton.language as tl
 
 @triton.jit
-def _lora_expand_tile(n0, offs_m, m_ok, xa_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr,
-                      slot_ptr, P, stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1, G,
-                      max_rank, d0, d1, d2, s0, s1, s2, s3, BLOCK_M: tl.constexpr,
-                      R: tl.constexpr):
-    """fp32 [BLOCK_M, 64]: each row's LoRA delta xa[m, g, :r] @ B_g^T[:, cols] (its own
-    adapter's B, `lora.mbgmv_expand`'s product) for the 64 output columns from n0, which lie
-    in one module g of the group (its columns a multiple of 64 wide); rows without an adapter
-    or past the rank give 0."""
+def _lora_rows(n0, offs_m, m_ok, offs_ptr, ranks_ptr, slot_ptr, stride_of0, stride_of1,
+               stride_rk0, stride_rk1, d0, d1, d2):
+    """The module g whose columns hold the tile's 64 from n0 (each module a multiple of 64
+    wide), and each row's adapter slot, rank and B offset in g: loaded before the K loop, so
+    the epilogue's chain starts at the page ids."""
     g = (n0 >= d0).to(tl.int32) + (n0 >= d0 + d1).to(tl.int32) + (n0 >= d0 + d1 + d2).to(tl.int32)
-    col = tl.where(g == 0, 0, tl.where(g == 1, d0, tl.where(g == 2, d0 + d1, d0 + d1 + d2)))
-    stride = tl.where(g == 0, s0, tl.where(g == 1, s1, tl.where(g == 2, s2, s3)))
     slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
     has = slot >= 0
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=has, other=0)
     off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1, mask=has, other=0).to(tl.int32)
+    return g, slot, rank, off_b
+
+
+@triton.jit
+def _lora_delta(n0, g, slot, rank, off_b, offs_m, xa_ptr, pool_ptr, pages_ptr, P, stride_pg,
+                G, max_rank, d0, d1, d2, s0, s1, s2, s3, BLOCK_M: tl.constexpr,
+                R: tl.constexpr):
+    """fp32 [BLOCK_M, 64]: each row's LoRA delta xa[m, g, :r] @ B_g^T[:, cols] (its own
+    adapter's B, `lora.mbgmv_expand`'s product) for the 64 output columns from n0; rows
+    without an adapter give 0."""
+    col = tl.where(g == 0, 0, tl.where(g == 1, d0, tl.where(g == 2, d0 + d1, d0 + d1 + d2)))
+    stride = tl.where(g == 0, s0, tl.where(g == 1, s1, tl.where(g == 2, s2, s3)))
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     e = tl.arange(0, 64)
     delta = tl.zeros((BLOCK_M, 64), tl.float32)
@@ -87,6 +94,10 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
     k_lo = tl.multiple_of(s * k_split, BLOCK_K)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + (k_lo + offs_k)[:, None]  # x^T
+    if LORA:
+        g, slot, rank, off_b = _lora_rows(tile * BLOCK_N, offs_m, m_ok, offs_ptr, ranks_ptr,
+                                          slot_ptr, stride_of0, stride_of1, stride_rk0,
+                                          stride_rk1, d0, d1, d2)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
         if EVEN_K:
@@ -120,10 +131,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     out = acc.to(out_ptr.dtype.element_ty)
     if LORA:  # + the LoRA delta, rounded and added as lora.mbgmv_expand adds it to this out
-        delta = _lora_expand_tile(tile * BLOCK_N, offs_m, m_ok, xa_ptr, pool_ptr, pages_ptr,
-                                  offs_ptr, ranks_ptr, slot_ptr, P, stride_pg, stride_of0,
-                                  stride_of1, stride_rk0, stride_rk1, G, max_rank, d0, d1, d2,
-                                  s0, s1, s2, s3, BLOCK_M, LORA_R)
+        delta = _lora_delta(tile * BLOCK_N, g, slot, rank, off_b, offs_m, xa_ptr, pool_ptr,
+                            pages_ptr, P, stride_pg, G, max_rank, d0, d1, d2, s0, s1, s2, s3,
+                            BLOCK_M, LORA_R)
         out = (out.to(tl.float32) + tl.trans(delta.to(out.dtype)).to(tl.float32)).to(out.dtype)
     ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_out + offs_n[:, None]
     tl.store(ptrs, out, mask=n_ok[:, None] & m_ok[None, :])
