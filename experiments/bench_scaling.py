@@ -535,6 +535,9 @@ def parse_args(argv=None):
                     help="EngineConfig.gemm_max_rows: base GEMMs of at most this many rows "
                          "through the Triton kernel (default: the engine's; 0 = cuBLAS always, "
                          "to compare)")
+    ap.add_argument("--lora-in-gemm", action="store_true",
+                    help="EngineConfig.lora_in_gemm: decode steps run each LoRA expand in the "
+                         "few-rows GEMM's epilogue (experimental, off by default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args(argv)
     if args.gemm_rows is not None and args.gemm_rows < 0:
@@ -564,6 +567,7 @@ def main(argv=None) -> dict:
                               max_num_seqs=args.max_num_seqs,
                               max_batch_tokens=args.max_batch_tokens,
                               async_scheduling=args.async_scheduling,
+                              lora_in_gemm=args.lora_in_gemm,
                               **({} if args.gemm_rows is None
                                  else {"gemm_max_rows": args.gemm_rows}),
                               **({} if args.mixed_graph_tokens is None

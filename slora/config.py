@@ -89,6 +89,10 @@ class EngineConfig:
     # batch-64 decode 6.86 ms with cuBLAS, 7.34 with the kernel); 0: cuBLAS always. CPU runs
     # F.linear whatever this is.
     gemm_max_rows: int = 32
+    # Decode steps whose base GEMMs take that kernel: each module group's LoRA expand runs in
+    # the GEMM's epilogue (slora.kernels.gemm.LoraExpand; one launch for both, the shrink
+    # before it). Experimental: off until measured on the H200 (notes/GPU_PLAN.md).
+    lora_in_gemm: bool = False
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"
@@ -121,6 +125,7 @@ class EngineConfig:
         need(self.load_format in ("auto", "dummy"), "load_format", "expected 'auto' or 'dummy'")
         need(self.mixed_graph_tokens >= 0, "mixed_graph_tokens", "must be >= 0 (0: eager)")
         need(self.gemm_max_rows >= 0, "gemm_max_rows", "must be >= 0 (0: cuBLAS always)")
+        need(isinstance(self.lora_in_gemm, bool), "lora_in_gemm", "expected True or False")
 
     @property
     def host_cache_bytes(self) -> int:

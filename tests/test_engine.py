@@ -98,6 +98,8 @@ def test_bad_inputs_are_clear_errors(engine):
         EngineConfig(block_size=3)
     with pytest.raises(ConfigError, match=r"gemm_max_rows=-1: must be >= 0"):
         EngineConfig(gemm_max_rows=-1)
+    with pytest.raises(ConfigError, match=r"lora_in_gemm='yes': expected True or False"):
+        EngineConfig(lora_in_gemm="yes")
     with pytest.raises(ValueError, match="empty prompt"):
         engine.add_request([])
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -275,3 +275,40 @@ def test_few_rows_gemm_in_the_engine_gives_the_twins_tokens(tiny_model_dir, adap
         tokens[backend] = [o.token_ids for o in outs]
     assert calls, "the kernel ran"
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("model", ["llama", "llama_headdim_linear"])
+def test_lora_in_gemm_gives_the_twins_tokens(tiny_models, adapter_factory, monkeypatch, model):
+    """EngineConfig.lora_in_gemm: decode steps run each module group's LoRA expand in the
+    few-rows GEMM's epilogue (forced onto the kernel here, fp32 on CPU under the interpreter)
+    and give the torch backend's greedy tokens; groups whose modules are not multiples of 64
+    wide (the tiny llama's k/v) keep the separate expand."""
+    from slora.kernels import gemm
+
+    fused = []
+    skinny = gemm.skinny_linear
+
+    def counted(x, w, bias=None, cfg=None, lora=None):
+        if lora is not None:
+            fused.append(tuple(lora.out_dims))
+        return skinny(x, w, bias, cfg=cfg, lora=lora)
+
+    model_dir = tiny_models(model)
+    path = adapter_factory(model_dir, r=8, target_modules="all-linear")
+    tokens = {}
+    for backend in ("torch", "triton"):
+        if backend == "triton":
+            monkeypatch.setattr(gemm, "uses_kernel",
+                                lambda x, w, max_rows: 0 < x.shape[0] <= max_rows)
+            monkeypatch.setattr(gemm, "skinny_linear", counted)
+        e = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
+                                num_pages=48, backend=backend, cuda_graphs=False,
+                                lora_in_gemm=True))
+        e.add_adapter("a", path)
+        outs = e.generate(["The quick brown fox", "Hello", "Paris is"],
+                          SamplingParams(max_tokens=5, ignore_eos=True), adapters=["a", None, "a"])
+        tokens[backend] = [o.token_ids for o in outs]
+    # (hidden 64, intermediate 128; o and down both give (64,))
+    qkv = (128, 128, 128) if model == "llama_headdim_linear" else None  # llama: (64, 32, 32)
+    assert set(fused) == {(64,), (128, 128)} | ({qkv} if qkv else set())
+    assert tokens["triton"] == tokens["torch"]

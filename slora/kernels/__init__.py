@@ -76,6 +76,14 @@ class TorchBackend:
                                num_heads, num_kv_heads)
         return self.attention(q, k_cache, v_cache, b, scale)
 
+    def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
+        """A base linear layer of module group `group` with its batch's LoRA deltas added:
+        x @ w^T (+ bias) + each row's own adapter's (x @ A^T) @ B^T."""
+        out = self.linear(x, w, bias)
+        if meta is not None:
+            self.lora(out, x, pool_l, meta, layer, group)
+        return out
+
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         g = meta.groups.get(group)
         if g is None:
@@ -90,11 +98,12 @@ class TorchBackend:
 class TritonBackend(TorchBackend):
     name = "triton"
 
-    def __init__(self, gemm_max_rows: int) -> None:
+    def __init__(self, gemm_max_rows: int, lora_in_gemm: bool = False) -> None:
         # triton imported only for this backend
         from slora.kernels import attention, fused, gemm, lora
 
-        self._attn, self._lora = attention, lora
+        self._attn, self._lora, self._gemm = attention, lora, gemm
+        self._max_rows, self._lora_in_gemm = gemm_max_rows, lora_in_gemm
         self.linear = functools.partial(gemm.linear, max_rows=gemm_max_rows)
         self.rms_norm = fused.rms_norm
         self.add_rms_norm = fused.add_rms_norm
@@ -125,6 +134,22 @@ class TritonBackend(TorchBackend):
                                                   b.q_start_t, b.ctx_lens, scale, b.tiles,
                                                   b.tile_programs, out=out)
 
+    def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
+        """With `EngineConfig.lora_in_gemm`, a decode-only step whose GEMM takes the few-rows
+        kernel runs the MBGMV shrink, then the GEMM with the expand in its epilogue (one
+        launch fewer); otherwise the GEMM, then `lora`."""
+        g = meta.groups.get(group) if meta is not None and self._lora_in_gemm else None
+        if (g is not None and x.shape[0] == meta.num_decode
+                and self._gemm.uses_kernel(x, w, self._max_rows)
+                and all(d % 64 == 0 for d in g.out_dims)):
+            ranks = g.ranks[layer]
+            xa = self._lora.mbgmv_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
+                                         meta.token_slot, g.stride_in, g.max_rank)
+            return self._gemm.skinny_linear(x, w, bias, lora=self._gemm.LoraExpand(
+                xa, pool_l, meta.pages, g.offsets_b, ranks, meta.token_slot, g.out_dims,
+                g.strides_out))
+        return super().linear_lora(x, w, bias, pool_l, meta, layer, group)
+
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         """Decode rows: MBGMV, one adapter row per token. Prompts: MBGMM over their segments'
         work tiles. A step with both runs both pairs. (Running the decode rows through MBGMM
@@ -153,9 +178,11 @@ class TritonBackend(TorchBackend):
                                 meta.tile_programs)
 
 
-def make_backend(name: str, device: torch.device, gemm_max_rows: int):
+def make_backend(name: str, device: torch.device, gemm_max_rows: int,
+                 lora_in_gemm: bool = False):
     """The backend `name` ("auto", "torch", "triton" or "cuda") for `device`; the GPU backends
-    run base GEMMs of at most `gemm_max_rows` rows through `gemm.linear`."""
+    run base GEMMs of at most `gemm_max_rows` rows through `gemm.linear`, with the LoRA expand
+    in that kernel's epilogue if `lora_in_gemm` (`EngineConfig`'s fields of those names)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
@@ -165,12 +192,12 @@ def make_backend(name: str, device: torch.device, gemm_max_rows: int):
 
         gemm.prepare(device)  # the GEMMs' tile counters, before any graph capture
     if name == "triton":
-        return TritonBackend(gemm_max_rows)
+        return TritonBackend(gemm_max_rows, lora_in_gemm)
     if name == "cuda":
         if device.type != "cuda":
             raise ValueError("EngineConfig.backend='cuda' runs the csrc CUDA kernels and needs a "
                              "CUDA device; use backend='torch' (or 'auto') on CPU")
         from slora.kernels.cuda import CudaBackend
 
-        return CudaBackend(gemm_max_rows)
+        return CudaBackend(gemm_max_rows, lora_in_gemm)
     raise ValueError(f"unknown backend {name!r}")

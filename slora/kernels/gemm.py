@@ -14,7 +14,8 @@ no separate reduce kernel (cuBLAS runs split-K as a GEMM and a reduce).
 With a `LoraExpand`, the epilogue also adds each row's LoRA delta (its own adapter's B over
 the tile's 64 columns, read from the pool pages as `lora.mbgmv_expand` reads them, rounded and
 added as it adds them): the expand's launch folded into the GEMM's. Tested against the twins;
-not yet measured on the H200, so the engine does not use it (`bench_kernels.py --gemm-lora`).
+not yet measured on the H200, so the engine takes it only with `EngineConfig.lora_in_gemm`
+(off by default; `bench_kernels.py --gemm-lora`).
 
 `linear` takes this path for at most `max_rows` rows (`EngineConfig.gemm_max_rows`) of a
 16-bit x on CUDA and calls F.linear otherwise. H200, Llama-2-7B shapes, 32 rows, per layer
@@ -202,8 +203,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     """x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, by the
     Triton kernel whatever M (see `linear` for when the engine uses it). `cfg` overrides the
     tiles (the benchmark's sweep). `lora` (optional) adds each row's LoRA delta in the same
-    launch, as `lora.mbgmv_expand` would after it: not used by the engine yet (to measure:
-    `bench_kernels.py --gemm-lora`)."""
+    launch, as `lora.mbgmv_expand` would after it (`EngineConfig.lora_in_gemm`, off until
+    measured: `bench_kernels.py --gemm-lora`)."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape == (N, K) and w.stride(1) == 1 and x.stride(1) == 1, \
@@ -253,11 +254,17 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return out
 
 
+def uses_kernel(x: torch.Tensor, w: torch.Tensor, max_rows: int) -> bool:
+    """Whether `linear` runs x @ w^T through the Triton kernel: at most `max_rows` rows of a
+    16-bit x on CUDA (`EngineConfig.gemm_max_rows`, whose note says why 32)."""
+    return (x.is_cuda and 0 < x.shape[0] <= max_rows
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(-1) == 1 and w.stride(-1) == 1)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
            max_rows: int) -> torch.Tensor:
-    """F.linear, through the Triton kernel for a decode step's few rows: at most `max_rows`
-    of a 16-bit x on CUDA (`EngineConfig.gemm_max_rows`, whose note says why 32)."""
-    if (x.is_cuda and 0 < x.shape[0] <= max_rows and x.dtype in (torch.bfloat16, torch.float16)
-            and x.stride(-1) == 1 and w.stride(-1) == 1):
+    """F.linear, through the Triton kernel for a decode step's few rows (`uses_kernel`)."""
+    if uses_kernel(x, w, max_rows):
         return skinny_linear(x, w, bias)
     return F.linear(x, w, bias)

@@ -150,22 +150,14 @@ class LlamaModel:
                 h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps)
             else:
                 x, h = be.add_rms_norm(x, down, lw.ln1, cfg.rms_norm_eps)
-            qkv = be.linear(h, lw.qkv, lw.qkv_bias)
-            if b.lora is not None:
-                be.lora(qkv, h, pool[layer], b.lora, layer, "qkv")
+            qkv = be.linear_lora(h, lw.qkv, lw.qkv_bias, pool[layer], b.lora, layer, "qkv")
             attn = be.rope_attention(qkv, self.inv_freq, kc, vc, b, self.scale, cfg.num_heads,
                                      cfg.num_kv_heads).reshape(-1, cfg.q_size)
-            o = be.linear(attn, lw.o, lw.o_bias)
-            if b.lora is not None:
-                be.lora(o, attn, pool[layer], b.lora, layer, "o")
+            o = be.linear_lora(attn, lw.o, lw.o_bias, pool[layer], b.lora, layer, "o")
             x, h = be.add_rms_norm(x, o, lw.ln2, cfg.rms_norm_eps)
-            gate_up = be.linear(h, lw.gate_up)
-            if b.lora is not None:
-                be.lora(gate_up, h, pool[layer], b.lora, layer, "gate_up")
+            gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up")
             act = be.silu_mul(gate_up)
-            down = be.linear(act, lw.down)
-            if b.lora is not None:
-                be.lora(down, act, pool[layer], b.lora, layer, "down")
+            down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down")
         x = (x + down)[b.logits_index]
         x = be.rms_norm(x, w.norm, cfg.rms_norm_eps)
         return be.linear(x, w.lm_head).float()
