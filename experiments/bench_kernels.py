@@ -611,7 +611,8 @@ def run_gemm_lora(cfg, device, dtype, gen):
         for name, (K, out_dims) in groups.items():
             N = sum(out_dims)
             L = layers_for(N * K * 2, cfg["smoke"])
-            ws = [(torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device) for _ in range(L)]
+            ws = [(torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
+                  for _ in range(L)]
             P = Pool(M, r, K, out_dims, cfg["page_size"], L, dtype, device, gen)
             offa, offb = P.offsets[:, :, 0].contiguous(), P.offsets[:, :, 1].contiguous()
             slots = torch.randperm(M, generator=gen).to(torch.int32).to(device)
@@ -779,7 +780,8 @@ def main():
                    batches=(1, 16, 32, 64, 128, 256), ranks=(8, 16, 32, 64, 128),
                    segments=(8, 512), mbgmm_ranks=(16, 64), block_size=16,
                    mbgmm_tune=((1, 256), (2, 256), (8, 512)),
-                   attn=[(32, 272, 32, 32, 128), (128, 272, 32, 32, 128), (32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
+                   attn=[(32, 272, 32, 32, 128), (128, 272, 32, 32, 128),
+                         (32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
                          (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],
                    prefill_attn=[(8, 512, 32, 32, 128), (2, 2048, 32, 8, 128)],
                    mixed=(32, 128, 256), mixed_ctx=272, mixed_prompt=128, mixed_heads=32)

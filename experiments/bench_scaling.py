@@ -545,7 +545,8 @@ def parse_args(argv=None):
     if args.graph_pieces is not None and args.graph_pieces < 1:
         ap.error(f"--graph-pieces {args.graph_pieces}: expected 1 or more")
     if set(args.breakdown_modules) - {"none", "qkvo", "all"}:
-        ap.error(f"--breakdown-modules {','.join(args.breakdown_modules)}: choose from none,qkvo,all")
+        ap.error(f"--breakdown-modules {','.join(args.breakdown_modules)}: choose from "
+                 "none,qkvo,all")
     if set(args.modules) - {"qkvo", "all"}:
         ap.error(f"--modules {','.join(args.modules)}: choose from qkvo,all")
     if max(args.batches) > args.max_num_seqs:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _lora_rows(n0, offs_m, m_ok, offs_ptr, ranks_ptr, slot_ptr, stride_of0, stride_of1,
                stride_rk0, stride_rk1, d0, d1, d2):
