@@ -194,6 +194,39 @@ def test_random_workloads_keep_invariants(data, num_pages, n_adapters, policy):
         assert max(passed_over.values(), default=0) <= 5
 
 
+def test_a_step_that_preempts_admits_nothing_while_others_run():
+    """The case the async-order property test (below) found in session 10: at step 11 the
+    fair policy preempted requests 5 and 0 for the running requests' growth, evicted 5's
+    adapter a3 and re-admitted 5 in the same step, copying a3 back. A step that preempts now
+    admits no waiting request while others run (vLLM's rule); `Sim.step` checks that no
+    running request's adapter is evicted, every step."""
+    sizes = {"a0": 1, "a1": 5, "a2": 6, "a3": 1, "a4": 2, "a5": 6}
+    # (arrival, prompt tokens, max_tokens, adapter) of requests "0".."18"
+    jobs = [(3, 17, 5, "a5"), (1, 12, 6, "a4"), (1, 1, 5, None), (1, 1, 1, None),
+            (1, 2, 2, "a5"), (10, 1, 2, "a3"), (0, 1, 2, None), (1, 1, 1, "a0"),
+            (0, 1, 1, None), (3, 17, 9, "a0"), (1, 17, 6, "a2"), (0, 1, 1, None),
+            (0, 13, 6, None), (0, 1, 2, None), (0, 1, 2, None), (0, 1, 1, None),
+            (1, 1, 1, None), (3, 5, 9, "a1"), (0, 15, 6, "a1")]
+    sim = Sim(40, sizes, "fair")
+    todo = sorted(((arr, str(i), plen, mt, ad) for i, (arr, plen, mt, ad) in enumerate(jobs)),
+                  key=lambda j: j[0])
+    reqs, preempting = [], 0
+    for t in range(100):
+        while todo and todo[0][0] <= t:
+            _, rid, plen, mt, ad = todo.pop(0)
+            reqs.append(Request(rid, list(range(2, 2 + plen)),
+                                SamplingParams(max_tokens=mt, ignore_eos=True), ad, float(t)))
+            sim.sched.add(reqs[-1])
+        plan = sim.step(float(t))
+        if plan.preempted and plan.decode:  # preempted while others kept running
+            preempting += 1
+            assert not plan.prefill and not plan.adapter_loads
+        if not todo and not sim.sched.has_unfinished():
+            break
+    assert preempting and not sim.sched.has_unfinished()
+    assert all(r.finish_reason == "length" for r in reqs)
+
+
 def _token(req, k):
     """The fake model's k-th output token of a request: fixed, whatever the schedule."""
     return (int(req.request_id) * 31 + k * 7) % 50 + 2

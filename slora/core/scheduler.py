@@ -15,6 +15,7 @@ order within `schedule`:
    `max_batch_tokens`. Admission needs pages for the request's KV and, if its adapter is not
    resident, for the adapter; idle adapters are evicted (LRU) to make room, but an adapter a
    running request uses never is. A prompt that can never fit fails alone, with the reason.
+   A step that preempted in 1 admits nothing while other requests still run (as vLLM).
 3. Prefetch: adapters of the next waiting requests are loaded ahead of admission, evicting
    idle adapters the window does not need if it must, while at least `prefetch_reserve`
    pages stay free; their copy overlaps this step's compute.
@@ -91,7 +92,12 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerPlan:
         plan = SchedulerPlan()
         self._schedule_running(plan, now)
-        self._admit(plan, now)
+        # A step that had to preempt a running request admits none while others still run
+        # (as vLLM does): the pages it freed are the running requests' next ones, and a
+        # request admitted into them, the one just preempted among them, would be preempted
+        # again, its prompt recomputed and its adapter copied for nothing.
+        if not (plan.preempted and self.running):
+            self._admit(plan, now)
         self._prefetch(plan)
         return plan
 
