@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .lora import _b_rows, _dims4, _select
+
 
 @triton.jit
 def _lora_rows(n0, offs_m, m_ok, offs_ptr, ranks_ptr, slot_ptr, stride_of0, stride_of1,
@@ -53,24 +55,20 @@ def _lora_delta(n0, g, slot, rank, off_b, offs_m, xa_ptr, pool_ptr, pages_ptr, P
                 G, max_rank, d0, d1, d2, s0, s1, s2, s3, BLOCK_M: tl.constexpr,
                 R: tl.constexpr):
     """fp32 [BLOCK_M, 64]: each row's LoRA delta xa[m, g, :r] @ B_g^T[:, cols] (its own
-    adapter's B, `lora.mbgmv_expand`'s product) for the 64 output columns from n0; rows
-    without an adapter give 0."""
-    col = tl.where(g == 0, 0, tl.where(g == 1, d0, tl.where(g == 2, d0 + d1, d0 + d1 + d2)))
-    stride = tl.where(g == 0, s0, tl.where(g == 1, s1, tl.where(g == 2, s2, s3)))
-    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
-    e = tl.arange(0, 64)
+    adapter's B, `lora.mbgmv_expand`'s product and loads: `lora._b_rows` with a row per token)
+    for the 64 output columns from n0; rows without an adapter give 0."""
+    nc = n0 - _select(g, 0, d0, d0 + d1, d0 + d1 + d2)  # the tile's first column in module g
+    stride = _select(g, s0, s1, s2, s3)
+    pages_row = (pages_ptr + slot.to(tl.int64) * stride_pg)[:, None, None]
     delta = tl.zeros((BLOCK_M, 64), tl.float32)
     for r0 in range(0, max_rank, R):
         rows = r0 + tl.arange(0, R)
-        ok = rows[None, :] < rank[:, None]  # [M, R]
-        v = off_b[:, None] + rows[None, :] * stride + (n0 - col)  # chunk starts, [M, R]
-        page = tl.load(pages_row[:, None] + v // P, mask=ok, other=0)
-        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [64, 64])
-        b = tl.load(pool_ptr + base[:, :, None] + e[None, None, :], mask=ok[:, :, None],
-                    other=0.0)
-        a = tl.load(xa_ptr + (offs_m[:, None] * G + g) * max_rank + rows[None, :], mask=ok,
-                    other=0.0)
-        delta += tl.sum(b.to(tl.float32) * a[:, :, None], axis=1)
+        # [M, R, 64]; the tile lies inside module g, so d_out = nc + 64 masks no column
+        b = _b_rows(pool_ptr, pages_row, off_b[:, None, None], rows[None, :, None],
+                    rank[:, None, None], nc, nc + 64, stride, P, True)
+        a = tl.load(xa_ptr + (offs_m[:, None] * G + g) * max_rank + rows[None, :],
+                    mask=rows[None, :] < rank[:, None], other=0.0)
+        delta += tl.sum(b * a[:, :, None], axis=1)
     return delta
 
 
@@ -234,10 +232,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         lo = lora
         G, max_rank = lo.xa.shape[1], lo.xa.shape[2]
         assert lo.xa.shape[0] == M and lo.xa.dtype == torch.float32 and lo.xa.is_contiguous()
-        assert sum(lo.out_dims) == N and cfg["BLOCK_N"] == 64 and len(lo.out_dims) <= 4
-        assert all(d % 64 == 0 for d in lo.out_dims) and all(s % 64 == 0 for s in lo.strides)
-        dims = list(lo.out_dims) + [0] * (4 - G)
-        strides = list(lo.strides) + [0] * (4 - G)
+        assert sum(lo.out_dims) == N and cfg["BLOCK_N"] == 64
+        assert all(d % 64 == 0 for d in lo.out_dims)  # (a 64-column tile in one module)
+        dims, strides = _dims4(lo.out_dims, lo.strides)
         lora_args = (lo.xa, lo.pool_l, lo.pages, lo.offsets_b, lo.ranks, lo.token_slot,
                      lo.pool_l.shape[1], lo.pages.stride(0), lo.offsets_b.stride(0),
                      lo.offsets_b.stride(1), lo.ranks.stride(0), lo.ranks.stride(1), G, max_rank,
