@@ -262,19 +262,9 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D
     assert k_cache.shape[2] == num_kv_heads and D % 2 == 0 and inv_freq.dtype == torch.float32
-    if num_splits is None:
-        block_n = {**decode_config(D, qkv.device), **(cfg or {})}["BLOCK_N"]
-        num_splits = _default_splits(B, num_kv_heads, block_tables.shape[1] * k_cache.shape[1],
-                                     block_n, qkv.device)
-    if fold is None:
-        fold = fold_rope(B * num_kv_heads * num_splits, qkv.device)
-    if not fold:
-        q = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, num_heads,
-                          num_kv_heads)
-        return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg)
     q = qkv[:, : num_heads * D].view(B, num_heads, D)
     return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
-                   rope=(positions, inv_freq, slot_mapping))
+                   rope=(qkv, positions, inv_freq, slot_mapping), fold=fold)
 
 
 def fold_rope(programs: int, device: torch.device) -> bool:
@@ -290,7 +280,8 @@ def fold_rope(programs: int, device: torch.device) -> bool:
     return programs <= 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg, rope=None):
+def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg, rope=None,
+            fold=None):
     B, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
     assert Dk == D and H % kvh == 0 and q.stride(2) == 1
@@ -305,13 +296,19 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
     if num_splits is None:
         num_splits = _default_splits(B, kvh, block_tables.shape[1] * block_size, cfg["BLOCK_N"],
                                      q.device)
+    if rope is not None and fold is None:
+        fold = fold_rope(B * kvh * num_splits, q.device)
+    if rope is not None and not fold:  # two launches: rotate and store, then attend
+        qkv, positions, inv_freq, slot_mapping = rope
+        q, rope = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, H,
+                                kvh), None
     dot_f32 = q.device.type != "cuda" or q.dtype == torch.float32
     if num_splits > 1:
         part = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, H, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
-    positions, inv_freq, slot_mapping = rope if rope is not None else (ctx_lens,) * 3  # (unused)
+    _, positions, inv_freq, slot_mapping = rope if rope is not None else (ctx_lens,) * 4
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, out, part, ml,
         positions, inv_freq, slot_mapping,
