@@ -364,11 +364,11 @@ case "${1:-}" in
   43)  # the MBGMV tile sweep with one-trip tiles added (shrink CH 64, expand BLOCK_R 16 / CHN 1)
     lane 0 gpu0 'python3 experiments/bench_kernels.py --tune mbgmv --tune-only --out $OUT/kernels-mbgmv 2>&1 | grep -A4 "^tune"'
     ;;
-  44)  # for the next session (not yet run): the few-rows GEMM with the LoRA expand in its
-       # epilogue (gemm.LoraExpand, EngineConfig.lora_in_gemm, off by default): its kernel and
-       # engine CUDA tests, each decode GEMM + rank-16 expand in two launches against one at
-       # 1 / 16 / 32 rows (GPU0); the decode table at batch 1/16/32 without and with it (GPU1)
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_fused.py tests/test_engine_triton.py 2>&1 | tail -1
+  44)  # the few-rows GEMM with the LoRA expand in its epilogue (gemm.LoraExpand,
+       # EngineConfig.lora_in_gemm, off by default): its kernel, attention and engine CUDA tests,
+       # each decode GEMM + rank-16 expand in two launches against one at 1 / 16 / 32 rows
+       # (GPU0); the decode table at batch 1/16/32 without and with it (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_engine_triton.py 2>&1 | tail -1
       python3 experiments/bench_kernels.py --gemm-lora --out $OUT/kernels 2>&1 | grep "^gemm+lora"'
     lane 1 gpu1 'for f in "" --lora-in-gemm; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A11 "^ *batch"; done'
     ;;
