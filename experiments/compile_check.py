@@ -59,7 +59,7 @@ DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3"
 def variants():
     """(name, kernel, argument types, constexprs, options) of each variant to compile."""
     opts = dict(num_warps=4)
-    return [
+    base = [
         ("mbgmv shrink [4 x 32]", lora._mbgmv_shrink_kernel, LORA,
          dict(BLOCK_R=4, CH=32, EVEN_K=True), opts),
         ("mbgmv shrink [1 x 32]", lora._mbgmv_shrink_kernel, LORA,
@@ -95,6 +95,21 @@ def variants():
          dict(SPLIT_K=False, HAS_BIAS=False, EVEN_K=True, DOT_F32=False, LORA=True, LORA_R=4,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=3)),
     ]
+    # a decode step's kernels take a PDL constexpr (slora.kernels.pdl): each compiles without
+    # it and, as a Hopper launches them, with it (the GEMM with its L2 prefetch too)
+    out = []
+    for name, kernel, types, constexprs, options in base:
+        if "PDL" not in inspect.signature(kernel.fn).parameters:
+            out.append((name, kernel, types, constexprs, options))
+            continue
+        off = dict(constexprs, PDL=False)
+        if kernel is gemm._skinny_kernel:
+            off.update(PF_LINES=0, LINE=64)
+        on = dict(off, PDL=True, PF_LINES=16 if kernel is gemm._skinny_kernel else 0) \
+            if kernel is gemm._skinny_kernel else dict(off, PDL=True)
+        out += [(name, kernel, types, off, options),
+                (name + ", PDL", kernel, types, on, dict(options, launch_pdl=True))]
+    return out
 
 
 def compile_variant(kernel, types, constexprs, options, arch: int):
@@ -132,14 +147,14 @@ def main(argv=None) -> int:
         print("compile_check: TRITON_INTERPRET=1 makes no compilable kernels; unset it")
         return 2
     failed = 0
-    print(f"{'variant':<36}{'shared B':>10}{'regs':>5}{'stack':>7}  sm_{args.arch}")
+    print(f"{'variant':<42}{'shared B':>10}{'regs':>5}{'stack':>7}  sm_{args.arch}")
     for name, kernel, types, constexprs, options in variants():
         try:
             k = compile_variant(kernel, types, constexprs, options, args.arch)
-            print(f"{name:<36}{k.metadata.shared:>10}{resources(k) or ' ' * 12}  ok")
+            print(f"{name:<42}{k.metadata.shared:>10}{resources(k) or ' ' * 12}  ok")
         except Exception as e:  # report every failing variant, then fail
             failed += 1
-            print(f"{name:<36}{'':>10}  FAILED: {type(e).__name__}: {str(e)[:300]}")
+            print(f"{name:<42}{'':>10}  FAILED: {type(e).__name__}: {str(e)[:300]}")
     return 1 if failed else 0
 
 

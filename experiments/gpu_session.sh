@@ -372,7 +372,13 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --gemm-lora --out $OUT/kernels 2>&1 | grep "^gemm+lora"'
     lane 1 gpu1 'for f in "" --lora-in-gemm; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A11 "^ *batch"; done'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-44)" >&2; exit 2 ;;
+  45)  # programmatic dependent launch (slora.kernels.pdl) with the few-rows GEMM's L2
+       # prefetch: the kernels' and engine CUDA tests (GPU0); the decode table at batch
+       # 1/16/32/64 with PDL off, and on with 0 / 512 / 1024 / 4096 prefetched columns (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_engine_triton.py tests/test_async_scheduling.py 2>&1 | tail -3'
+    lane 1 gpu1 'for a in "off 0" "on 0" "on 512" "on 1024" "on 4096"; do python3 notes/h200-2026-11-30-s11/pdl_sweep.py $a --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown-${a// /-} 2>&1 | grep -A14 "^== PDL\|^ *batch" | grep -v "^--"; done'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-45)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

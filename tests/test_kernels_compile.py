@@ -19,5 +19,7 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     compiled = [l for l in res.stdout.splitlines() if l.endswith("  ok")]
     assert "FAILED" not in res.stdout
-    # every variant of the 11 kernels (the few-rows GEMM since session 9)
-    assert len(compiled) == 15, res.stdout
+    # every variant of the 11 kernels (the few-rows GEMM since session 9); the decode step's
+    # kernels also with PDL (session 11)
+    assert len(compiled) == 27, res.stdout
+    assert sum(", PDL " in l for l in compiled) == 12, res.stdout

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .fused import rope_write_kv
 from .tiles import as_tiles, tile_rows
 
@@ -114,8 +115,9 @@ def _decode_kernel(
     stride_ob, stride_oh,
     D, num_splits,
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -183,7 +185,8 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D, num_splits,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -320,10 +323,11 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
         out.stride(0), out.stride(1),
         D, num_splits,
         QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32,
-        ROPE=rope is not None, **cfg)
+        ROPE=rope is not None, **pdl.options(q.device), **cfg)
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,
-                              BLOCK_S=_pow2(num_splits), BLOCK_D=block_d)
+                              BLOCK_S=_pow2(num_splits), BLOCK_D=block_d,
+                              **pdl.options(q.device))
     return out
 
 

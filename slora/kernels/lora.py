@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .reference import LORA_ALIGN
 from .tiles import as_tiles, tile_rows
 
@@ -112,8 +113,9 @@ def _mbgmv_shrink_kernel(
     stride_x, d_in, stride, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
-    BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     r0 = tl.program_id(2) * BLOCK_R
@@ -202,8 +204,9 @@ def _mbgmv_expand_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
     d0, d1, d2, d3, s0, s1, s2, s3,
-    BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     n0 = tl.program_id(2) * (CHN * CK)
@@ -286,7 +289,7 @@ def mbgmv_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x, pool_l, pages, offsets_a, ranks, token_slot, xa,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, EVEN_K=d_in % CHUNK == 0, **cfg)
+        G, max_rank, EVEN_K=d_in % CHUNK == 0, **pdl.options(x.device), **cfg)
     return xa
 
 
@@ -312,7 +315,8 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         xa, out, pool_l, pages, offsets_b, ranks, token_slot,
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, *d, *s, EVEN_N=all(x % CHUNK == 0 for x in out_dims), **cfg)
+        G, max_rank, *d, *s, EVEN_N=all(x % CHUNK == 0 for x in out_dims),
+        **pdl.options(out.device), **cfg)
 
 
 # ----------------------------------------------------------------------------- MBGMM
