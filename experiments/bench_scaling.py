@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_engine import MODELS, prompts  # noqa: E402
 import slora.graphs  # noqa: E402
+import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slora.config import LORA_MODULES, ModelConfig  # noqa: E402
 from slora.sim.profile import logged_steps  # noqa: E402
@@ -538,6 +539,9 @@ def parse_args(argv=None):
     ap.add_argument("--lora-in-gemm", action="store_true",
                     help="EngineConfig.lora_in_gemm: decode steps run each LoRA expand in the "
                          "few-rows GEMM's epilogue (experimental, off by default)")
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                    help="programmatic dependent launch of the decode kernels on Hopper "
+                         "(slora.kernels.pdl; on by default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args(argv)
     if args.gemm_rows is not None and args.gemm_rows < 0:
@@ -560,6 +564,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if args.graph_pieces is not None:
         slora.graphs.GRAPH_PIECES = args.graph_pieces  # read at each capture
+    slora.kernels.pdl.ENABLED = args.pdl  # read at each launch and capture
     ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
     if ceil:
         print("ceilings:", ceil, flush=True)

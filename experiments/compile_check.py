@@ -96,19 +96,15 @@ def variants():
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=3)),
     ]
     # a decode step's kernels take a PDL constexpr (slora.kernels.pdl): each compiles without
-    # it and, as a Hopper launches them, with it (the GEMM with its L2 prefetch too)
+    # it and, as a Hopper launches them, with it
     out = []
     for name, kernel, types, constexprs, options in base:
         if "PDL" not in inspect.signature(kernel.fn).parameters:
             out.append((name, kernel, types, constexprs, options))
             continue
-        off = dict(constexprs, PDL=False)
-        if kernel is gemm._skinny_kernel:
-            off.update(PF_LINES=0, LINE=64)
-        on = dict(off, PDL=True, PF_LINES=16 if kernel is gemm._skinny_kernel else 0) \
-            if kernel is gemm._skinny_kernel else dict(off, PDL=True)
-        out += [(name, kernel, types, off, options),
-                (name + ", PDL", kernel, types, on, dict(options, launch_pdl=True))]
+        out += [(name, kernel, types, dict(constexprs, PDL=False), options),
+                (name + ", PDL", kernel, types, dict(constexprs, PDL=True),
+                 dict(options, launch_pdl=True))]
     return out
 
 

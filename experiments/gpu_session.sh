@@ -372,13 +372,19 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --gemm-lora --out $OUT/kernels 2>&1 | grep "^gemm+lora"'
     lane 1 gpu1 'for f in "" --lora-in-gemm; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A11 "^ *batch"; done'
     ;;
-  45)  # programmatic dependent launch (slora.kernels.pdl) with the few-rows GEMM's L2
-       # prefetch: the kernels' and engine CUDA tests (GPU0); the decode table at batch
-       # 1/16/32/64 with PDL off, and on with 0 / 512 / 1024 / 4096 prefetched columns (GPU1)
+  45)  # programmatic dependent launch (slora.kernels.pdl) with each kernel's next launched
+       # at its start and the few-rows GEMM's L2 prefetch (at a467aa8, session 11 call 2: lost
+       # at batch 1 and 16 without LoRA; the prefetch lost everywhere): the kernels' and engine
+       # CUDA tests (GPU0); the decode table at batch 1/16/32/64, PDL off, on with 0 / 512 /
+       # 1024 / 4096 prefetched columns (GPU1, notes/h200-2026-11-30-s11/call2)
+    echo "case 45 ran at a467aa8; see notes/h200-2026-11-30-s11/call2" ;;
+  46)  # PDL with the next kernel launched after each main loop, and the LoRA expand in the
+       # GEMM's epilogue at 17-32 rows: CUDA tests (GPU0); decode table at batch 1/16/32/64
+       # with PDL off and on, then with --lora-in-gemm (GPU1)
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_engine_triton.py tests/test_async_scheduling.py 2>&1 | tail -3'
-    lane 1 gpu1 'for a in "off 0" "on 0" "on 512" "on 1024" "on 4096"; do python3 notes/h200-2026-11-30-s11/pdl_sweep.py $a --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown-${a// /-} 2>&1 | grep -A14 "^== PDL\|^ *batch" | grep -v "^--"; done'
+    lane 1 gpu1 'for f in --no-pdl --pdl "--pdl --lora-in-gemm" "--no-pdl --lora-in-gemm"; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" $f --out $OUT/breakdown${f// /} 2>&1 | grep -A14 "^ *batch"; done'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-45)" >&2; exit 2 ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-46)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -135,11 +135,12 @@ class TritonBackend(TorchBackend):
                                                   b.tile_programs, out=out)
 
     def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
-        """With `EngineConfig.lora_in_gemm`, a decode-only step whose GEMM takes the few-rows
-        kernel runs the MBGMV shrink, then the GEMM with the expand in its epilogue (one
-        launch fewer); otherwise the GEMM, then `lora`."""
+        """With `EngineConfig.lora_in_gemm`, a decode-only step of `gemm.LORA_MIN_ROWS` rows or
+        more whose GEMM takes the few-rows kernel runs the MBGMV shrink, then the GEMM with the
+        expand in its epilogue (one launch fewer); otherwise the GEMM, then `lora`."""
         g = meta.groups.get(group) if meta is not None and self._lora_in_gemm else None
         if (g is not None and x.shape[0] == meta.num_decode
+                and x.shape[0] >= self._gemm.LORA_MIN_ROWS
                 and self._gemm.uses_kernel(x, w, self._max_rows)
                 and all(d % 64 == 0 for d in g.out_dims)):
             ranks = g.ranks[layer]

@@ -117,7 +117,7 @@ def _decode_kernel(
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.start(PDL)
+    pdl.wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -169,6 +169,7 @@ def _decode_kernel(
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_row, lo, hi, None, offs_d, d_ok, kvh, qk_scale,
                             m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp,
                             stride_vs, stride_vh, block_size, BLOCK_N, False, DOT_F32)
+    pdl.launch_next(PDL)
 
     omask = qmask
     if not SPLIT:
@@ -186,7 +187,7 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D, num_splits,
                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
+    pdl.wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

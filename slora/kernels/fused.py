@@ -28,7 +28,7 @@ def _pow2(n: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, eps, stride_x, stride_d,
                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -68,7 +68,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t,
                     kc_page, kc_row, kc_head, vc_page, vc_row, vc_head, block_size,
                     H, KVH, HALF, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -122,7 +122,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.start(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N

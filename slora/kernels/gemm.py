@@ -81,7 +81,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
                    d0, d1, d2, s0, s1, s2, s3,
                    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_F32: tl.constexpr, LORA: tl.constexpr, LORA_R: tl.constexpr,
-                   PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr,
+                   PDL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which K slice
@@ -94,11 +94,6 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
     # multiple of BLOCK_K, but s * k_split has no known divisor) the PTX had neither, and
     # every tile ran 1.3-2x slower on the H200 (session 9, call 3).
     k_lo = tl.multiple_of(s * k_split, BLOCK_K)
-    pdl.launch_next(PDL)
-    if PF_LINES > 0:  # (PDL) the slice's first lines of W into L2 while the kernel before ends
-        pk = tl.minimum(k_lo + tl.arange(0, PF_LINES) * LINE, K - 1)
-        pn = tl.minimum(offs_n, N - 1).to(tl.int64)
-        pdl.prefetch_l2(w_ptr + pn[:, None] * stride_w + pk[None, :])
     pdl.wait(PDL)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + (k_lo + offs_k)[:, None]  # x^T
@@ -121,6 +116,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
             acc += tl.dot(w, xt)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    pdl.launch_next(PDL)
     if SPLIT_K:
         # Each slice leaves its partial tile in `part`; the last to finish adds them up in
         # slice order (the same sum whichever finishes last) and resets the tile's counter
@@ -147,7 +143,12 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
     tl.store(ptrs, out, mask=n_ok[:, None] & m_ok[None, :])
 
 
-PREFETCH_K = 1024  # skinny_cfg's PREFETCH on CUDA
+# The fewest rows at which `EngineConfig.lora_in_gemm` takes the epilogue: on the H200 (session
+# 11, call 1; GEMM + rank-16 expand, two launches against one) it won at 32 rows for every
+# 7B shape (q/k/v 37.5 -> 36.2 us, o 19.2 -> 18.6, gate/up 61.3 -> 56.9, down 35.5 -> 34.6),
+# tied at 1 row (within 0.4 us) and was mixed at 16 (o +0.9, gate/up -0.6); a decode step at
+# batch 16 with q/k/v/o went 5.55 -> 5.59 ms with it, at batch 32 with all seven 7.19 -> 7.01.
+LORA_MIN_ROWS = 17
 MAX_TILES = 4096  # output tiles a split launch may count (a 7B's widest: 32,000 / 64 = 500)
 _COUNTS: dict[torch.device, torch.Tensor] = {}
 
@@ -178,18 +179,15 @@ def skinny_cfg(M: int, N: int, K: int, device: torch.device) -> dict:
     four decode GEMMs at 1, 16, 32 and 64 rows over 48 tile settings): 64 rows of W by 128
     columns a step with 4 warps was best or within 2% of best at 1-32 rows for every shape,
     with K cut so that tiles x slices reach about one program per SM (o and down: 64 tiles, 2
-    slices), 3 stages without a split (gate_up: 48.3 against 50.8 us with 4) and 4 with one.
-    PREFETCH: the K columns of each program's W rows asked into L2 before it waits on the
-    kernel before it (with PDL; `pdl`)."""
+    slices), 3 stages without a split (gate_up: 48.3 against 50.8 us with 4) and 4 with one."""
     pow2 = triton.next_power_of_2
     if device.type != "cuda":  # interpreter: few, large programs
-        return dict(BLOCK_M=pow2(M), BLOCK_N=min(64, pow2(N)), BLOCK_K=min(128, pow2(K)), SPLIT=1,
-                    PREFETCH=0)
+        return dict(BLOCK_M=pow2(M), BLOCK_N=min(64, pow2(N)), BLOCK_K=min(128, pow2(K)), SPLIT=1)
     block_n, block_k = 64, 128
     index = device.index if device.index is not None else torch.cuda.current_device()
     split = max(1, min(_sms(index) // triton.cdiv(N, block_n), triton.cdiv(K, block_k)))
     return dict(BLOCK_M=max(16, pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                PREFETCH=PREFETCH_K, num_warps=4, num_stages=3 if split == 1 else 4)
+                num_warps=4, num_stages=3 if split == 1 else 4)
 
 
 @dataclass(frozen=True)
@@ -229,13 +227,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     # K slices of whole BLOCK_K steps; `split` is the number of them that hold any K
     split = cfg.pop("SPLIT")
-    prefetch = cfg.pop("PREFETCH", 0)
     k_split = triton.cdiv(triton.cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = triton.cdiv(K, k_split)
-    launch = pdl.options(x.device)
-    line = 128 // w.element_size()  # elements of W a 128-byte line
-    prefetch = min(prefetch, k_split) if launch["PDL"] else 0
-    pf_lines = triton.next_power_of_2(triton.cdiv(prefetch, line)) if prefetch else 0
     part = count = out
     if split > 1:
         if tiles > MAX_TILES:
@@ -265,8 +258,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         x.stride(0), w.stride(0), out.stride(0), tiles * cfg["BLOCK_N"] * cfg["BLOCK_M"],
         *lora_args,
         SPLIT_K=split > 1, HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0,
-        DOT_F32=dot_f32, LORA=lora is not None, LORA_R=lora_r, PF_LINES=pf_lines, LINE=line,
-        **launch, **cfg)
+        DOT_F32=dot_f32, LORA=lora is not None, LORA_R=lora_r,
+        **pdl.options(x.device), **cfg)
     return out
 
 

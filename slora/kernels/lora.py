@@ -115,7 +115,7 @@ def _mbgmv_shrink_kernel(
     G, max_rank,
     BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.start(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     r0 = tl.program_id(2) * BLOCK_R
@@ -133,6 +133,7 @@ def _mbgmv_shrink_kernel(
     x_row = x_ptr + t.to(tl.int64) * stride_x
     res = _shrink_rows(x_row, pool_ptr, pages_row, off_a, offs_r, rank, d_in, stride, P,
                        BLOCK_R, CH, EVEN_K)
+    pdl.launch_next(PDL)
     tl.store(xa_row, res, mask=offs_r < max_rank)
 
 
@@ -206,7 +207,7 @@ def _mbgmv_expand_kernel(
     d0, d1, d2, d3, s0, s1, s2, s3,
     BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.start(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     n0 = tl.program_id(2) * (CHN * CK)
@@ -235,6 +236,7 @@ def _mbgmv_expand_kernel(
         b = _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N)
         acc += b * tl.load(xa_row + rows, mask=rows < rank, other=0.0)
     delta = tl.sum(acc, axis=0)  # [CHN, CK]
+    pdl.launch_next(PDL)
     tl.store(ptrs, _add_rounded(o, delta), mask=omask)
 
 

@@ -3,23 +3,25 @@
 A decode step is ~300 dependent kernels, most a few microseconds long, and between two of
 them the GPU idles while the first one's last programs finish and the next one launches
 (0.28 ms of a 5.4 ms batch-32 step on the H200, session 10). Launched with PDL, the next
-kernel's programs may be placed on the SMs the first one leaves free before it has finished.
-Every kernel here starts with `start`:
+kernel may launch before the one before it has completed:
 
-1. `griddepcontrol.launch_dependents`: once every program of this kernel has run it, the next
-   kernel in the stream may launch;
-2. (the few-rows GEMM only) `prefetch_l2` of the first slice of its weights, which no kernel
-   writes: their HBM reads overlap the kernel before;
-3. `griddepcontrol.wait`: until the kernel before has completed and its writes are visible.
-   Nothing another kernel writes is read or written before it.
+- every kernel here starts with `wait` (`griddepcontrol.wait`: until the kernel before has
+  completed and its writes are visible); nothing another kernel writes is read or written
+  before it. Each kernel waits for the one before it, which waited for the one before that,
+  so every earlier kernel's writes are visible; a kernel launched without PDL (a torch op,
+  cuBLAS) waits for full completion as always, so the chain may mix both.
+- the kernels with a main loop (the few-rows GEMM, decode attention, MBGMV) call
+  `launch_next` (`griddepcontrol.launch_dependents`) after it, so the next kernel's launch
+  overlaps their epilogues; the others let it launch as they exit.
 
-Each kernel waits for the one before it, which waited for the one before that, so every
-earlier kernel's writes are visible after the wait; a kernel launched without PDL (a torch
-op, cuBLAS) waits for full completion as always, so the chain may mix both.
-
-Session 8 tried the wait alone (no early launch, no prefetch) while cuBLAS ran the GEMMs: a
-tie. `ENABLED` is read at each launch (and so at each graph capture); `bench_scaling.py
---no-pdl` turns it off to time both.
+Where `launch_next` goes was measured on the H200 (session 11, call 2): at each kernel's
+start, the next kernel's programs were placed while the SMs were still busy, and the step
+got slower at batch 1 and 16 without LoRA (4.02 -> 4.34 ms, 4.61 -> 5.05) though faster with
+q/k/v/o (5.49 -> 5.26 at batch 16); asking L2 for the GEMMs' first weight columns before the
+wait made every batch slower (batch 32 without LoRA: 5.50 ms, 5.59 with 1,024 columns, 6.40
+with 4,096). Session 8 tried the wait alone beside cuBLAS GEMMs: a tie.
+`ENABLED` is read at each launch (and so at each graph capture); `bench_scaling.py --no-pdl`
+turns it off to time both.
 """
 
 from __future__ import annotations
@@ -61,18 +63,3 @@ def wait(PDL: tl.constexpr):
     without PDL)."""
     if PDL:
         gdc_wait()
-
-
-@triton.jit
-def start(PDL: tl.constexpr):
-    """A kernel's first step: `launch_next`, then `wait`."""
-    launch_next(PDL)
-    wait(PDL)
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at `ptrs` (each a valid address: the caller clamps);
-    nothing waits for them."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l",
-                              [ptrs.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
