@@ -89,10 +89,11 @@ class EngineConfig:
     # batch-64 decode 6.86 ms with cuBLAS, 7.34 with the kernel); 0: cuBLAS always. CPU runs
     # F.linear whatever this is.
     gemm_max_rows: int = 32
-    # Decode steps whose base GEMMs take that kernel: each module group's LoRA expand runs in
-    # the GEMM's epilogue (slora.kernels.gemm.LoraExpand; one launch for both, the shrink
-    # before it). Experimental: off until measured on the H200 (notes/GPU_PLAN.md).
-    lora_in_gemm: bool = False
+    # Decode steps of 17 rows or more whose base GEMMs take that kernel: each module group's
+    # LoRA expand runs in the GEMM's epilogue (slora.kernels.gemm.LoraExpand; one launch for
+    # both, the shrink before it). H200 batch-32 decode, rank 16: all seven modules 7.02 ->
+    # 6.85 ms, q/k/v/o 6.35 -> 6.29; at 16 rows or fewer it did not pay (gemm.LORA_MIN_ROWS).
+    lora_in_gemm: bool = True
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"

@@ -98,7 +98,7 @@ class TorchBackend:
 class TritonBackend(TorchBackend):
     name = "triton"
 
-    def __init__(self, gemm_max_rows: int, lora_in_gemm: bool = False) -> None:
+    def __init__(self, gemm_max_rows: int, lora_in_gemm: bool = True) -> None:
         # triton imported only for this backend
         from slora.kernels import attention, fused, gemm, lora
 
@@ -180,7 +180,7 @@ class TritonBackend(TorchBackend):
 
 
 def make_backend(name: str, device: torch.device, gemm_max_rows: int,
-                 lora_in_gemm: bool = False):
+                 lora_in_gemm: bool = True):
     """The backend `name` ("auto", "torch", "triton" or "cuda") for `device`; the GPU backends
     run base GEMMs of at most `gemm_max_rows` rows through `gemm.linear`, with the LoRA expand
     in that kernel's epilogue if `lora_in_gemm` (`EngineConfig`'s fields of those names)."""

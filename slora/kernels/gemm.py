@@ -13,9 +13,9 @@ no separate reduce kernel (cuBLAS runs split-K as a GEMM and a reduce).
 
 With a `LoraExpand`, the epilogue also adds each row's LoRA delta (its own adapter's B over
 the tile's 64 columns, read from the pool pages as `lora.mbgmv_expand` reads them, rounded and
-added as it adds them): the expand's launch folded into the GEMM's. Tested against the twins;
-not yet measured on the H200, so the engine takes it only with `EngineConfig.lora_in_gemm`
-(off by default; `bench_kernels.py --gemm-lora`).
+added as it adds them): the expand's launch folded into the GEMM's. The engine takes it at
+`LORA_MIN_ROWS` rows or more (`EngineConfig.lora_in_gemm`, on by default;
+`bench_kernels.py --gemm-lora` times both forms).
 
 `linear` takes this path for at most `max_rows` rows (`EngineConfig.gemm_max_rows`) of a
 16-bit x on CUDA and calls F.linear otherwise. H200, Llama-2-7B shapes, 32 rows, per layer
@@ -212,8 +212,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     """x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, by the
     Triton kernel whatever M (see `linear` for when the engine uses it). `cfg` overrides the
     tiles (the benchmark's sweep). `lora` (optional) adds each row's LoRA delta in the same
-    launch, as `lora.mbgmv_expand` would after it (`EngineConfig.lora_in_gemm`, off until
-    measured: `bench_kernels.py --gemm-lora`)."""
+    launch, as `lora.mbgmv_expand` would after it (`EngineConfig.lora_in_gemm`)."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape == (N, K) and w.stride(1) == 1 and x.stride(1) == 1, \
