@@ -102,8 +102,9 @@ def variants():
         if "PDL" not in inspect.signature(kernel.fn).parameters:
             out.append((name, kernel, types, constexprs, options))
             continue
-        out += [(name, kernel, types, dict(constexprs, PDL=False), options),
-                (name + ", PDL", kernel, types, dict(constexprs, PDL=True),
+        early = {"EARLY": True} if "EARLY" in inspect.signature(kernel.fn).parameters else {}
+        out += [(name, kernel, types, dict(constexprs, PDL=False, **early), options),
+                (name + ", PDL", kernel, types, dict(constexprs, PDL=True, **early),
                  dict(options, launch_pdl=True))]
     return out
 

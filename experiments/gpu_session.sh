@@ -384,7 +384,13 @@ case "${1:-}" in
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_engine_triton.py tests/test_async_scheduling.py 2>&1 | tail -3'
     lane 1 gpu1 'for f in --no-pdl --pdl "--pdl --lora-in-gemm" "--no-pdl --lora-in-gemm"; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" $f --out $OUT/breakdown${f// /} 2>&1 | grep -A14 "^ *batch"; done'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-46)" >&2; exit 2 ;;
+  47)  # PDL: the small kernels (norms, rotary + K/V store, SiLU, merge) launch the next
+       # kernel at their start (pdl.EARLY) or as they exit: fused, attention and engine CUDA
+       # tests (GPU0); the decode table at batch 1/16/32/64, each way twice (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_engine_triton.py 2>&1 | tail -1'
+    lane 1 gpu1 'for e in False True False True; do echo "== EARLY $e"; python3 -c "import sys; sys.path[:0] = [\"experiments\"]; import slora.kernels.pdl as p; p.EARLY = $e; import bench_scaling; bench_scaling.main(sys.argv[1:])" --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown-early-$e 2>&1 | grep -A14 "^ *batch"; done'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-47)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

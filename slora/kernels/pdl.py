@@ -34,6 +34,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = True
+EARLY = True  # (session 11 experiment) the small kernels launch the next at their start
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,19 +42,26 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def options(device: torch.device) -> dict:
+def options(device: torch.device, early: bool = False) -> dict:
     """A launch's PDL arguments: the kernel's PDL constexpr and Triton's `launch_pdl`."""
+    extra = {"EARLY": EARLY} if early else {}
     if ENABLED and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if _hopper(index):
-            return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+            return {"PDL": True, "launch_pdl": True, **extra}
+    return {"PDL": False, **extra}
 
 
 @triton.jit
 def launch_next(PDL: tl.constexpr):
     """Let the next kernel launch (a no-op without PDL)."""
     if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def launch_next_early(PDL: tl.constexpr, EARLY: tl.constexpr):
+    if PDL and EARLY:
         gdc_launch_dependents()
 
 
