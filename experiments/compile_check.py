@@ -102,9 +102,8 @@ def variants():
         if "PDL" not in inspect.signature(kernel.fn).parameters:
             out.append((name, kernel, types, constexprs, options))
             continue
-        early = {"EARLY": True} if "EARLY" in inspect.signature(kernel.fn).parameters else {}
-        out += [(name, kernel, types, dict(constexprs, PDL=False, **early), options),
-                (name + ", PDL", kernel, types, dict(constexprs, PDL=True, **early),
+        out += [(name, kernel, types, dict(constexprs, PDL=False), options),
+                (name + ", PDL", kernel, types, dict(constexprs, PDL=True),
                  dict(options, launch_pdl=True))]
     return out
 

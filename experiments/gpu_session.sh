@@ -379,17 +379,16 @@ case "${1:-}" in
        # 1024 / 4096 prefetched columns (GPU1, notes/h200-2026-11-30-s11/call2)
     echo "case 45 ran at a467aa8; see notes/h200-2026-11-30-s11/call2" ;;
   46)  # PDL with the next kernel launched after each main loop, and the LoRA expand in the
-       # GEMM's epilogue at 17-32 rows: CUDA tests (GPU0); decode table at batch 1/16/32/64
-       # with PDL off and on, then with --lora-in-gemm (GPU1)
+       # GEMM's epilogue at 17-32 rows (session 11 call 3, at 6f3518f, when --lora-in-gemm was
+       # off by default): CUDA tests (GPU0); decode table at batch 1/16/32/64 with PDL off and
+       # on, then with the LoRA epilogue (GPU1)
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_engine_triton.py tests/test_async_scheduling.py 2>&1 | tail -3'
     lane 1 gpu1 'for f in --no-pdl --pdl "--pdl --lora-in-gemm" "--no-pdl --lora-in-gemm"; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" $f --out $OUT/breakdown${f// /} 2>&1 | grep -A14 "^ *batch"; done'
     ;;
-  47)  # PDL: the small kernels (norms, rotary + K/V store, SiLU, merge) launch the next
-       # kernel at their start (pdl.EARLY) or as they exit: fused, attention and engine CUDA
-       # tests (GPU0); the decode table at batch 1/16/32/64, each way twice (GPU1)
-    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_engine_triton.py 2>&1 | tail -1'
-    lane 1 gpu1 'for e in False True False True; do echo "== EARLY $e"; python3 -c "import sys; sys.path[:0] = [\"experiments\"]; import slora.kernels.pdl as p; p.EARLY = $e; import bench_scaling; bench_scaling.main(sys.argv[1:])" --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown-early-$e 2>&1 | grep -A14 "^ *batch"; done'
-    ;;
+  47)  # PDL with the small kernels' launch_next at their start or as they exit (at d4b4735,
+       # session 11 call 5: at their start won at batch 1, 3.97 -> 3.92 ms, tied elsewhere; it
+       # is what ships): fused, attention and engine CUDA tests; decode table each way twice
+    echo "case 47 ran at d4b4735; see notes/h200-2026-11-30-s11/call5" ;;
   *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-47)" >&2; exit 2 ;;
 esac
 wait

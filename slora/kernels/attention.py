@@ -186,10 +186,9 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D, num_splits,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-                  EARLY: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
-    pdl.launch_next_early(PDL, EARLY)
+    pdl.launch_next(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -330,7 +329,7 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,
                               BLOCK_S=_pow2(num_splits), BLOCK_D=block_d,
-                              **pdl.options(q.device, early=True))
+                              **pdl.options(q.device))
     return out
 
 

@@ -27,10 +27,9 @@ def _pow2(n: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, eps, stride_x, stride_d,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                     EARLY: tl.constexpr):
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
-    pdl.launch_next_early(PDL, EARLY)
+    pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -54,7 +53,7 @@ def _norm(x, delta, weight, eps):
         _rms_norm_kernel[(T,)](x, delta if delta is not None else x, weight, total, out, N, eps,
                                x.stride(0), delta.stride(0) if delta is not None else 0,
                                HAS_DELTA=delta is not None, BLOCK=_pow2(N), num_warps=4,
-                               **pdl.options(x.device, early=True))
+                               **pdl.options(x.device))
     return total, out
 
 
@@ -69,10 +68,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t,
                     kc_page, kc_row, kc_head, vc_page, vc_row, vc_head, block_size,
-                    H, KVH, HALF, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                    EARLY: tl.constexpr):
+                    H, KVH, HALF, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
-    pdl.launch_next_early(PDL, EARLY)
+    pdl.launch_next(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -120,15 +118,14 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[1],
             num_heads, num_kv_heads, D // 2, BLOCK=_pow2(D // 2), num_warps=1,
-            **pdl.options(qkv.device, early=True))
+            **pdl.options(qkv.device))
     return qkv[:, : num_heads * D].view(T, num_heads, D)
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                     EARLY: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
-    pdl.launch_next_early(PDL, EARLY)
+    pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
@@ -147,5 +144,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(1024, _pow2(N))
         _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, N, gate_up.stride(0),
                                                     BLOCK=block, num_warps=4,
-                                                    **pdl.options(gate_up.device, early=True))
+                                                    **pdl.options(gate_up.device))
     return out

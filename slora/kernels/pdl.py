@@ -10,18 +10,23 @@ kernel may launch before the one before it has completed:
   before it. Each kernel waits for the one before it, which waited for the one before that,
   so every earlier kernel's writes are visible; a kernel launched without PDL (a torch op,
   cuBLAS) waits for full completion as always, so the chain may mix both.
-- the kernels with a main loop (the few-rows GEMM, decode attention, MBGMV) call
-  `launch_next` (`griddepcontrol.launch_dependents`) after it, so the next kernel's launch
-  overlaps their epilogues; the others let it launch as they exit.
+- `launch_next` (`griddepcontrol.launch_dependents`) lets the next kernel launch once every
+  program of this one has run it: the kernels with a main loop (the few-rows GEMM, decode
+  attention, MBGMV) call it after the loop, so the next launch overlaps their epilogues; the
+  small ones (norms, rotary + K/V store, SiLU, the split merge) right after their wait.
 
-Where `launch_next` goes was measured on the H200 (session 11, call 2): at each kernel's
-start, the next kernel's programs were placed while the SMs were still busy, and the step
-got slower at batch 1 and 16 without LoRA (4.02 -> 4.34 ms, 4.61 -> 5.05) though faster with
-q/k/v/o (5.49 -> 5.26 at batch 16); asking L2 for the GEMMs' first weight columns before the
-wait made every batch slower (batch 32 without LoRA: 5.50 ms, 5.59 with 1,024 columns, 6.40
-with 4,096). Session 8 tried the wait alone beside cuBLAS GEMMs: a tie.
-`ENABLED` is read at each launch (and so at each graph capture); `bench_scaling.py --no-pdl`
-turns it off to time both.
+Measured on the H200 (session 11; 7B decode steps, bf16, rank-16 adapters): with PDL
+batch 1 went 4.07 -> 3.97 ms without LoRA, 16 4.66 -> 4.56, 32 5.46 -> 5.37 (1.29x of its
+byte floor), 64 6.98 -> 7.00 (its GEMMs are cuBLAS's); with q/k/v/o 4.79 -> 4.64, 5.54 ->
+5.38, 6.47 -> 6.35 (call 3). The small kernels' early `launch_next` took batch 1 on to 3.92
+ms and ties elsewhere (call 5). Calling `launch_next` at the start of every kernel lost
+(batch 1 4.02 -> 4.34 ms, 16 4.61 -> 5.05): the next kernel's programs were placed while
+the GEMMs and attention still filled the SMs; asking L2 for each GEMM program's first
+weight columns between the two lost at every batch (batch 32 5.50 ms, 5.59 with 1,024
+columns, 6.40 with 4,096; call 2). Session 8 tried the wait alone beside cuBLAS GEMMs: a tie.
+
+`ENABLED` is read at each launch (and so at each graph capture); `bench_scaling.py
+--no-pdl` turns it off to time both.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = True
-EARLY = True  # (session 11 experiment) the small kernels launch the next at their start
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,26 +46,19 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def options(device: torch.device, early: bool = False) -> dict:
+def options(device: torch.device) -> dict:
     """A launch's PDL arguments: the kernel's PDL constexpr and Triton's `launch_pdl`."""
-    extra = {"EARLY": EARLY} if early else {}
     if ENABLED and device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if _hopper(index):
-            return {"PDL": True, "launch_pdl": True, **extra}
-    return {"PDL": False, **extra}
+            return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @triton.jit
 def launch_next(PDL: tl.constexpr):
     """Let the next kernel launch (a no-op without PDL)."""
     if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def launch_next_early(PDL: tl.constexpr, EARLY: tl.constexpr):
-    if PDL and EARLY:
         gdc_launch_dependents()
 
 
