@@ -389,7 +389,15 @@ case "${1:-}" in
        # session 11 call 5: at their start won at batch 1, 3.97 -> 3.92 ms, tied elsewhere; it
        # is what ships): fused, attention and engine CUDA tests; decode table each way twice
     echo "case 47 ran at d4b4735; see notes/h200-2026-11-30-s11/call5" ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-47)" >&2; exit 2 ;;
+  48)  # PDL with each kernel's metadata (context lengths, cos / sin, adapter slots, ranks,
+       # offsets) read before its wait: LoRA, attention and engine CUDA tests (GPU0); the
+       # decode table at batch 1/16/32/64 without and with PDL, then the MBGMV / MBGMM tables
+       # against copy (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_attention.py tests/test_engine_triton.py 2>&1 | tail -1'
+    lane 1 gpu1 'for f in --no-pdl --pdl; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A14 "^ *batch"; done
+      python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | grep -A36 "^NVIDIA"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-48)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -117,10 +117,11 @@ def _decode_kernel(
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
+    # (the step's metadata, which no kernel writes, is read before the wait: the context
+    # length, and with ROPE the position's cos / sin)
     ctx = tl.load(ctx_ptr + b)
     # This split's share of the sequence, in whole BLOCK_N tiles.
     per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
@@ -135,16 +136,18 @@ def _decode_kernel(
     q_row = q_ptr + b.to(tl.int64) * stride_qb
     qmask = h_ok[:, None] & d_ok[None, :]
     if ROPE:
-        # q_row is the token's [q | k | v] row, unrotated: rotate q (every split) and the new
-        # key, and store the new key and value at the token's slot (the split holding its
-        # position), before the keys are read; the barrier makes the stores visible to the
-        # program's other threads.
         half = D // 2
         f = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_ptr + offs_d % half, mask=d_ok,
                                                          other=0.0)
         dt = q_ptr.dtype.element_ty
         c = tl.cos(f).to(dt).to(tl.float32)
         s = tl.sin(f).to(dt).to(tl.float32)
+    pdl.wait(PDL)
+    if ROPE:
+        # q_row is the token's [q | k | v] row, unrotated: rotate q (every split) and the new
+        # key, and store the new key and value at the token's slot (the split holding its
+        # position), before the keys are read; the barrier makes the stores visible to the
+        # program's other threads.
         q = _rotary(q_row + heads[:, None] * stride_qh, offs_d[None, :], qmask, half,
                     c[None, :], s[None, :])
         if (lo < ctx) & (ctx <= hi):

@@ -94,13 +94,13 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
     # multiple of BLOCK_K, but s * k_split has no known divisor) the PTX had neither, and
     # every tile ran 1.3-2x slower on the H200 (session 9, call 3).
     k_lo = tl.multiple_of(s * k_split, BLOCK_K)
-    pdl.wait(PDL)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + (k_lo + offs_k)[:, None]  # x^T
-    if LORA:
+    if LORA:  # (the step's metadata, which no kernel writes, before the wait)
         g, slot, rank, off_b = _lora_rows(tile * BLOCK_N, offs_m, m_ok, offs_ptr, ranks_ptr,
                                           slot_ptr, stride_of0, stride_of1, stride_rk0,
                                           stride_rk1, d0, d1, d2)
+    pdl.wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
         if EVEN_K:

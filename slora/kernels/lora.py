@@ -115,16 +115,17 @@ def _mbgmv_shrink_kernel(
     G, max_rank,
     BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.wait(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     r0 = tl.program_id(2) * BLOCK_R
     offs_r = r0 + tl.arange(0, BLOCK_R)
     xa_row = xa_ptr + (t * G + g) * max_rank + offs_r
+    # (the step's metadata, which no kernel writes, before the wait)
     slot = tl.load(slot_ptr + t)
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=slot >= 0, other=0)
     off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1, mask=slot >= 0,
                     other=0).to(tl.int32)
+    pdl.wait(PDL)
     if r0 >= rank:  # base-only row, or a rank tile past this adapter's rank: zeros, done
         tl.store(xa_row, tl.zeros((BLOCK_R,), tl.float32), mask=offs_r < max_rank)
         return
@@ -207,18 +208,19 @@ def _mbgmv_expand_kernel(
     d0, d1, d2, d3, s0, s1, s2, s3,
     BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.wait(PDL)
     t = tl.program_id(0)
     g = tl.program_id(1)
     n0 = tl.program_id(2) * (CHN * CK)
+    # (the step's metadata, which no kernel writes, before the wait; every program waits,
+    # returning early or not, so this kernel ends after the one before it)
     slot = tl.load(slot_ptr + t)
-    if slot < 0:
-        return
     d_out = _select(g, d0, d1, d2, d3)
     # rank and offset loads issued together: one memory latency, not two in a row
-    rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1)
-    off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
-    if (rank == 0) | (n0 >= d_out):
+    rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=slot >= 0, other=0)
+    off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1, mask=slot >= 0,
+                    other=0).to(tl.int32)
+    pdl.wait(PDL)
+    if (rank == 0) | (n0 >= d_out):  # (a base-only row has rank 0)
         return
     stride = _select(g, s0, s1, s2, s3)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)

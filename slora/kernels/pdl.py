@@ -5,11 +5,15 @@ them the GPU idles while the first one's last programs finish and the next one l
 (0.28 ms of a 5.4 ms batch-32 step on the H200, session 10). Launched with PDL, the next
 kernel may launch before the one before it has completed:
 
-- every kernel here starts with `wait` (`griddepcontrol.wait`: until the kernel before has
-  completed and its writes are visible); nothing another kernel writes is read or written
-  before it. Each kernel waits for the one before it, which waited for the one before that,
-  so every earlier kernel's writes are visible; a kernel launched without PDL (a torch op,
-  cuBLAS) waits for full completion as always, so the chain may mix both.
+- every program of every kernel here calls `wait` (`griddepcontrol.wait`: until the kernel
+  before has completed and its writes are visible) before it reads or writes anything another
+  kernel writes; before it, only the step's metadata (context lengths, positions, adapter
+  slots, ranks and offsets: host-built, copied in before the step) is read. Each kernel
+  waits for the one before it, which waited for the one before that, so every earlier
+  kernel's writes are visible; a kernel launched without PDL (a torch op, cuBLAS) waits for
+  full completion as always, so the chain may mix both. Programs that return early wait
+  first too: a kernel whose programs all skipped the wait could end before the one before
+  it, and the next kernel would see neither's writes complete.
 - `launch_next` (`griddepcontrol.launch_dependents`) lets the next kernel launch once every
   program of this one has run it: the kernels with a main loop (the few-rows GEMM, decode
   attention, MBGMV) call it after the loop, so the next launch overlaps their epilogues; the
