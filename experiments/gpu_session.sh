@@ -390,9 +390,9 @@ case "${1:-}" in
        # is what ships): fused, attention and engine CUDA tests; decode table each way twice
     echo "case 47 ran at d4b4735; see notes/h200-2026-11-30-s11/call5" ;;
   48)  # PDL with each kernel's metadata (context lengths, cos / sin, adapter slots, ranks,
-       # offsets) read before its wait: LoRA, attention and engine CUDA tests (GPU0); the
-       # decode table at batch 1/16/32/64 without and with PDL, then the MBGMV / MBGMM tables
-       # against copy (GPU1)
+       # offsets) read before its wait (session 11 call 6, at 94f8650): LoRA, attention and
+       # engine CUDA tests (GPU0); the decode table at batch 1/16/32/64 without and with PDL,
+       # then the MBGMV / MBGMM tables against copy (GPU1)
     lane 0 gpu0 'python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_attention.py tests/test_engine_triton.py 2>&1 | tail -1'
     lane 1 gpu1 'for f in --no-pdl --pdl; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A14 "^ *batch"; done
       python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | grep -A36 "^NVIDIA"'
