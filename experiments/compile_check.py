@@ -8,7 +8,9 @@ engine launches on the GPU (the default tiles, bf16), with the integer specializ
 Llama-2-7B step gives them (every pointer 16-byte aligned, the arguments in DIV16 multiples of
 16, as Triton marks them at launch): registers and spills depend on it (the decode attention
 kernel without it: 255 registers and a 488-byte stack; with it: 126 and none). Registers and
-stack bytes come from the wheel's cuobjdump.
+stack bytes come from the wheel's cuobjdump. The decode step's kernels also compile with
+programmatic dependent launch (`slora.kernels.pdl`), and their PTX must keep its order: the
+wait before any store, atomic, async copy or return (`pdl_order`).
 Run it with TRITON_INTERPRET unset: under the interpreter `triton.jit` makes no compilable
 kernel.
 """
@@ -135,6 +137,27 @@ def resources(compiled) -> str:
     return f"{found[1]:>5}{found[2]:>7}" if found else ""
 
 
+def pdl_order(ptx: str) -> str:
+    """'' if a PDL variant's PTX keeps `slora.kernels.pdl`'s rule in program order, else why
+    not: a `griddepcontrol.wait` before any store, atomic or async copy (what the kernel
+    before may still read or write) and before every `ret`, and a `launch_dependents`.
+    (Loads before the wait are allowed: the step's metadata; which pointer a load reads is not
+    visible here.)"""
+    lines = ptx.splitlines()
+    waits = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
+    if not waits:
+        return "no griddepcontrol.wait"
+    if not any("griddepcontrol.launch_dependents" in l for l in lines):
+        return "no griddepcontrol.launch_dependents"
+    early = [l.strip() for l in lines[:waits[0]]
+             if re.search(r"\b(st\.global|atom\.|red\.|cp\.async)", l)]
+    if early:
+        return f"before the wait: {early[0]}"
+    if any(re.search(r"\bret;", l) for l in lines[:waits[0]]):
+        return "a ret before the wait"
+    return ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
@@ -147,6 +170,9 @@ def main(argv=None) -> int:
     for name, kernel, types, constexprs, options in variants():
         try:
             k = compile_variant(kernel, types, constexprs, options, args.arch)
+            bad = pdl_order(k.asm["ptx"]) if constexprs.get("PDL") else ""
+            if bad:
+                raise RuntimeError(f"PDL order: {bad}")
             print(f"{name:<42}{k.metadata.shared:>10}{resources(k) or ' ' * 12}  ok")
         except Exception as e:  # report every failing variant, then fail
             failed += 1

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
 
 
 def test_every_kernel_compiles_for_hopper(tmp_path):
@@ -23,3 +24,22 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     # kernels also with PDL (session 11)
     assert len(compiled) == 27, res.stdout
     assert sum(", PDL " in l for l in compiled) == 12, res.stdout
+
+
+def test_pdl_order_flags_what_the_kernel_before_may_still_touch():
+    """compile_check.pdl_order, on PTX shapes: metadata loads may precede the wait; a store,
+    an atomic, an async copy or a return before it, or no wait or launch at all, may not."""
+    from compile_check import pdl_order
+
+    wait, launch = "griddepcontrol.wait; // dummy %r1", "griddepcontrol.launch_dependents;"
+    load, store = "ld.global.b32 %r2, [%rd1];", "st.global.b32 [%rd2], %r2;"
+    ok = "\n".join([load, wait, store, launch, "ret;"])
+    assert pdl_order(ok) == ""
+    assert "no griddepcontrol.wait" in pdl_order("\n".join([load, store, launch]))
+    assert "launch_dependents" in pdl_order("\n".join([wait, store]))
+    assert "st.global" in pdl_order("\n".join([store, wait, launch]))
+    assert "atom." in pdl_order("\n".join(["atom.global.add.u32 %r3, [%rd3], 1;", wait, launch]))
+    assert "cp.async" in pdl_order("\n".join(["cp.async.ca.shared.global [%r4], [%rd4], 16;",
+                                             wait, launch]))
+    assert "ret" in pdl_order("\n".join(["@%p1 bra $L1;", "ret;", "$L1:", wait, launch]))
+    assert "ret" in pdl_order("\n".join(["@%p1 ret;", wait, launch]))
