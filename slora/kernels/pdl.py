@@ -24,11 +24,12 @@ batch 1 went 4.07 -> 3.97 ms without LoRA, 16 4.66 -> 4.56, 32 5.46 -> 5.37 (1.2
 byte floor), 64 6.98 -> 7.00 (its GEMMs are cuBLAS's); with q/k/v/o 4.79 -> 4.64, 5.54 ->
 5.38, 6.47 -> 6.35 (call 3). The small kernels' early `launch_next` took batch 1 on to 3.92
 ms and ties elsewhere (call 5); reading the metadata before the wait took the LoRA steps on:
-q/k/v/o 4.57 -> 4.55, 5.37 -> 5.34, 6.25 -> 6.17, all seven at batch 32 6.83 -> 6.76 (call 6). Calling `launch_next` at the start of every kernel lost
-(batch 1 4.02 -> 4.34 ms, 16 4.61 -> 5.05): the next kernel's programs were placed while
-the GEMMs and attention still filled the SMs; asking L2 for each GEMM program's first
-weight columns between the two lost at every batch (batch 32 5.50 ms, 5.59 with 1,024
-columns, 6.40 with 4,096; call 2). Session 8 tried the wait alone beside cuBLAS GEMMs: a tie.
+q/k/v/o 4.57 -> 4.55, 5.37 -> 5.34, 6.25 -> 6.17, all seven at batch 32 6.83 -> 6.76 (call
+6). Calling `launch_next` at the start of every kernel lost (batch 1 4.02 -> 4.34 ms, 16
+4.61 -> 5.05): the next kernel's programs were placed while the GEMMs and attention still
+filled the SMs; asking L2 for each GEMM program's first weight columns between the two lost
+at every batch (batch 32 5.50 ms, 5.59 with 1,024 columns, 6.40 with 4,096; call 2).
+Session 8 tried the wait alone beside cuBLAS GEMMs: a tie.
 
 `ENABLED` is read at each launch (and so at each graph capture); `bench_scaling.py
 --no-pdl` turns it off to time both.
