@@ -398,9 +398,11 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | grep -A36 "^NVIDIA"'
     ;;
   49)  # for the next session (not yet run): the few-rows GEMM with W's tiles through TMA
-       # (gemm.TMA, off): GEMM and engine CUDA tests with TMA forced on (GPU0); the decode
-       # table at batch 1/16/32 without and with --gemm-tma (GPU1)
-    lane 0 gpu0 'python3 -c "import sys, pytest, slora.kernels.gemm as g; g.TMA = True; sys.exit(pytest.main([\"-q\", \"-p\", \"no:cacheprovider\", \"tests/test_kernels_fused.py\", \"tests/test_engine_triton.py\"]))" 2>&1 | tail -1'
+       # (gemm.TMA, off): GEMM and engine CUDA tests with TMA forced on, then the GEMM sweep
+       # (each shape and row count: cuBLAS, the picked tiles by pointers and by TMA) (GPU0);
+       # the decode table at batch 1/16/32 without and with --gemm-tma (GPU1)
+    lane 0 gpu0 'python3 -c "import sys, pytest, slora.kernels.gemm as g; g.TMA = True; sys.exit(pytest.main([\"-q\", \"-p\", \"no:cacheprovider\", \"tests/test_kernels_fused.py\", \"tests/test_engine_triton.py\"]))" 2>&1 | tail -1
+      python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels-gemm 2>&1 | grep "^tune gemm"'
     lane 1 gpu1 'for f in "" --gemm-tma; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A11 "^ *batch"; done'
     ;;
   *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-49)" >&2; exit 2 ;;
