@@ -575,10 +575,6 @@ def tune_gemm(cfg, device, dtype, gen):
             base = timed("cublas", lambda w: F.linear(x, w))
             pick = gemm.skinny_cfg(M, N, K, device)
             default = timed("triton", lambda w: gemm.skinny_linear(x, w, cfg=pick), tile=pick)
-            # the same tiles with W through a tensor descriptor (gemm.TMA, off until measured)
-            tma_cfg = dict(pick, TMA=True)
-            tma = timed("triton-tma", lambda w: gemm.skinny_linear(x, w, cfg=tma_cfg),
-                        tile=tma_cfg)
             best = default
             for t in tiles:
                 t = dict(t, BLOCK_M=max(16 if device.type == "cuda" else 1,
@@ -592,8 +588,7 @@ def tune_gemm(cfg, device, dtype, gen):
             pc = (lambda r: f"{100 * r['GBps'] / copy:4.0f}%") if copy == copy else (lambda r: "  - ")
             bt = best["tile"]
             print(f"tune gemm M={M:3d} {name:8s} cublas {base['us']:7.1f} us {pc(base)} | triton "
-                  f"{default['us']:7.1f} us {pc(default)} | tma {tma['us']:7.1f} us {pc(tma)} "
-                  f"| best {best['us']:7.1f} us {pc(best)} "
+                  f"{default['us']:7.1f} us {pc(default)} | best {best['us']:7.1f} us {pc(best)} "
                   f"N{bt['BLOCK_N']} K{bt['BLOCK_K']} split{bt['SPLIT']} w{bt.get('num_warps')} s{bt.get('num_stages')}"
                   f" | err {default['err']:.1e}", flush=True)
     return rows

@@ -397,9 +397,9 @@ case "${1:-}" in
     lane 1 gpu1 'for f in --no-pdl --pdl; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A14 "^ *batch"; done
       python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | grep -A36 "^NVIDIA"'
     ;;
-  49)  # for the next session (not yet run): the few-rows GEMM with W's tiles through TMA
-       # (gemm.TMA, off): GEMM and engine CUDA tests with TMA forced on, then the GEMM sweep
-       # (each shape and row count: cuBLAS, the picked tiles by pointers and by TMA) (GPU0);
+  49)  # the few-rows GEMM with W's tiles through TMA (at 8063ffa; removed after this call,
+       # session 12 call 1: tied or lost at every shape and row count, decode steps 0.3-1.1%
+       # slower): GEMM and engine CUDA tests with TMA forced on, then the GEMM sweep (GPU0);
        # the decode table at batch 1/16/32 without and with --gemm-tma (GPU1)
     lane 0 gpu0 'python3 -c "import sys, pytest, slora.kernels.gemm as g; g.TMA = True; sys.exit(pytest.main([\"-q\", \"-p\", \"no:cacheprovider\", \"tests/test_kernels_fused.py\", \"tests/test_engine_triton.py\"]))" 2>&1 | tail -1
       python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels-gemm 2>&1 | grep "^tune gemm"'

@@ -91,30 +91,6 @@ def test_skinny_linear_tiles(cfg, bias):
     assert not gemm.prepare(x.device).any()
 
 
-@pytest.mark.parametrize("cfg", [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT=1),
-                                 dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=16, SPLIT=3)])
-@pytest.mark.parametrize("K", [96, 100])
-def test_skinny_linear_through_a_tensor_descriptor(cfg, K, monkeypatch):
-    """TMA=True: W's tiles through a tensor descriptor (zero past N and K: 50 rows of W in
-    16-row tiles, K = 100 in 32-column tiles), with and without a K split; fp32 rows of 100
-    or 96 columns are 16-byte multiples. A bf16 W of 100 columns (200-byte rows) cannot be
-    described and takes the pointer loads."""
-    described = []
-    descriptor = gemm._descriptor
-    monkeypatch.setattr(gemm, "_descriptor", lambda w, *a: described.append(w.dtype)
-                        or descriptor(w, *a))
-    x, w = _rand(7, K, dtype=torch.float32), _rand(50, K, dtype=torch.float32)
-    if DEVICE == "cuda":
-        cfg = dict(cfg, BLOCK_M=16)
-    got = gemm.skinny_linear(x, w, cfg=dict(cfg, TMA=True))
-    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-4)
-    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
-    got = gemm.skinny_linear(xb, wb, cfg=dict(cfg, TMA=True))
-    torch.testing.assert_close(got.float(), F.linear(xb.float(), wb.float()), atol=2e-2,
-                               rtol=2e-2)
-    assert described == [torch.float32] + ([torch.bfloat16] if K == 96 else [])
-
-
 def test_skinny_linear_rejects_rows_past_its_tile():
     x, w = _rand(20, 32, dtype=torch.float32), _rand(16, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="20 rows do not fit BLOCK_M=16"):

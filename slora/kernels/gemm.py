@@ -81,10 +81,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
                    d0, d1, d2, s0, s1, s2, s3,
                    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_F32: tl.constexpr, LORA: tl.constexpr, LORA_R: tl.constexpr,
-                   PDL: tl.constexpr, TMA: tl.constexpr,
+                   PDL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # (with TMA, w_ptr is a tensor descriptor of W with [BLOCK_N, BLOCK_K] blocks: its tiles
-    # come by the Hopper's tensor memory accelerator, zero past N and K)
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which K slice
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,8 +94,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
     # multiple of BLOCK_K, but s * k_split has no known divisor) the PTX had neither, and
     # every tile ran 1.3-2x slower on the H200 (session 9, call 3).
     k_lo = tl.multiple_of(s * k_split, BLOCK_K)
-    if not TMA:
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + (k_lo + offs_k)[:, None]  # x^T
     if LORA:  # (the step's metadata, which no kernel writes, before the wait)
         g, slot, rank, off_b = _lora_rows(tile * BLOCK_N, offs_m, m_ok, offs_ptr, ranks_ptr,
@@ -106,13 +103,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
     pdl.wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
-        if TMA:
-            w = w_ptr.load([tile * BLOCK_N, k0])
-            if EVEN_K:
-                xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-            else:
-                xt = tl.load(x_ptrs, mask=m_ok[None, :] & (k0 + offs_k < K)[:, None], other=0.0)
-        elif EVEN_K:
+        if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
         else:
@@ -123,8 +114,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(w, xt)
-        if not TMA:
-            w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     pdl.launch_next(PDL)
     if SPLIT_K:
@@ -159,11 +149,6 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
 # tied at 1 row (within 0.4 us) and was mixed at 16 (o +0.9, gate/up -0.6); a decode step at
 # batch 16 with q/k/v/o went 5.55 -> 5.59 ms with it, at batch 32 with all seven 7.19 -> 7.01.
 LORA_MIN_ROWS = 17
-# W's tiles by the tensor memory accelerator (a host tensor descriptor) instead of pointer
-# loads: prepared in session 11, tested against F.linear under the interpreter and compiled
-# for sm_90, not yet measured on the H200 (`bench_scaling.py --gemm-tma`, gpu_session.sh 49);
-# read by skinny_cfg at each launch (and so at each graph capture).
-TMA = False
 MAX_TILES = 4096  # output tiles a split launch may count (a 7B's widest: 32,000 / 64 = 500)
 _COUNTS: dict[torch.device, torch.Tensor] = {}
 
@@ -194,17 +179,15 @@ def skinny_cfg(M: int, N: int, K: int, device: torch.device) -> dict:
     four decode GEMMs at 1, 16, 32 and 64 rows over 48 tile settings): 64 rows of W by 128
     columns a step with 4 warps was best or within 2% of best at 1-32 rows for every shape,
     with K cut so that tiles x slices reach about one program per SM (o and down: 64 tiles, 2
-    slices), 3 stages without a split (gate_up: 48.3 against 50.8 us with 4) and 4 with one.
-    TMA: W's tiles through a tensor descriptor (`TMA`, off: not yet measured)."""
+    slices), 3 stages without a split (gate_up: 48.3 against 50.8 us with 4) and 4 with one."""
     pow2 = triton.next_power_of_2
     if device.type != "cuda":  # interpreter: few, large programs
-        return dict(BLOCK_M=pow2(M), BLOCK_N=min(64, pow2(N)), BLOCK_K=min(128, pow2(K)), SPLIT=1,
-                    TMA=False)
+        return dict(BLOCK_M=pow2(M), BLOCK_N=min(64, pow2(N)), BLOCK_K=min(128, pow2(K)), SPLIT=1)
     block_n, block_k = 64, 128
     index = device.index if device.index is not None else torch.cuda.current_device()
     split = max(1, min(_sms(index) // triton.cdiv(N, block_n), triton.cdiv(K, block_k)))
     return dict(BLOCK_M=max(16, pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                TMA=TMA, num_warps=4, num_stages=3 if split == 1 else 4)
+                num_warps=4, num_stages=3 if split == 1 else 4)
 
 
 @dataclass(frozen=True)
@@ -243,10 +226,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     # K slices of whole BLOCK_K steps; `split` is the number of them that hold any K
     split = cfg.pop("SPLIT")
-    w_arg = w
-    if cfg.pop("TMA", False):  # (16-byte aligned rows, as a descriptor needs; else pointers)
-        tma = (K * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-        w_arg = _descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"]) if tma else w
     k_split = triton.cdiv(triton.cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = triton.cdiv(K, k_split)
     part = count = out
@@ -274,21 +253,13 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         lora_args = (out,) * 6 + (0,) * 15
         lora_r = 1
     _skinny_kernel[(tiles, split)](
-        x, w_arg, bias if bias is not None else out, out, part, count, M, N, K, k_split, split,
+        x, w, bias if bias is not None else w, out, part, count, M, N, K, k_split, split,
         x.stride(0), w.stride(0), out.stride(0), tiles * cfg["BLOCK_N"] * cfg["BLOCK_M"],
         *lora_args,
         SPLIT_K=split > 1, HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0,
-        DOT_F32=dot_f32, LORA=lora is not None, LORA_R=lora_r, TMA=w_arg is not w,
+        DOT_F32=dot_f32, LORA=lora is not None, LORA_R=lora_r,
         **pdl.options(x.device), **cfg)
     return out
-
-
-def _descriptor(w: torch.Tensor, block_n: int, block_k: int):
-    """A tensor descriptor of W [N, K] in [block_n, block_k] blocks (Triton's host
-    descriptor: encoded at launch, passed by value, so a captured graph keeps it)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [block_n, block_k])
 
 
 def uses_kernel(x: torch.Tensor, w: torch.Tensor, max_rows: int) -> bool:
