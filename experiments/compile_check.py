@@ -92,10 +92,13 @@ def variants():
         ("silu_mul", fused._silu_mul_kernel, FUSED, dict(BLOCK=1024), opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, LORA=False, LORA_R=1,
-              BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
+              PRE_W=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
+        ("few-rows gemm, K split, W preloaded", gemm._skinny_kernel, GEMM,
+         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, LORA=False, LORA_R=1,
+              PRE_W=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
         ("few-rows gemm + LoRA expand", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=False, HAS_BIAS=False, EVEN_K=True, DOT_F32=False, LORA=True, LORA_R=4,
-              BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=3)),
+              PRE_W=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=3)),
     ]
     # a decode step's kernels take a PDL constexpr (slora.kernels.pdl): each compiles without
     # it and, as a Hopper launches them, with it

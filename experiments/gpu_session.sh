@@ -405,7 +405,19 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels-gemm 2>&1 | grep "^tune gemm"'
     lane 1 gpu1 'for f in "" --gemm-tma; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A11 "^ *batch"; done'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-49)" >&2; exit 2 ;;
+  50)  # MBGMV with each program's first A / B tile loaded before its PDL wait, and the
+       # few-rows GEMM with its first W tile so (gemm.PRELOAD, off): CUDA tests with PRELOAD
+       # forced on, then the MBGMV / MBGMM tables against copy with and without the MBGMV change
+       # (before_lora.py: lora.py as it was, untracked, in a copy of the tree) (GPU0); the decode
+       # table before, after, and after with --gemm-preload (GPU1)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
+    lane 0 gpu0 'python3 -c "import sys, pytest, slora.kernels.gemm as g; g.PRELOAD = True; sys.exit(pytest.main([\"-q\", \"-p\", \"no:cacheprovider\", \"tests/test_kernels_lora.py\", \"tests/test_kernels_fused.py\", \"tests/test_engine_triton.py\"]))" 2>&1 | tail -1
+      python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | grep -A36 "^NVIDIA"
+      echo "== before"; (cd /tmp/before && PYTHONPATH=/tmp/before:/tmp/site python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels-before 2>&1 | grep -A36 "^NVIDIA")'
+    lane 1 gpu1 'echo "== before"; (cd /tmp/before && PYTHONPATH=/tmp/before:/tmp/site python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown-before 2>&1 | grep -A14 "^ *batch")
+      for f in "" --gemm-preload; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A14 "^ *batch"; done'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-50)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -120,53 +120,54 @@ def _mbgmv_shrink_kernel(
     r0 = tl.program_id(2) * BLOCK_R
     offs_r = r0 + tl.arange(0, BLOCK_R)
     xa_row = xa_ptr + (t * G + g) * max_rank + offs_r
-    # (the step's metadata, which no kernel writes, before the wait)
+    # Before the wait, what no kernel of the step writes: the step's metadata, then the first
+    # CH chunks of this program's A rows (adapter pages are written only by the copies before
+    # the step; masked to nothing on base-only rows and rank tiles past the rank).
     slot = tl.load(slot_ptr + t)
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=slot >= 0, other=0)
     off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1, mask=slot >= 0,
                     other=0).to(tl.int32)
+    pages_row = pages_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pg
+    r3 = offs_r[:, None, None]
+    c3 = tl.arange(0, CH)[None, :, None] * CK
+    row_ok = r3 < rank
+    row_v = off_a + r3 * stride  # [R, 1, 1] virtual row starts
+    a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, c3, d_in, P, EVEN_K)
     pdl.wait(PDL)
     if r0 >= rank:  # base-only row, or a rank tile past this adapter's rank: zeros, done
         tl.store(xa_row, tl.zeros((BLOCK_R,), tl.float32), mask=offs_r < max_rank)
         return
 
-    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     x_row = x_ptr + t.to(tl.int64) * stride_x
-    res = _shrink_rows(x_row, pool_ptr, pages_row, off_a, offs_r, rank, d_in, stride, P,
-                       BLOCK_R, CH, EVEN_K)
+    # Reduce each chunk at once (in-thread, then 3 warp shuffles): a small accumulator keeps
+    # registers low, so more programs fit on an SM and more loads are in flight.
+    acc = tl.sum(a.to(tl.float32) * _x_chunks(x_row, c3, d_in, EVEN_K), axis=2)
+    for k0 in range(CH * CK, d_in, CH * CK):
+        a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, k0 + c3, d_in, P, EVEN_K)
+        acc += tl.sum(a.to(tl.float32) * _x_chunks(x_row, k0 + c3, d_in, EVEN_K), axis=2)
     pdl.launch_next(PDL)
-    tl.store(xa_row, res, mask=offs_r < max_rank)
+    tl.store(xa_row, tl.sum(acc, axis=1), mask=offs_r < max_rank)
 
 
 @triton.jit
-def _shrink_rows(x_row, pool_ptr, pages_row, off_a, rows, rank, d_in, stride, P,
-                 BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr):
-    """fp32 [BLOCK_R]: x_row . A[rows] of one adapter's module over d_in (rows at or past
-    `rank` give 0), streaming CH aligned chunks of every row an iteration."""
-    r3 = rows[:, None, None]
-    c3 = tl.arange(0, CH)[None, :, None] * CK
+def _a_chunks(pool_ptr, pages_row, row_v, row_ok, kc, d_in, P, EVEN_K: tl.constexpr):
+    """[R, CH, 64] of one adapter's A: the rows starting at virtual `row_v` ([R, 1, 1]), at the
+    chunks starting at `kc` ([1, CH, 1]); rows not `row_ok` and columns past d_in give 0."""
     e3 = tl.arange(0, CK)[None, None, :]
-    row_ok = r3 < rank
-    row_v = off_a + r3 * stride  # [R, 1, 1] virtual row starts
-    acc = tl.zeros((BLOCK_R, CH), tl.float32)
-    for k0 in range(0, d_in, CH * CK):
-        kc = k0 + c3  # [1, CH, 1] chunk starts
-        cmask = row_ok & (kc < d_in)
-        v = row_v + kc
-        page = tl.load(pages_row + v // P, mask=cmask, other=0)
-        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CK, CK, CK])
-        if EVEN_K:
-            amask = cmask
-            xmask = kc < d_in
-        else:
-            amask = cmask & (kc + e3 < d_in)
-            xmask = kc + e3 < d_in
-        a = tl.load(pool_ptr + base + e3, mask=amask, other=0.0)
-        xv = tl.load(x_row + kc + e3, mask=xmask, other=0.0)
-        # Reduce each chunk at once (in-thread, then 3 warp shuffles): a small accumulator
-        # keeps registers low, so more programs fit on an SM and more loads are in flight.
-        acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32), axis=2)
-    return tl.sum(acc, axis=1)
+    cmask = row_ok & (kc < d_in)
+    v = row_v + kc
+    page = tl.load(pages_row + v // P, mask=cmask, other=0)
+    base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CK, CK, CK])
+    amask = cmask if EVEN_K else cmask & (kc + e3 < d_in)
+    return tl.load(pool_ptr + base + e3, mask=amask, other=0.0)
+
+
+@triton.jit
+def _x_chunks(x_row, kc, d_in, EVEN_K: tl.constexpr):
+    """fp32 [1, CH, 64]: x_row at the chunks starting at `kc` ([1, CH, 1]), 0 past d_in."""
+    e3 = tl.arange(0, CK)[None, None, :]
+    xmask = (kc < d_in) if EVEN_K else (kc + e3 < d_in)
+    return tl.load(x_row + kc + e3, mask=xmask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -211,28 +212,31 @@ def _mbgmv_expand_kernel(
     t = tl.program_id(0)
     g = tl.program_id(1)
     n0 = tl.program_id(2) * (CHN * CK)
-    # (the step's metadata, which no kernel writes, before the wait; every program waits,
-    # returning early or not, so this kernel ends after the one before it)
+    # Before the wait, what no kernel of the step writes: the step's metadata, then this
+    # program's first BLOCK_R rows of B^T (adapter pages, written only by the copies before the
+    # step; masked to nothing on base-only rows and column tiles past d_out). Every program
+    # waits, returning early or not, so this kernel ends after the one before it.
     slot = tl.load(slot_ptr + t)
     d_out = _select(g, d0, d1, d2, d3)
+    stride = _select(g, s0, s1, s2, s3)
     # rank and offset loads issued together: one memory latency, not two in a row
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=slot >= 0, other=0)
     off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1, mask=slot >= 0,
                     other=0).to(tl.int32)
+    pages_row = pages_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pg
+    r3 = tl.arange(0, BLOCK_R)[:, None, None]
+    nc = n0 + tl.arange(0, CHN)[None, :, None] * CK  # [1, CHN, 1] chunk starts
+    b = _b_rows(pool_ptr, pages_row, off_b, r3, rank, nc, d_out, stride, P, EVEN_N)
     pdl.wait(PDL)
     if (rank == 0) | (n0 >= d_out):  # (a base-only row has rank 0)
         return
-    stride = _select(g, s0, s1, s2, s3)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
 
     ptrs, omask, o = _out_tile(out_ptr, t, stride_out, col, n0, d_out, CHN, EVEN_N)
 
-    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
-    r3 = tl.arange(0, BLOCK_R)[:, None, None]
-    nc = n0 + tl.arange(0, CHN)[None, :, None] * CK  # [1, CHN, 1] chunk starts
     xa_row = xa_ptr + (t * G + g) * max_rank
-    acc = tl.zeros((BLOCK_R, CHN, CK), tl.float32)
-    for rr in range(0, rank, BLOCK_R):
+    acc = b * tl.load(xa_row + r3, mask=r3 < rank, other=0.0)
+    for rr in range(BLOCK_R, rank, BLOCK_R):
         rows = rr + r3
         # (the B tile's loads issued before xa's, as measured on the H200)
         b = _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N)
