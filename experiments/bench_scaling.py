@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_engine import MODELS, prompts  # noqa: E402
 import slora.graphs  # noqa: E402
-import slora.kernels.gemm  # noqa: E402
 import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slora.config import LORA_MODULES, ModelConfig  # noqa: E402
@@ -543,9 +542,6 @@ def parse_args(argv=None):
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="programmatic dependent launch of the decode kernels on Hopper "
                          "(slora.kernels.pdl; on by default)")
-    ap.add_argument("--gemm-preload", action="store_true",
-                    help="the few-rows GEMM loads each program's first W tile before its PDL "
-                         "wait (slora.kernels.gemm.PRELOAD; an experiment, off by default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = ap.parse_args(argv)
     if args.gemm_rows is not None and args.gemm_rows < 0:
@@ -569,7 +565,6 @@ def main(argv=None) -> dict:
     if args.graph_pieces is not None:
         slora.graphs.GRAPH_PIECES = args.graph_pieces  # read at each capture
     slora.kernels.pdl.ENABLED = args.pdl  # read at each launch and capture
-    slora.kernels.gemm.PRELOAD = args.gemm_preload  # likewise
     ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
     if ceil:
         print("ceilings:", ceil, flush=True)

@@ -63,11 +63,13 @@ def variants():
     opts = dict(num_warps=4)
     base = [
         ("mbgmv shrink [4 x 32]", lora._mbgmv_shrink_kernel, LORA,
-         dict(BLOCK_R=4, CH=32, EVEN_K=True), opts),
-        ("mbgmv shrink [1 x 32]", lora._mbgmv_shrink_kernel, LORA,
-         dict(BLOCK_R=1, CH=32, EVEN_K=True), dict(opts, num_warps=8)),
+         dict(BLOCK_R=4, CH=32, EVEN_K=True, PRE=False), opts),
+        ("mbgmv shrink [1 x 32], first tile early", lora._mbgmv_shrink_kernel, LORA,
+         dict(BLOCK_R=1, CH=32, EVEN_K=True, PRE=True), dict(opts, num_warps=8)),
         ("mbgmv expand [2 x 8]", lora._mbgmv_expand_kernel, LORA,
-         dict(BLOCK_R=2, CHN=8, EVEN_N=True), opts),
+         dict(BLOCK_R=2, CHN=8, EVEN_N=True, PRE=False), opts),
+        ("mbgmv expand [4 x 4], first tile early", lora._mbgmv_expand_kernel, LORA,
+         dict(BLOCK_R=4, CHN=4, EVEN_N=True, PRE=True), opts),
         ("mbgmm shrink", lora._mbgmm_shrink_kernel, LORA,
          dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False),
          dict(opts, num_warps=8, num_stages=3)),
@@ -92,13 +94,10 @@ def variants():
         ("silu_mul", fused._silu_mul_kernel, FUSED, dict(BLOCK=1024), opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, LORA=False, LORA_R=1,
-              PRE_W=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
-        ("few-rows gemm, K split, W preloaded", gemm._skinny_kernel, GEMM,
-         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, LORA=False, LORA_R=1,
-              PRE_W=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
+              BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
         ("few-rows gemm + LoRA expand", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=False, HAS_BIAS=False, EVEN_K=True, DOT_F32=False, LORA=True, LORA_R=4,
-              PRE_W=False, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=3)),
+              BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=3)),
     ]
     # a decode step's kernels take a PDL constexpr (slora.kernels.pdl): each compiles without
     # it and, as a Hopper launches them, with it

@@ -405,7 +405,10 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --tune gemm --tune-only --out $OUT/kernels-gemm 2>&1 | grep "^tune gemm"'
     lane 1 gpu1 'for f in "" --gemm-tma; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A11 "^ *batch"; done'
     ;;
-  50)  # MBGMV with each program's first A / B tile loaded before its PDL wait, and the
+  50)  # (at 523776d; session 12 call 2: MBGMV won 9-11% in small launches, lost 1-4% in large
+       # ones, so session 12 kept it below a size; the GEMM's preload lost, 3.91 -> 4.12 ms at
+       # batch 1, and was removed)
+       # MBGMV with each program's first A / B tile loaded before its PDL wait, and the
        # few-rows GEMM with its first W tile so (gemm.PRELOAD, off): CUDA tests with PRELOAD
        # forced on, then the MBGMV / MBGMM tables against copy with and without the MBGMV change
        # (before_lora.py: lora.py as it was, untracked, in a copy of the tree) (GPU0); the decode
@@ -417,7 +420,23 @@ case "${1:-}" in
     lane 1 gpu1 'echo "== before"; (cd /tmp/before && PYTHONPATH=/tmp/before:/tmp/site python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown-before 2>&1 | grep -A14 "^ *batch")
       for f in "" --gemm-preload; do echo "== $f"; python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" $f --out $OUT/breakdown$f 2>&1 | grep -A14 "^ *batch"; done'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-50)" >&2; exit 2 ;;
+  51)  # as 39 after session 12's MBGMV rule (first adapter tile before the wait while a launch
+       # reads <= 256 token x rank rows): a fresh profile validated against replay, the LoRA
+       # CUDA tests, the decode table at batch 1/16/32/64/128, MBGMV / MBGMM against copy
+       # (GPU0); S2, the race, replay (GPU1)
+    lane 0 gpu0 'bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch $OUT/profile.done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=$OUT/sim-vs-replay-0 \
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py 2>&1 | tail -1
+      python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A17 "^ *batch"
+      python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | grep -A36 "^NVIDIA"'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -8
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -5
+      while [ ! -f $OUT/profile.done ]; do sleep 5; done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
+        RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-51)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

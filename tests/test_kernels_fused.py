@@ -77,13 +77,10 @@ def test_skinny_linear_matches_f_linear(dtype, M, N, K, bias):
                                  dict(BLOCK_M=8, BLOCK_N=16, BLOCK_K=16, SPLIT=3),
                                  dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT=9)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("preload", [False, True])
-def test_skinny_linear_tiles(cfg, bias, preload, monkeypatch):
+def test_skinny_linear_tiles(cfg, bias):
     # the benchmark's sweep passes tiles; masks cover N and K tails at each. Split launches
     # sum K slices through the last slice to finish (SPLIT=9 over 100 columns of 32: 4 slices
     # hold any); three launches in a row check each leaves its tile counters at zero.
-    # gemm.PRELOAD: each program's first W tile loaded apart, before the loop.
-    monkeypatch.setattr(gemm, "PRELOAD", preload)
     x, w = _rand(7, 100, dtype=torch.float32), _rand(50, 100, dtype=torch.float32)
     b = _rand(50, dtype=torch.float32) if bias else None
     if DEVICE == "cuda":

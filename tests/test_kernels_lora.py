@@ -280,11 +280,14 @@ def test_runner_style_strided_metadata():
 
 @pytest.mark.parametrize("tiles", [(1, 1, 2, 1), (2, 2, 2, 8), (4, 4, 1, 2)],
                          ids=lambda t: "shrink%dx%d-expand%dx%d" % t)
-def test_mbgmv_other_tilings(monkeypatch, tiles):
+@pytest.mark.parametrize("pre_wait", [0, 1 << 30], ids=["after-wait", "before-wait"])
+def test_mbgmv_other_tilings(monkeypatch, tiles, pre_wait):
     """The GPU's tile choices (1-4 rank rows per program) on the interpreter too, whose own
-    default tiles are larger to keep it fast: every tiling must compute the same function."""
+    default tiles are larger to keep it fast: every tiling must compute the same function,
+    with each program's first adapter tile loaded before or after the PDL wait."""
     from slora.kernels import lora
 
+    monkeypatch.setattr(lora, "PRE_WAIT_ROWS", pre_wait)
     br_s, ch, br_e, chn = tiles
     monkeypatch.setattr(lora, "_mbgmv_shrink_cfg", lambda *a: dict(BLOCK_R=br_s, CH=ch))
     monkeypatch.setattr(lora, "_mbgmv_expand_cfg", lambda *a: dict(BLOCK_R=br_e, CHN=chn))

@@ -73,30 +73,6 @@ def _lora_delta(n0, g, slot, rank, off_b, offs_m, xa_ptr, pool_ptr, pages_ptr, P
     return delta
 
 
-@triton.jit
-def _w_tile(w_ptrs, n_ok, ks, K, EVEN_K: tl.constexpr):
-    """W's [BLOCK_N, BLOCK_K] tile at columns `ks`, zero past N (and K)."""
-    mask = n_ok[:, None] if EVEN_K else n_ok[:, None] & (ks < K)[None, :]
-    return tl.load(w_ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _xt_tile(x_ptrs, m_ok, ks, K, EVEN_K: tl.constexpr):
-    """x^T's [BLOCK_K, BLOCK_M] tile at rows `ks`, zero past M (and K)."""
-    mask = m_ok[None, :] if EVEN_K else m_ok[None, :] & (ks < K)[:, None]
-    return tl.load(x_ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _dot_acc(acc, w, xt, DOT_F32: tl.constexpr):
-    """acc + w @ xt (fp32 operands in IEEE precision where DOT_F32)."""
-    if DOT_F32:
-        acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(w, xt, acc)
-    return acc
-
-
 @triton.jit(do_not_specialize=["split"])
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_split,
                    split, stride_x, stride_w, stride_out, stride_part,
@@ -105,7 +81,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
                    d0, d1, d2, s0, s1, s2, s3,
                    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_F32: tl.constexpr, LORA: tl.constexpr, LORA_R: tl.constexpr,
-                   PDL: tl.constexpr, PRE_W: tl.constexpr,
+                   PDL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which K slice
@@ -124,20 +100,20 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
         g, slot, rank, off_b = _lora_rows(tile * BLOCK_N, offs_m, m_ok, offs_ptr, ranks_ptr,
                                           slot_ptr, stride_of0, stride_of1, stride_rk0,
                                           stride_rk1, d0, d1, d2)
-    k_hi = tl.minimum(k_lo + k_split, K)
-    if PRE_W:  # W's first tile (no kernel writes W) before the wait
-        w0 = _w_tile(w_ptrs, n_ok, k_lo + offs_k, K, EVEN_K)
     pdl.wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    k_start = k_lo
-    if PRE_W:
-        acc = _dot_acc(acc, w0, _xt_tile(x_ptrs, m_ok, k_lo + offs_k, K, EVEN_K), DOT_F32)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        k_start = k_lo + BLOCK_K
-    for k0 in range(k_start, k_hi, BLOCK_K):
-        w = _w_tile(w_ptrs, n_ok, k0 + offs_k, K, EVEN_K)
-        acc = _dot_acc(acc, w, _xt_tile(x_ptrs, m_ok, k0 + offs_k, K, EVEN_K), DOT_F32)
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w, xt)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     pdl.launch_next(PDL)
@@ -173,10 +149,6 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
 # tied at 1 row (within 0.4 us) and was mixed at 16 (o +0.9, gate/up -0.6); a decode step at
 # batch 16 with q/k/v/o went 5.55 -> 5.59 ms with it, at batch 32 with all seven 7.19 -> 7.01.
 LORA_MIN_ROWS = 17
-# W's first tile of each program loaded before its PDL wait, while the kernel before it ends
-# (session 12: an experiment, off until measured; `bench_scaling.py --gemm-preload`). Read
-# at each launch (and so at each graph capture).
-PRELOAD = False
 MAX_TILES = 4096  # output tiles a split launch may count (a 7B's widest: 32,000 / 64 = 500)
 _COUNTS: dict[torch.device, torch.Tensor] = {}
 
@@ -285,7 +257,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         x.stride(0), w.stride(0), out.stride(0), tiles * cfg["BLOCK_N"] * cfg["BLOCK_M"],
         *lora_args,
         SPLIT_K=split > 1, HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0,
-        DOT_F32=dot_f32, LORA=lora is not None, LORA_R=lora_r, PRE_W=PRELOAD,
+        DOT_F32=dot_f32, LORA=lora is not None, LORA_R=lora_r,
         **pdl.options(x.device), **cfg)
     return out
 

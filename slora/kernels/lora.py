@@ -113,16 +113,17 @@ def _mbgmv_shrink_kernel(
     stride_x, d_in, stride, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
-    BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
     r0 = tl.program_id(2) * BLOCK_R
     offs_r = r0 + tl.arange(0, BLOCK_R)
     xa_row = xa_ptr + (t * G + g) * max_rank + offs_r
-    # Before the wait, what no kernel of the step writes: the step's metadata, then the first
-    # CH chunks of this program's A rows (adapter pages are written only by the copies before
-    # the step; masked to nothing on base-only rows and rank tiles past the rank).
+    # Before the wait, what no kernel of the step writes: the step's metadata and, with PRE,
+    # the first CH chunks of this program's A rows (adapter pages are written only by the
+    # copies before the step; masked to nothing on base-only rows and rank tiles past the rank)
     slot = tl.load(slot_ptr + t)
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=slot >= 0, other=0)
     off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1, mask=slot >= 0,
@@ -132,11 +133,14 @@ def _mbgmv_shrink_kernel(
     c3 = tl.arange(0, CH)[None, :, None] * CK
     row_ok = r3 < rank
     row_v = off_a + r3 * stride  # [R, 1, 1] virtual row starts
-    a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, c3, d_in, P, EVEN_K)
+    if PRE:
+        a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, c3, d_in, P, EVEN_K)
     pdl.wait(PDL)
     if r0 >= rank:  # base-only row, or a rank tile past this adapter's rank: zeros, done
         tl.store(xa_row, tl.zeros((BLOCK_R,), tl.float32), mask=offs_r < max_rank)
         return
+    if not PRE:
+        a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, c3, d_in, P, EVEN_K)
 
     x_row = x_ptr + t.to(tl.int64) * stride_x
     # Reduce each chunk at once (in-thread, then 3 warp shuffles): a small accumulator keeps
@@ -207,15 +211,16 @@ def _mbgmv_expand_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
     d0, d1, d2, d3, s0, s1, s2, s3,
-    BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHN: tl.constexpr, EVEN_N: tl.constexpr, PRE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.program_id(1)
     n0 = tl.program_id(2) * (CHN * CK)
-    # Before the wait, what no kernel of the step writes: the step's metadata, then this
-    # program's first BLOCK_R rows of B^T (adapter pages, written only by the copies before the
-    # step; masked to nothing on base-only rows and column tiles past d_out). Every program
-    # waits, returning early or not, so this kernel ends after the one before it.
+    # Before the wait, what no kernel of the step writes: the step's metadata and, with PRE,
+    # this program's first BLOCK_R rows of B^T (adapter pages, written only by the copies
+    # before the step; masked to nothing on base-only rows and column tiles past d_out). Every
+    # program waits, returning early or not, so this kernel ends after the one before it.
     slot = tl.load(slot_ptr + t)
     d_out = _select(g, d0, d1, d2, d3)
     stride = _select(g, s0, s1, s2, s3)
@@ -226,10 +231,13 @@ def _mbgmv_expand_kernel(
     pages_row = pages_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pg
     r3 = tl.arange(0, BLOCK_R)[:, None, None]
     nc = n0 + tl.arange(0, CHN)[None, :, None] * CK  # [1, CHN, 1] chunk starts
-    b = _b_rows(pool_ptr, pages_row, off_b, r3, rank, nc, d_out, stride, P, EVEN_N)
+    if PRE:
+        b = _b_rows(pool_ptr, pages_row, off_b, r3, rank, nc, d_out, stride, P, EVEN_N)
     pdl.wait(PDL)
     if (rank == 0) | (n0 >= d_out):  # (a base-only row has rank 0)
         return
+    if not PRE:
+        b = _b_rows(pool_ptr, pages_row, off_b, r3, rank, nc, d_out, stride, P, EVEN_N)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
 
     ptrs, omask, o = _out_tile(out_ptr, t, stride_out, col, n0, d_out, CHN, EVEN_N)
@@ -244,6 +252,17 @@ def _mbgmv_expand_kernel(
     delta = tl.sum(acc, axis=0)  # [CHN, CK]
     pdl.launch_next(PDL)
     tl.store(ptrs, _add_rounded(o, delta), mask=omask)
+
+
+# MBGMV loads each program's first adapter tile (A in the shrink, B^T in the expand) before
+# its PDL wait while a launch reads at most this many (token x rank) adapter rows a module.
+# On the H200 (session 12, call 2; q/k/v pairs back to back, every token its own adapter)
+# loading before the wait took the small launches 9-11% faster (batch 1 rank 8 5.80 -> 5.16
+# us, batch 16 rank 16 9.74 -> 8.84, batch 32 rank 8 9.75 -> 8.87) and the larger ones 1-4%
+# slower (batch 32 rank 32 20.8 -> 21.8, batch 64 rank 16 20.7 -> 21.5, batch 256 rank 128
+# +0.7%); decode steps with all seven modules went 4.90 -> 4.78 ms at batch 1, 5.81 -> 5.66
+# at 16.
+PRE_WAIT_ROWS = 256
 
 
 def _mbgmv_shrink_cfg(T: int, G: int, max_rank: int, d_in: int, device: torch.device) -> dict:
@@ -297,7 +316,8 @@ def mbgmv_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x, pool_l, pages, offsets_a, ranks, token_slot, xa,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, EVEN_K=d_in % CHUNK == 0, **pdl.options(x.device), **cfg)
+        G, max_rank, EVEN_K=d_in % CHUNK == 0, PRE=T * max_rank <= PRE_WAIT_ROWS,
+        **pdl.options(x.device), **cfg)
     return xa
 
 
@@ -324,7 +344,7 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, *d, *s, EVEN_N=all(x % CHUNK == 0 for x in out_dims),
-        **pdl.options(out.device), **cfg)
+        PRE=T * max_rank <= PRE_WAIT_ROWS, **pdl.options(out.device), **cfg)
 
 
 # ----------------------------------------------------------------------------- MBGMM

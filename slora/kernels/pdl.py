@@ -7,8 +7,10 @@ kernel may launch before the one before it has completed:
 
 - every program of every kernel here calls `wait` (`griddepcontrol.wait`: until the kernel
   before has completed and its writes are visible) before it reads or writes anything another
-  kernel writes; before it, only the step's metadata (context lengths, positions, adapter
-  slots, ranks and offsets: host-built, copied in before the step) is read. Each kernel
+  kernel writes; before it, only what the step's kernels never write is read: the step's
+  metadata (context lengths, positions, adapter slots, ranks, offsets and page ids:
+  host-built, copied in before the step) and, in small MBGMV launches, the first tile of the
+  adapter pages (copied in before the step; `lora.PRE_WAIT_ROWS`). Each kernel
   waits for the one before it, which waited for the one before that, so every earlier
   kernel's writes are visible; a kernel launched without PDL (a torch op, cuBLAS) waits for
   full completion as always, so the chain may mix both. Programs that return early wait
