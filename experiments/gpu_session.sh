@@ -436,7 +436,16 @@ case "${1:-}" in
       PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-51)" >&2; exit 2 ;;
+  52)  # MBGMV without its first tile early keeps the loop as before session 12 (call 3 had
+       # both ways peeled): LoRA CUDA tests, MBGMV / MBGMM against copy (GPU0); the decode
+       # table at batch 1/16/32/64/128, S2 q/k/v/o (GPU1)
+    lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py 2>&1 | tail -1
+      python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | grep -A36 "^NVIDIA"'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A17 "^ *batch"
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -3
+      python3 -c "import json; [print(r[\"adapters\"], r[\"modules\"], round(r[\"wall_s\"], 2), round(r[\"ratio\"], 3)) for r in json.load(open(\"$OUT/scaling/bench_scaling.json\"))[\"scaling\"]]"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-52)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

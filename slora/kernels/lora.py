@@ -139,14 +139,16 @@ def _mbgmv_shrink_kernel(
     if r0 >= rank:  # base-only row, or a rank tile past this adapter's rank: zeros, done
         tl.store(xa_row, tl.zeros((BLOCK_R,), tl.float32), mask=offs_r < max_rank)
         return
-    if not PRE:
-        a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, c3, d_in, P, EVEN_K)
 
     x_row = x_ptr + t.to(tl.int64) * stride_x
     # Reduce each chunk at once (in-thread, then 3 warp shuffles): a small accumulator keeps
     # registers low, so more programs fit on an SM and more loads are in flight.
-    acc = tl.sum(a.to(tl.float32) * _x_chunks(x_row, c3, d_in, EVEN_K), axis=2)
-    for k0 in range(CH * CK, d_in, CH * CK):
+    acc = tl.zeros((BLOCK_R, CH), tl.float32)
+    k_start = 0
+    if PRE:  # (the first tile, loaded before the wait; without PRE the loop as before)
+        acc += tl.sum(a.to(tl.float32) * _x_chunks(x_row, c3, d_in, EVEN_K), axis=2)
+        k_start = CH * CK
+    for k0 in range(k_start, d_in, CH * CK):
         a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, k0 + c3, d_in, P, EVEN_K)
         acc += tl.sum(a.to(tl.float32) * _x_chunks(x_row, k0 + c3, d_in, EVEN_K), axis=2)
     pdl.launch_next(PDL)
@@ -236,15 +238,17 @@ def _mbgmv_expand_kernel(
     pdl.wait(PDL)
     if (rank == 0) | (n0 >= d_out):  # (a base-only row has rank 0)
         return
-    if not PRE:
-        b = _b_rows(pool_ptr, pages_row, off_b, r3, rank, nc, d_out, stride, P, EVEN_N)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
 
     ptrs, omask, o = _out_tile(out_ptr, t, stride_out, col, n0, d_out, CHN, EVEN_N)
 
     xa_row = xa_ptr + (t * G + g) * max_rank
-    acc = b * tl.load(xa_row + r3, mask=r3 < rank, other=0.0)
-    for rr in range(BLOCK_R, rank, BLOCK_R):
+    acc = tl.zeros((BLOCK_R, CHN, CK), tl.float32)
+    r_start = 0
+    if PRE:
+        acc += b * tl.load(xa_row + r3, mask=r3 < rank, other=0.0)
+        r_start = BLOCK_R
+    for rr in range(r_start, rank, BLOCK_R):
         rows = rr + r3
         # (the B tile's loads issued before xa's, as measured on the H200)
         b = _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N)
