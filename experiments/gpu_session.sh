@@ -445,7 +445,14 @@ case "${1:-}" in
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -3
       python3 -c "import json; [print(r[\"adapters\"], r[\"modules\"], round(r[\"wall_s\"], 2), round(r[\"ratio\"], 3)) for r in json.load(open(\"$OUT/scaling/bench_scaling.json\"))[\"scaling\"]]"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-52)" >&2; exit 2 ;;
+  53)  # MBGMV with its loop's code as in session 11 (the same PTX without the early tile) and
+       # the early first tile only at <= 256 token x rank rows: MBGMV / MBGMM against copy
+       # (GPU0); LoRA CUDA tests, the decode table at batch 1/16/32/64 (GPU1)
+    lane 0 gpu0 'python3 experiments/bench_kernels.py --skip-attention --out $OUT/kernels 2>&1 | grep -A36 "^NVIDIA"'
+    lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py 2>&1 | tail -1
+      python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A14 "^ *batch"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-53)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

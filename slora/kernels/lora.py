@@ -128,31 +128,52 @@ def _mbgmv_shrink_kernel(
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=slot >= 0, other=0)
     off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1, mask=slot >= 0,
                     other=0).to(tl.int32)
-    pages_row = pages_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pg
-    r3 = offs_r[:, None, None]
-    c3 = tl.arange(0, CH)[None, :, None] * CK
-    row_ok = r3 < rank
-    row_v = off_a + r3 * stride  # [R, 1, 1] virtual row starts
-    if PRE:
-        a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, c3, d_in, P, EVEN_K)
+    if PRE:  # (r3 and c3 as in _shrink_rows)
+        r3 = offs_r[:, None, None]
+        a0 = _a_chunks(pool_ptr, pages_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pg,
+                       off_a + r3 * stride, r3 < rank, tl.arange(0, CH)[None, :, None] * CK,
+                       d_in, P, EVEN_K)
     pdl.wait(PDL)
     if r0 >= rank:  # base-only row, or a rank tile past this adapter's rank: zeros, done
         tl.store(xa_row, tl.zeros((BLOCK_R,), tl.float32), mask=offs_r < max_rank)
         return
 
+    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     x_row = x_ptr + t.to(tl.int64) * stride_x
-    # Reduce each chunk at once (in-thread, then 3 warp shuffles): a small accumulator keeps
-    # registers low, so more programs fit on an SM and more loads are in flight.
-    acc = tl.zeros((BLOCK_R, CH), tl.float32)
-    k_start = 0
-    if PRE:  # (the first tile, loaded before the wait; without PRE the loop as before)
-        acc += tl.sum(a.to(tl.float32) * _x_chunks(x_row, c3, d_in, EVEN_K), axis=2)
-        k_start = CH * CK
-    for k0 in range(k_start, d_in, CH * CK):
-        a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, k0 + c3, d_in, P, EVEN_K)
-        acc += tl.sum(a.to(tl.float32) * _x_chunks(x_row, k0 + c3, d_in, EVEN_K), axis=2)
+    res = _shrink_rows(x_row, pool_ptr, pages_row, off_a, offs_r, rank, d_in, stride, P,
+                       a0 if PRE else 0, BLOCK_R, CH, EVEN_K, PRE)
     pdl.launch_next(PDL)
-    tl.store(xa_row, tl.sum(acc, axis=1), mask=offs_r < max_rank)
+    tl.store(xa_row, res, mask=offs_r < max_rank)
+
+
+@triton.jit
+def _shrink_rows(x_row, pool_ptr, pages_row, off_a, rows, rank, d_in, stride, P, a0,
+                 BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr,
+                 PRE: tl.constexpr):
+    """fp32 [BLOCK_R]: x_row . A[rows] of one adapter's module over d_in (rows at or past
+    `rank` give 0), streaming CH aligned chunks of every row an iteration; with PRE, `a0` is
+    the first iteration's A tile, loaded already (`_a_chunks`)."""
+    r3 = rows[:, None, None]
+    c3 = tl.arange(0, CH)[None, :, None] * CK
+    e3 = tl.arange(0, CK)[None, None, :]
+    row_ok = r3 < rank
+    row_v = off_a + r3 * stride  # [R, 1, 1] virtual row starts
+    acc = tl.zeros((BLOCK_R, CH), tl.float32)
+    k_first = 0
+    if PRE:
+        xmask = (c3 < d_in) if EVEN_K else (c3 + e3 < d_in)
+        xv = tl.load(x_row + c3 + e3, mask=xmask, other=0.0)
+        acc += tl.sum(a0.to(tl.float32) * xv.to(tl.float32), axis=2)
+        k_first = CH * CK
+    for k0 in range(k_first, d_in, CH * CK):
+        kc = k0 + c3  # [1, CH, 1] chunk starts
+        a = _a_chunks(pool_ptr, pages_row, row_v, row_ok, kc, d_in, P, EVEN_K)
+        xmask = (kc < d_in) if EVEN_K else (kc + e3 < d_in)
+        xv = tl.load(x_row + kc + e3, mask=xmask, other=0.0)
+        # Reduce each chunk at once (in-thread, then 3 warp shuffles): a small accumulator
+        # keeps registers low, so more programs fit on an SM and more loads are in flight.
+        acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32), axis=2)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -166,14 +187,6 @@ def _a_chunks(pool_ptr, pages_row, row_v, row_ok, kc, d_in, P, EVEN_K: tl.conste
     base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [CK, CK, CK])
     amask = cmask if EVEN_K else cmask & (kc + e3 < d_in)
     return tl.load(pool_ptr + base + e3, mask=amask, other=0.0)
-
-
-@triton.jit
-def _x_chunks(x_row, kc, d_in, EVEN_K: tl.constexpr):
-    """fp32 [1, CH, 64]: x_row at the chunks starting at `kc` ([1, CH, 1]), 0 past d_in."""
-    e3 = tl.arange(0, CK)[None, None, :]
-    xmask = (kc < d_in) if EVEN_K else (kc + e3 < d_in)
-    return tl.load(x_row + kc + e3, mask=xmask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -225,30 +238,33 @@ def _mbgmv_expand_kernel(
     # program waits, returning early or not, so this kernel ends after the one before it.
     slot = tl.load(slot_ptr + t)
     d_out = _select(g, d0, d1, d2, d3)
-    stride = _select(g, s0, s1, s2, s3)
     # rank and offset loads issued together: one memory latency, not two in a row
     rank = tl.load(ranks_ptr + slot * stride_rk0 + g * stride_rk1, mask=slot >= 0, other=0)
     off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1, mask=slot >= 0,
                     other=0).to(tl.int32)
-    pages_row = pages_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pg
-    r3 = tl.arange(0, BLOCK_R)[:, None, None]
-    nc = n0 + tl.arange(0, CHN)[None, :, None] * CK  # [1, CHN, 1] chunk starts
-    if PRE:
-        b = _b_rows(pool_ptr, pages_row, off_b, r3, rank, nc, d_out, stride, P, EVEN_N)
+    if PRE:  # (r3 and nc as below)
+        b0 = _b_rows(pool_ptr, pages_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pg, off_b,
+                     tl.arange(0, BLOCK_R)[:, None, None], rank,
+                     n0 + tl.arange(0, CHN)[None, :, None] * CK, d_out,
+                     _select(g, s0, s1, s2, s3), P, EVEN_N)
     pdl.wait(PDL)
     if (rank == 0) | (n0 >= d_out):  # (a base-only row has rank 0)
         return
+    stride = _select(g, s0, s1, s2, s3)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
 
     ptrs, omask, o = _out_tile(out_ptr, t, stride_out, col, n0, d_out, CHN, EVEN_N)
 
+    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
+    r3 = tl.arange(0, BLOCK_R)[:, None, None]
+    nc = n0 + tl.arange(0, CHN)[None, :, None] * CK  # [1, CHN, 1] chunk starts
     xa_row = xa_ptr + (t * G + g) * max_rank
     acc = tl.zeros((BLOCK_R, CHN, CK), tl.float32)
-    r_start = 0
-    if PRE:
-        acc += b * tl.load(xa_row + r3, mask=r3 < rank, other=0.0)
-        r_start = BLOCK_R
-    for rr in range(r_start, rank, BLOCK_R):
+    r_first = 0
+    if PRE:  # (the first tile, loaded before the wait; without PRE the loop as before)
+        acc += b0 * tl.load(xa_row + r3, mask=r3 < rank, other=0.0)
+        r_first = BLOCK_R
+    for rr in range(r_first, rank, BLOCK_R):
         rows = rr + r3
         # (the B tile's loads issued before xa's, as measured on the H200)
         b = _b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N)
@@ -262,10 +278,11 @@ def _mbgmv_expand_kernel(
 # its PDL wait while a launch reads at most this many (token x rank) adapter rows a module.
 # On the H200 (session 12, call 2; q/k/v pairs back to back, every token its own adapter)
 # loading before the wait took the small launches 9-11% faster (batch 1 rank 8 5.80 -> 5.16
-# us, batch 16 rank 16 9.74 -> 8.84, batch 32 rank 8 9.75 -> 8.87) and the larger ones 1-4%
-# slower (batch 32 rank 32 20.8 -> 21.8, batch 64 rank 16 20.7 -> 21.5, batch 256 rank 128
-# +0.7%); decode steps with all seven modules went 4.90 -> 4.78 ms at batch 1, 5.81 -> 5.66
-# at 16.
+# us, batch 16 rank 16 9.74 -> 8.84, batch 32 rank 8 9.75 -> 8.87) and decode steps with all
+# seven modules 4.90 -> 4.78 ms at batch 1, 5.81 -> 5.66 at 16, while larger launches ran
+# 1-5% slower than session 11's kernels (batch 64 rank 16 20.7 -> 21.5-21.9 us) in calls 2-4,
+# with the early load or without it: that came from the loop's code, since written back as it
+# was. Above this many rows the two kernels compile to session 11's PTX (debug lines aside).
 PRE_WAIT_ROWS = 256
 
 
