@@ -452,7 +452,21 @@ case "${1:-}" in
     lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py 2>&1 | tail -1
       python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A14 "^ *batch"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-53)" >&2; exit 2 ;;
+  54)  # as 51 at session 12's last kernels, without the tables call 5 ran: a fresh profile
+       # validated against replay, the decode table at batch 1/16/32/64/128 (GPU0); S2 q/k/v/o
+       # and all seven, the race, replay (GPU1)
+    lane 0 gpu0 'bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch $OUT/profile.done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=$OUT/sim-vs-replay-0 \
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -14
+      python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64,128 --breakdown "" --out $OUT/breakdown 2>&1 | grep -A17 "^ *batch"'
+    lane 1 gpu1 'python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400 --out $OUT/scaling 2>&1 | tail -1
+      python3 -c "import json; [print(r[\"adapters\"], r[\"modules\"], round(r[\"wall_s\"], 2), round(r[\"ratio\"], 3)) for r in json.load(open(\"$OUT/scaling/bench_scaling.json\"))[\"scaling\"]]"
+      python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out $OUT/engine 2>&1 | tail -5
+      while [ ! -f $OUT/profile.done ]; do sleep 5; done
+      PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
+        RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-54)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
