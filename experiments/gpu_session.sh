@@ -466,7 +466,15 @@ case "${1:-}" in
       PROFILE=$OUT/h200-llama2-7b.json DURATION=60 ONLY="n1000-a0.5-r8 n2000-a1-r10" \
         RESULTS=$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v "^  [a-zA-Z]" | tail -16'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-54)" >&2; exit 2 ;;
+  55)  # for the next session (not yet run): where S2's steps with prompts spend their LoRA time
+       # (session 12 call 6: +9.4 ms a step with one adapter, +11.6 with 2,000, over 119 steps
+       # of ~864 prompt tokens). Kernel tables of a batch-128 decode step and of the same batch
+       # with 4 prompts of 216 tokens joining, each with its own rank-32 adapter, without LoRA,
+       # q/k/v/o and all seven (GPU0); the MBGMM tile sweep (GPU1)
+    lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo,all --mixed-prompts 4 --mixed-prompt-len 216 --decode-rank 32 --out $OUT/mixed 2>&1 | tail -90'
+    lane 1 gpu1 'python3 experiments/bench_kernels.py --tune mbgmm --tune-only --out $OUT/kernels-mbgmm 2>&1 | grep -A12 "^tune"'
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-55)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
