@@ -143,8 +143,8 @@ def pdl_order(ptx: str) -> str:
     """'' if a PDL variant's PTX keeps `slora.kernels.pdl`'s rule in program order, else why
     not: a `griddepcontrol.wait` before any store, atomic or async copy (what the kernel
     before may still read or write) and before every `ret`, and a `launch_dependents`.
-    (Loads before the wait are allowed: the step's metadata; which pointer a load reads is not
-    visible here.)"""
+    (Loads before the wait are allowed: the step's metadata, and in small MBGMV launches the
+    first adapter tile; which pointer a load reads is not visible here.)"""
     lines = ptx.splitlines()
     waits = [i for i, l in enumerate(lines) if "griddepcontrol.wait" in l]
     if not waits:
