@@ -327,18 +327,21 @@ def tune_mbgmv(cfg, device, dtype, gen):
 # ----------------------------------------------------------------------------- MBGMM
 
 def tune_mbgmm(cfg, device, dtype, gen):
-    """Sweep MBGMM launch configs for shrink (d_in slices, warps) and expand (warps, pipeline
-    stages) at a few prefill shapes: `mbgmm_tune` (segments x tokens), one short prompt (as a
-    graphed mixed step has) to many long ones."""
+    """Sweep MBGMM launch configs for shrink (d_in slices, warps) and expand (columns a program,
+    warps, pipeline stages) at a few prefill shapes: `mbgmm_tune` (segments x tokens), one
+    short prompt (as a graphed mixed step has) to many long ones. Each row also gives the
+    launch's bytes (x and A; out read and written, and B) as a share of the copy ceiling."""
     rows = []
     orig = lora._mbgmm_cfg
     d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
     # BLOCK_M is the work list's tile (tiles.tile_rows), not swept here
     smoke = cfg["smoke"]
-    sweeps = {"shrink": [dict(split_k=k, num_warps=nw) for k in (1, 2, 4, 8, 16, 32)
+    sweeps = {"shrink": [dict(split_k=k, num_warps=nw) for k in (1, 2, 4, 8, 16)
                          for nw in (4, 8)] if not smoke else [dict(split_k=1, num_stages=1)],
-              "expand": [dict(num_warps=nw, num_stages=st) for nw in (4, 8) for st in (2, 3, 4)]
-              if not smoke else [dict(num_stages=1)]}
+              "expand": [dict(n_span=n, num_warps=nw, num_stages=st)
+                         for n in (64, 128, 256, 512, 1024) for nw in (4, 8) for st in (2, 3)]
+              if not smoke else [dict(n_span=128, num_stages=1)]}
+    run_opts = ("split_k", "n_span")  # launch arguments; the rest are compile options
     for (n_seg, seg_len), r in ((s, r) for s in cfg["mbgmm_tune"] for r in cfg["mbgmm_ranks"]):
         T = n_seg * seg_len
         P = Pool(n_seg, r, d, out_dims, cfg["page_size"], 2, dtype, device, gen)
@@ -350,34 +353,44 @@ def tune_mbgmm(cfg, device, dtype, gen):
         tiles = work_tiles(seg_start, seg_slot, x)
         xa = lora.mbgmm_shrink(x, P.pool[0], P.pages, offa, P.ranks, seg_start, seg_slot,
                                P.stride, r, tiles)
+        el = x.element_size()
+        a_bytes = n_seg * r * (d * 3 + sum(out_dims)) * el  # every adapter's A and B, once
+        mb = {"shrink": (T * d * el + a_bytes / 2) / 1e6,
+              "expand": (2 * T * sum(out_dims) * el + a_bytes / 2) / 1e6}
         for kind, cfgs in sweeps.items():
             for c in [None] + cfgs:  # None: the defaults
                 c = c or {}
-                split = c.get("split_k")
-                opts = {k: v for k, v in c.items() if k != "split_k"}
-                lora._mbgmm_cfg = lambda *a, o=opts: {**orig(*a), **o}
+                run = {k: v for k, v in c.items() if k in run_opts}
+                opts = {k: v for k, v in c.items() if k not in run_opts}
+                lora._mbgmm_cfg = lambda *a, o=opts, **kw: {**orig(*a, **kw), **o}
 
                 def fn():
                     for l in range(2):
                         if kind == "shrink":
                             lora.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start,
-                                              seg_slot, P.stride, r, tiles, split_k=split)
+                                              seg_slot, P.stride, r, tiles, **run)
                         else:
                             lora.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start,
-                                              seg_slot, out_dims, P.strides, tiles)
+                                              seg_slot, out_dims, P.strides, tiles, **run)
                 try:
                     us = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / 2 * 1e3
-                except Exception as e:  # a config the compiler rejects
+                except Exception as e:  # a config the compiler rejects, or an older tree's API
                     print(f"  mbgmm {kind} {c}: {type(e).__name__}", flush=True)
                     continue
                 finally:
                     lora._mbgmm_cfg = orig
+                pct = 100 * mb[kind] / 1e3 / us / cfg["copy_GBps"] * 1e6 if us > 0 else 0.0
                 rows.append(dict(kind="mbgmm_" + kind, segments=n_seg, seg_len=seg_len, rank=r,
-                                 default=not c, **c, us=us))
+                                 default=not c, **c, us=us, MB=mb[kind], pct_copy=pct))
             mine = [w for w in rows if w["kind"] == "mbgmm_" + kind and w["rank"] == r
                     and w["segments"] == n_seg and w["seg_len"] == seg_len]
+            if not mine:
+                continue
             top = sorted((w for w in mine if not w["default"]), key=lambda w: w["us"])[:3]
-            print(f"tune mbgmm {kind} {n_seg} x {seg_len} r={r}: default {mine[0]['us']:.1f} us; "
+            dflt = [w for w in mine if w["default"]]
+            head = f"default {dflt[0]['us']:.1f} us ({dflt[0]['pct_copy']:.0f}% of copy)" \
+                if dflt else "default failed"
+            print(f"tune mbgmm {kind} {n_seg} x {seg_len} r={r} ({mb[kind]:.1f} MB): {head}; "
                   "best: " + "; ".join(f"{ {k: w[k] for k in w if k in sweeps[kind][0]} } "
                                        f"{w['us']:.1f} us" for w in top), flush=True)
         del P
@@ -779,7 +792,7 @@ def main():
         cfg = dict(smoke=False, hidden=4096, page_size=16 * 2 * 32 * 128,  # Llama-2-7B block 16
                    batches=(1, 16, 32, 64, 128, 256), ranks=(8, 16, 32, 64, 128),
                    segments=(8, 512), mbgmm_ranks=(16, 64), block_size=16,
-                   mbgmm_tune=((1, 256), (2, 256), (8, 512)),
+                   mbgmm_tune=((1, 256), (4, 216), (8, 512)),
                    attn=[(32, 272, 32, 32, 128), (128, 272, 32, 32, 128),
                          (32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
                          (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],

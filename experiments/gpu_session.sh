@@ -474,7 +474,24 @@ case "${1:-}" in
     lane 0 gpu0 'python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo,all --mixed-prompts 4 --mixed-prompt-len 216 --decode-rank 32 --out $OUT/mixed 2>&1 | tail -90'
     lane 1 gpu1 'python3 experiments/bench_kernels.py --tune mbgmm --tune-only --out $OUT/kernels-mbgmm 2>&1 | grep -A12 "^tune"'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-55)" >&2; exit 2 ;;
+  56)  # MBGMM with each expand program walking a span of columns (xa tile and page lookups
+       # loaded once) and both kernels' page lookups hoisted out of their loops (session 13):
+       # LoRA and engine CUDA tests, a batch-128 step with 4 prompts of 216 tokens joining
+       # (rank 32; none / q,k,v,o / all seven), S2 q/k/v/o (GPU0); the MBGMM sweep, then as it
+       # was (before_lora.py: lora.py before the change, untracked, in a copy of the tree): the
+       # sweep's defaults and the same mixed step (GPU1)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
+    MIXED='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo,all --mixed-prompts 4 --mixed-prompt-len 216 --decode-rank 32'
+    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py 2>&1 | tail -1
+      python3 $MIXED --out \$OUT/mixed 2>&1 | grep -A7 '^kernel breakdown, mixed'
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out \$OUT/scaling 2>&1 | tail -1
+      python3 -c \"import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('\$OUT/scaling/bench_scaling.json'))['scaling']]\""
+    lane 1 gpu1 "python3 experiments/bench_kernels.py --tune mbgmm --tune-only --out \$OUT/kernels-mbgmm 2>&1 | grep -v '^  mbgmm'
+      echo '== before'; cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
+      python3 experiments/bench_kernels.py --tune mbgmm --tune-only --out \$OUT/kernels-mbgmm-before 2>&1 | grep -v '^  mbgmm'
+      python3 $MIXED --out \$OUT/mixed-before 2>&1 | grep -A7 '^kernel breakdown, mixed'"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-56)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

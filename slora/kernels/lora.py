@@ -370,6 +370,33 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
 
 # ----------------------------------------------------------------------------- MBGMM
 
+@triton.jit
+def _row_pages(pages_row, v0, span, ok, P, TWO_PAGES: tl.constexpr):
+    """A row of `span` <= P elements starting at virtual `v0` lies in at most two pages: (index
+    of the first, its page, the next page or 0), loaded once before a kernel's loop so that the
+    loop's loads need no page lookup of their own (`_chunk_base`). Without TWO_PAGES: nothing
+    loaded."""
+    i0 = v0 // P
+    if TWO_PAGES:
+        p0 = tl.load(pages_row + i0, mask=ok, other=0)
+        p1 = tl.load(pages_row + i0 + 1, mask=ok & ((v0 + span - 1) // P > i0), other=0)
+    else:
+        p0 = i0
+        p1 = i0
+    return i0, p0, p1
+
+
+@triton.jit
+def _chunk_base(pages_row, v, ok, P, i0, p0, p1, TWO_PAGES: tl.constexpr):
+    """Pool offset of the aligned chunks starting at virtual `v`: from the row's two pages
+    (`_row_pages`) or, for rows longer than a page, one lookup each."""
+    if TWO_PAGES:
+        page = tl.where(v // P > i0, p1, p0)
+    else:
+        page = tl.load(pages_row + v // P, mask=ok, other=0)
+    return page.to(tl.int64) * P + (v % P)
+
+
 @triton.jit(do_not_specialize=["stride_pg", "split_k"])
 def _mbgmm_shrink_kernel(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, tiles_ptr,
@@ -378,7 +405,7 @@ def _mbgmm_shrink_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_rt, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
 ):
     g = tl.program_id(1) // (n_rt * split_k)
     r0 = (tl.program_id(1) // split_k % n_rt) * BLOCK_R
@@ -393,7 +420,7 @@ def _mbgmm_shrink_kernel(
             _mbgmm_shrink_tile(x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0,
                                m_end, r0, k_lo, stride_x, d_in, stride, P, stride_pg,
                                stride_of0, stride_of1, G, max_rank, split_k, k_split,
-                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32)
+                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32, TWO_PAGES)
 
 
 @triton.jit
@@ -401,7 +428,7 @@ def _mbgmm_shrink_tile(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0, m_end, r0, k_lo,
     stride_x, d_in, stride, P, stride_pg, stride_of0, stride_of1, G, max_rank, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
 ):
     """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, ranks
     r0..r0+BLOCK_R-1, d_in slice k_lo..k_lo+k_split-1."""
@@ -413,13 +440,13 @@ def _mbgmm_shrink_tile(
     m_ok = offs_m < m_end
     r_ok = offs_r < rank
     row_v = off_a + offs_r * stride
+    i0, p0, p1 = _row_pages(pages_row, row_v, d_in, r_ok, P, TWO_PAGES)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, d_in), BLOCK_K):
-        # BLOCK_K divides CHUNK, so each row's tile lies in one page: one lookup per row.
-        v = row_v + k0
-        page = tl.load(pages_row + v // P, mask=r_ok, other=0)
-        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [BLOCK_K])
+        # BLOCK_K divides CHUNK, so each row's tile lies in one page
+        base = tl.multiple_of(_chunk_base(pages_row, row_v + k0, r_ok, P, i0, p0, p1,
+                                          TWO_PAGES), [BLOCK_K])
         if EVEN_K:
             amask = r_ok[:, None]
             xmask = m_ok[:, None]
@@ -439,19 +466,19 @@ def _mbgmm_shrink_tile(
         tl.atomic_add(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["stride_pg"])
+@triton.jit(do_not_specialize=["stride_pg", "n_chunks"])
 def _mbgmm_expand_kernel(
     xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr,
     tiles_ptr,
     stride_out, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
-    G, max_rank, n_nt,
+    G, max_rank, n_nt, n_chunks,
     d0, d1, d2, d3, s0, s1, s2, s3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
 ):
     g = tl.program_id(1) // n_nt
-    n0 = (tl.program_id(1) % n_nt) * BLOCK_N
+    n_lo = (tl.program_id(1) % n_nt) * n_chunks * BLOCK_N
     d_out = _select(g, d0, d1, d2, d3)
     stride = _select(g, s0, s1, s2, s3)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
@@ -459,57 +486,58 @@ def _mbgmm_expand_kernel(
         s = tl.load(tiles_ptr + 1 + 2 * i)
         slot = tl.load(seg_slot_ptr + s)
         rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rk0 + g * stride_rk1)
-        if (slot >= 0) & (rank > 0) & (n0 < d_out):
+        if (slot >= 0) & (rank > 0) & (n_lo < d_out):
             m0 = tl.load(tiles_ptr + 2 + 2 * i)
             m_end = tl.minimum(m0 + BLOCK_M, tl.load(seg_start_ptr + s + 1))
             _mbgmm_expand_tile(xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank,
-                               m0, m_end, n0, d_out, stride, col, stride_out, P, stride_pg,
-                               stride_of0, stride_of1, G, max_rank,
-                               BLOCK_M, BLOCK_R, BLOCK_N, EVEN_N, DOT_F32)
+                               m0, m_end, n_lo, tl.minimum(n_lo + n_chunks * BLOCK_N, d_out), d_out, stride,
+                               col, stride_out, P, stride_pg, stride_of0, stride_of1, G,
+                               max_rank, BLOCK_M, BLOCK_R, BLOCK_N, EVEN_N, DOT_F32, TWO_PAGES)
 
 
 @triton.jit
 def _mbgmm_expand_tile(
-    xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank, m0, m_end, n0, d_out, stride,
-    col, stride_out, P, stride_pg, stride_of0, stride_of1, G, max_rank,
+    xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank, m0, m_end, n_lo, n_hi, d_out,
+    stride, col, stride_out, P, stride_pg, stride_of0, stride_of1, G, max_rank,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
 ):
     """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, output
-    columns n0..n0+BLOCK_N-1 of the module's d_out (at column `col` of out)."""
+    columns n_lo..n_hi-1 of the module's d_out (at column `col` of out), BLOCK_N at a time.
+    BLOCK_R covers every rank, so xa's tile and each B row's pages load once, before the loop."""
     off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     m_ok = offs_m < m_end
-    n_ok = offs_n < d_out
-    xa_rows = xa_ptr + (offs_m[:, None] * G + g) * max_rank
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for rr in range(0, rank, BLOCK_R):
-        rows = rr + offs_r
-        r_ok = rows < rank
-        w = tl.load(xa_rows + rows[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        # BLOCK_N divides CHUNK, so each rank row's tile lies in one page: one lookup per row.
-        v = off_b + rows * stride + n0
-        page = tl.load(pages_row + v // P, mask=r_ok, other=0)
-        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [BLOCK_N])
-        b_ptrs = pool_ptr + base[:, None] + tl.arange(0, BLOCK_N)[None, :]
+    r_ok = offs_r < rank
+    row_v = off_b + offs_r * stride
+    i0, p0, p1 = _row_pages(pages_row, row_v, d_out, r_ok, P, TWO_PAGES)
+    w = tl.load(xa_ptr + (offs_m[:, None] * G + g) * max_rank + offs_r[None, :],
+                mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+    if not DOT_F32:
+        w = w.to(pool_ptr.dtype.element_ty)
+    out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + col
+    for c in range(0, tl.cdiv(n_hi - n_lo, BLOCK_N)):
+        n0 = n_lo + c * BLOCK_N  # (a multiple of BLOCK_N the compiler sees: 16-byte accesses)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         if EVEN_N:  # n0 < d_out and BLOCK_N = CK: the tile is whole, no column mask
-            b = tl.load(b_ptrs, mask=r_ok[:, None], other=0.0)
+            omask = m_ok[:, None]
+            bmask = r_ok[:, None]
         else:
-            b = tl.load(b_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            omask = m_ok[:, None] & (offs_n < d_out)[None, :]
+            bmask = r_ok[:, None] & (offs_n < d_out)[None, :]
+        o = tl.load(out_rows + offs_n[None, :], mask=omask, other=0.0)  # first: its latency
+        # hides behind B's. BLOCK_N divides CHUNK, so each rank row's tile lies in one page.
+        base = tl.multiple_of(_chunk_base(pages_row, row_v + n0, r_ok, P, i0, p0, p1,
+                                          TWO_PAGES), [BLOCK_N])
+        b = tl.load(pool_ptr + base[:, None] + tl.arange(0, BLOCK_N)[None, :], mask=bmask,
+                    other=0.0)
         if DOT_F32:
-            acc += tl.dot(w, b.to(tl.float32), input_precision="ieee")
+            acc = tl.dot(w, b.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(w.to(b.dtype), b)
-    ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + col + offs_n[None, :]
-    if EVEN_N:
-        omask = m_ok[:, None]
-    else:
-        omask = m_ok[:, None] & n_ok[None, :]
-    o = tl.load(ptrs, mask=omask, other=0.0)
-    tl.store(ptrs, _add_rounded(o, acc), mask=omask)
+            acc = tl.dot(w, b)
+        tl.store(out_rows + offs_n[None, :], _add_rounded(o, acc), mask=omask)
 
 
 def _dot_min(device: torch.device) -> int:
@@ -520,16 +548,33 @@ def _dot_min(device: torch.device) -> int:
 
 def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
     """Tiles for MBGMM: BLOCK_M tokens (`tile_rows`: the work list's tile) by BLOCK_R ranks,
-    64-wide K (shrink) or N (expand). Measured on the H200 (`bench_kernels.py --tune mbgmm`,
-    q/k/v group, 1 x 256 to 8 x 512 tokens, ranks 16 and 64; session 8): shrink with 8 warps
-    and expand with 2 pipeline stages were best at every shape (shrink 126 -> 65 us at 8 x 512
-    rank 64 with its d_in split, below; expand 207 -> 185 us)."""
-    block_r = max(_dot_min(x.device), min(64, _pow2(max_rank)))
+    64-wide K (shrink) or N (expand). Shrink programs own up to 64 ranks; expand's BLOCK_R
+    covers every rank, so each program loads its xa tile once and then walks its columns.
+    Measured on the H200 (`bench_kernels.py --tune mbgmm`, q/k/v group, 1 x 256 to 8 x 512
+    tokens, ranks 16 and 64; session 8): shrink with 8 warps and expand with 2 pipeline stages
+    were best at every shape (shrink 126 -> 65 us at 8 x 512 rank 64 with its d_in split,
+    below)."""
+    dot_min = _dot_min(x.device)
+    block_r = max(dot_min, min(64, _pow2(max_rank)) if shrink else _pow2(max_rank))
     if x.device.type != "cuda":
         return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=4,
                     num_stages=1)
     return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r,
                 num_warps=8 if shrink else 4, num_stages=3 if shrink else 2)
+
+
+EXPAND_PROGRAMS = 512  # MBGMM expand: widen each program's columns while more remain than this
+
+
+def _n_span(d_out: int, work: int) -> int:
+    """Output columns per MBGMM expand program: 64 doubled while `work` (token tiles x modules)
+    x column spans stays at least EXPAND_PROGRAMS, up to 1,024. A program's metadata, xa tile
+    and page lookups are loaded once for its whole span, where one program per 64 columns
+    spent most of its time in that chain (session 13)."""
+    span = CHUNK
+    while span < 1024 and work * triton.cdiv(d_out, 2 * span) >= EXPAND_PROGRAMS:
+        span *= 2
+    return span
 
 
 def _split_k(d_in: int, programs: int, device: torch.device) -> int:
@@ -593,19 +638,21 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_rt, split_k, k_split, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
-        DOT_F32=_dot_f32(x, pool_l), **cfg)
+        DOT_F32=_dot_f32(x, pool_l), TWO_PAGES=d_in <= pool_l.shape[1], **cfg)
     return xa
 
 
 def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
                  offsets_b: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
                  seg_slot: torch.Tensor, out_dims: tuple[int, ...], strides: tuple[int, ...],
-                 tiles: torch.Tensor | None = None, programs: int | None = None) -> None:
+                 tiles: torch.Tensor | None = None, programs: int | None = None,
+                 n_span: int | None = None) -> None:
     """MBGMM expand (prefill), in place: out[t, cols_g] += xa[t, g, :r] @ B_g^T per segment.
 
     Same segment metadata and work list as `mbgmm_shrink`; same output layout as
     `mbgmv_expand`. On the GPU the dot runs in B's dtype (xa rounded to it) with fp32
-    accumulation; fp32 runs in IEEE precision. Grid: (`programs`, module x 64-column tile).
+    accumulation; fp32 runs in IEEE precision. Grid: (`programs`, module x column span); each
+    program covers `n_span` columns (a multiple of 64; None: chosen by `_n_span`), 64 at a time.
     """
     _check_meta(out, pool_l, pages, offsets_b, ranks)
     T, G, max_rank = xa.shape
@@ -621,10 +668,15 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
     programs = programs or (tiles.shape[0] - 1) // 2
     if programs == 0:
         return
-    n_nt = triton.cdiv(max(out_dims), CHUNK)
+    max_out = max(out_dims)
+    if n_span is None:  # (a graph's `programs` covers its bucket's worst case: cap by tokens)
+        n_span = _n_span(max_out, min(programs, triton.cdiv(T, cfg["BLOCK_M"])) * G)
+    assert n_span % CHUNK == 0
+    n_nt = triton.cdiv(max_out, n_span)
     _mbgmm_expand_kernel[(programs, G * n_nt)](
         xa, out, pool_l, pages, offsets_b, ranks, seg_start, seg_slot, tiles,
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, n_nt, *d, *s, BLOCK_N=CHUNK, EVEN_N=all(x % CHUNK == 0 for x in out_dims),
-        DOT_F32=_dot_f32(out, pool_l), **cfg)
+        G, max_rank, n_nt, n_span // CHUNK, *d, *s, BLOCK_N=CHUNK,
+        EVEN_N=all(x % CHUNK == 0 for x in out_dims), DOT_F32=_dot_f32(out, pool_l),
+        TWO_PAGES=max_out <= pool_l.shape[1], **cfg)
