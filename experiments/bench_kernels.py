@@ -342,7 +342,7 @@ def tune_mbgmm(cfg, device, dtype, gen):
                          for n in (64, 128, 256, 512, 1024) for nw in (4, 8) for st in (2, 3)]
               if not smoke else [dict(n_span=128, num_stages=1)]}
     run_opts = ("split_k", "n_span")  # launch arguments; the rest are compile options
-    for (n_seg, seg_len), r in ((s, r) for s in cfg["mbgmm_tune"] for r in cfg["mbgmm_ranks"]):
+    for (n_seg, seg_len), r in ((s, r) for s in cfg["mbgmm_tune"] for r in cfg["mbgmm_tune_ranks"]):
         T = n_seg * seg_len
         P = Pool(n_seg, r, d, out_dims, cfg["page_size"], 2, dtype, device, gen)
         seg_start = torch.arange(0, T + 1, seg_len, dtype=torch.int32, device=device)
@@ -785,14 +785,14 @@ def main():
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
         cfg = dict(smoke=True, hidden=128, page_size=512, batches=(1, 3), ranks=(8, 20),
-                   segments=(2, 5), mbgmm_ranks=(8,), mbgmm_tune=((2, 5),), block_size=4,
+                   segments=(2, 5), mbgmm_ranks=(8,), mbgmm_tune=((2, 5),), mbgmm_tune_ranks=(8,), block_size=4,
                    attn=[(2, 13, 4, 2, 16)], prefill_attn=[(2, 9, 4, 2, 16)],
                    mixed=(3,), mixed_ctx=20, mixed_prompt=7, mixed_heads=2)
     else:
         cfg = dict(smoke=False, hidden=4096, page_size=16 * 2 * 32 * 128,  # Llama-2-7B block 16
                    batches=(1, 16, 32, 64, 128, 256), ranks=(8, 16, 32, 64, 128),
                    segments=(8, 512), mbgmm_ranks=(16, 64), block_size=16,
-                   mbgmm_tune=((1, 256), (4, 216), (8, 512)),
+                   mbgmm_tune=((1, 256), (4, 216), (8, 512)), mbgmm_tune_ranks=(16, 32, 64),
                    attn=[(32, 272, 32, 32, 128), (128, 272, 32, 32, 128),
                          (32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
                          (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],

@@ -71,7 +71,7 @@ def variants():
         ("mbgmv expand [4 x 4], first tile early", lora._mbgmv_expand_kernel, LORA,
          dict(BLOCK_R=4, CHN=4, EVEN_N=True, PRE=True), opts),
         ("mbgmm shrink", lora._mbgmm_shrink_kernel, LORA,
-         dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False, TWO_PAGES=True),
+         dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False),
          dict(opts, num_warps=8, num_stages=3)),
         ("mbgmm expand", lora._mbgmm_expand_kernel, LORA,
          dict(BLOCK_M=64, BLOCK_R=64, BLOCK_N=64, EVEN_N=True, DOT_F32=False, TWO_PAGES=True),

@@ -491,7 +491,20 @@ case "${1:-}" in
       python3 experiments/bench_kernels.py --tune mbgmm --tune-only --out \$OUT/kernels-mbgmm-before 2>&1 | grep -v '^  mbgmm'
       python3 $MIXED --out \$OUT/mixed-before 2>&1 | grep -A7 '^kernel breakdown, mixed'"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-56)" >&2; exit 2 ;;
+  57)  # (session 13) MBGMM expand after call 2 (case 56): its tile compiled to 224 registers at
+       # rank 32 with 4 warps (139 at 16, 122 at 64), and the mixed step at rank 32 lost. The
+       # sweep at ranks 16 / 32 / 64 (GPU1); the mixed step's q/k/v/o kernels at ranks 32 and 64
+       # with the expand's defaults, with 8 warps (GPU0), and as before the change (GPU1)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
+    MIXED='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules qkvo --mixed-prompts 4 --mixed-prompt-len 216'
+    W8='import runpy, sys, slora.kernels.lora as l; o = l._mbgmm_cfg; l._mbgmm_cfg = lambda *a, **k: {**o(*a, **k), **({} if k.get(\"shrink\") else dict(num_warps=8))}; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name=\"__main__\")'
+    lane 0 gpu0 "for r in 32 64; do echo \"== rank \$r\"; python3 $MIXED --decode-rank \$r --out \$OUT/mixed-\$r 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'
+      echo \"== rank \$r, expand with 8 warps\"; python3 -c \"$W8\" $MIXED --decode-rank \$r --out \$OUT/mixed-w8-\$r 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'; done"
+    lane 1 gpu1 "python3 experiments/bench_kernels.py --tune mbgmm --tune-only --out \$OUT/kernels-mbgmm 2>&1 | grep '^tune mbgmm expand'
+      cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
+      for r in 32 64; do echo \"== before, rank \$r\"; python3 $MIXED --decode-rank \$r --out \$OUT/mixed-before-\$r 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'; done"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-57)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -405,7 +405,7 @@ def _mbgmm_shrink_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_rt, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     g = tl.program_id(1) // (n_rt * split_k)
     r0 = (tl.program_id(1) // split_k % n_rt) * BLOCK_R
@@ -420,7 +420,7 @@ def _mbgmm_shrink_kernel(
             _mbgmm_shrink_tile(x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0,
                                m_end, r0, k_lo, stride_x, d_in, stride, P, stride_pg,
                                stride_of0, stride_of1, G, max_rank, split_k, k_split,
-                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32, TWO_PAGES)
+                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32)
 
 
 @triton.jit
@@ -428,7 +428,7 @@ def _mbgmm_shrink_tile(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0, m_end, r0, k_lo,
     stride_x, d_in, stride, P, stride_pg, stride_of0, stride_of1, G, max_rank, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, ranks
     r0..r0+BLOCK_R-1, d_in slice k_lo..k_lo+k_split-1."""
@@ -440,13 +440,13 @@ def _mbgmm_shrink_tile(
     m_ok = offs_m < m_end
     r_ok = offs_r < rank
     row_v = off_a + offs_r * stride
-    i0, p0, p1 = _row_pages(pages_row, row_v, d_in, r_ok, P, TWO_PAGES)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, d_in), BLOCK_K):
-        # BLOCK_K divides CHUNK, so each row's tile lies in one page
-        base = tl.multiple_of(_chunk_base(pages_row, row_v + k0, r_ok, P, i0, p0, p1,
-                                          TWO_PAGES), [BLOCK_K])
+        # BLOCK_K divides CHUNK, so each row's tile lies in one page: one lookup per row.
+        v = row_v + k0
+        page = tl.load(pages_row + v // P, mask=r_ok, other=0)
+        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [BLOCK_K])
         if EVEN_K:
             amask = r_ok[:, None]
             xmask = m_ok[:, None]
@@ -638,7 +638,7 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_rt, split_k, k_split, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
-        DOT_F32=_dot_f32(x, pool_l), TWO_PAGES=d_in <= pool_l.shape[1], **cfg)
+        DOT_F32=_dot_f32(x, pool_l), **cfg)
     return xa
 
 
