@@ -504,7 +504,24 @@ case "${1:-}" in
       cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
       for r in 32 64; do echo \"== before, rank \$r\"; python3 $MIXED --decode-rank \$r --out \$OUT/mixed-before-\$r 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'; done"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-57)" >&2; exit 2 ;;
+  58)  # as 54 after session 13's MBGMM expand (a 64-rank tile at least, a span of columns a
+       # program): a fresh profile validated against replay, the decode table, the mixed step's
+       # q/k/v/o kernels at ranks 32 and 64, the LoRA CUDA tests (GPU0); S2 q/k/v/o and all
+       # seven, replay (GPU1)
+    MIXED='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules qkvo --mixed-prompts 4 --mixed-prompt-len 216'
+    lane 0 gpu0 "bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch \$OUT/profile.done
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=\$OUT/sim-vs-replay-0 \\
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -14
+      python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64,128 --breakdown '' --out \$OUT/breakdown 2>&1 | grep -A17 '^ *batch'
+      for r in 32 64; do echo \"== rank \$r\"; python3 $MIXED --decode-rank \$r --out \$OUT/mixed-\$r 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'; done
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py 2>&1 | tail -1"
+    lane 1 gpu1 "python3 experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400 --out \$OUT/scaling 2>&1 | tail -1
+      python3 -c \"import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('\$OUT/scaling/bench_scaling.json'))['scaling']]\"
+      while [ ! -f \$OUT/profile.done ]; do sleep 5; done
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
+        RESULTS=\$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-58)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -33,7 +33,9 @@ Tiling, and why:
     measured choices.
   * MBGMM uses tl.dot on (BLOCK_M tokens x 64) by (64 x BLOCK_R ranks) tiles (shrink) and
     (BLOCK_M x BLOCK_R) by (BLOCK_R x 64 columns) tiles (expand); 64-wide K or N tiles keep one
-    page lookup per rank row. Dot tiles are at least 16 in every dimension on the GPU.
+    page per rank row. An expand program covers every rank and a span of columns: it loads its
+    xa tile once, and each B row's (at most two) pages before its loop over the span.
+    Dot tiles are at least 16 in every dimension on the GPU.
   * MBGMM's programs walk a host-built list of (segment, token tile) work items (`tiles.py`)
     holding only segments with an adapter: no program is launched for a tile without work.
   * Rows (MBGMV) with slot -1 return at their first instruction; ranks differ per adapter
@@ -551,28 +553,35 @@ def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
     64-wide K (shrink) or N (expand). Shrink programs own up to 64 ranks; expand's BLOCK_R
     covers every rank, so each program loads its xa tile once and then walks its columns.
     Measured on the H200 (`bench_kernels.py --tune mbgmm`, q/k/v group, 1 x 256 to 8 x 512
-    tokens, ranks 16 and 64; session 8): shrink with 8 warps and expand with 2 pipeline stages
-    were best at every shape (shrink 126 -> 65 us at 8 x 512 rank 64 with its d_in split,
-    below)."""
+    tokens):
+      * shrink with 8 warps (and its d_in split, below) was best at every shape (session 8:
+        126 -> 65 us at 8 x 512 rank 64);
+      * expand with 4 warps and 2 stages: its tile compiled to 139 / 224 / 122 registers at
+        BLOCK_R 16 / 32 / 64, so ranks below 64 take a 64-rank tile (the padding is masked,
+        and costs dot steps, not bytes). Session 13: q/k/v at 4 x 216 tokens rank 64 49.5 ->
+        24 us, 8 x 512 185 -> 86 us against one program per 64 columns; rank 16 lost 5-15%
+        (20.8 -> 23.9 us)."""
     dot_min = _dot_min(x.device)
-    block_r = max(dot_min, min(64, _pow2(max_rank)) if shrink else _pow2(max_rank))
     if x.device.type != "cuda":
+        block_r = max(dot_min, min(64, _pow2(max_rank)) if shrink else _pow2(max_rank))
         return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=4,
                     num_stages=1)
-    return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r,
+    block_r = min(64, _pow2(max_rank)) if shrink else max(64, _pow2(max_rank))
+    return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=max(dot_min, block_r),
                 num_warps=8 if shrink else 4, num_stages=3 if shrink else 2)
 
 
-EXPAND_PROGRAMS = 512  # MBGMM expand: widen each program's columns while more remain than this
+EXPAND_PROGRAMS = 256  # MBGMM expand: widen each program's columns while more remain than this
 
 
 def _n_span(d_out: int, work: int) -> int:
     """Output columns per MBGMM expand program: 64 doubled while `work` (token tiles x modules)
-    x column spans stays at least EXPAND_PROGRAMS, up to 1,024. A program's metadata, xa tile
-    and page lookups are loaded once for its whole span, where one program per 64 columns
-    spent most of its time in that chain (session 13)."""
+    x column spans stays at least EXPAND_PROGRAMS, up to 512. A program loads its metadata, xa
+    tile and page lookups once for its whole span; one program per 64 columns spent most of
+    its time in that chain. Best spans measured (session 13, q/k/v, rank 64): 128 for one
+    256-token prompt, 512 for 4 x 216 and 8 x 512 tokens."""
     span = CHUNK
-    while span < 1024 and work * triton.cdiv(d_out, 2 * span) >= EXPAND_PROGRAMS:
+    while span < 512 and work * triton.cdiv(d_out, 2 * span) >= EXPAND_PROGRAMS:
         span *= 2
     return span
 
