@@ -478,7 +478,7 @@ case "${1:-}" in
        # loaded once) and both kernels' page lookups hoisted out of their loops (session 13):
        # LoRA and engine CUDA tests, a batch-128 step with 4 prompts of 216 tokens joining
        # (rank 32; none / q,k,v,o / all seven), S2 q/k/v/o (GPU0); the MBGMM sweep, then as it
-       # was (before_lora.py: lora.py before the change, untracked, in a copy of the tree): the
+       # was (before_lora.py, untracked: `git show e7b23c9:slora/kernels/lora.py`, in a copy of the tree): the
        # sweep's defaults and the same mixed step (GPU1)
     rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
     MIXED='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo,all --mixed-prompts 4 --mixed-prompt-len 216 --decode-rank 32'
@@ -521,7 +521,22 @@ case "${1:-}" in
       PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
         RESULTS=\$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-58)" >&2; exit 2 ;;
+  59)  # (session 13, scratch) MBGMM shrink: ncu on one launch at 4 x 216 tokens rank 64 (GPU0);
+       # a sweep of BLOCK_R, stages, d_in slices and warps (its call5/scratch_shrink.py) (GPU1)
+    lane 0 gpu0 "ncu --clock-control none --kernel-name regex:_mbgmm_shrink --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats python3 notes/h200-2026-11-30-s13/call5/scratch_shrink.py --one 2>&1 | tail -120"
+    lane 1 gpu1 "python3 notes/h200-2026-11-30-s13/call5/scratch_shrink.py 2>&1 | grep -v '^fail'"
+    ;;
+  60)  # (session 13) the race after the MBGMM expand change (GPU0); the mixed step's q/k/v/o
+       # kernels at rank 16, where the 64-rank tile was expected to lose, after and before
+       # (before_lora.py as in case 56, in a copy of the tree) (GPU1)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
+    MIXED='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules qkvo --mixed-prompts 4 --mixed-prompt-len 216 --decode-rank 16'
+    lane 0 gpu0 "python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out \$OUT/engine 2>&1 | tail -5"
+    lane 1 gpu1 "echo '== after'; python3 $MIXED --out \$OUT/mixed-16 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'
+      echo '== before'; cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
+      python3 $MIXED --out \$OUT/mixed-before-16 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-60)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
