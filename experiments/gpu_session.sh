@@ -536,7 +536,33 @@ case "${1:-}" in
       echo '== before'; cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
       python3 $MIXED --out \$OUT/mixed-before-16 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-60)" >&2; exit 2 ;;
+  61)  # (session 13) S2's eager steps: a batch-128 step with 31 prompts of 256 tokens joining
+       # (~8k tokens, past the mixed graphs), every sequence its own rank-64 adapter, q/k/v/o:
+       # the kernel tables after (GPU0) and before (GPU1; before_lora.py as in case 56) session
+       # 13's MBGMM expand
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
+    EAGER='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo --mixed-prompts 31 --mixed-prompt-len 256 --decode-rank 64'
+    lane 0 gpu0 "python3 $EAGER --out \$OUT/eager 2>&1 | grep -A12 '^kernel breakdown, mixed'"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
+      python3 $EAGER --out \$OUT/eager-before 2>&1 | grep -A12 '^kernel breakdown, mixed'"
+    ;;
+  62)  # (session 13) the rotary + K/V store over 16-token blocks from 512 tokens on: a fresh
+       # profile validated against replay (n100), the kernel tables of an 8k-token step and a
+       # 4 x 216-token mixed step (rank 64; none / q,k,v,o), the fused and attention CUDA tests
+       # (GPU0); S2 q/k/v/o, replay n1000 and n2000 (GPU1)
+    EAGER='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo --decode-rank 64'
+    lane 0 gpu0 "bash experiments/profile_h200.sh profile 2>&1 | tail -3; touch \$OUT/profile.done
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=\$OUT/sim-vs-replay-0 \\
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -14
+      for p in '31 256' '4 216'; do set -- \$p; echo \"== \$1 x \$2\"; python3 $EAGER --mixed-prompts \$1 --mixed-prompt-len \$2 --out \$OUT/breakdown-\$1 2>&1 | grep -E '^kernel breakdown, mixed|_rope_kv|_mbgmm'; done
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py tests/test_kernels_attention.py 2>&1 | tail -1"
+    lane 1 gpu1 "python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 1,2000 --num-requests 400 --out \$OUT/scaling 2>&1 | tail -1
+      python3 -c \"import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('\$OUT/scaling/bench_scaling.json'))['scaling']]\"
+      while [ ! -f \$OUT/profile.done ]; do sleep 5; done
+      for t in n1000-a0.5-r8 n2000-a1-r10; do PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=\$t \\
+        RESULTS=\$OUT/sim-vs-replay-\$t bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -9; done"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-62)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

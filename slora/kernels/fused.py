@@ -68,15 +68,17 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t,
                     kc_page, kc_row, kc_head, vc_page, vc_row, vc_head, block_size,
-                    H, KVH, HALF, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    T, H, KVH, HALF, BLOCK: tl.constexpr, TB: tl.constexpr, PDL: tl.constexpr):
+    """Program (token block, head): TB tokens' head h, as [TB, BLOCK] tiles of each half."""
     pdl.wait(PDL)
     pdl.launch_next(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)[:, None]  # [TB, 1]
     h = tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    m = offs < HALF
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    f = pos * tl.load(inv_ptr + offs, mask=m, other=0.0)
+    offs = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    t_ok = t < T
+    m = t_ok & (offs < HALF)
+    pos = tl.load(pos_ptr + t, mask=t_ok, other=0).to(tl.float32)
+    f = pos * tl.load(inv_ptr + offs, mask=offs < HALF, other=0.0)
     dt = qkv_ptr.dtype.element_ty
     c = tl.cos(f).to(dt).to(tl.float32)
     s = tl.sin(f).to(dt).to(tl.float32)
@@ -90,7 +92,7 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_
         tl.store(base + HALF + offs, (x2 * c + x1 * s).to(dt), mask=m)
     else:  # a KV head: rotate K, store K and V at the token's slot
         kh = h - H
-        slot = tl.load(slot_ptr + t)
+        slot = tl.load(slot_ptr + t, mask=t_ok, other=0)
         page = slot // block_size
         r = slot % block_size
         kbase = row + (H + kh) * D
@@ -105,20 +107,29 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_
         tl.store(vdst + HALF + offs, tl.load(vbase + HALF + offs, mask=m), mask=m)
 
 
+ROPE_BLOCK_FROM = 512  # rope_write_kv: tokens from which a program takes a block of them
+
+
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Rotary on q and k of the fused qkv output (q in place), K and V stored at the tokens'
+    slots; returns q [T, H, D]. Twin: `reference.rope_write_kv`. A program takes one head of
+    one token in decode-sized batches (one warp; what the decode step was tuned with) and of
+    16 tokens from ROPE_BLOCK_FROM tokens on: an 8k-token prefill launched 516k one-warp
+    programs, 0.63 ms a layer for ~330 MB (session 13: the launches, not the bytes)."""
     T = qkv.shape[0]
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert D % 2 == 0 and inv_freq.dtype == torch.float32
     if T:
-        _rope_kv_kernel[(T, num_heads + num_kv_heads)](
+        tb = 16 if T >= ROPE_BLOCK_FROM else 1
+        _rope_kv_kernel[(triton.cdiv(T, tb), num_heads + num_kv_heads)](
             qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, qkv.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[1],
-            num_heads, num_kv_heads, D // 2, BLOCK=_pow2(D // 2), num_warps=1,
-            **pdl.options(qkv.device))
+            T, num_heads, num_kv_heads, D // 2, BLOCK=_pow2(D // 2), TB=tb,
+            num_warps=1 if tb == 1 else 4, **pdl.options(qkv.device))
     return qkv[:, : num_heads * D].view(T, num_heads, D)
 
 
