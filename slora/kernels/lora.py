@@ -563,13 +563,12 @@ def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
         24 us, 8 x 512 185 -> 86 us against one program per 64 columns; rank 16 alone lost
         5-15% (20.8 -> 23.9 us), yet in a batch-128 step with 4 x 216-token prompts the
         expand went 1.31 -> 1.15 ms (rank 16), 1.69 -> 1.20 (32), 2.75 -> 1.30 (64)."""
-    dot_min = _dot_min(x.device)
+    block_r = max(_dot_min(x.device), min(64, _pow2(max_rank)) if shrink else _pow2(max_rank))
     if x.device.type != "cuda":
-        block_r = max(dot_min, min(64, _pow2(max_rank)) if shrink else _pow2(max_rank))
         return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=4,
                     num_stages=1)
-    block_r = min(64, _pow2(max_rank)) if shrink else max(64, _pow2(max_rank))
-    return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=max(dot_min, block_r),
+    return dict(BLOCK_M=tile_rows(x.device, x.dtype),
+                BLOCK_R=block_r if shrink else max(64, block_r),
                 num_warps=8 if shrink else 4, num_stages=3 if shrink else 2)
 
 
