@@ -568,7 +568,26 @@ case "${1:-}" in
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_kernels_lora.py 2>&1 | tail -3'
     lane 1 gpu1 'python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -3'
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-63)" >&2; exit 2 ;;
+  64)  # (session 14) MBGMV when one launch mixes ranks 64/32/16/8 (S2's decode steps): token
+       # order interleaved / sorted, the expand's grid as shipped and with the token slowest
+       # (GPU0); the kernel table of a batch-128 decode step, rank 16 and 64, none / q,k,v,o (GPU1)
+    lane 0 gpu0 'python3 notes/h200-2026-11-30-s14/scratch_mixed.py 2>&1 | tail -40'
+    lane 1 gpu1 'for r in 16 64; do python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo --decode-rank $r --out $OUT/breakdown-$r 2>&1 | grep -B1 -A14 "^kernel breakdown"; done'
+    ;;
+  65)  # (session 14) MBGMV expand with the token on the grid's slow axis and decode rows in
+       # order of adapter size (largest first): S2 q/k/v/o and all seven at 2,000 adapters, the
+       # MBGMV CUDA tests, the engine's CUDA tests (GPU0); S2 as it was (GPU1; before_lora.py and
+       # before_scheduler.py, untracked: `git show a2c93d7:<path>`, in a copy of the tree)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py && cp before_scheduler.py /tmp/before/slora/core/scheduler.py
+    S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 2000 --num-requests 400'
+    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
+    lane 0 gpu0 "python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k mbgmv 2>&1 | tail -1
+      python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
+      python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; (cd \$OUT/scaling-before && python3 -c \"$SHOW\")"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-65)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -330,3 +330,19 @@ def test_a_request_whose_tokens_are_pending_is_not_admitted():
     assert sched.schedule(0.0).empty and req in sched.waiting
     req.output_token_ids[-1], req.num_pending = 7, 0
     assert sched.schedule(0.0).prefill == [req]
+
+
+def test_decode_rows_come_largest_adapter_first():
+    """Decode rows are ordered by adapter size (pages), largest first, base-only rows last, and
+    rows of equal size keep the running order (MBGMV's expand starts the longest rows first);
+    prompts keep the admission order."""
+    sizes = {"small": 1, "big": 4, "mid": 2}
+    sim = Sim(64, sizes, max_num_seqs=8, max_batch_tokens=64)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    order = ["small", None, "big", "mid", "small", "big"]
+    for i, a in enumerate(order):
+        sim.sched.add(Request(str(i), [2, 3, 4], sp, a, 0.0))
+    plan = sim.step(0.0)
+    assert [r.request_id for r in plan.prefill] == [str(i) for i in range(6)]
+    plan = sim.step(1.0)
+    assert [r.request_id for r in plan.decode] == ["2", "5", "3", "0", "4", "1"]

@@ -19,6 +19,7 @@ order within `schedule`:
 3. Prefetch: adapters of the next waiting requests are loaded ahead of admission, evicting
    idle adapters the window does not need if it must, while at least `prefetch_reserve`
    pages stay free; their copy overlaps this step's compute.
+4. The decode rows are ordered by adapter size, largest first, for the LoRA kernels' sake.
 
 Pure Python over ints: no torch. The simulator drives this class unchanged.
 """
@@ -37,7 +38,8 @@ from slora.request import PENDING, Request, RequestStatus
 
 @dataclass
 class SchedulerPlan:
-    """One step's work. `seqs` = decode rows first, then prefill segments: the batch order."""
+    """One step's work. `seqs` = decode rows first (largest adapter first), then prefill
+    segments: the batch order."""
 
     decode: list[Request] = field(default_factory=list)
     prefill: list[Request] = field(default_factory=list)
@@ -99,7 +101,18 @@ class Scheduler:
         if not (plan.preempted and self.running):
             self._admit(plan, now)
         self._prefetch(plan)
+        self._order_decode(plan)
         return plan
+
+    def _order_decode(self, plan: SchedulerPlan) -> None:
+        """The decode rows by their adapter's size, largest first (base-only rows last; a
+        stable sort, so equal rows keep the running order). The batch's row order is free, and
+        a row's MBGMV expand programs take time in proportion to its rank, which an adapter's
+        pages grow with: in this order the GPU starts the longest first
+        (`slora.kernels.lora.mbgmv_expand`)."""
+        adapters = self.adapters.adapters
+        plan.decode.sort(key=lambda r: adapters[r.adapter].num_pages if r.adapter else 0,
+                         reverse=True)
 
     def _schedule_running(self, plan: SchedulerPlan, now: float) -> None:
         queue = list(self.running)
