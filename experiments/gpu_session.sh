@@ -587,7 +587,22 @@ case "${1:-}" in
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
       python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; (cd \$OUT/scaling-before && python3 -c \"$SHOW\")"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-65)" >&2; exit 2 ;;
+  66)  # (session 14) the LoRA shrinks on a side stream beside the base GEMM: S2 q/k/v/o and all
+       # seven at 2,000 adapters, the decode table at batch 64 / 128, the engine's CUDA tests
+       # (GPU0); the same before (GPU1; before_init.py, untracked: `git show 9e92969:
+       # slora/kernels/__init__.py`, in a copy of the tree)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_init.py /tmp/before/slora/kernels/__init__.py
+    S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 2000 --num-requests 400'
+    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
+    DEC="experiments/bench_scaling.py --part decode --batches 64,128 --breakdown ''"
+    lane 0 gpu0 "python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
+      python3 $DEC --out \$OUT/breakdown 2>&1 | grep -A8 '^ *batch'
+      python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
+      python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; (cd \$OUT/scaling-before && python3 -c \"$SHOW\")
+      python3 $DEC --out \$OUT/breakdown-before 2>&1 | grep -A8 '^ *batch'"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-66)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -104,6 +104,7 @@ class TritonBackend(TorchBackend):
 
         self._attn, self._lora, self._gemm = attention, lora, gemm
         self._max_rows, self._lora_in_gemm = gemm_max_rows, lora_in_gemm
+        self._side: dict[torch.device, torch.cuda.Stream] = {}  # (linear_lora)
         self.linear = functools.partial(gemm.linear, max_rows=gemm_max_rows)
         self.rms_norm = fused.rms_norm
         self.add_rms_norm = fused.add_rms_norm
@@ -137,9 +138,13 @@ class TritonBackend(TorchBackend):
     def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
         """With `EngineConfig.lora_in_gemm`, a decode-only step of `gemm.LORA_MIN_ROWS` rows or
         more whose GEMM takes the few-rows kernel runs the MBGMV shrink, then the GEMM with the
-        expand in its epilogue (one launch fewer); otherwise the GEMM, then `lora`."""
-        g = meta.groups.get(group) if meta is not None and self._lora_in_gemm else None
-        if (g is not None and x.shape[0] == meta.num_decode
+        expand in its epilogue (one launch fewer). A decode-only step whose GEMM is cuBLAS's
+        runs the shrink on a side stream beside it (the shrink reads only x and adapter pages)
+        and the expand after both. Otherwise the GEMM, then `lora`."""
+        g = meta.groups.get(group) if meta is not None else None
+        if g is None:
+            return self.linear(x, w, bias)
+        if (self._lora_in_gemm and x.shape[0] == meta.num_decode
                 and x.shape[0] >= self._gemm.LORA_MIN_ROWS
                 and self._gemm.uses_kernel(x, w, self._max_rows)
                 and all(d % 64 == 0 for d in g.out_dims)):
@@ -149,7 +154,30 @@ class TritonBackend(TorchBackend):
             return self._gemm.skinny_linear(x, w, bias, lora=self._gemm.LoraExpand(
                 xa, pool_l, meta.pages, g.offsets_b, ranks, meta.token_slot, g.out_dims,
                 g.strides_out))
-        return super().linear_lora(x, w, bias, pool_l, meta, layer, group)
+        if (x.device.type != "cuda" or x.shape[0] != meta.num_decode
+                or self._gemm.uses_kernel(x, w, self._max_rows)):
+            return super().linear_lora(x, w, bias, pool_l, meta, layer, group)
+        # cuBLAS's GEMM of a decode step's 64-256 rows leaves SMs idle (H200, 128 rows: q/k/v's
+        # kernel has 168 x 128 tiles, 96 for 132 SMs) for the shrink. H200 session 14 (call 4, batch 64 / 128, rank 16): decode steps
+        # with q/k/v/o 8.22 -> 8.07 / 11.67 -> 11.54 ms, all seven 9.41 -> 8.96 / 13.56 ->
+        # 13.12. Steps with prompts keep one stream: their GEMMs fill the GPU, and S2's mixed
+        # steps with all seven modules lost 0.07 s with the MBGMM shrink beside them. Every
+        # use of the side stream starts by waiting for the main one, so xa (allocated on the
+        # side) is reused there only after its expand ran.
+        main = torch.cuda.current_stream(x.device)
+        side = self._side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            xa = self._shrink(x, pool_l, meta, g, layer)
+        out = self.linear(x, w, bias)
+        main.wait_stream(side)
+        self._expand(xa, out, pool_l, meta, g, layer)
+        return out
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._side:
+            self._side[device] = torch.cuda.Stream(device)
+        return self._side[device]
 
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         """Decode rows: MBGMV, one adapter row per token. Prompts: MBGMM over their segments'
@@ -158,25 +186,35 @@ class TritonBackend(TorchBackend):
         5.8 ms in MBGMM expand that way against 1.2 ms in MBGMV: each decode row filled a
         64-token tile alone.)"""
         g = meta.groups.get(group)
-        if g is None:
-            return
+        if g is not None:
+            self._expand(self._shrink(x, pool_l, meta, g, layer), out, pool_l, meta, g, layer)
+
+    def _shrink(self, x, pool_l, meta: LoraMeta, g: GroupMeta, layer: int):
+        """(xa of the decode rows, xa of the prompts), None where the step has none."""
         ranks = g.ranks[layer]
         decode_only = x.shape[0] == meta.num_decode
         slot = meta.token_slot if decode_only else meta.dec_slot
+        xa_dec = xa_pre = None
         if slot is not None:
-            n = slot.shape[0]
-            xa = self._lora.mbgmv_shrink(x[:n], pool_l, meta.pages, g.offsets_a, ranks, slot,
-                                         g.stride_in, g.max_rank)
-            self._lora.mbgmv_expand(xa, out[:n], pool_l, meta.pages, g.offsets_b, ranks, slot,
-                                    g.out_dims, g.strides_out)
-        if decode_only:
-            return
-        xa = self._lora.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, meta.seg_start,
-                                     meta.seg_slot, g.stride_in, g.max_rank, meta.tiles,
-                                     meta.tile_programs)
-        self._lora.mbgmm_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks, meta.seg_start,
-                                meta.seg_slot, g.out_dims, g.strides_out, meta.tiles,
-                                meta.tile_programs)
+            xa_dec = self._lora.mbgmv_shrink(x[:slot.shape[0]], pool_l, meta.pages, g.offsets_a,
+                                             ranks, slot, g.stride_in, g.max_rank)
+        if not decode_only:
+            xa_pre = self._lora.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
+                                             meta.seg_start, meta.seg_slot, g.stride_in,
+                                             g.max_rank, meta.tiles, meta.tile_programs)
+        return xa_dec, xa_pre
+
+    def _expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta, layer: int) -> None:
+        ranks = g.ranks[layer]
+        xa_dec, xa_pre = xa
+        if xa_dec is not None:
+            slot = meta.token_slot if out.shape[0] == meta.num_decode else meta.dec_slot
+            self._lora.mbgmv_expand(xa_dec, out[:slot.shape[0]], pool_l, meta.pages, g.offsets_b,
+                                    ranks, slot, g.out_dims, g.strides_out)
+        if xa_pre is not None:
+            self._lora.mbgmm_expand(xa_pre, out, pool_l, meta.pages, g.offsets_b, ranks,
+                                    meta.seg_start, meta.seg_slot, g.out_dims, g.strides_out,
+                                    meta.tiles, meta.tile_programs)
 
 
 def make_backend(name: str, device: torch.device, gemm_max_rows: int,
