@@ -602,7 +602,24 @@ case "${1:-}" in
       python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; (cd \$OUT/scaling-before && python3 -c \"$SHOW\")
       python3 $DEC --out \$OUT/breakdown-before 2>&1 | grep -A8 '^ *batch'"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-66)" >&2; exit 2 ;;
+  67)  # (session 14) the shrink on the side stream beside the few-rows Triton GEMM too (1-32
+       # rows; variant_init.py, untracked: d22d02c's slora/kernels/__init__.py without the
+       # `uses_kernel` condition, in a copy of the tree), with the expand in the GEMM's epilogue
+       # at 17-32 rows and without (GPU0); the decode table as shipped (GPU1)
+    rm -rf /tmp/variant && mkdir /tmp/variant && cp -r slora experiments csrc /tmp/variant/ && cp variant_init.py /tmp/variant/slora/kernels/__init__.py
+    DEC="experiments/bench_scaling.py --part decode --batches 1,16,32 --breakdown ''"
+    lane 0 gpu0 "cd /tmp/variant && export PYTHONPATH=/tmp/variant:/tmp/site
+      python3 $DEC --out \$OUT/variant 2>&1 | grep -A10 '^ *batch'
+      echo '== no lora_in_gemm'; python3 $DEC --no-lora-in-gemm --batches 32 --out \$OUT/variant-nogemm 2>&1 | grep -A4 '^ *batch'"
+    lane 1 gpu1 "python3 $DEC --out \$OUT/shipped 2>&1 | grep -A10 '^ *batch'"
+    ;;
+  68)  # (session 14) the shipped form: the shrink on a side stream in every decode-only step,
+       # lora_in_gemm off by default: the decode table, the engine's CUDA tests (GPU0); the race (GPU1)
+    lane 0 gpu0 "python3 experiments/bench_scaling.py --part decode --batches 1,16,32,64,128 --breakdown '' --out \$OUT/breakdown 2>&1 | grep -A17 '^ *batch'
+      python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1"
+    lane 1 gpu1 "python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out \$OUT/engine 2>&1 | tail -5"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-68)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -91,9 +91,10 @@ class EngineConfig:
     gemm_max_rows: int = 32
     # Decode steps of 17 rows or more whose base GEMMs take that kernel: each module group's
     # LoRA expand runs in the GEMM's epilogue (slora.kernels.gemm.LoraExpand; one launch for
-    # both, the shrink before it). H200 batch-32 decode, rank 16: all seven modules 7.02 ->
-    # 6.85 ms, q/k/v/o 6.35 -> 6.29; at 16 rows or fewer it did not pay (gemm.LORA_MIN_ROWS).
-    lora_in_gemm: bool = True
+    # both, the shrink before it). Off by default since session 14: the shrink on a side
+    # stream beside the GEMM and the expand after it ran faster (H200 batch-32 decode, rank
+    # 16: q/k/v/o 6.17 -> 6.09 ms, all seven 6.75 -> 6.54; notes/h200-2026-11-30-s14).
+    lora_in_gemm: bool = False
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"

@@ -98,7 +98,7 @@ class TorchBackend:
 class TritonBackend(TorchBackend):
     name = "triton"
 
-    def __init__(self, gemm_max_rows: int, lora_in_gemm: bool = True) -> None:
+    def __init__(self, gemm_max_rows: int, lora_in_gemm: bool = False) -> None:
         # triton imported only for this backend
         from slora.kernels import attention, fused, gemm, lora
 
@@ -138,9 +138,9 @@ class TritonBackend(TorchBackend):
     def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
         """With `EngineConfig.lora_in_gemm`, a decode-only step of `gemm.LORA_MIN_ROWS` rows or
         more whose GEMM takes the few-rows kernel runs the MBGMV shrink, then the GEMM with the
-        expand in its epilogue (one launch fewer). A decode-only step whose GEMM is cuBLAS's
-        runs the shrink on a side stream beside it (the shrink reads only x and adapter pages)
-        and the expand after both. Otherwise the GEMM, then `lora`."""
+        expand in its epilogue (one launch fewer). Otherwise a decode-only step on a GPU runs
+        the shrink on a side stream beside the base GEMM (the shrink reads only x and adapter
+        pages) and the expand after both; other steps, the GEMM, then `lora`."""
         g = meta.groups.get(group) if meta is not None else None
         if g is None:
             return self.linear(x, w, bias)
@@ -154,16 +154,17 @@ class TritonBackend(TorchBackend):
             return self._gemm.skinny_linear(x, w, bias, lora=self._gemm.LoraExpand(
                 xa, pool_l, meta.pages, g.offsets_b, ranks, meta.token_slot, g.out_dims,
                 g.strides_out))
-        if (x.device.type != "cuda" or x.shape[0] != meta.num_decode
-                or self._gemm.uses_kernel(x, w, self._max_rows)):
+        if x.device.type != "cuda" or x.shape[0] != meta.num_decode:
             return super().linear_lora(x, w, bias, pool_l, meta, layer, group)
-        # cuBLAS's GEMM of a decode step's 64-256 rows leaves SMs idle (H200, 128 rows: q/k/v's
-        # kernel has 168 x 128 tiles, 96 for 132 SMs) for the shrink. H200 session 14 (call 4, batch 64 / 128, rank 16): decode steps
-        # with q/k/v/o 8.22 -> 8.07 / 11.67 -> 11.54 ms, all seven 9.41 -> 8.96 / 13.56 ->
-        # 13.12. Steps with prompts keep one stream: their GEMMs fill the GPU, and S2's mixed
-        # steps with all seven modules lost 0.07 s with the MBGMM shrink beside them. Every
-        # use of the side stream starts by waiting for the main one, so xa (allocated on the
-        # side) is reused there only after its expand ran.
+        # A decode step's GEMM leaves SMs idle for the shrink (H200, 128 rows: cuBLAS's q/k/v
+        # kernel has 168 x 128 tiles, 96 for 132 SMs). H200 session 14, rank 16, decode steps
+        # with q/k/v/o / all seven: batch 1 4.53 -> 4.35 / 4.86 -> 4.52 ms, 16 5.32 -> 5.16 /
+        # 5.73 -> 5.48, 32 6.17 -> 6.09 / 6.75 -> 6.54 (against the expand in the GEMM's
+        # epilogue), 64 8.22 -> 8.07 / 9.41 -> 8.96, 128 11.67 -> 11.54 / 13.56 -> 13.12.
+        # Steps with prompts keep one stream: their GEMMs fill the GPU, and S2's mixed steps
+        # with all seven modules lost 0.07 s with the MBGMM shrink beside them. Every use of
+        # the side stream starts by waiting for the main one, so xa (allocated on the side) is
+        # reused there only after its expand ran.
         main = torch.cuda.current_stream(x.device)
         side = self._side_stream(x.device)
         side.wait_stream(main)
@@ -218,7 +219,7 @@ class TritonBackend(TorchBackend):
 
 
 def make_backend(name: str, device: torch.device, gemm_max_rows: int,
-                 lora_in_gemm: bool = True):
+                 lora_in_gemm: bool = False):
     """The backend `name` ("auto", "torch", "triton" or "cuda") for `device`; the GPU backends
     run base GEMMs of at most `gemm_max_rows` rows through `gemm.linear`, with the LoRA expand
     in that kernel's epilogue if `lora_in_gemm` (`EngineConfig`'s fields of those names)."""

@@ -105,7 +105,7 @@ class CudaBackend(TritonBackend):
 
     name = "cuda"
 
-    def __init__(self, gemm_max_rows: int, lora_in_gemm: bool = True) -> None:
+    def __init__(self, gemm_max_rows: int, lora_in_gemm: bool = False) -> None:
         super().__init__(gemm_max_rows, lora_in_gemm)
         self._lora = _Mixed(self._lora)
 

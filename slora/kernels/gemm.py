@@ -14,7 +14,7 @@ no separate reduce kernel (cuBLAS runs split-K as a GEMM and a reduce).
 With a `LoraExpand`, the epilogue also adds each row's LoRA delta (its own adapter's B over
 the tile's 64 columns, read from the pool pages as `lora.mbgmv_expand` reads them, rounded and
 added as it adds them): the expand's launch folded into the GEMM's. The engine takes it at
-`LORA_MIN_ROWS` rows or more (`EngineConfig.lora_in_gemm`, on by default;
+`LORA_MIN_ROWS` rows or more with `EngineConfig.lora_in_gemm` (off by default since session 14;
 `bench_kernels.py --gemm-lora` times both forms).
 
 `linear` takes this path for at most `max_rows` rows (`EngineConfig.gemm_max_rows`) of a
