@@ -113,7 +113,8 @@ class EngineConfig:
         need(self.num_pages is None or self.num_pages >= 2, "num_pages", "must be at least 2")
         need(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction", "must be in (0, 1]")
         need(self.cpu_pool_gb > 0, "cpu_pool_gb", "must be positive")
-        need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        need(1 <= self.max_num_seqs <= 65535, "max_num_seqs",
+             "must be in [1, 65535] (a decode row is a grid row of the MBGMV expand)")
         need(self.max_batch_tokens >= 1, "max_batch_tokens", "must be at least 1")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
              "must be at least 2")

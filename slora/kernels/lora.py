@@ -370,6 +370,7 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         return
     d, s = _dims4(out_dims, strides)
     cfg = _mbgmv_expand_cfg(T, G, max_rank, max(out_dims), out.device)
+    assert T <= 65535, f"mbgmv_expand: {T} rows, past the grid's second axis (65,535)"
     grid = (G * triton.cdiv(max(out_dims), cfg["CHN"] * CHUNK), T)
     _mbgmv_expand_kernel[grid](
         xa, out, pool_l, pages, offsets_b, ranks, token_slot,
