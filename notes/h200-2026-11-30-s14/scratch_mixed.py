@@ -7,7 +7,8 @@ Rows: uniform ranks 8/16/32/64 (the reference rates), then ranks 64/32/16/8 mixe
   - "ours": lora.py as it is (grid token x module x columns: tokens vary fastest);
   - "tok-slow": the expand's grid transposed (module x columns vary fastest, the token slowest),
     so with tokens sorted by rank (highest first) the long programs start first.
-Shrink and expand timed together and apart. % of copy: bytes (x, the tokens' A and B^T rows,
+Shrink and expand timed together and apart. Written against a2c93d7's lora.py (call 2); the
+shipped expand (9e92969 on) is the "tok-slow" form, so its patch no longer applies. % of copy: bytes (x, the tokens' A and B^T rows,
 y read + written) over the 2 GiB copy's rate.
 """
 import importlib.util
