@@ -536,9 +536,10 @@ def parse_args(argv=None):
                     help="EngineConfig.gemm_max_rows: base GEMMs of at most this many rows "
                          "through the Triton kernel (default: the engine's; 0 = cuBLAS always, "
                          "to compare)")
-    ap.add_argument("--lora-in-gemm", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--lora-in-gemm", action=argparse.BooleanOptionalAction,
+                    default=EngineConfig.lora_in_gemm,
                     help="EngineConfig.lora_in_gemm: decode steps of 17-32 rows run each LoRA "
-                         "expand in the few-rows GEMM's epilogue (off by default, as the engine)")
+                         "expand in the few-rows GEMM's epilogue (default: the engine's)")
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="programmatic dependent launch of the decode kernels on Hopper "
                          "(slora.kernels.pdl; on by default)")

@@ -570,7 +570,8 @@ case "${1:-}" in
     ;;
   64)  # (session 14) MBGMV when one launch mixes ranks 64/32/16/8 (S2's decode steps): token
        # order interleaved / sorted, the expand's grid as shipped and with the token slowest
-       # (GPU0); the kernel table of a batch-128 decode step, rank 16 and 64, none / q,k,v,o (GPU1)
+       # (GPU0; the scratch patches a2c93d7's lora.py, so it runs only on that tree); the kernel
+       # table of a batch-128 decode step, rank 16 and 64, none / q,k,v,o (GPU1)
     lane 0 gpu0 'python3 notes/h200-2026-11-30-s14/scratch_mixed.py 2>&1 | tail -40'
     lane 1 gpu1 'for r in 16 64; do python3 experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo --decode-rank $r --out $OUT/breakdown-$r 2>&1 | grep -B1 -A14 "^kernel breakdown"; done'
     ;;

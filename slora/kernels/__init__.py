@@ -193,13 +193,12 @@ class TritonBackend(TorchBackend):
     def _shrink(self, x, pool_l, meta: LoraMeta, g: GroupMeta, layer: int):
         """(xa of the decode rows, xa of the prompts), None where the step has none."""
         ranks = g.ranks[layer]
-        decode_only = x.shape[0] == meta.num_decode
-        slot = meta.token_slot if decode_only else meta.dec_slot
+        slot = _decode_slot(meta, x.shape[0])
         xa_dec = xa_pre = None
         if slot is not None:
             xa_dec = self._lora.mbgmv_shrink(x[:slot.shape[0]], pool_l, meta.pages, g.offsets_a,
                                              ranks, slot, g.stride_in, g.max_rank)
-        if not decode_only:
+        if x.shape[0] != meta.num_decode:
             xa_pre = self._lora.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
                                              meta.seg_start, meta.seg_slot, g.stride_in,
                                              g.max_rank, meta.tiles, meta.tile_programs)
@@ -209,13 +208,19 @@ class TritonBackend(TorchBackend):
         ranks = g.ranks[layer]
         xa_dec, xa_pre = xa
         if xa_dec is not None:
-            slot = meta.token_slot if out.shape[0] == meta.num_decode else meta.dec_slot
+            slot = _decode_slot(meta, out.shape[0])
             self._lora.mbgmv_expand(xa_dec, out[:slot.shape[0]], pool_l, meta.pages, g.offsets_b,
                                     ranks, slot, g.out_dims, g.strides_out)
         if xa_pre is not None:
             self._lora.mbgmm_expand(xa_pre, out, pool_l, meta.pages, g.offsets_b, ranks,
                                     meta.seg_start, meta.seg_slot, g.out_dims, g.strides_out,
                                     meta.tiles, meta.tile_programs)
+
+
+def _decode_slot(meta: LoraMeta, rows: int) -> torch.Tensor | None:
+    """The adapter rows of a step's decode rows, for MBGMV (None: the step has none): every
+    token's in a decode-only step of `rows` tokens, else `dec_slot`."""
+    return meta.token_slot if rows == meta.num_decode else meta.dec_slot
 
 
 def make_backend(name: str, device: torch.device, gemm_max_rows: int,
