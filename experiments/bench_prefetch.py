@@ -31,10 +31,12 @@ MODEL = Path(__file__).resolve().parent / "models" / "llama-2-7b"
 
 
 def run(args, prefetch_window: int) -> dict:
+    # Steps one at a time (`runner.execute`, timed alone): async scheduling would launch the
+    # next step before collecting this one, and never call execute.
     eng = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device,
                               num_pages=args.num_pages, max_num_seqs=args.batch,
                               prefetch_window=prefetch_window,
-                              prefetch_reserve=args.prefetch_reserve))
+                              prefetch_reserve=args.prefetch_reserve, async_scheduling=False))
     for i in range(args.adapters):
         eng.add_synthetic_adapter(f"a{i}", args.rank)
     print(f"warm-up (compiles, graph captures): {eng.warmup():.1f} s", flush=True)
@@ -44,9 +46,9 @@ def run(args, prefetch_window: int) -> dict:
     if eng.runner.graphs is not None:
         run_graph = eng.runner.graphs.run
 
-        def counted(batch):
+        def counted(*args):
             graph_runs[0] += 1
-            return run_graph(batch)
+            return run_graph(*args)
 
         eng.runner.graphs.run = counted
 
@@ -62,12 +64,12 @@ def run(args, prefetch_window: int) -> dict:
     if cuda:
         prefetch = eng.runner._prefetch
 
-        def marked(loads, adapters):
+        def marked(loads, adapters, after=None):
             if not loads:
-                return prefetch(loads, adapters)
+                return prefetch(loads, adapters, after)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(eng.runner.copy_stream)
-            prefetch(loads, adapters)
+            prefetch(loads, adapters, after)
             end.record(eng.runner.copy_stream)
             copies.append((start, end))
 

@@ -620,7 +620,42 @@ case "${1:-}" in
       python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1"
     lane 1 gpu1 "python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out \$OUT/engine 2>&1 | tail -5"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-68)" >&2; exit 2 ;;
+  69)  # (session 15) a step's own adapter loads on the copy stream, each piece of layers
+       # waiting for its copies: the engine's CUDA tests, a fresh profile validated against
+       # replay (GPU0); S2 q/k/v/o and all seven at 1 and 2,000 adapters, after and before
+       # (before_runner.py, before_graphs.py, untracked: `git show b15123f:slora/<file>`, in a
+       # copy of the tree), then replay of the two larger traces (GPU1)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py && cp before_graphs.py /tmp/before/slora/graphs.py
+    S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400'
+    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
+    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
+      bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch \$OUT/profile.done
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=\$OUT/sim-vs-replay-0 \\
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -14"
+    lane 1 gpu1 "python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
+      (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; cd \$OUT/scaling-before && python3 -c \"$SHOW\")
+      while [ ! -f \$OUT/profile.done ]; do sleep 5; done
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
+        RESULTS=\$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
+    ;;
+  70)  # (session 15) the step's own adapter loads beside its forward, after (GPU0) and before
+       # (GPU1; before_runner.py / before_graphs.py as in 69) on one machine: bench_prefetch
+       # (a prefill step with blocking loads) and replay of the two larger traces (the
+       # simulator's column from the shipped profile in both)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py && cp before_graphs.py /tmp/before/slora/graphs.py
+    RUN="python3 experiments/bench_prefetch.py --out \$OUT/NAME 2>&1 | tail -9
+      PROFILE=experiments/profiles/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
+        RESULTS=\$OUT/sim-vs-replay-NAME bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
+    lane 0 gpu0 "${RUN//NAME/after}"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; ${RUN//NAME/before}"
+    ;;
+  71)  # (session 15) bench_prefetch after (GPU0) and before (GPU1), as 70's first half (call 3
+       # met bench_prefetch's graph counter taking one argument: fixed since)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py && cp before_graphs.py /tmp/before/slora/graphs.py
+    lane 0 gpu0 "python3 experiments/bench_prefetch.py --out \$OUT/after 2>&1 | tail -9"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 experiments/bench_prefetch.py --out \$OUT/before 2>&1 | tail -9"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-71)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

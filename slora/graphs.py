@@ -58,6 +58,12 @@ MIXED_SEQ_BUCKETS = (4, 16, 64, 256, 512)
 GRAPH_PIECES = 4  # graphs a step is captured in (see the module docstring)
 
 
+def piece_starts(num_layers: int) -> list[int]:
+    """The first layer of each piece a step is cut into: its graphs' pieces, and the chunks of
+    layers in which the runner copies the step's own adapters (waited for piece by piece)."""
+    return sorted({num_layers * i // GRAPH_PIECES for i in range(GRAPH_PIECES)})
+
+
 def _pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
@@ -156,10 +162,13 @@ class StepGraphs:
             return False
         return n_tok == b.num_decode or n_tok <= self.mixed_tokens
 
-    def run(self, b: Batch, fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run(self, b: Batch, fed: tuple[torch.Tensor, torch.Tensor] | None = None,
+            ready: dict[int, torch.cuda.Event] | None = None) -> torch.Tensor:
         """Logits [S, vocab] for a host batch that `fits`, through a captured graph. `fed`:
         (rows, ids) on the device that replace those rows' input ids (async scheduling: the
-        tokens of a step still running)."""
+        tokens of a step still running). `ready`: {a piece's first layer: the event after
+        which its layers' adapter pages hold their weights}, waited for before that piece."""
+        ready = ready or {}
         n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
         lora = b.lora
         rank_bucket = 0
@@ -181,8 +190,12 @@ class StepGraphs:
             self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket)
         pieces, logits, batch = self.graphs[key]
         if pieces is None:  # capture=False
+            for event in ready.values():
+                torch.cuda.current_stream().wait_event(event)
             logits = self.runner.model.forward(batch, self.runner.pool)
-        for graph in pieces or ():
+        for start, graph in zip(piece_starts(len(self.runner.model.w.layers)), pieces or ()):
+            if start in ready:
+                torch.cuda.current_stream().wait_event(ready[start])
             graph.replay()
         return logits[:n_seq]
 
@@ -284,8 +297,7 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         # GRAPH_PIECES graphs, cut before evenly spaced layers, sharing one memory pool (a
         # piece's outputs are the next one's inputs, so they must replay in capture order)
-        n = len(self.runner.model.w.layers)
-        cuts = {n * i // GRAPH_PIECES for i in range(1, GRAPH_PIECES)} - {0}
+        cuts = set(piece_starts(len(self.runner.model.w.layers))[1:])
         pieces = [torch.cuda.CUDAGraph()]
 
         def cut(layer: int) -> None:

@@ -1,8 +1,9 @@
 """The model runner: owns the pool tensor, the weights and the host tier of adapters.
 
-`execute(plan)` does, in order: copy the adapters the plan loads into their pool pages,
-build the step's flat batch (token ids, positions, KV slots, block tables, LoRA metadata),
-run the model, and sample one token per sequence. It is `collect(launch(plan))`: with
+`execute(plan)` does, in order: copy the adapters the plan loads into their pool pages (on
+the GPU, beside the forward: each piece of layers waits for its own layers' copies), build the
+step's flat batch (token ids, positions, KV slots, block tables, LoRA metadata), run the model,
+and sample one token per sequence. It is `collect(launch(plan))`: with
 `EngineConfig.async_scheduling` the engine launches the next step before it collects this
 one, the decode rows' input ids taken on the device from this step's sampled tokens.
 
@@ -14,6 +15,7 @@ is allocated once. KV pages and adapter pages are both rows of it (see kernels/r
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -23,7 +25,7 @@ from slora.core.scheduler import SchedulerPlan
 from slora.kernels import GroupMeta, LoraMeta, make_backend
 from slora.kernels.reference import LORA_ALIGN
 from slora.kernels.tiles import tile_rows, token_tiles
-from slora.graphs import StepGraphs, round_rank
+from slora.graphs import StepGraphs, piece_starts, round_rank
 from slora.model.llama import GROUPS, Batch, LlamaModel
 from slora.model.loader import load_weights, random_weights, strides
 from slora.request import Request, SamplingParams
@@ -168,19 +170,52 @@ class ModelRunner:
             self.host.pop(dropped, None)
         return host
 
-    def _load_adapters(self, loads: list[tuple[str, list[int]]], adapters: AdapterManager) -> None:
+    def _load_adapters(self, loads: list[tuple[str, list[int]]], adapters: AdapterManager,
+                       on_piece: Callable[[int], None] | None = None) -> None:
         """One host -> device copy per adapter, then device copies into its pages, a run of
         consecutive pages at a time. No page index travels to the device: an index tensor
         needs a host -> device copy of its own, pageable (which blocks the host until the
         stream drains) or freshly pinned (an allocation that can stall), either of which
-        serialised prefetch copies with the forward on the H200."""
-        for name, pages in loads:
-            info = adapters.adapters[name]
-            host = self.adapter_host_copy(info, adapters)
-            src = host.view(self.cfg.num_layers, len(pages), self.page_size)
-            src = src.to(self.device, non_blocking=True)
-            for i, page, n in _runs(pages):
-                self.pool[:, page:page + n].copy_(src[:, i:i + n], non_blocking=True)
+        serialised prefetch copies with the forward on the H200. With `on_piece`, the copies
+        go a piece of layers at a time (`piece_starts`), on_piece(its first layer) called
+        after each piece's."""
+        L = self.cfg.num_layers
+        hosts = [(self.adapter_host_copy(adapters.adapters[name], adapters)
+                  .view(L, len(pages), self.page_size), pages) for name, pages in loads]
+        starts = piece_starts(L) if on_piece is not None else [0]
+        for l0, l1 in zip(starts, starts[1:] + [L]):
+            for host, pages in hosts:
+                src = host[l0:l1].to(self.device, non_blocking=True)
+                for i, page, n in _runs(pages):
+                    self.pool[l0:l1, page:page + n].copy_(src[:, i:i + n], non_blocking=True)
+            if on_piece is not None:
+                on_piece(l0)
+
+    def _load_for_step(self, loads: list[tuple[str, list[int]]],
+                       adapters: AdapterManager) -> dict[int, torch.cuda.Event]:
+        """The adapters this step reads and no prefetch brought: {a piece's first layer: the
+        event after its layers' copies}, for the forward to wait for piece by piece (empty
+        when there is nothing to wait for). On the GPU the copies run on the copy stream, a
+        piece of layers at a time, so the forward's first layers run while the later
+        layers' weights are still arriving: a step that admits many new adapters (S2's first
+        steps load ~30 at once, ~2 GB) waits for a quarter of its copies, not all of them.
+        They wait for everything queued before them: their pages may be ones an earlier
+        step read or wrote (a finished request's KV, an evicted adapter)."""
+        if not loads:
+            return {}
+        if self.copy_stream is None:
+            self._load_adapters(loads, adapters)
+            return {}
+        ready: dict[int, torch.cuda.Event] = {}
+
+        def mark(layer: int) -> None:
+            ready[layer] = torch.cuda.Event()
+            ready[layer].record()
+
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            self._load_adapters(loads, adapters, mark)
+        return ready
 
     # -- the step
     def execute(self, plan: SchedulerPlan, adapters: AdapterManager):
@@ -198,22 +233,39 @@ class ModelRunner:
         if prev is not None and self.copy_stream is not None:
             after_prev = torch.cuda.Event()
             after_prev.record()  # the running step's work is queued before this point
-        self._load_adapters(plan.adapter_loads, adapters)
+        ready = self._load_for_step(plan.adapter_loads, adapters)
         if plan.empty:
+            for event in ready.values():  # (the next step waits for the copy stream)
+                torch.cuda.current_stream().wait_event(event)
             self._prefetch(plan.prefetch, adapters, after_prev)
             return None
         batch = self.prepare(plan, adapters)
         fed = self._fed_ids(plan, prev)
         if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch, fed)
+            logits = self.graphs.run(batch, fed, ready)
         else:
             batch = batch.to(self.device)
             if fed is not None:
                 batch.input_ids.index_copy_(0, *fed)
-            logits = self.model.forward(batch, self.pool)
+            logits = self._forward(batch, ready)
         flight = Flight(plan, logits, self.config.async_scheduling)
         self._prefetch(plan.prefetch, adapters, after_prev)  # overlaps the forward
         return flight
+
+    def _forward(self, batch: Batch, ready: dict[int, torch.cuda.Event]) -> torch.Tensor:
+        """The eager forward, each piece of layers after its adapter copies (`ready`)."""
+        if not ready:
+            return self.model.forward(batch, self.pool)
+
+        def wait(layer: int) -> None:
+            if layer in ready:
+                torch.cuda.current_stream().wait_event(ready[layer])
+
+        self.model.layer_hook = wait
+        try:
+            return self.model.forward(batch, self.pool)
+        finally:
+            self.model.layer_hook = None
 
     def _fed_ids(self, plan: SchedulerPlan, prev: Flight | None):
         """(rows, ids) on the device: the decode rows whose last token `prev` samples."""

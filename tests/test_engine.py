@@ -159,3 +159,26 @@ def test_close_frees_the_pool_at_once(tiny_model_dir):
     pool = weakref.ref(eng.runner.pool)
     eng.close()
     assert pool() is None
+
+
+def test_adapter_copies_in_pieces_of_layers_fill_the_same_pages(tiny_model_dir, adapter_factory):
+    """A step's own adapter loads go a piece of layers at a time on the GPU, the forward
+    waiting for each piece (ModelRunner._load_for_step): the pieces, copied one after another,
+    leave the pool as the whole copy does, and each piece is announced once, in layer order."""
+    import torch
+
+    from slora.graphs import piece_starts
+
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=32))
+    e.add_adapter("a", adapter_factory(tiny_model_dir, r=8, target_modules="all-linear"))
+    pages = e.adapters.load("a")
+    runner = e.runner
+    runner._load_adapters([("a", pages)], e.adapters)
+    whole = runner.pool.clone()
+    assert whole[:, pages].abs().sum() > 0
+    runner.pool[:, pages] = 0
+    seen = []
+    runner._load_adapters([("a", pages)], e.adapters, seen.append)
+    assert seen == piece_starts(e.model_config.num_layers) and len(seen) > 1
+    assert torch.equal(runner.pool, whole)

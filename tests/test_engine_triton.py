@@ -87,6 +87,51 @@ def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory):
     assert results[True] == results[False]
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the copy stream is the GPU's")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_each_piece_of_layers_waits_for_its_adapter_copies(tiny_model_dir, adapter_factory,
+                                                           graphs):
+    """A step's own adapter loads run on the copy stream beside its forward, each piece of
+    layers waiting for its own layers' copies (ModelRunner._load_for_step). With the copy
+    stream held up ~20 ms before every piece's copies, a piece that ran before its copies
+    landed would read pages without the adapter's weights: the tokens must still be those of
+    the same weights loaded before (under other names, which captured the graphs), and
+    differ from the base model's."""
+    paths = {"8": adapter_factory(tiny_model_dir, r=8, target_modules="all-linear", seed=3),
+             "24": adapter_factory(tiny_model_dir, r=24, target_modules=["q_proj", "o_proj"],
+                                   seed=4)}
+    prompts = ["The quick brown fox", "Hello", "Paris is the capital of France."]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
+                            num_pages=96, cuda_graphs=graphs))
+    for n, p in paths.items():
+        e.add_adapter("a" + n, p)
+        e.add_adapter("b" + n, p)
+    base = [o.token_ids for o in e.generate(prompts, sp)]
+    first = [o.token_ids for o in e.generate(prompts, sp, adapters=["a8", "a24", "a8"])]
+    captured = dict(e.runner.graphs.graphs) if graphs else {}
+    load, pieces = e.runner._load_adapters, []
+
+    def slow(loads, adapters, on_piece=None):
+        if on_piece is None:
+            return load(loads, adapters)
+        torch.cuda._sleep(40_000_000)  # on the copy stream: before the first piece's copies
+
+        def later(layer):
+            on_piece(layer)
+            pieces.append(layer)
+            torch.cuda._sleep(40_000_000)  # and before every later piece's
+
+        return load(loads, adapters, later)
+
+    e.runner._load_adapters = slow
+    again = [o.token_ids for o in e.generate(prompts, sp, adapters=["b8", "b24", "b8"])]
+    assert pieces == [0, 1], "the step loaded b8 and b24 itself, in the 2-layer model's pieces"
+    if graphs:
+        assert e.runner.graphs.graphs == captured, "the step replayed graphs captured before"
+    assert again == first != base
+
+
 def _staggered_run(e, paths, max_tokens=(7, 3, 9, 5, 6)):
     """Requests that arrive a step apart, so most steps mix prompts with decode rows: several
     adapters of different ranks and targets, and base-only rows."""

@@ -714,3 +714,23 @@ def test_steps_that_replay_mixed_graphs_are_not_eager():
         f = plan_features(plan, adapters, graph_tokens)
         assert [f[idx[k]] for k in ("eager", "eager_lora", "eager_adapters")] == [eager] * 3
         assert f[idx["lora"]] == 1.0
+
+
+def test_step_loads_in_pieces_wait_for_the_first_piece_only():
+    """CostModel.step_time: the step's own loads in K pieces of layers, the forward waiting for
+    each piece: the first piece's copy before any compute, the rest beside the forward as
+    prefetch copies are. K = 1 (profiles before pieces, the CPU): every load before it."""
+    whole = CostModel(prefetch_overlap=1.0)
+    pieces = CostModel(prefetch_overlap=1.0, load_pieces=4)
+    assert whole.step_time(forward=10.0, blocking=4.0, prefetch=0.0, disk=0.0) == pytest.approx(14.0)
+    assert pieces.step_time(forward=10.0, blocking=4.0, prefetch=0.0, disk=0.0) == pytest.approx(11.0)
+    # copies longer than the forward: the copy stream sets the time
+    assert pieces.step_time(forward=1.0, blocking=8.0, prefetch=2.0, disk=0.5) == pytest.approx(10.5)
+    serial = CostModel(prefetch_overlap=0.0, load_pieces=4)
+    assert serial.step_time(forward=10.0, blocking=4.0, prefetch=0.0, disk=0.0) == pytest.approx(14.0)
+    p = Profile(model="m", gpu="g", cost=pieces, model_config={})
+    assert Profile.from_dict(json.loads(json.dumps(p.to_dict()))).cost.load_pieces == 4
+    old = {k: v for k, v in p.to_dict().items() if k != "load_pieces"}
+    assert Profile.from_dict(old).cost.load_pieces == 1
+    with pytest.raises(ValueError, match="load_pieces=0"):
+        CostModel(load_pieces=0)

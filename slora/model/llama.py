@@ -133,7 +133,7 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(cfg).to(weights.embed.device)
         self.scale = cfg.head_dim ** -0.5
         # called with each layer's index before the layer runs: StepGraphs cuts its captures
-        # there (slora.graphs.GRAPH_PIECES)
+        # there (slora.graphs.GRAPH_PIECES), an eager step waits there for its adapter copies
         self.layer_hook = None
 
     @torch.inference_mode()

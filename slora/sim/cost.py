@@ -59,15 +59,20 @@ came out as a prompt token's (0.020 against 0.019 ms), the profile's error 7.4% 
 Adapter pages stand in for rank because they are proportional to the bytes the LoRA kernels
 read and the FLOPs they do (rank x the target modules' widths), for any choice of targets.
 
-Adapter copies (the runner does them before the forward, in plan order: loads, then prefetch):
+Adapter copies (the runner issues them with the forward, in plan order: loads, then prefetch):
 
     disk   = sum over host-cache misses of nbytes / disk_gbps     (read + pack + pin, on the CPU)
     h2d(x) = load_overhead_s + nbytes / h2d_gbps                  (one copy into pool pages)
-    step   = disk + h2d(blocking loads) + overlap(forward, h2d(prefetch))
+    b      = h2d(blocking loads), K = load_pieces
+    step   = disk + b / K + overlap(forward, b * (1 - 1/K) + h2d(prefetch))
     overlap(f, p) = f + p - prefetch_overlap * min(f, p)
 
 `prefetch_overlap` is measured: 1 means prefetch copies hide under the forward (max(f, p)),
-0 means they serialise with it (f + p), as copies on the compute stream do.
+0 means they serialise with it (f + p), as copies on the compute stream do. The step's own
+loads (`b`) arrive in K pieces of layers, the forward waiting for each piece before its first
+layer (on the GPU, the pieces of its graphs): the first piece's copies come before any
+compute, the rest run beside it as a prefetch does. K = 1: all of them before the forward
+(the CPU, and profiles made before the runner copied in pieces).
 
 `fit(samples)` chooses the coefficients by least squares on *relative* error (weights 1/t), so
 the many short decode steps count as much as the few long prefills, and keeps every
@@ -144,6 +149,7 @@ class CostModel:
     disk_gbps: float | None = 2.0  # disk -> host (read, pack, pin) on a host-cache miss; None: free
     load_overhead_s: float = 0.0  # fixed cost of one adapter copy
     prefetch_overlap: float = 1.0  # 1: prefetch copies hide under the forward; 0: they add
+    load_pieces: int = 1  # the step's own loads arrive in this many pieces of layers (see above)
 
     def __post_init__(self) -> None:
         unknown = set(self.coeffs) - set(FEATURES)
@@ -155,6 +161,8 @@ class CostModel:
             raise ValueError("cost model: bandwidths must be positive (disk_gbps may be null: free)")
         if not 0.0 <= self.prefetch_overlap <= 1.0:
             raise ValueError(f"cost model: prefetch_overlap={self.prefetch_overlap} must be in [0, 1]")
+        if self.load_pieces < 1:
+            raise ValueError(f"cost model: load_pieces={self.load_pieces} must be >= 1")
         if self.host_coeffs is not None:
             unknown = set(self.host_coeffs) - set(HOST_FEATURES)
             if unknown:
@@ -177,8 +185,10 @@ class CostModel:
         return 0.0 if self.disk_gbps is None else nbytes / (self.disk_gbps * 1e9)
 
     def step_time(self, forward: float, blocking: float, prefetch: float, disk: float) -> float:
-        overlapped = forward + prefetch - self.prefetch_overlap * min(forward, prefetch)
-        return max(MIN_STEP_S, disk + blocking + overlapped)
+        first = blocking / self.load_pieces
+        beside = blocking - first + prefetch
+        overlapped = forward + beside - self.prefetch_overlap * min(forward, beside)
+        return max(MIN_STEP_S, disk + first + overlapped)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -374,7 +384,8 @@ class Profile:
                 "async_scheduling": self.async_scheduling, "coeffs": c.coeffs,
                 "host_coeffs": c.host_coeffs, "h2d_gbps": c.h2d_gbps,
                 "disk_gbps": c.disk_gbps, "load_overhead_s": c.load_overhead_s,
-                "prefetch_overlap": c.prefetch_overlap, "fit": self.fit_stats,
+                "prefetch_overlap": c.prefetch_overlap, "load_pieces": c.load_pieces,
+                "fit": self.fit_stats,
                 "model_config": self.model_config, "samples": self.samples,
                 "transfer_samples": self.transfer_samples}
 
@@ -386,7 +397,8 @@ class Profile:
                              "make one with `slora profile --model DIR -o profile.json`")
         cost = CostModel(coeffs=d["coeffs"], host_coeffs=d.get("host_coeffs"), h2d_gbps=d["h2d_gbps"],
                          disk_gbps=d.get("disk_gbps"), load_overhead_s=d.get("load_overhead_s", 0.0),
-                         prefetch_overlap=d.get("prefetch_overlap", 1.0))
+                         prefetch_overlap=d.get("prefetch_overlap", 1.0),
+                         load_pieces=d.get("load_pieces", 1))
         return cls(model=d["model"], gpu=d.get("gpu", "unknown"), cost=cost,
                    model_config=d["model_config"], dtype=d.get("dtype", "bfloat16"),
                    block_size=d.get("block_size", 16), num_pages=d.get("num_pages"),
@@ -412,9 +424,7 @@ class Profile:
             raise ValueError(f"profile of {self.model}: no samples stored to refit from")
         coeffs, host, stats = fit_max([(sample_row(s["features"], self.mixed_graph_tokens),
                                         s["seconds"]) for s in samples])
-        c = self.cost
-        cost = CostModel(coeffs=coeffs, host_coeffs=host, h2d_gbps=c.h2d_gbps, disk_gbps=c.disk_gbps,
-                         load_overhead_s=c.load_overhead_s, prefetch_overlap=c.prefetch_overlap)
+        cost = dataclasses.replace(self.cost, coeffs=coeffs, host_coeffs=host)
         kept = {k: v for k, v in self.fit_stats.items() if k not in stats}
         return dataclasses.replace(self, cost=cost, samples=samples,
                                    fit_stats={**kept, **stats, "refit": True})

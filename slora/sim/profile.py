@@ -514,6 +514,14 @@ def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed
     return {"prefetch_overlap": overlap, "step_s": t_step, "copy_s": t_copy, "both_s": t_both}
 
 
+def load_pieces(engine) -> int:
+    """In how many pieces of layers the runner copies a step's own adapters (see CostModel)."""
+    if engine.runner.copy_stream is None:  # on the compute stream, before the forward
+        return 1
+    from slora.graphs import piece_starts
+    return len(piece_starts(engine.model_config.num_layers))
+
+
 def device_name(engine) -> str:
     dev = engine.runner.device
     if dev.type == "cuda":
@@ -559,7 +567,7 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
     stats["profile_s"] = time.perf_counter() - t0
     cost = CostModel(coeffs=coeffs, host_coeffs=host, h2d_gbps=transfers["h2d_gbps"],
                      disk_gbps=transfers["disk_gbps"], load_overhead_s=transfers["load_overhead_s"],
-                     prefetch_overlap=overlap["prefetch_overlap"])
+                     prefetch_overlap=overlap["prefetch_overlap"], load_pieces=load_pieces(engine))
     model_config = json.loads((Path(engine.config.model) / "config.json").read_text())
     dtype = str(engine.runner.dtype).removeprefix("torch.")
     log(f"fit over {len(samples)} steps: mean relative error {stats['mean_rel_err']:.1%}, max "
