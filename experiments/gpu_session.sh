@@ -655,7 +655,15 @@ case "${1:-}" in
     lane 0 gpu0 "python3 experiments/bench_prefetch.py --out \$OUT/after 2>&1 | tail -9"
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 experiments/bench_prefetch.py --out \$OUT/before 2>&1 | tail -9"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-71)" >&2; exit 2 ;;
+  72)  # (session 15) kernel tables without PDL (a PDL launch starts early and waits inside,
+       # so its table time includes the wait): decode steps at batch 32 and 128, rank 16, none
+       # / q,k,v,o / all seven (GPU0); the batch-128 mixed step with 4 x 216-token prompts,
+       # rank 32, q,k,v,o, with and without PDL (GPU1)
+    MIXED='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules qkvo --mixed-prompts 4 --mixed-prompt-len 216 --decode-rank 32'
+    lane 0 gpu0 "python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 32,128 --breakdown-modules none,qkvo,all --no-pdl --out \$OUT/breakdown-nopdl 2>&1 | grep -A12 '^ *batch\|^kernel breakdown'"
+    lane 1 gpu1 "for p in no-pdl pdl; do echo \"== \$p\"; python3 $MIXED --\$p --out \$OUT/breakdown-mixed-\$p 2>&1 | grep -A16 '^kernel breakdown, mixed'; done"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-72)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
