@@ -197,8 +197,9 @@ class ModelRunner:
         event after its layers' copies}, for the forward to wait for piece by piece (empty
         when there is nothing to wait for). On the GPU the copies run on the copy stream, a
         piece of layers at a time, so the forward's first layers run while the later
-        layers' weights are still arriving: a step that admits many new adapters (S2's first
-        steps load ~30 at once, ~2 GB) waits for a quarter of its copies, not all of them.
+        layers' weights are still arriving: the step waits for its first piece's copies,
+        not all of them (H200, replayed 60 s traces of 1,000 / 2,000 adapters: steps with
+        prompts and copies 15.86 / 16.62 -> 14.42 / 15.28 ms, as fast as those without).
         They wait for everything queued before them: their pages may be ones an earlier
         step read or wrote (a finished request's KV, an evicted adapter)."""
         if not loads:
