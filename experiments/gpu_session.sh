@@ -663,7 +663,12 @@ case "${1:-}" in
     lane 0 gpu0 "python3 experiments/bench_scaling.py --part decode --batches 32,128 --breakdown 32,128 --breakdown-modules none,qkvo,all --no-pdl --out \$OUT/breakdown-nopdl 2>&1 | grep -A12 '^ *batch\|^kernel breakdown'"
     lane 1 gpu1 "for p in no-pdl pdl; do echo \"== \$p\"; python3 $MIXED --\$p --out \$OUT/breakdown-mixed-\$p 2>&1 | grep -A16 '^kernel breakdown, mixed'; done"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-72)" >&2; exit 2 ;;
+  73)  # the CUDA tests, split over the two GPUs: LoRA and fused kernels (GPU0); the engine,
+       # attention and csrc ones (GPU1)
+    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_fused.py 2>&1 | tail -1"
+    lane 1 gpu1 "python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py tests/test_kernels_attention.py tests/test_csrc.py 2>&1 | tail -1"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-73)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
