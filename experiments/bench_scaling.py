@@ -564,7 +564,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     device = torch.device(args.device)
     if args.graph_pieces is not None:
-        slora.graphs.GRAPH_PIECES = args.graph_pieces  # read at each capture
+        slora.graphs.GRAPH_PIECES = args.graph_pieces  # read when the engine is made
     slora.kernels.pdl.ENABLED = args.pdl  # read at each launch and capture
     ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
     if ceil:

@@ -55,7 +55,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 # mixed steps: sequences (coarse: a padded sequence costs programs that return); their tokens
 # take slora.config.TOKEN_BUCKETS
 MIXED_SEQ_BUCKETS = (4, 16, 64, 256, 512)
-GRAPH_PIECES = 4  # graphs a step is captured in (see the module docstring)
+GRAPH_PIECES = 4  # graphs a step is captured in (see the module docstring; read by ModelRunner)
 
 
 def piece_starts(num_layers: int) -> list[int]:
@@ -193,7 +193,7 @@ class StepGraphs:
             for event in ready.values():
                 torch.cuda.current_stream().wait_event(event)
             logits = self.runner.model.forward(batch, self.runner.pool)
-        for start, graph in zip(piece_starts(len(self.runner.model.w.layers)), pieces or ()):
+        for start, graph in zip(self.runner.piece_starts, pieces or ()):
             if start in ready:
                 torch.cuda.current_stream().wait_event(ready[start])
             graph.replay()
@@ -297,7 +297,7 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         # GRAPH_PIECES graphs, cut before evenly spaced layers, sharing one memory pool (a
         # piece's outputs are the next one's inputs, so they must replay in capture order)
-        cuts = set(piece_starts(len(self.runner.model.w.layers))[1:])
+        cuts = set(self.runner.piece_starts[1:])
         pieces = [torch.cuda.CUDAGraph()]
 
         def cut(layer: int) -> None:

@@ -121,6 +121,9 @@ class ModelRunner:
         self.scratch_page = self.num_pages
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        # the first layer of each piece a step is cut into: its CUDA graphs, and the copies of
+        # the adapters it loads itself, each piece waited for before its layers run
+        self.piece_starts = piece_starts(model_config.num_layers)
         self.graphs = (StepGraphs(self, config.max_num_seqs, config.mixed_graph_tokens)
                        if cuda and config.cuda_graphs and self.backend.name != "torch" else None)
         # the setting in effect: steps with prompts run eagerly where there are no graphs
@@ -177,12 +180,12 @@ class ModelRunner:
         needs a host -> device copy of its own, pageable (which blocks the host until the
         stream drains) or freshly pinned (an allocation that can stall), either of which
         serialised prefetch copies with the forward on the H200. With `on_piece`, the copies
-        go a piece of layers at a time (`piece_starts`), on_piece(its first layer) called
+        go a piece of layers at a time (`self.piece_starts`), on_piece(its first layer) called
         after each piece's."""
         L = self.cfg.num_layers
         hosts = [(self.adapter_host_copy(adapters.adapters[name], adapters)
                   .view(L, len(pages), self.page_size), pages) for name, pages in loads]
-        starts = piece_starts(L) if on_piece is not None else [0]
+        starts = self.piece_starts if on_piece is not None else [0]
         for l0, l1 in zip(starts, starts[1:] + [L]):
             for host, pages in hosts:
                 src = host[l0:l1].to(self.device, non_blocking=True)

@@ -518,8 +518,7 @@ def load_pieces(engine) -> int:
     """In how many pieces of layers the runner copies a step's own adapters (see CostModel)."""
     if engine.runner.copy_stream is None:  # on the compute stream, before the forward
         return 1
-    from slora.graphs import piece_starts
-    return len(piece_starts(engine.model_config.num_layers))
+    return len(engine.runner.piece_starts)
 
 
 def device_name(engine) -> str:
