@@ -153,7 +153,7 @@ class StepTrace:
         self.eng, self.n, self.count = eng, n, 0
         self.own = "step" in vars(eng)  # an instance attribute already (a wrapper)
         self.step = eng.step
-        self.prof = torch.profiler.profile(activities=acts)
+        self.prof, self.events = torch.profiler.profile(activities=acts), None
         self.prof.start()
         eng.step = self.traced
 
@@ -165,15 +165,20 @@ class StepTrace:
         return out
 
     def close(self) -> None:
-        if self.prof is None:
+        if self.events is not None:
             return
         sync(self.eng.runner.device)
         self.prof.stop()
-        self.events, self.prof = self.prof.key_averages(), None
+        self.events = self.prof.key_averages()
         if self.own:
             self.eng.step = self.step
         else:
             del self.eng.step  # the class's method again
+
+    def export(self, path: str) -> None:
+        """The traced steps' timeline, for chrome://tracing or Perfetto (gzipped: *.json.gz)."""
+        self.close()
+        self.prof.export_chrome_trace(path)
 
     def table(self, rows: int = 12) -> str:
         keys = ["self_cpu_time_total"] + (["self_device_time_total"]
@@ -213,6 +218,11 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         remove_adapters(eng, trace.adapters)
     out_toks = sum(len(o.token_ids) for o in outs)
     if traced is not None:
+        # the timeline and every step's features, for finding where a row's time goes
+        out, tag = Path(args.out), f"{len(trace.adapters) if modules is not None else 0}-{modules_key}"
+        out.mkdir(parents=True, exist_ok=True)
+        traced.export(str(out / f"timeline-{tag}.json.gz"))
+        (out / f"steps-{tag}.json").write_text(json.dumps(steps))
         print(f"trace of the first {args.trace_steps} steps, modules {modules_key}, "
               f"{len(trace.adapters) if modules is not None else 0} adapters (step ms: "
               + ", ".join(f"{s['seconds'] * 1e3:.0f}" for s in steps[:args.trace_steps])
@@ -529,9 +539,10 @@ def parse_args(argv=None):
                     help="capture each step's CUDA graph in this many pieces (default: "
                          "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")
     ap.add_argument("--trace-steps", type=int, default=0,
-                    help="scaling: profile each row's first N steps (torch.profiler) and print "
-                         "the ops with the most host and device time (its overhead lands in "
-                         "the row's figures)")
+                    help="scaling: profile each row's first N steps (torch.profiler), print "
+                         "the ops with the most host and device time and write the timeline "
+                         "(OUT/timeline-ADAPTERS-MODULES.json.gz) and every step's features "
+                         "(OUT/steps-...json); its overhead lands in the row's figures")
     ap.add_argument("--gemm-rows", type=int, default=None,
                     help="EngineConfig.gemm_max_rows: base GEMMs of at most this many rows "
                          "through the Triton kernel (default: the engine's; 0 = cuBLAS always, "

@@ -668,9 +668,18 @@ case "${1:-}" in
     lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_kernels_fused.py 2>&1 | tail -1"
     lane 1 gpu1 "python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py tests/test_kernels_attention.py tests/test_csrc.py 2>&1 | tail -1"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-73)" >&2; exit 2 ;;
+  74)  # (session 16) where S2's eager steps (its first 9: ~8k prompt tokens each) spend the
+       # GPU's time: a timeline of each row's first 9 steps, no LoRA / 1 adapter / 2,000
+       # adapters, q/k/v/o (GPU0) and all seven (GPU1), summarised by experiments/timeline.py
+    for m in qkvo all; do g=$([ $m = qkvo ] && echo 0 || echo 1)
+      lane $g gpu$g "python3 experiments/bench_scaling.py --part scaling --modules $m --adapters 1,2000 --num-requests 400 --trace-steps 9 --out \$OUT/scaling-$m 2>&1 | grep -E '^scaling:|^trace of|^ +[0-9]+ +(none|qkvo|all) '
+        python3 experiments/timeline.py \$OUT/scaling-$m/timeline-*.json.gz --gaps 12
+        f=\$OUT/scaling-$m/timeline-2000-$m.json.gz; [ \$(stat -c%s \$f) -lt 15000000 ] && cp \$f \$OUT/"
+    done
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-74)" >&2; exit 2 ;;
 esac
 wait
-(cd "$OUT" && tar czf results.tgz --exclude=traces $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
+(cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
   && rm -rf suites sim-vs-replay*)
 for f in "$OUT"/gpu0.log "$OUT"/gpu1.log; do [ -f "$f" ] && { echo "==== $f"; tail -60 "$f"; }; done; true
