@@ -57,17 +57,6 @@ def _layout_tensors(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor(layout.ranks, dtype=torch.int32))
 
 
-def _runs(pages: list[int]):
-    """(index in `pages`, first page, length) of each run of consecutive page ids."""
-    i = 0
-    while i < len(pages):
-        n = 1
-        while i + n < len(pages) and pages[i + n] == pages[i] + n:
-            n += 1
-        yield i, pages[i], n
-        i += n
-
-
 class Flight:
     """A launched step: its plan and its sampled tokens, on the device and, once `done`, on
     the host. Steps whose rows all decode greedily without logprobs copy back the tokens
@@ -175,22 +164,35 @@ class ModelRunner:
 
     def _load_adapters(self, loads: list[tuple[str, list[int]]], adapters: AdapterManager,
                        on_piece: Callable[[int], None] | None = None) -> None:
-        """One host -> device copy per adapter, then device copies into its pages, a run of
-        consecutive pages at a time. No page index travels to the device: an index tensor
-        needs a host -> device copy of its own, pageable (which blocks the host until the
-        stream drains) or freshly pinned (an allocation that can stall), either of which
-        serialised prefetch copies with the forward on the H200. With `on_piece`, the copies
-        go a piece of layers at a time (`self.piece_starts`), on_piece(its first layer) called
-        after each piece's."""
-        L = self.cfg.num_layers
-        hosts = [(self.adapter_host_copy(adapters.adapters[name], adapters)
-                  .view(L, len(pages), self.page_size), pages) for name, pages in loads]
+        """Copy adapters into their pool pages: per adapter one host -> device copy of its
+        layers, then one `index_copy_` into the pool's (layer, page) rows, wherever its pages
+        lie. With `on_piece`, a piece of layers at a time (`self.piece_starts`), on_piece(its
+        first layer) called after each piece's copies.
+
+        The rows' ids travel to the device once, for the whole call, in one pinned tensor
+        (the caching host allocator reuses its block once the copy is done; a pageable one
+        would block the host until the stream drains, which serialised prefetch copies with
+        the forward on the H200). A copy of each run of consecutive pages into the pool's
+        [layers, pages, page] view instead launched one kernel per layer and run (the pool
+        is too large for 32-bit indexing, so torch split each copy by layer): ~6,000 launches
+        in each of S2's first steps, ~30 ms of host time before the forward could start."""
+        L, P, ps = self.pool.shape
+        hosts = [self.adapter_host_copy(adapters.adapters[name], adapters).view(L, len(pages), ps)
+                 for name, pages in loads]
         starts = self.piece_starts if on_piece is not None else [0]
-        for l0, l1 in zip(starts, starts[1:] + [L]):
-            for host, pages in hosts:
-                src = host[l0:l1].to(self.device, non_blocking=True)
-                for i, page, n in _runs(pages):
-                    self.pool[l0:l1, page:page + n].copy_(src[:, i:i + n], non_blocking=True)
+        pieces = list(zip(starts, starts[1:] + [L]))
+        # pool rows in the order the copies read them: by piece, adapter, layer, page
+        layer_rows = torch.arange(L)[:, None] * P
+        rows = torch.cat([(layer_rows[l0:l1] + torch.tensor(pages)).flatten()
+                          for l0, l1 in pieces for _, pages in loads])
+        if self.device.type == "cuda":
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        pool, at = self.pool.view(L * P, ps), 0
+        for l0, l1 in pieces:
+            for host in hosts:
+                src = host[l0:l1].to(self.device, non_blocking=True).view(-1, ps)
+                pool.index_copy_(0, rows[at:at + len(src)], src)
+                at += len(src)
             if on_piece is not None:
                 on_piece(l0)
 

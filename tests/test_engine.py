@@ -161,6 +161,31 @@ def test_close_frees_the_pool_at_once(tiny_model_dir):
     assert pool() is None
 
 
+def test_adapter_copies_fill_scattered_pages_of_several_adapters(tiny_model_dir, adapter_factory):
+    """One load call of two adapters whose pages are scattered and interleaved (as they are
+    once KV pages and evictions have cut the pool up): each page holds its adapter's rows in
+    every layer, in the adapter's page order, and no other page is written."""
+    import torch
+
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=40))
+    e.add_adapter("a", adapter_factory(tiny_model_dir, r=8, target_modules="all-linear"))
+    e.add_adapter("b", adapter_factory(tiny_model_dir, r=4, target_modules=["q_proj"], seed=1))
+    runner, info = e.runner, e.adapters.adapters
+    na, nb = info["a"].num_pages, info["b"].num_pages
+    assert na > 2 and nb >= 1
+    pages_a = [3 * i + 1 for i in range(na)][::-1]  # not consecutive, descending
+    pages_b = [3 * i + 2 for i in range(nb)]  # between a's pages
+    runner._load_adapters([("a", pages_a), ("b", pages_b)], e.adapters, lambda layer: None)
+    L, _, ps = runner.pool.shape
+    for name, pages in (("a", pages_a), ("b", pages_b)):
+        host = runner.adapter_host_copy(info[name], e.adapters).view(L, len(pages), ps)
+        assert host.abs().sum() > 0
+        assert torch.equal(runner.pool[:, pages], host)
+    others = sorted(set(range(runner.pool.shape[1])) - set(pages_a) - set(pages_b))
+    assert runner.pool[:, others].abs().sum() == 0
+
+
 def test_adapter_copies_in_pieces_of_layers_fill_the_same_pages(tiny_model_dir, adapter_factory):
     """A step's own adapter loads go a piece of layers at a time on the GPU, the forward
     waiting for each piece (ModelRunner._load_for_step): the pieces, copied one after another,
