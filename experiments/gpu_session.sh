@@ -677,7 +677,31 @@ case "${1:-}" in
         f=\$OUT/scaling-$m/timeline-2000-$m.json.gz; [ \$(stat -c%s \$f) -lt 15000000 ] && cp \$f \$OUT/"
     done
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-74)" >&2; exit 2 ;;
+  75)  # (session 16) adapter copies as one index_copy_ per adapter and piece: the kernels one
+       # copy into a pool past 32-bit indexing launches, the engine's CUDA tests, a fresh
+       # profile validated against replay (GPU0); S2 q/k/v/o and all seven at 1 and 2,000
+       # adapters after and before (before_runner.py, untracked: `git show <rev>:slora/runner.py`,
+       # in a copy of the tree), then replay of the two larger traces (GPU1)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py
+    S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400'
+    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
+    KERNELS="import torch; from torch.profiler import profile, ProfilerActivity as A
+pool = torch.zeros(32 * 2100, 131072, dtype=torch.bfloat16, device='cuda'); src = torch.ones(8 * 16, 131072, dtype=torch.bfloat16, device='cuda')
+rows = (torch.arange(8)[:, None] * 2100 + torch.arange(5, 37, 2)).flatten().cuda(); torch.cuda.synchronize()
+with profile(activities=[A.CUDA]) as p: pool.index_copy_(0, rows, src); torch.cuda.synchronize()
+print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1 for e in p.events() if e.device_type.name == 'CUDA'), 'kernel(s)')"
+    lane 0 gpu0 "python3 -c \"$KERNELS\"
+      python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
+      bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch \$OUT/profile.done
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=\$OUT/sim-vs-replay-0 \\
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -14"
+    lane 1 gpu1 "python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
+      (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; cd \$OUT/scaling-before && python3 -c \"$SHOW\")
+      while [ ! -f \$OUT/profile.done ]; do sleep 5; done
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
+        RESULTS=\$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-75)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
