@@ -701,7 +701,17 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
       PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
         RESULTS=\$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-75)" >&2; exit 2 ;;
+  76)  # (session 16) adapter copies by index_copy_, after (GPU0) and before (GPU1;
+       # before_runner.py as in 75) on one machine: bench_prefetch (decode steps with prefetch
+       # copies, a prefill step with blocking loads) and replay of the two larger traces
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py
+    RUN="python3 experiments/bench_prefetch.py --out \$OUT/NAME 2>&1 | tail -9
+      PROFILE=experiments/profiles/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
+        RESULTS=\$OUT/sim-vs-replay-NAME bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
+    lane 0 gpu0 "${RUN//NAME/after}"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; ${RUN//NAME/before}"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-76)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
