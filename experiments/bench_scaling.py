@@ -141,26 +141,30 @@ def s2_trace(args, num_adapters: int):
 
 
 class StepTrace:
-    """torch.profiler over an engine's next `n` steps (host and device), for S2's stalls:
-    `table()` lists the ops with the most host time and with the most device time. Wraps
-    whatever `eng.step` is now (`logged_steps`' wrapper, inside its block) and puts it back
-    after n steps or at `close()`."""
+    """torch.profiler over an engine's steps `skip` to `skip + n` (host and device, or the
+    device alone: CUPTI's kernels and copies, without the per-op host overhead that stretches
+    the host's gaps), for S2's stalls: `table()` lists the ops with the most host time and
+    with the most device time. Wraps whatever `eng.step` is now (`logged_steps`' wrapper,
+    inside its block) and puts it back after them or at `close()`."""
 
-    def __init__(self, eng: Engine, n: int) -> None:
-        acts = [torch.profiler.ProfilerActivity.CPU]
-        if eng.runner.device.type == "cuda":
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self.eng, self.n, self.count = eng, n, 0
+    def __init__(self, eng: Engine, n: int, skip: int = 0, device_only: bool = False) -> None:
+        cuda = eng.runner.device.type == "cuda"
+        acts = ([] if device_only and cuda else [torch.profiler.ProfilerActivity.CPU]) + \
+            ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        self.eng, self.n, self.skip, self.count = eng, n, skip, 0
         self.own = "step" in vars(eng)  # an instance attribute already (a wrapper)
         self.step = eng.step
         self.prof, self.events = torch.profiler.profile(activities=acts), None
-        self.prof.start()
+        if skip == 0:
+            self.prof.start()
         eng.step = self.traced
 
     def traced(self):
         out = self.step()
         self.count += 1
-        if self.count == self.n:
+        if self.count == self.skip:
+            self.prof.start()
+        elif self.count == self.skip + self.n:
             self.close()
         return out
 
@@ -168,6 +172,8 @@ class StepTrace:
         if self.events is not None:
             return
         sync(self.eng.runner.device)
+        if self.count < self.skip:  # the run ended before the traced steps began
+            self.prof.start()
         self.prof.stop()
         self.events = self.prof.key_averages()
         if self.own:
@@ -205,7 +211,7 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     traced = None
     with logged_steps(eng, allocs=True) as steps:  # where the time goes: with prompts or not
         if args.trace_steps:
-            traced = StepTrace(eng, args.trace_steps)
+            traced = StepTrace(eng, args.trace_steps, args.trace_skip, args.trace_device_only)
         outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
         if traced is not None:
             traced.close()
@@ -223,9 +229,9 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         traced.export(str(out / f"timeline-{tag}.json.gz"))
         (out / f"steps-{tag}.json").write_text(json.dumps(steps))
-        print(f"trace of the first {args.trace_steps} steps, modules {modules_key}, "
+        print(f"trace of steps {args.trace_skip}-{args.trace_skip + args.trace_steps - 1}, modules {modules_key}, "
               f"{len(trace.adapters) if modules is not None else 0} adapters (step ms: "
-              + ", ".join(f"{s['seconds'] * 1e3:.0f}" for s in steps[:args.trace_steps])
+              + ", ".join(f"{s['seconds'] * 1e3:.0f}" for s in steps[args.trace_skip:args.trace_skip + args.trace_steps][:40])
               + ")\n" + traced.table(), flush=True)
     return {
         "adapters": len(trace.adapters) if modules is not None else 0,
@@ -543,6 +549,11 @@ def parse_args(argv=None):
                          "the ops with the most host and device time and write the timeline "
                          "(OUT/timeline-ADAPTERS-MODULES.json.gz) and every step's features "
                          "(OUT/steps-...json); its overhead lands in the row's figures")
+    ap.add_argument("--trace-skip", type=int, default=0,
+                    help="scaling: with --trace-steps, start tracing after this many steps")
+    ap.add_argument("--trace-device-only", action="store_true",
+                    help="scaling: with --trace-steps, record the GPU's kernels and copies only "
+                         "(no host ops: their recording stretches the host's time)")
     ap.add_argument("--gemm-rows", type=int, default=None,
                     help="EngineConfig.gemm_max_rows: base GEMMs of at most this many rows "
                          "through the Triton kernel (default: the engine's; 0 = cuBLAS always, "

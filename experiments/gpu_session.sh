@@ -711,7 +711,15 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
     lane 0 gpu0 "${RUN//NAME/after}"
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; ${RUN//NAME/before}"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-76)" >&2; exit 2 ;;
+  77)  # (session 16) where S2's steady steps (20-169: graphed, with and without prompts) leave
+       # the GPU idle: the device's kernels and copies alone (no host ops recorded), no LoRA
+       # and 2,000 adapters, q/k/v/o (GPU0) and all seven (GPU1), summarised by timeline.py
+    for m in qkvo all; do g=$([ $m = qkvo ] && echo 0 || echo 1)
+      lane $g gpu$g "python3 experiments/bench_scaling.py --part scaling --modules $m --adapters 2000 --num-requests 400 --trace-steps 150 --trace-skip 20 --trace-device-only --out \$OUT/scaling-$m 2>&1 | grep -E '^scaling:|^trace of|^ +[0-9]+ +(none|qkvo|all) '
+        python3 experiments/timeline.py \$OUT/scaling-$m/timeline-*.json.gz --gaps 10"
+    done
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-77)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
