@@ -44,13 +44,13 @@ def run(args, prefetch_window: int) -> dict:
     execute = eng.runner.execute
     graph_runs = [0]  # decode steps that replayed a captured graph (the rest ran eagerly)
     if eng.runner.graphs is not None:
-        run_graph = eng.runner.graphs.run
+        feed_graph = eng.runner.graphs.feed
 
         def counted(*args):
             graph_runs[0] += 1
-            return run_graph(*args)
+            return feed_graph(*args)
 
-        eng.runner.graphs.run = counted
+        eng.runner.graphs.feed = counted
 
     cuda = args.device != "cpu"
 

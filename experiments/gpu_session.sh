@@ -719,7 +719,21 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
         python3 experiments/timeline.py \$OUT/scaling-$m/timeline-*.json.gz --gaps 10"
     done
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-77)" >&2; exit 2 ;;
+  78)  # (session 16) a step's adapter copies queued after its inputs' uploads (the copy engine
+       # served a whole prefetch before them): the engine's CUDA tests, S2 at 2,000 adapters
+       # (q/k/v/o, all seven), a fresh profile validated on n100 (GPU0); S2 the same before
+       # (before_runner.py, before_graphs.py: `git show <rev>:slora/<file>`, in a copy) (GPU1)
+    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py && cp before_graphs.py /tmp/before/slora/graphs.py
+    S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 2000 --num-requests 400'
+    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
+    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
+      python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
+      bash experiments/profile_h200.sh profile 2>&1 | tail -9
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=\$OUT/sim-vs-replay-0 \\
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -12"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-78)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

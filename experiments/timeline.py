@@ -93,12 +93,12 @@ def summarize(events: list[dict], gaps: int = 8) -> str:
     others = union([iv for s, ivs in busy.items() if s != main for iv in ivs])
     idle_copy = total(intersect(idle, copies))
     idle_other = total(intersect(idle, others)) - idle_copy
-    lines.append(f"compute stream {main}: idle {total(idle) / 1e3:.1f} ms of the span: "
-                 f"{idle_copy / 1e3:.1f} ms while a host-to-device copy ran on another stream, "
-                 f"{idle_other / 1e3:.1f} ms while only other work ran, "
-                 f"{(total(idle) - idle_copy - idle_other) / 1e3:.1f} ms with the GPU idle")
-    lines.append(f"host-to-device copies on other streams: busy {total(copies) / 1e3:.1f} ms, "
-                 f"{total(intersect(copies, busy[main])) / 1e3:.1f} ms of it beside compute")
+    lines.append(f"compute stream {main}: idle {total(idle) / 1e3:.2f} ms of the span: "
+                 f"{idle_copy / 1e3:.2f} ms while a host-to-device copy ran on another stream, "
+                 f"{idle_other / 1e3:.2f} ms while only other work ran, "
+                 f"{(total(idle) - idle_copy - idle_other) / 1e3:.2f} ms with the GPU idle")
+    lines.append(f"host-to-device copies on other streams: busy {total(copies) / 1e3:.2f} ms, "
+                 f"{total(intersect(copies, busy[main])) / 1e3:.2f} ms of it beside compute")
     longest = sorted(idle, key=lambda iv: iv[0] - iv[1])[:gaps]
     for a, b in sorted(longest):
         during = total(intersect([(a, b)], copies))

@@ -354,7 +354,7 @@ class Engine:
         `mixed_graph_tokens` is set): a step of t tokens over n sequences, one of them a
         prompt of several tokens, fills it.
 
-        A step's sequence bucket is capped by its token bucket (StepGraphs.run), so 13 tokens
+        A step's sequence bucket is capped by its token bucket (StepGraphs.feed), so 13 tokens
         over 6 sequences take the (16, 16) graph; n is the fewest sequences that reach each
         bucket, and stays under t: a step of t one-token sequences runs as decode rows (the
         decode graph), so it captured no mixed graph, and serving stopped 100-160 ms to

@@ -162,13 +162,12 @@ class StepGraphs:
             return False
         return n_tok == b.num_decode or n_tok <= self.mixed_tokens
 
-    def run(self, b: Batch, fed: tuple[torch.Tensor, torch.Tensor] | None = None,
-            ready: dict[int, torch.cuda.Event] | None = None) -> torch.Tensor:
-        """Logits [S, vocab] for a host batch that `fits`, through a captured graph. `fed`:
-        (rows, ids) on the device that replace those rows' input ids (async scheduling: the
-        tokens of a step still running). `ready`: {a piece's first layer: the event after
-        which its layers' adapter pages hold their weights}, waited for before that piece."""
-        ready = ready or {}
+    def feed(self, b: Batch, fed: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Copy a host batch that `fits` into the static inputs of its captured graph
+        (capturing it on first use); returns the step for `replay`. `fed`: (rows, ids) on the
+        device that replace those rows' input ids (async scheduling: the tokens of a step
+        still running). The runner queues its adapter copies between the two, so that they
+        do not hold up these uploads (see ModelRunner.launch)."""
         n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
         lora = b.lora
         rank_bucket = 0
@@ -188,7 +187,14 @@ class StepGraphs:
             self.ids.index_copy_(0, *fed)
         if key not in self.graphs:
             self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket)
-        pieces, logits, batch = self.graphs[key]
+        return self.graphs[key], n_seq
+
+    def replay(self, step, ready: dict[int, torch.cuda.Event] | None = None) -> torch.Tensor:
+        """Logits [S, vocab] of a step `feed` returned. `ready`: {a piece's first layer: the
+        event after which its layers' adapter pages hold their weights}, waited for before
+        that piece."""
+        (pieces, logits, batch), n_seq = step
+        ready = ready or {}
         if pieces is None:  # capture=False
             for event in ready.values():
                 torch.cuda.current_stream().wait_event(event)

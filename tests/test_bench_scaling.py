@@ -1,6 +1,7 @@
 """experiments/bench_scaling.py end to end on CPU with a tiny random model: both parts, tiny
 sizes. Checks the rows and that rates are positive, never timings."""
 
+import gzip
 import importlib.util
 import json
 from pathlib import Path
@@ -98,16 +99,45 @@ def test_stall_note_names_the_allocator_growth(bench):
 
 
 def test_trace_steps_prints_where_the_first_steps_went(bench, tiny_model_dir, tmp_path, capsys):
-    """--trace-steps N: each S2 row's first N steps under torch.profiler, a table of their ops
-    printed; the engine's own step method is back afterwards."""
+    """--trace-steps N (--trace-skip K): each S2 row's steps K to K + N - 1 under
+    torch.profiler, a table of their ops printed, their timeline and the row's step log
+    written; the engine's own step method is back afterwards."""
     bench.main(["--part", "scaling", "--model", str(tiny_model_dir), "--device", "cpu",
                 "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
                 "--adapters", "1", "--num-requests", "6", "--input-len", "8,20",
                 "--output-len", "2,6", "--modules", "qkvo", "--batches", "4", "--trace-steps", "2",
-                "--out", str(tmp_path)])
+                "--trace-skip", "1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "trace of the first 2 steps, modules none, 0 adapters (step ms: " in out
-    assert "trace of the first 2 steps, modules qkvo, 1 adapters (step ms: " in out
+    assert "trace of steps 1-2, modules none, 0 adapters (step ms: " in out
+    assert "trace of steps 1-2, modules qkvo, 1 adapters (step ms: " in out
     assert out.count("Self CPU time total") == 2  # one table a row
+    for tag in ("0-none", "1-qkvo"):
+        with gzip.open(tmp_path / f"timeline-{tag}.json.gz", "rt") as fh:
+            assert any(e.get("cat") == "cpu_op" for e in json.load(fh)["traceEvents"])
+        steps = json.loads((tmp_path / f"steps-{tag}.json").read_text())
+        assert steps and all(s["seconds"] > 0 for s in steps)
     rows = json.loads((tmp_path / "bench_scaling.json").read_text())["scaling"]
     assert [r["not_length"] for r in rows] == [0, 0]
+
+
+def test_timeline_summary_splits_the_compute_streams_idle_time():
+    """experiments/timeline.py: the compute stream (most kernel time) idles 200 us between
+    its kernels, 150 of them while a host-to-device copy ran on another stream, 20 beside
+    another stream's kernel, 30 with nothing on the GPU; host ops are not GPU work."""
+    spec = importlib.util.spec_from_file_location("timeline", ROOT / "experiments" / "timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+
+    def ev(cat, name, ts, dur, stream):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    text = timeline.summarize([
+        ev("kernel", "gemm", 0, 100, 7), ev("kernel", "norm", 300, 100, 7),
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 50, 200, 13),
+        ev("kernel", "shrink", 260, 20, 21), ev("cpu_op", "aten::mm", 0, 500, 0)], gaps=1)
+    assert "span 0.4 ms, 4 GPU events on 3 streams" in text
+    assert ("compute stream 7: idle 0.20 ms of the span: 0.15 ms while a host-to-device copy ran "
+            "on another stream, 0.02 ms while only other work ran, 0.03 ms with the GPU idle") in text
+    assert "host-to-device copies on other streams: busy 0.20 ms, 0.05 ms of it beside compute" in text
+    assert "gap    0.20 ms at      0.1 ms (copying 0.15 ms): after gemm / before norm" in text
+    assert timeline.summarize([ev("cpu_op", "aten::mm", 0, 5, 0)]).startswith("no GPU events")

@@ -207,3 +207,27 @@ def test_adapter_copies_in_pieces_of_layers_fill_the_same_pages(tiny_model_dir, 
     runner._load_adapters([("a", pages)], e.adapters, seen.append)
     assert seen == piece_starts(e.model_config.num_layers) and len(seen) > 1
     assert torch.equal(runner.pool, whole)
+
+
+def test_a_steps_adapter_copies_are_queued_after_its_inputs(tiny_model_dir, adapter_factory):
+    """ModelRunner.launch queues a step's own adapter loads and its prefetches after the
+    step's inputs (on the GPU the copy engine would otherwise serve a whole adapter before
+    the uploads the forward waits for), and the forward after its own loads."""
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=64, prefetch_window=4))
+    for i in range(3):
+        e.add_adapter(f"a{i}", adapter_factory(tiny_model_dir, r=4, seed=i))
+    runner, calls = e.runner, []
+    for name in ("prepare", "_fed_ids", "_load_for_step", "_forward", "_prefetch"):
+        def logged(*args, _name=name, _f=getattr(runner, name)):
+            if _name not in ("_load_for_step", "_prefetch") or args[0]:  # copies, not none
+                calls.append(_name)
+            return _f(*args)
+        setattr(runner, name, logged)
+    out = e.generate(["hi"] * 3, adapters=["a0", "a1", "a2"])
+    assert len(out) == 3 and "_load_for_step" in calls
+    for i, name in enumerate(calls):
+        if name in ("_load_for_step", "_prefetch"):
+            assert "_fed_ids" in calls[:i] and calls[:i].count("prepare") > calls[:i].count("_forward")
+        if name == "_forward":
+            assert calls[i - 1] in ("_load_for_step", "_fed_ids")
