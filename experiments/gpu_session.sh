@@ -35,6 +35,28 @@ lane() {  # lane GPU NAME COMMANDS: run COMMANDS on GPU under the limit, log to 
     (CUDA_VISIBLE_DEVICES=$1 timeout "$LIMIT" bash -c "$3" >"$OUT/$2.log" 2>&1; echo "[$2 exit $?]" >>"$OUT/$2.log") &
   fi
 }
+before_tree() {  # before_tree FILE...: /tmp/before, a copy of the tree with each slora/FILE
+  # from before_<its name> (untracked, made by `git show <rev>:slora/FILE`), for "before" lanes
+  rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ || return
+  for f; do cp "before_$(basename "$f")" "/tmp/before/slora/$f"; done
+}
+# one line per row of a bench_scaling.json (run in the folder above scaling/)
+SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
+profile_s2_lanes() {  # profile_s2_lanes "FIRST": GPU0 runs FIRST, the engine's CUDA tests and a
+  # fresh profile validated on n100; GPU1 S2 (q/k/v/o, all seven; 1 and 2,000 adapters) on
+  # this tree, then on /tmp/before (before_tree), then the larger traces with that profile
+  local S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400'
+  lane 0 gpu0 "$1
+      python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
+      bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch \$OUT/profile.done
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=\$OUT/sim-vs-replay-0 \\
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -14"
+  lane 1 gpu1 "python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
+      (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; cd \$OUT/scaling-before && python3 -c \"$SHOW\")
+      while [ ! -f \$OUT/profile.done ]; do sleep 5; done
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
+        RESULTS=\$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
+}
 case "${1:-}" in
   1)
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k cuda 2>&1 | tail -2
@@ -480,7 +502,7 @@ case "${1:-}" in
        # (rank 32; none / q,k,v,o / all seven), S2 q/k/v/o (GPU0); the MBGMM sweep, then as it
        # was (before_lora.py, untracked: `git show e7b23c9:slora/kernels/lora.py`, in a copy of the tree): the
        # sweep's defaults and the same mixed step (GPU1)
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
+    before_tree kernels/lora.py
     MIXED='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo,all --mixed-prompts 4 --mixed-prompt-len 216 --decode-rank 32'
     lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py 2>&1 | tail -1
       python3 $MIXED --out \$OUT/mixed 2>&1 | grep -A7 '^kernel breakdown, mixed'
@@ -495,7 +517,7 @@ case "${1:-}" in
        # rank 32 with 4 warps (139 at 16, 122 at 64), and the mixed step at rank 32 lost. The
        # sweep at ranks 16 / 32 / 64 (GPU1); the mixed step's q/k/v/o kernels at ranks 32 and 64
        # with the expand's defaults, with 8 warps (GPU0), and as before the change (GPU1)
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
+    before_tree kernels/lora.py
     MIXED='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules qkvo --mixed-prompts 4 --mixed-prompt-len 216'
     W8='import runpy, sys, slora.kernels.lora as l; o = l._mbgmm_cfg; l._mbgmm_cfg = lambda *a, **k: {**o(*a, **k), **({} if k.get(\"shrink\") else dict(num_warps=8))}; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name=\"__main__\")'
     lane 0 gpu0 "for r in 32 64; do echo \"== rank \$r\"; python3 $MIXED --decode-rank \$r --out \$OUT/mixed-\$r 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'
@@ -529,7 +551,7 @@ case "${1:-}" in
   60)  # (session 13) the race after the MBGMM expand change (GPU0); the mixed step's q/k/v/o
        # kernels at rank 16, where the 64-rank tile was expected to lose, after and before
        # (before_lora.py as in case 56, in a copy of the tree) (GPU1)
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
+    before_tree kernels/lora.py
     MIXED='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules qkvo --mixed-prompts 4 --mixed-prompt-len 216 --decode-rank 16'
     lane 0 gpu0 "python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out \$OUT/engine 2>&1 | tail -5"
     lane 1 gpu1 "echo '== after'; python3 $MIXED --out \$OUT/mixed-16 2>&1 | grep -E '^kernel breakdown, mixed|_mbgmm'
@@ -540,7 +562,7 @@ case "${1:-}" in
        # (~8k tokens, past the mixed graphs), every sequence its own rank-64 adapter, q/k/v/o:
        # the kernel tables after (GPU0) and before (GPU1; before_lora.py as in case 56) session
        # 13's MBGMM expand
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py
+    before_tree kernels/lora.py
     EAGER='experiments/bench_scaling.py --part decode --batches 128 --breakdown 128 --breakdown-modules none,qkvo --mixed-prompts 31 --mixed-prompt-len 256 --decode-rank 64'
     lane 0 gpu0 "python3 $EAGER --out \$OUT/eager 2>&1 | grep -A12 '^kernel breakdown, mixed'"
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site
@@ -581,7 +603,6 @@ case "${1:-}" in
        # before_scheduler.py, untracked: `git show a2c93d7:<path>`, in a copy of the tree)
     rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_lora.py /tmp/before/slora/kernels/lora.py && cp before_scheduler.py /tmp/before/slora/core/scheduler.py
     S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 2000 --num-requests 400'
-    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
     lane 0 gpu0 "python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k mbgmv 2>&1 | tail -1
       python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1"
@@ -594,7 +615,6 @@ case "${1:-}" in
        # slora/kernels/__init__.py`, in a copy of the tree)
     rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_init.py /tmp/before/slora/kernels/__init__.py
     S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 2000 --num-requests 400'
-    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
     DEC="experiments/bench_scaling.py --part decode --batches 64,128 --breakdown ''"
     lane 0 gpu0 "python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
       python3 $DEC --out \$OUT/breakdown 2>&1 | grep -A8 '^ *batch'
@@ -625,24 +645,14 @@ case "${1:-}" in
        # replay (GPU0); S2 q/k/v/o and all seven at 1 and 2,000 adapters, after and before
        # (before_runner.py, before_graphs.py, untracked: `git show b15123f:slora/<file>`, in a
        # copy of the tree), then replay of the two larger traces (GPU1)
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py && cp before_graphs.py /tmp/before/slora/graphs.py
-    S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400'
-    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
-    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
-      bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch \$OUT/profile.done
-      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=\$OUT/sim-vs-replay-0 \\
-        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -14"
-    lane 1 gpu1 "python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
-      (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; cd \$OUT/scaling-before && python3 -c \"$SHOW\")
-      while [ ! -f \$OUT/profile.done ]; do sleep 5; done
-      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
-        RESULTS=\$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
+    before_tree runner.py graphs.py
+    profile_s2_lanes ""
     ;;
   70)  # (session 15) the step's own adapter loads beside its forward, after (GPU0) and before
        # (GPU1; before_runner.py / before_graphs.py as in 69) on one machine: bench_prefetch
        # (a prefill step with blocking loads) and replay of the two larger traces (the
        # simulator's column from the shipped profile in both)
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py && cp before_graphs.py /tmp/before/slora/graphs.py
+    before_tree runner.py graphs.py
     RUN="python3 experiments/bench_prefetch.py --out \$OUT/NAME 2>&1 | tail -9
       PROFILE=experiments/profiles/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
         RESULTS=\$OUT/sim-vs-replay-NAME bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
@@ -651,7 +661,7 @@ case "${1:-}" in
     ;;
   71)  # (session 15) bench_prefetch after (GPU0) and before (GPU1), as 70's first half (call 3
        # met bench_prefetch's graph counter taking one argument: fixed since)
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py && cp before_graphs.py /tmp/before/slora/graphs.py
+    before_tree runner.py graphs.py
     lane 0 gpu0 "python3 experiments/bench_prefetch.py --out \$OUT/after 2>&1 | tail -9"
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 experiments/bench_prefetch.py --out \$OUT/before 2>&1 | tail -9"
     ;;
@@ -682,29 +692,18 @@ case "${1:-}" in
        # profile validated against replay (GPU0); S2 q/k/v/o and all seven at 1 and 2,000
        # adapters after and before (before_runner.py, untracked: `git show <rev>:slora/runner.py`,
        # in a copy of the tree), then replay of the two larger traces (GPU1)
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py
-    S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 1,2000 --num-requests 400'
-    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
+    before_tree runner.py
     KERNELS="import torch; from torch.profiler import profile, ProfilerActivity as A
 pool = torch.zeros(32 * 2100, 131072, dtype=torch.bfloat16, device='cuda'); src = torch.ones(8 * 16, 131072, dtype=torch.bfloat16, device='cuda')
 rows = (torch.arange(8)[:, None] * 2100 + torch.arange(5, 37, 2)).flatten().cuda(); torch.cuda.synchronize()
 with profile(activities=[A.CUDA]) as p: pool.index_copy_(0, rows, src); torch.cuda.synchronize()
 print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1 for e in p.events() if e.device_type.name == 'CUDA'), 'kernel(s)')"
-    lane 0 gpu0 "python3 -c \"$KERNELS\"
-      python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
-      bash experiments/profile_h200.sh profile 2>&1 | tail -9; touch \$OUT/profile.done
-      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=\$OUT/sim-vs-replay-0 \\
-        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -14"
-    lane 1 gpu1 "python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
-      (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; cd \$OUT/scaling-before && python3 -c \"$SHOW\")
-      while [ ! -f \$OUT/profile.done ]; do sleep 5; done
-      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
-        RESULTS=\$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
+    profile_s2_lanes "python3 -c \"$KERNELS\""
     ;;
   76)  # (session 16) adapter copies by index_copy_, after (GPU0) and before (GPU1;
        # before_runner.py as in 75) on one machine: bench_prefetch (decode steps with prefetch
        # copies, a prefill step with blocking loads) and replay of the two larger traces
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py
+    before_tree runner.py
     RUN="python3 experiments/bench_prefetch.py --out \$OUT/NAME 2>&1 | tail -9
       PROFILE=experiments/profiles/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
         RESULTS=\$OUT/sim-vs-replay-NAME bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
@@ -723,9 +722,8 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
        # served a whole prefetch before them): the engine's CUDA tests, S2 at 2,000 adapters
        # (q/k/v/o, all seven), a fresh profile validated on n100 (GPU0); S2 the same before
        # (before_runner.py, before_graphs.py: `git show <rev>:slora/<file>`, in a copy) (GPU1)
-    rm -rf /tmp/before && mkdir /tmp/before && cp -r slora experiments csrc /tmp/before/ && cp before_runner.py /tmp/before/slora/runner.py && cp before_graphs.py /tmp/before/slora/graphs.py
+    before_tree runner.py graphs.py
     S2='experiments/bench_scaling.py --part scaling --modules qkvo,all --adapters 2000 --num-requests 400'
-    SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
     lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
       python3 $S2 --out \$OUT/scaling 2>&1 | tail -1; (cd \$OUT && python3 -c \"$SHOW\")
       bash experiments/profile_h200.sh profile 2>&1 | tail -9

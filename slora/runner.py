@@ -183,8 +183,8 @@ class ModelRunner:
         pieces = list(zip(starts, starts[1:] + [L]))
         # pool rows in the order the copies read them: by piece, adapter, layer, page
         layer_rows = torch.arange(L)[:, None] * P
-        rows = torch.cat([(layer_rows[l0:l1] + torch.tensor(pages)).flatten()
-                          for l0, l1 in pieces for _, pages in loads])
+        page_ids = [torch.tensor(pages) for _, pages in loads]
+        rows = torch.cat([(layer_rows[l0:l1] + ids).flatten() for l0, l1 in pieces for ids in page_ids])
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
         pool, at = self.pool.view(L * P, ps), 0
