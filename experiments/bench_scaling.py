@@ -264,8 +264,9 @@ def _stall(step: dict) -> str:
 
 def part_scaling(eng: Engine, args) -> list[dict]:
     t0 = time.perf_counter()
-    # kernel compiles and every decode graph (each batch bucket, base and each rank) off the clock
-    print(f"scaling: warm-up {eng.warmup(ranks=args.ranks):.1f} s", flush=True)
+    # kernel compiles and every graph (each bucket, base and each rank and module set) off the clock
+    t = eng.warmup(ranks=args.ranks, modules=[MODULE_SETS[m] for m in args.modules])
+    print(f"scaling: warm-up {t:.1f} s", flush=True)
     base_trace = s2_trace(args, 0)
     ref_lens = [(r.prompt_len, r.output_len) for r in base_trace.requests]
     points = [(base_trace, "none")] + [(s2_trace(args, n), m) for m in args.modules

@@ -731,7 +731,17 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
         bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -12"
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --out \$OUT/scaling-before/scaling 2>&1 | tail -1; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-78)" >&2; exit 2 ;;
+  79)  # (session 17) graphs hold only the LoRA kernels of their batch's module groups (q/k/v/o
+       # adapters launched the gate/up and down kernels at rank 0): the engine's CUDA tests and
+       # S2 at 2,000 adapters, q/k/v/o and all seven (GPU0); S2 q/k/v/o before (GPU1;
+       # before_graphs.py, before_engine.py, before_bench_scaling.py: `git show <rev>:<path>`)
+    before_tree graphs.py engine.py && cp before_bench_scaling.py /tmp/before/experiments/bench_scaling.py
+    S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400'
+    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
+      python3 $S2 --modules qkvo,all --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --modules qkvo --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-79)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

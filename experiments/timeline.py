@@ -12,6 +12,7 @@ nothing at all: the host was late), and its longest gaps with what ran in them.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 from collections import defaultdict
@@ -99,14 +100,36 @@ def summarize(events: list[dict], gaps: int = 8) -> str:
                  f"{(total(idle) - idle_copy - idle_other) / 1e3:.2f} ms with the GPU idle")
     lines.append(f"host-to-device copies on other streams: busy {total(copies) / 1e3:.2f} ms, "
                  f"{total(intersect(copies, busy[main])) / 1e3:.2f} ms of it beside compute")
+    main_evs = sorted(by_stream[main], key=lambda e: e["ts"])
+    starts = [e["ts"] for e in main_evs]
+
+    def around(a: float, b: float) -> tuple[str, str]:
+        """Names of the compute stream's events that end a gap (a, b) and start after it."""
+        i = bisect.bisect_left(starts, b - 1)
+        before = max((e for e in main_evs[max(0, i - 64):i] if e["ts"] + e["dur"] <= a + 1),
+                     key=lambda e: e["ts"], default=None)
+        after = main_evs[i] if i < len(main_evs) else None
+        return (before["name"][:40] if before else "-"), (after["name"][:40] if after else "-")
+
     longest = sorted(idle, key=lambda iv: iv[0] - iv[1])[:gaps]
     for a, b in sorted(longest):
         during = total(intersect([(a, b)], copies))
-        before = max((e for e in by_stream[main] if e["ts"] + e["dur"] <= a + 1), key=lambda e: e["ts"],
-                     default=None)
-        after = min((e for e in by_stream[main] if e["ts"] >= b - 1), key=lambda e: e["ts"], default=None)
-        lines.append(f"  gap {(b - a) / 1e3:7.2f} ms at {(a - lo) / 1e3:8.1f} ms (copying {during / 1e3:.2f} ms): "
-                     f"after {before['name'][:40] if before else '-'} / before {after['name'][:40] if after else '-'}")
+        dark = (b - a) - total(intersect([(a, b)], others))
+        before, after = around(a, b)
+        lines.append(f"  gap {(b - a) / 1e3:7.2f} ms at {(a - lo) / 1e3:8.1f} ms (copying {during / 1e3:.2f} ms, "
+                     f"GPU idle {dark / 1e3:.2f} ms): after {before} / before {after}")
+    # The GPU's idle time by the pair of compute-stream events around it: which hand-over leaves
+    # the GPU dark, how often, and for how long in all.
+    pairs: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for a, b in idle:
+        dark = (b - a) - total(intersect([(a, b)], others))
+        if dark > 1.0:  # us
+            p = pairs[around(a, b)]
+            p[0] += 1
+            p[1] += dark
+    lines.append("GPU idle (over 1 us a gap) by the compute stream's events around it:")
+    for (before, after), (n, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:gaps]:
+        lines.append(f"  {t / 1e3:7.2f} ms in {n:5d} gaps (mean {t / n:6.1f} us): after {before} / before {after}")
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
 from slora.graphs import round_rank
+from slora.model.llama import GROUPS, groups_of
 from slora.model.loader import PeftAdapter, synthetic_pack
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.runner import ModelRunner, resolve_device
@@ -269,7 +270,8 @@ class Engine:
                     if out.finished:
                         return
 
-    def warmup(self, ranks: Sequence[int] = (), progress: bool = False) -> float:
+    def warmup(self, ranks: Sequence[int] = (), progress: bool = False,
+               modules: Sequence[Sequence[str]] = ()) -> float:
         """Compile the kernels and capture the graphs before serving; returns seconds.
 
         On a fresh GPU machine each Triton kernel variant compiles on first use and each
@@ -277,8 +279,11 @@ class Engine:
         land on the first requests (vLLM captures its graphs at start for the same reason).
         This runs a short batch at every graph batch bucket, without LoRA
         and with one temporary adapter per rank bucket of the registered adapters and of
-        `ranks` (adapters to come; graphs are keyed by the rank rounded up to a power of two),
-        the widest first so the graphs' page-table width is set once. Only idle engines warm
+        `ranks` (adapters to come; graphs are keyed by the rank rounded up to a power of two)
+        and per set of module groups they target (graphs hold only their batch's groups'
+        LoRA kernels): the registered adapters' sets and those of `modules` (one list of
+        target modules per kind of adapter to come; every module when `ranks` are given
+        without them), the widest first so the graphs' page-table width is set once. Only idle engines warm
         up; the copies show in `stats()`. With `mixed_graph_tokens` set, one prefill step
         per mixed-step graph bucket (tokens x sequences) too, at each rank bucket, and three
         eager steps past them; then one full prefill step (`max_batch_tokens`: the allocator
@@ -290,12 +295,18 @@ class Engine:
         t0 = time.perf_counter()
         graphs = self.runner.graphs
         buckets = graphs.buckets if graphs is not None else (1,)
-        ranks = [info.layout.max_rank for info in self.adapters.adapters.values()] + list(ranks)
-        rank_buckets = sorted({round_rank(r) for r in ranks}, reverse=True)
+        layouts = [info.layout for info in self.adapters.adapters.values()]
+        sets = {groups_of(m) for m in [lo.modules for lo in layouts] + list(modules)}
+        if ranks and not modules:  # adapters to come, of any modules
+            sets.add(groups_of(LORA_MODULES))
+        rank_buckets = sorted({round_rank(r) for r in [lo.max_rank for lo in layouts] + list(ranks)},
+                              reverse=True)
         names, buffers = [None], set(self._synthetic)
-        for r in rank_buckets:  # every module: the widest page table of that rank
-            names.append(f"__warmup_r{r}")
-            self.add_synthetic_adapter(names[-1], r, LORA_MODULES)
+        for r in rank_buckets:  # each group set at its widest: all its modules at rank r
+            for groups in sorted(sets, key=len, reverse=True):
+                names.append(f"__warmup_r{r}_{'_'.join(groups)}")
+                self.add_synthetic_adapter(names[-1], r, [LORA_MODULES[i] for g in groups
+                                                          for i in GROUPS[g]])
         sp = SamplingParams(max_tokens=3, ignore_eos=True)
         batches = []  # (adapter, prompts, prompts that join one step later)
         for name in names[1:] + names[:1]:

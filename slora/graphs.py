@@ -3,12 +3,18 @@
 A step launches a few hundred small kernels; replaying a captured graph removes their launch
 cost. Two kinds of graph, captured lazily (or by `Engine.warmup`) over static device buffers:
 
-- decode steps, one graph per (batch bucket, rank bucket, adapter-page bucket);
+- decode steps, one graph per (batch bucket, rank bucket, adapter-page bucket, module groups);
 - mixed steps (prompts, with or without decode rows) of at most `mixed_tokens` tokens, one per
-  (token bucket, sequence bucket, rank bucket, adapter-page bucket), up to
+  (token bucket, sequence bucket, rank bucket, adapter-page bucket, module groups), up to
   `EngineConfig.mixed_graph_tokens` (default 2048; 0: none). A larger mixed step runs eagerly:
   on the H200 an eager step was bound by the host launching its ~450 Triton kernels below a
   few hundred prompt tokens (notes/kernels.md).
+
+A graph holds the LoRA kernels of the module groups its batch's adapters target (`GROUPS`:
+q/k/v, o, gate/up, down), as an eager step runs them. Captured for every group, a batch of
+q/k/v/o adapters launched the gate/up and down kernels too, every program returning at rank
+0: 4 launches a layer that did nothing in a decode step, 10 in a step with prompts, ~0.9 ms
+of kernel time a step in S2 at 2,000 adapters (~255 rows; H200, session 17).
 
 Each step writes its host batch into pinned twins of the buffers, copies them over in two
 transfers (the adapter-side tensors only when the batch's adapters changed), and replays the
@@ -170,23 +176,24 @@ class StepGraphs:
         do not hold up these uploads (see ModelRunner.launch)."""
         n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
         lora = b.lora
-        rank_bucket = 0
+        rank_bucket, groups = 0, ()
         if lora is not None:
             rank_bucket = round_rank(max(g.max_rank for g in lora.groups.values()))
+            groups = tuple(g for g in GROUPS if g in lora.groups)
             if lora.pages.shape[1] > self.max_pages:
                 self._alloc(_pow2(lora.pages.shape[1], 8))
         if n_tok == b.num_decode:
             t_bucket = s_bucket = bucket(n_tok, self.buckets)
-            key = ("decode", t_bucket, rank_bucket, self.max_pages)
+            key = ("decode", t_bucket, rank_bucket, self.max_pages, groups)
         else:
             t_bucket = bucket(n_tok, self.token_buckets)
             s_bucket = min(bucket(n_seq, self.seq_buckets), t_bucket)
-            key = ("mixed", t_bucket, s_bucket, rank_bucket, self.max_pages)
+            key = ("mixed", t_bucket, s_bucket, rank_bucket, self.max_pages, groups)
         self._fill(b, n_tok, n_seq, t_bucket, s_bucket)
         if fed is not None:
             self.ids.index_copy_(0, *fed)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket)
+            self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket, groups)
         return self.graphs[key], n_seq
 
     def replay(self, step, ready: dict[int, torch.cuda.Event] | None = None) -> torch.Tensor:
@@ -254,7 +261,8 @@ class StepGraphs:
             off_b[:n_a].copy_(g.offsets_b[:n_a], non_blocking=True)
             ranks[:, :n_a].copy_(g.ranks[:, :n_a], non_blocking=True)  # (its rows are padded)
 
-    def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int) -> Batch:
+    def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int,
+                      groups: tuple[str, ...]) -> Batch:
         mixed = kind == "mixed"
         num_decode = 0 if mixed else t_bucket
         # Programs walking the work lists: enough for a bucket of long prompts at one tile
@@ -262,17 +270,17 @@ class StepGraphs:
         programs = min(capacity(t_bucket, s_bucket, self.tile), cdiv(t_bucket, self.tile) + 16)
         lora = None
         if rank_bucket:
-            groups = {}
-            for gname in GROUPS:
+            metas = {}
+            for gname in groups:
                 off_a, off_b, ranks = self.group_bufs[gname]
-                groups[gname] = GroupMeta(
+                metas[gname] = GroupMeta(
                     offsets_a=off_a[:s_bucket],
                     offsets_b=off_b[:s_bucket],
                     ranks=ranks[:, :s_bucket],
                     max_rank=rank_bucket,
                     **self.runner.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:s_bucket], token_slot=self.token_slot[:t_bucket],
-                            num_decode=num_decode, groups=groups)
+                            num_decode=num_decode, groups=metas)
             if mixed:
                 lora.seg_start, lora.seg_slot = self.q_start[:s_bucket + 1], self.seg_slot[:s_bucket]
                 lora.tiles, lora.tile_programs = self.lora_tiles, programs
@@ -291,8 +299,9 @@ class StepGraphs:
                      tiles=self.att_tiles, tile_programs=programs,
                      dec_ctx_lens=self.dec_ctx[:s_bucket])
 
-    def _capture(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int):
-        batch = self._static_batch(kind, t_bucket, s_bucket, rank_bucket)
+    def _capture(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int,
+                 groups: tuple[str, ...]):
+        batch = self._static_batch(kind, t_bucket, s_bucket, rank_bucket, groups)
         model, pool = self.runner.model, self.runner.pool
         if not self.capture:
             return None, None, batch

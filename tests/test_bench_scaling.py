@@ -123,7 +123,8 @@ def test_trace_steps_prints_where_the_first_steps_went(bench, tiny_model_dir, tm
 def test_timeline_summary_splits_the_compute_streams_idle_time():
     """experiments/timeline.py: the compute stream (most kernel time) idles 200 us between
     its kernels, 150 of them while a host-to-device copy ran on another stream, 20 beside
-    another stream's kernel, 30 with nothing on the GPU; host ops are not GPU work."""
+    another stream's kernel, 30 with nothing on the GPU, listed by the kernels around the
+    gap; host ops are not GPU work."""
     spec = importlib.util.spec_from_file_location("timeline", ROOT / "experiments" / "timeline.py")
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
@@ -139,5 +140,7 @@ def test_timeline_summary_splits_the_compute_streams_idle_time():
     assert ("compute stream 7: idle 0.20 ms of the span: 0.15 ms while a host-to-device copy ran "
             "on another stream, 0.02 ms while only other work ran, 0.03 ms with the GPU idle") in text
     assert "host-to-device copies on other streams: busy 0.20 ms, 0.05 ms of it beside compute" in text
-    assert "gap    0.20 ms at      0.1 ms (copying 0.15 ms): after gemm / before norm" in text
+    assert ("gap    0.20 ms at      0.1 ms (copying 0.15 ms, GPU idle 0.03 ms): after gemm / before "
+            "norm") in text
+    assert "     0.03 ms in     1 gaps (mean   30.0 us): after gemm / before norm" in text
     assert timeline.summarize([ev("cpu_op", "aten::mm", 0, 5, 0)]).startswith("no GPU events")

@@ -165,9 +165,12 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
     for graphs in (False, True):
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
                                 num_pages=48, backend="triton", cuda_graphs=False))
+        captured = []  # the module groups of each graph, as it is made
         if graphs:
-            e.runner.graphs = StepGraphs(e.runner, e.config.max_num_seqs, mixed_tokens=48,
-                                         capture=False)
+            g = e.runner.graphs = StepGraphs(e.runner, e.config.max_num_seqs, mixed_tokens=48,
+                                             capture=False)
+            capture = g._capture
+            g._capture = lambda *args: captured.append(args[-1]) or capture(*args)
         results[graphs] = _staggered_run(e, paths)
         if graphs:
             kinds = {key[0] for key in e.runner.graphs.graphs}
@@ -175,6 +178,11 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
             # a mixed bucket pads both: more tokens and more sequences than any step had
             mixed = [k for k in e.runner.graphs.graphs if k[0] == "mixed"]
             assert all(k[1] in (16, 32, 48) and k[2] in (4, 16) for k in mixed)
+            # a graph holds the LoRA kernels of its batch's module groups only: q/k/v where r3
+            # (q and v) is the only adapter, all four groups beside r20 (every module)
+            assert {("qkv",), ("qkv", "o", "gate_up", "down")} <= set(captured), captured
+            for key, (_, _, batch) in e.runner.graphs.graphs.items():
+                assert (tuple(batch.lora.groups) if batch.lora else ()) == key[-1], key
     assert results[True] == results[False]
 
 
@@ -233,6 +241,31 @@ def test_warmup_captures_every_mixed_bucket_a_step_can_reach(tiny_model_dir):
                 assert key in captured, (n_tok, n_seq, rank)
 
 
+def test_warmup_captures_the_module_groups_of_the_adapters(tiny_model_dir):
+    """Graphs are keyed by the module groups their batch's adapters target, so the warm-up
+    captures each group set in use: the registered adapters' and those `modules` names for
+    adapters to come; every group when only their ranks are known."""
+    from slora.graphs import StepGraphs
+
+    def warmed(register=(), **kw):
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                num_pages=256, cuda_graphs=False, max_num_seqs=2))
+        for i, modules in enumerate(register):
+            e.add_synthetic_adapter(f"a{i}", 8, modules)
+        e.runner.graphs = StepGraphs(e.runner, 2, capture=False)
+        e.warmup(**kw)
+        gc.unfreeze()
+        assert not e.adapters.adapters.keys() - {f"a{i}" for i in range(len(register))}
+        return {k[-1] for k in e.runner.graphs.graphs}
+
+    every = ("qkv", "o", "gate_up", "down")
+    assert warmed([["q_proj", "v_proj", "o_proj"]]) == {(), ("qkv", "o")}
+    assert warmed([["q_proj"], ["down_proj"]]) == {(), ("qkv",), ("down",)}
+    assert warmed(ranks=[8], modules=[["q_proj", "k_proj", "v_proj", "o_proj"]]) == {(), ("qkv", "o")}
+    assert warmed(ranks=[8]) == {(), every}
+    assert warmed() == {()}
+
+
 def test_warmup_runs_eager_steps_past_the_mixed_graphs(tiny_model_dir):
     """Past `mixed_graph_tokens` steps run eagerly, and a Triton kernel compiles again for each
     new class of its integer arguments: the warm-up runs, at each rank bucket, a step of one
@@ -257,7 +290,7 @@ def test_warmup_runs_eager_steps_past_the_mixed_graphs(tiny_model_dir):
     e.warmup()
     gc.unfreeze()
     eager = [s for s in steps if s[0] > graphs.mixed_tokens]
-    for adapter in (None, "__warmup_r16"):
+    for adapter in (None, "__warmup_r16_qkv_o"):
         mine = [(tokens, decode) for tokens, decode, names in eager if names == {adapter}]
         assert (33, 0) in mine and (48, 0) in mine and (34, 1) in mine, (adapter, mine)
 

@@ -54,6 +54,11 @@ class AdapterLayout:
     def max_rank(self) -> int:
         return max(max(r) for r in self.ranks)
 
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules it targets (a rank above 0 in some layer), in LORA_MODULES order."""
+        return tuple(m for i, m in enumerate(LORA_MODULES) if any(layer[i] for layer in self.ranks))
+
     @classmethod
     def uniform(cls, cfg: ModelConfig, rank: int, targets) -> "AdapterLayout":
         """Every layer: `rank` on each module in `targets` (synthetic adapters, the simulator)."""

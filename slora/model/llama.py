@@ -15,11 +15,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from slora.config import ModelConfig
+from slora.config import LORA_MODULES, ModelConfig
 from slora.kernels import reference as ref
 
 # LoRA module groups: modules that share an input, as indices into LORA_MODULES.
 GROUPS = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
+
+
+def groups_of(modules) -> tuple[str, ...]:
+    """The groups (in GROUPS order) holding any of `modules` (names from LORA_MODULES)."""
+    idx = {LORA_MODULES.index(m) for m in modules}
+    return tuple(g for g, mods in GROUPS.items() if idx.intersection(mods))
 
 
 @dataclass
