@@ -741,7 +741,17 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
       python3 $S2 --modules qkvo,all --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --modules qkvo --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-79)" >&2; exit 2 ;;
+  80)  # (session 17) MBGMV expand's [4 x 4]-chunk tiles below 4,096 programs (o at S2's 128-256
+       # rows: 2,048 programs of [2 x 8]): the LoRA kernels' CUDA tests and S2 at 2,000 adapters,
+       # q/k/v/o and all seven (GPU0); S2 q/k/v/o before (GPU1; before_lora.py: `git show
+       # <rev>:slora/kernels/lora.py`)
+    before_tree kernels/lora.py
+    S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400'
+    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py 2>&1 | tail -1
+      python3 $S2 --modules qkvo,all --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --modules qkvo --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-80)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

@@ -304,16 +304,23 @@ def _mbgmv_shrink_cfg(T: int, G: int, max_rank: int, d_in: int, device: torch.de
     return dict(BLOCK_R=block_r, CH=ch, num_warps=4 if block_r > 1 else 8)
 
 
+EXPAND_WIDE_PROGRAMS = 4096  # MBGMV expand: [2 x 8]-chunk tiles from this many programs on
+
+
 def _mbgmv_expand_cfg(T: int, G: int, max_rank: int, max_out: int, device: torch.device) -> dict:
     """Measured on the H200 likewise: [2 rank rows x 8 chunks] tiles with 4 warps were best or
-    within 2% of best at batch 64-256, ranks 16-128: small tiles keep registers low (~32), so
-    16 programs fit per SM; 16-row tiles took 2-3.7x longer. Below 128 (token, module) rows
-    (batch 16 and 32 of q/k/v) [4 rank rows x 4 chunks] was best: 7.68 -> 5.88 us at batch 16,
-    8.95 -> 7.65 at batch 32, rank 16 (session 6, call 1)."""
+    within 2% of best at batch 64-256 of q/k/v, ranks 16-128: small tiles keep registers low
+    (~32), so 16 programs fit per SM; 16-row tiles took 2-3.7x longer. With fewer than
+    EXPAND_WIDE_PROGRAMS programs that way, [4 rank rows x 4 chunks] (twice the programs, half
+    the columns each) was best: q/k/v at batch 16 and 32, rank 16: 7.68 -> 5.88 us, 8.95 ->
+    7.65 (session 6); ranks 64/32/16/8 mixed (session 17), o (one module, 4096 columns) at 128
+    and 256 rows 26.40 -> 19.78 and 30.83 -> 25.02 us, q/k/v at 128 rows 35.74 -> 34.02; q/k/v
+    at 256 rows (6,144 programs) is best as it was (55.9 us; [4 x 4] was not among the four
+    best, all under 58.9)."""
     chn = min(8, _pow2(triton.cdiv(max_out, CHUNK)))
     if device.type != "cuda":  # interpreter: fewer, larger programs
         return dict(BLOCK_R=min(16, _pow2(max_rank)), CHN=min(4, chn))
-    if T * G < 128:
+    if T * G * triton.cdiv(max_out, chn * CHUNK) < EXPAND_WIDE_PROGRAMS:
         return dict(BLOCK_R=min(4, _pow2(max_rank)), CHN=min(4, chn), num_warps=4)
     return dict(BLOCK_R=min(2, _pow2(max_rank)), CHN=chn, num_warps=4)
 
