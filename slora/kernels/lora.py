@@ -304,23 +304,24 @@ def _mbgmv_shrink_cfg(T: int, G: int, max_rank: int, d_in: int, device: torch.de
     return dict(BLOCK_R=block_r, CH=ch, num_warps=4 if block_r > 1 else 8)
 
 
-EXPAND_WIDE_PROGRAMS = 4096  # MBGMV expand: [2 x 8]-chunk tiles from this many programs on
+EXPAND_WIDE_PROGRAMS = 4096  # MBGMV expand of one module: [2 x 8]-chunk tiles from this many on
 
 
 def _mbgmv_expand_cfg(T: int, G: int, max_rank: int, max_out: int, device: torch.device) -> dict:
     """Measured on the H200 likewise: [2 rank rows x 8 chunks] tiles with 4 warps were best or
     within 2% of best at batch 64-256 of q/k/v, ranks 16-128: small tiles keep registers low
-    (~32), so 16 programs fit per SM; 16-row tiles took 2-3.7x longer. With fewer than
-    EXPAND_WIDE_PROGRAMS programs that way, [4 rank rows x 4 chunks] (twice the programs, half
-    the columns each) was best: q/k/v at batch 16 and 32, rank 16: 7.68 -> 5.88 us, 8.95 ->
-    7.65 (session 6); ranks 64/32/16/8 mixed (session 17), o (one module, 4096 columns) at 128
-    and 256 rows 26.40 -> 19.78 and 30.83 -> 25.02 us, q/k/v at 128 rows 35.74 -> 34.02; q/k/v
-    at 256 rows (6,144 programs) is best as it was (55.9 us; [4 x 4] was not among the four
-    best, all under 58.9)."""
+    (~32), so 16 programs fit per SM; 16-row tiles took 2-3.7x longer. [4 rank rows x 4
+    chunks] (twice the programs, half the columns each) was best below 128 (token, module)
+    rows: q/k/v at batch 16 and 32, rank 16: 7.68 -> 5.88 us, 8.95 -> 7.65 (session 6); and for
+    one module (o, down) below EXPAND_WIDE_PROGRAMS programs of [2 x 8]: o (4096 columns) at
+    128 and 256 rows, ranks 64/32/16/8 mixed as in S2, 26.40 -> 19.78 and 30.83 -> 25.02 us
+    (session 17). Not for q/k/v at 64-128 rows: with ranks mixed it gained 5% at 128 rows
+    (35.74 -> 34.02 us), with one rank (the q/k/v pair, every token its own adapter) it lost
+    1.5-7% at 64 and 128 rows, ranks 8-64 (2% won at 128 rows rank 64)."""
     chn = min(8, _pow2(triton.cdiv(max_out, CHUNK)))
     if device.type != "cuda":  # interpreter: fewer, larger programs
         return dict(BLOCK_R=min(16, _pow2(max_rank)), CHN=min(4, chn))
-    if T * G * triton.cdiv(max_out, chn * CHUNK) < EXPAND_WIDE_PROGRAMS:
+    if T * G < 128 or (G == 1 and T * triton.cdiv(max_out, chn * CHUNK) < EXPAND_WIDE_PROGRAMS):
         return dict(BLOCK_R=min(4, _pow2(max_rank)), CHN=min(4, chn), num_warps=4)
     return dict(BLOCK_R=min(2, _pow2(max_rank)), CHN=chn, num_warps=4)
 
