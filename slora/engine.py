@@ -283,7 +283,8 @@ class Engine:
         and per set of module groups they target (graphs hold only their batch's groups'
         LoRA kernels): the registered adapters' sets and those of `modules` (one list of
         target modules per kind of adapter to come; every module when `ranks` are given
-        without them), the widest first so the graphs' page-table width is set once. Only idle engines warm
+        without them), and the union of those sets, which serves batches that mix them. The
+        graphs' page-table width is set first, to the widest of these adapters. Only idle engines warm
         up; the copies show in `stats()`. With `mixed_graph_tokens` set, one prefill step
         per mixed-step graph bucket (tokens x sequences) too, at each rank bucket, and three
         eager steps past them; then one full prefill step (`max_batch_tokens`: the allocator
@@ -299,14 +300,19 @@ class Engine:
         sets = {groups_of(m) for m in [lo.modules for lo in layouts] + list(modules)}
         if ranks and not modules:  # adapters to come, of any modules
             sets.add(groups_of(LORA_MODULES))
+        if sets:  # (a batch mixing sets replays their union's graph: StepGraphs._superset)
+            sets.add(tuple(g for g in GROUPS if any(g in s for s in sets)))
         rank_buckets = sorted({round_rank(r) for r in [lo.max_rank for lo in layouts] + list(ranks)},
                               reverse=True)
         names, buffers = [None], set(self._synthetic)
         for r in rank_buckets:  # each group set at its widest: all its modules at rank r
-            for groups in sorted(sets, key=len, reverse=True):
+            # (fewest groups first: a set captures its own graphs before a superset's exist)
+            for groups in sorted(sets, key=lambda s: (len(s), s)):
                 names.append(f"__warmup_r{r}_{'_'.join(groups)}")
                 self.add_synthetic_adapter(names[-1], r, [LORA_MODULES[i] for g in groups
                                                           for i in GROUPS[g]])
+        if graphs is not None and len(names) > 1:  # the widest page table, set once
+            graphs.reserve_pages(max(self.adapters.get(n).num_pages for n in names[1:]))
         sp = SamplingParams(max_tokens=3, ignore_eos=True)
         batches = []  # (adapter, prompts, prompts that join one step later)
         for name in names[1:] + names[:1]:

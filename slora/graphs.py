@@ -11,7 +11,9 @@ cost. Two kinds of graph, captured lazily (or by `Engine.warmup`) over static de
   few hundred prompt tokens (notes/kernels.md).
 
 A graph holds the LoRA kernels of the module groups its batch's adapters target (`GROUPS`:
-q/k/v, o, gate/up, down), as an eager step runs them. Captured for every group, a batch of
+q/k/v, o, gate/up, down), as an eager step runs them; a batch whose groups have no graph of
+their own replays a captured one holding more (its other groups at rank 0, returning at
+once) before a new one is captured. Captured for every group, a batch of
 q/k/v/o adapters launched the gate/up and down kernels too, every program returning at rank
 0: 4 launches a layer that did nothing in a decode step, 10 in a step with prompts, ~0.9 ms
 of kernel time a step in S2 at 2,000 adapters (~255 rows; H200, session 17).
@@ -180,8 +182,7 @@ class StepGraphs:
         if lora is not None:
             rank_bucket = round_rank(max(g.max_rank for g in lora.groups.values()))
             groups = tuple(g for g in GROUPS if g in lora.groups)
-            if lora.pages.shape[1] > self.max_pages:
-                self._alloc(_pow2(lora.pages.shape[1], 8))
+            self.reserve_pages(lora.pages.shape[1])
         if n_tok == b.num_decode:
             t_bucket = s_bucket = bucket(n_tok, self.buckets)
             key = ("decode", t_bucket, rank_bucket, self.max_pages, groups)
@@ -193,8 +194,25 @@ class StepGraphs:
         if fed is not None:
             self.ids.index_copy_(0, *fed)
         if key not in self.graphs:
+            key = self._superset(key) or key
+        if key not in self.graphs:
             self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket, groups)
         return self.graphs[key], n_seq
+
+    def reserve_pages(self, width: int) -> None:
+        """Make the adapter page table at least `width` pages wide (a power of two >= 8);
+        growing it drops every graph, so the warm-up sets it first."""
+        if width > self.max_pages:
+            self._alloc(_pow2(width, 8))
+
+    def _superset(self, key: tuple) -> tuple | None:
+        """The captured graph of `key`'s bucket with the fewest module groups that include
+        all of `key`'s (None: none): the groups its batch lacks run at rank 0, returning at
+        once, so a batch mixing adapters of two warmed group sets replays their union's graph
+        rather than stopping to capture its own."""
+        want = set(key[-1])
+        found = [k for k in self.graphs if k[:-1] == key[:-1] and want <= set(k[-1])]
+        return min(found, key=lambda k: len(k[-1])) if found else None
 
     def replay(self, step, ready: dict[int, torch.cuda.Event] | None = None) -> torch.Tensor:
         """Logits [S, vocab] of a step `feed` returned. `ready`: {a piece's first layer: the

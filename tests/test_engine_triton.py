@@ -244,7 +244,8 @@ def test_warmup_captures_every_mixed_bucket_a_step_can_reach(tiny_model_dir):
 def test_warmup_captures_the_module_groups_of_the_adapters(tiny_model_dir):
     """Graphs are keyed by the module groups their batch's adapters target, so the warm-up
     captures each group set in use: the registered adapters' and those `modules` names for
-    adapters to come; every group when only their ranks are known."""
+    adapters to come (every group when only their ranks are known), and their union, whose
+    graphs serve a batch that mixes them."""
     from slora.graphs import StepGraphs
 
     def warmed(register=(), **kw):
@@ -260,10 +261,33 @@ def test_warmup_captures_the_module_groups_of_the_adapters(tiny_model_dir):
 
     every = ("qkv", "o", "gate_up", "down")
     assert warmed([["q_proj", "v_proj", "o_proj"]]) == {(), ("qkv", "o")}
-    assert warmed([["q_proj"], ["down_proj"]]) == {(), ("qkv",), ("down",)}
+    assert warmed([["q_proj"], ["down_proj"]]) == {(), ("qkv",), ("down",), ("qkv", "down")}
     assert warmed(ranks=[8], modules=[["q_proj", "k_proj", "v_proj", "o_proj"]]) == {(), ("qkv", "o")}
     assert warmed(ranks=[8]) == {(), every}
     assert warmed() == {()}
+
+
+def test_a_batch_without_a_graph_of_its_groups_replays_one_holding_more(tiny_model_dir):
+    """Once a batch of a q/k/v/o adapter has its graph, an adapter of o alone, and a batch
+    mixing the two, replay that graph (its other groups at rank 0) with the tokens of eager
+    steps: nothing more is captured."""
+    from slora.graphs import StepGraphs
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    out = {}
+    for graphs in (False, True):
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
+                                num_pages=64, backend="triton", cuda_graphs=False))
+        e.add_synthetic_adapter("qkvo", 8, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=1)
+        e.add_synthetic_adapter("o", 8, ["o_proj"], seed=2)
+        if graphs:
+            e.runner.graphs = StepGraphs(e.runner, e.config.max_num_seqs, capture=False)
+        out[graphs] = [[o.token_ids for o in e.generate(prompts, sp, adapters=names)]
+                       for names in (["qkvo", "qkvo"], ["o", "o"], ["o", "qkvo"])]
+        if graphs:
+            assert {k[-1] for k in e.runner.graphs.graphs} == {("qkv", "o")}
+    assert out[True] == out[False]
 
 
 def test_warmup_runs_eager_steps_past_the_mixed_graphs(tiny_model_dir):
