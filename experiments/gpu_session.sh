@@ -751,7 +751,20 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
       python3 $S2 --modules qkvo,all --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --modules qkvo --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-80)" >&2; exit 2 ;;
+  81)  # (session 17, for the next) a fresh profile after session 17's graphs (module groups,
+       # the union's graph for mixed batches), validated on n100; one lane, for the one-GPU
+       # kind. Then ship $OUT/h200-llama2-7b.json as experiments/profiles/ and run 82.
+    lane 0 gpu0 "bash experiments/profile_h200.sh profile 2>&1 | tail -9
+      PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY=n100-a1-r4 RESULTS=\$OUT/sim-vs-replay-0 \\
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -14"
+    ;;
+  82)  # (session 17, for the next) the shipped profile on the two larger traces, and the
+       # engine's CUDA tests
+    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
+      DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' RESULTS=\$OUT/sim-vs-replay-1 \\
+        bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-82)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

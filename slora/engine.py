@@ -284,8 +284,8 @@ class Engine:
         LoRA kernels): the registered adapters' sets and those of `modules` (one list of
         target modules per kind of adapter to come; every module when `ranks` are given
         without them), and the union of those sets, which serves batches that mix them. The
-        graphs' page-table width is set first, to the widest of these adapters. Only idle engines warm
-        up; the copies show in `stats()`. With `mixed_graph_tokens` set, one prefill step
+        graphs' page-table width is set first, to the widest of these adapters. Only idle
+        engines warm up; the copies show in `stats()`. With `mixed_graph_tokens` set, one prefill step
         per mixed-step graph bucket (tokens x sequences) too, at each rank bucket, and three
         eager steps past them; then one full prefill step (`max_batch_tokens`: the allocator
         grows to its largest activations). A 7B on the H200: ~50 s; `progress` shows a bar.
@@ -302,8 +302,8 @@ class Engine:
             sets.add(groups_of(LORA_MODULES))
         if sets:  # (a batch mixing sets replays their union's graph: StepGraphs._superset)
             sets.add(tuple(g for g in GROUPS if any(g in s for s in sets)))
-        rank_buckets = sorted({round_rank(r) for r in [lo.max_rank for lo in layouts] + list(ranks)},
-                              reverse=True)
+        rank_buckets = sorted({round_rank(r) for r in [lo.max_rank for lo in layouts]
+                               + list(ranks)}, reverse=True)
         names, buffers = [None], set(self._synthetic)
         for r in rank_buckets:  # each group set at its widest: all its modules at rank r
             # (fewest groups first: a set captures its own graphs before a superset's exist)

@@ -3,7 +3,7 @@ S2's decode shapes (128 / 256 rows, ranks 64/32/16/8 mixed, rows highest rank fi
 scheduler orders them). S2's timeline showed o's pair at ~61-68% of copy and q/k/v's at
 ~87-96%. Prints the defaults and the best tiles of each kernel, GB/s of the bytes read.
 
-    python notes/h200-2026-12-01-s17/scratch_o.py
+    python notes/h200-2026-12-01-s17/scratch_o.py [RANK]   # RANK: every row that rank
 """
 import sys
 
@@ -29,7 +29,8 @@ for G in (1, 3):
         P = Pool(T, R, d, out_dims, 16 * 2 * 32 * 128, layers_for(T * R * 2 * G * d * 2, False),
                  dt, dev, gen)
         L = P.pool.shape[0]
-        ranks = torch.tensor([(64, 32, 16, 8)[i * 4 // T] for i in range(T)], dtype=torch.int32)
+        mix = (int(sys.argv[1]),) if len(sys.argv) > 1 else (64, 32, 16, 8)
+        ranks = torch.tensor([mix[i * len(mix) // T] for i in range(T)], dtype=torch.int32)
         P.ranks = ranks[:, None].expand(T, G).contiguous().to(dev)
         slots = torch.arange(T, dtype=torch.int32, device=dev)
         x = torch.randn(T, d, generator=gen).to(dt).to(dev)
