@@ -4,9 +4,10 @@ timeline (chrome://tracing JSON, as `bench_scaling.py --trace-steps N` writes it
 Per CUDA stream: its kernels, copies and memsets, and the time they kept it busy. For the
 compute stream (the one with the most kernel time): its idle time within the span, split by
 what the GPU did meanwhile (a host-to-device copy on another stream, other streams' kernels,
-nothing at all: the host was late), and its longest gaps with what ran in them.
+nothing at all: the host was late), its longest gaps with what ran in them, the GPU's idle
+time by the pair of kernels around it, and the kernels by GPU time.
 
-    python experiments/timeline.py OUT/timeline-2000-qkvo.json.gz [--gaps 8]
+    python experiments/timeline.py OUT/timeline-2000-qkvo.json.gz [--gaps 8] [--kernels 12]
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def complement(xs, lo: float, hi: float) -> list[tuple[float, float]]:
     return out
 
 
-def summarize(events: list[dict], gaps: int = 8) -> str:
+def summarize(events: list[dict], gaps: int = 8, kernels: int = 12) -> str:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
     if not gpu:
         return "no GPU events in this timeline (a CPU run?)"
@@ -130,6 +131,15 @@ def summarize(events: list[dict], gaps: int = 8) -> str:
     lines.append("GPU idle (over 1 us a gap) by the compute stream's events around it:")
     for (before, after), (n, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:gaps]:
         lines.append(f"  {t / 1e3:7.2f} ms in {n:5d} gaps (mean {t / n:6.1f} us): after {before} / before {after}")
+    # GPU time by kernel, all streams: what the span's work was
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in gpu:
+        if e["cat"] == "kernel":
+            by_name[e["name"][:50]][0] += 1
+            by_name[e["name"][:50]][1] += e["dur"]
+    lines.append("kernels by GPU time (all streams):")
+    for name, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:kernels]:
+        lines.append(f"  {t / 1e3:9.2f} ms {n:7d} x {t / n:7.1f} us  {name}")
     return "\n".join(lines)
 
 
@@ -137,9 +147,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("timelines", nargs="+", help="chrome-trace JSON files (.json or .json.gz)")
     ap.add_argument("--gaps", type=int, default=8, help="the compute stream's longest gaps to list")
+    ap.add_argument("--kernels", type=int, default=12, help="kernels to list by GPU time")
     args = ap.parse_args()
     for path in args.timelines:
-        print(f"== {path}\n{summarize(load(path), args.gaps)}")
+        print(f"== {path}\n{summarize(load(path), args.gaps, args.kernels)}")
 
 
 if __name__ == "__main__":

@@ -143,4 +143,5 @@ def test_timeline_summary_splits_the_compute_streams_idle_time():
     assert ("gap    0.20 ms at      0.1 ms (copying 0.15 ms, GPU idle 0.03 ms): after gemm / before "
             "norm") in text
     assert "     0.03 ms in     1 gaps (mean   30.0 us): after gemm / before norm" in text
+    assert "       0.10 ms       1 x   100.0 us  gemm" in text  # kernels by GPU time
     assert timeline.summarize([ev("cpu_op", "aten::mm", 0, 5, 0)]).startswith("no GPU events")
