@@ -56,6 +56,19 @@ def intersect(xs, ys) -> list[tuple[float, float]]:
     return out
 
 
+def covered(gaps, ivs) -> list[float]:
+    """For each of the sorted, disjoint `gaps`, the time the merged, sorted `ivs` cover in it
+    (one pass: each piece of the intersection lies in one gap)."""
+    out, pieces, j = [], intersect(gaps, ivs), 0
+    for _, b in gaps:
+        t = 0.0
+        while j < len(pieces) and pieces[j][0] < b:
+            t += pieces[j][1] - pieces[j][0]
+            j += 1
+        out.append(t)
+    return out
+
+
 def complement(xs, lo: float, hi: float) -> list[tuple[float, float]]:
     out, t = [], lo
     for a, b in xs:
@@ -93,8 +106,10 @@ def summarize(events: list[dict], gaps: int = 8, kernels: int = 12) -> str:
     copies = union([(e["ts"], e["ts"] + e["dur"]) for s, evs in by_stream.items() if s != main
                     for e in evs if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]])
     others = union([iv for s, ivs in busy.items() if s != main for iv in ivs])
-    idle_copy = total(intersect(idle, copies))
-    idle_other = total(intersect(idle, others)) - idle_copy
+    copying, other = covered(idle, copies), covered(idle, others)  # per gap
+    dark = [(b - a) - t for (a, b), t in zip(idle, other)]  # the GPU idle, per gap
+    idle_copy = sum(copying)
+    idle_other = sum(other) - idle_copy
     lines.append(f"compute stream {main}: idle {total(idle) / 1e3:.2f} ms of the span: "
                  f"{idle_copy / 1e3:.2f} ms while a host-to-device copy ran on another stream, "
                  f"{idle_other / 1e3:.2f} ms while only other work ran, "
@@ -112,22 +127,20 @@ def summarize(events: list[dict], gaps: int = 8, kernels: int = 12) -> str:
         after = main_evs[i] if i < len(main_evs) else None
         return (before["name"][:40] if before else "-"), (after["name"][:40] if after else "-")
 
-    longest = sorted(idle, key=lambda iv: iv[0] - iv[1])[:gaps]
-    for a, b in sorted(longest):
-        during = total(intersect([(a, b)], copies))
-        dark = (b - a) - total(intersect([(a, b)], others))
+    longest = sorted(range(len(idle)), key=lambda i: idle[i][0] - idle[i][1])[:gaps]
+    for i in sorted(longest):
+        a, b = idle[i]
         before, after = around(a, b)
-        lines.append(f"  gap {(b - a) / 1e3:7.2f} ms at {(a - lo) / 1e3:8.1f} ms (copying {during / 1e3:.2f} ms, "
-                     f"GPU idle {dark / 1e3:.2f} ms): after {before} / before {after}")
+        lines.append(f"  gap {(b - a) / 1e3:7.2f} ms at {(a - lo) / 1e3:8.1f} ms (copying {copying[i] / 1e3:.2f} ms, "
+                     f"GPU idle {dark[i] / 1e3:.2f} ms): after {before} / before {after}")
     # The GPU's idle time by the pair of compute-stream events around it: which hand-over leaves
     # the GPU dark, how often, and for how long in all.
     pairs: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
-    for a, b in idle:
-        dark = (b - a) - total(intersect([(a, b)], others))
-        if dark > 1.0:  # us
+    for (a, b), d in zip(idle, dark):
+        if d > 1.0:  # us
             p = pairs[around(a, b)]
             p[0] += 1
-            p[1] += dark
+            p[1] += d
     lines.append("GPU idle (over 1 us a gap) by the compute stream's events around it:")
     for (before, after), (n, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:gaps]:
         lines.append(f"  {t / 1e3:7.2f} ms in {n:5d} gaps (mean {t / n:6.1f} us): after {before} / before {after}")
