@@ -110,6 +110,7 @@ class StepGraphs:
         dev, B, T, L = self.runner.device, self.max_batch, self.max_tokens, self.runner.cfg.num_layers
         i32 = dict(dtype=torch.int32, device=dev)
         self.graphs.clear()
+        self._stand_in: dict[tuple, tuple | None] = {}  # key -> the graph replayed for it
         # A fresh private pool: once the dropped graphs release the old one, capturing into
         # it again trips PyTorch's allocator (an internal assert, seen on the H200).
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -194,9 +195,11 @@ class StepGraphs:
         if fed is not None:
             self.ids.index_copy_(0, *fed)
         if key not in self.graphs:
-            key = self._superset(key) or key
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket, groups)
+            if key not in self._stand_in:  # (looked up once, not at every step)
+                self._stand_in[key] = self._superset(key)
+            key = self._stand_in[key] or key
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket, groups)
         return self.graphs[key], n_seq
 
     def reserve_pages(self, width: int) -> None:
