@@ -57,6 +57,13 @@ profile_s2_lanes() {  # profile_s2_lanes "FIRST": GPU0 runs FIRST, the engine's 
       PROFILE=\$OUT/h200-llama2-7b.json DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' \\
         RESULTS=\$OUT/sim-vs-replay-1 bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
 }
+s2_after_before() {  # s2_after_before TESTS: GPU0 runs the CUDA tests TESTS, then S2 at 2,000
+  # adapters (q/k/v/o and all seven) on this tree; GPU1 S2 q/k/v/o on /tmp/before (before_tree)
+  local S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400'
+  lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider $1 2>&1 | tail -1
+      python3 $S2 --modules qkvo,all --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
+  lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --modules qkvo --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
+}
 case "${1:-}" in
   1)
     lane 0 gpu0 'python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k cuda 2>&1 | tail -2
@@ -733,23 +740,16 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
     ;;
   79)  # (session 17) graphs hold only the LoRA kernels of their batch's module groups (q/k/v/o
        # adapters launched the gate/up and down kernels at rank 0): the engine's CUDA tests and
-       # S2 at 2,000 adapters, q/k/v/o and all seven (GPU0); S2 q/k/v/o before (GPU1;
-       # before_graphs.py, before_engine.py, before_bench_scaling.py: `git show <rev>:<path>`)
+       # S2 after / before (before_graphs.py, before_engine.py, before_bench_scaling.py:
+       # `git show <rev>:<path>`)
     before_tree graphs.py engine.py && cp before_bench_scaling.py /tmp/before/experiments/bench_scaling.py
-    S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400'
-    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_engine_triton.py 2>&1 | tail -1
-      python3 $S2 --modules qkvo,all --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
-    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --modules qkvo --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
+    s2_after_before tests/test_engine_triton.py
     ;;
   80)  # (session 17) MBGMV expand's [4 x 4]-chunk tiles below 4,096 programs (o at S2's 128-256
-       # rows: 2,048 programs of [2 x 8]): the LoRA kernels' CUDA tests and S2 at 2,000 adapters,
-       # q/k/v/o and all seven (GPU0); S2 q/k/v/o before (GPU1; before_lora.py: `git show
-       # <rev>:slora/kernels/lora.py`)
+       # rows: 2,048 programs of [2 x 8]): the LoRA kernels' CUDA tests and S2 after / before
+       # (before_lora.py: `git show <rev>:slora/kernels/lora.py`)
     before_tree kernels/lora.py
-    S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400'
-    lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py 2>&1 | tail -1
-      python3 $S2 --modules qkvo,all --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
-    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2 --modules qkvo --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
+    s2_after_before tests/test_kernels_lora.py
     ;;
   81)  # (session 17, for the next) a fresh profile after session 17's graphs (module groups,
        # the union's graph for mixed batches), validated on n100; one lane, for the one-GPU
