@@ -764,7 +764,22 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
       DURATION=60 ONLY='n1000-a0.5-r8 n2000-a1-r10' RESULTS=\$OUT/sim-vs-replay-1 \\
         bash experiments/profile_h200.sh validate 2>&1 | grep -v '^  [a-zA-Z]' | tail -16"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-82)" >&2; exit 2 ;;
+  83)  # (session 18 call 4, with notes/h200-2026-12-01-s18/mbgmm_parts.patch applied: MBGMM
+       # with PDL, the shrink's d_in slices in parts of xa that the expand adds; it lost and
+       # was not kept) PTX checks, the LoRA kernels' and engine's CUDA tests, the mixed-step
+       # LoRA pair and MBGMM's pair in a graphed mixed step's grid (scratch_mbgmm.py) after /
+       # before, S2 q/k/v/o after / before (before_lora.py: `git show <rev>:slora/kernels/lora.py`)
+    before_tree kernels/lora.py
+    local_S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo'
+    MIX="experiments/bench_kernels.py --only-mixed 2>&1 | tail -4; python3 $PWD/notes/h200-2026-12-01-s18/scratch_mbgmm.py"
+    lane 0 gpu0 "python3 experiments/compile_check.py 2>&1 | grep -i 'mbgmm\|fail\|error'
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py 2>&1 | tail -1
+      echo '== after'; python3 $MIX
+      echo '== before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $MIX)
+      python3 $local_S2 --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $local_S2 --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-83)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

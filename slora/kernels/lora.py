@@ -55,6 +55,11 @@ The page-table width (`stride_pg`: the most pages of any adapter in the batch) c
 to step; Triton would compile a variant per value class (1, a multiple of 16, other), so a class
 first met while serving cost a compile stall. It is exempt from that specialization, as is
 MBGMM shrink's split count.
+
+PDL (`pdl.py`): each kernel reads the step's metadata (slots, ranks, offsets, page ids, work
+lists) before its wait and x, xa and out after it. MBGMM took it in session 18 (H200, a graphed
+mixed step's grid, `notes/h200-2026-12-01-s18/scratch_mbgmm.py`): its pair 0.3-5% faster
+(q/k/v, one 128-token prompt in a 512-token bucket: 32.0 -> 30.4 us), S2 unchanged.
 """
 
 from __future__ import annotations
@@ -425,12 +430,14 @@ def _mbgmm_shrink_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_rt, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     g = tl.program_id(1) // (n_rt * split_k)
     r0 = (tl.program_id(1) // split_k % n_rt) * BLOCK_R
     k_lo = (tl.program_id(1) % split_k) * k_split  # this program's slice of d_in
-    for i in range(tl.program_id(0), tl.load(tiles_ptr), tl.num_programs(0)):
+    n_tiles = tl.load(tiles_ptr)  # (the step's metadata: before the wait)
+    pdl.wait(PDL)
+    for i in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         s = tl.load(tiles_ptr + 1 + 2 * i)
         slot = tl.load(seg_slot_ptr + s)
         rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rk0 + g * stride_rk1)
@@ -441,6 +448,7 @@ def _mbgmm_shrink_kernel(
                                m_end, r0, k_lo, stride_x, d_in, stride, P, stride_pg,
                                stride_of0, stride_of1, G, max_rank, split_k, k_split,
                                BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32)
+    pdl.launch_next(PDL)
 
 
 @triton.jit
@@ -495,14 +503,16 @@ def _mbgmm_expand_kernel(
     G, max_rank, n_nt, n_chunks,
     d0, d1, d2, d3, s0, s1, s2, s3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     g = tl.program_id(1) // n_nt
     n_lo = (tl.program_id(1) % n_nt) * n_chunks * BLOCK_N
     d_out = _select(g, d0, d1, d2, d3)
     stride = _select(g, s0, s1, s2, s3)
     col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
-    for i in range(tl.program_id(0), tl.load(tiles_ptr), tl.num_programs(0)):
+    n_tiles = tl.load(tiles_ptr)  # (the step's metadata: before the wait)
+    pdl.wait(PDL)
+    for i in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
         s = tl.load(tiles_ptr + 1 + 2 * i)
         slot = tl.load(seg_slot_ptr + s)
         rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rk0 + g * stride_rk1)
@@ -514,6 +524,7 @@ def _mbgmm_expand_kernel(
                                m0, m_end, n_lo, n_hi, d_out, stride, col, stride_out, P,
                                stride_pg, stride_of0, stride_of1, G, max_rank,
                                BLOCK_M, BLOCK_R, BLOCK_N, EVEN_N, DOT_F32, TWO_PAGES)
+    pdl.launch_next(PDL)
 
 
 @triton.jit
@@ -666,7 +677,7 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_rt, split_k, k_split, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
-        DOT_F32=_dot_f32(x, pool_l), **cfg)
+        DOT_F32=_dot_f32(x, pool_l), **pdl.options(x.device), **cfg)
     return xa
 
 
@@ -707,4 +718,4 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_nt, n_span // CHUNK, *d, *s, BLOCK_N=CHUNK,
         EVEN_N=all(x % CHUNK == 0 for x in out_dims), DOT_F32=_dot_f32(out, pool_l),
-        TWO_PAGES=max_out <= pool_l.shape[1], **cfg)
+        TWO_PAGES=max_out <= pool_l.shape[1], **pdl.options(out.device), **cfg)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL; Hopper and later) for a decode step's kernels.
+"""Programmatic dependent launch (PDL; Hopper and later) for a step's Triton kernels.
 
 A decode step is ~300 dependent kernels, most a few microseconds long, and between two of
 them the GPU idles while the first one's last programs finish and the next one launches
