@@ -75,7 +75,7 @@ def variants():
          dict(opts, num_warps=8, num_stages=3)),
         ("mbgmm expand", lora._mbgmm_expand_kernel, LORA,
          dict(BLOCK_M=64, BLOCK_R=64, BLOCK_N=64, EVEN_N=True, DOT_F32=False, TWO_PAGES=True),
-         dict(opts, num_stages=2)),
+         dict(opts, num_stages=2, maxnreg=128)),
         ("decode attention", attention._decode_kernel, ATTN,
          dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
               ROPE=False), dict(opts, num_stages=2)),

@@ -239,6 +239,36 @@ def test_mbgmm_matches_twin(group, dtype, page_size):
     mbgmm_expand(xa_ref, out2, grp.pool, grp.pages, grp.offsets_b, grp.ranks, seg_start,
                  seg_slot, out_dims, grp.strides, tiles, n_span=128)
     assert torch.equal(out2, out)
+    # the work sized on the device from the list's length (as in a graph, whose grid covers
+    # its bucket): the same
+    xa4 = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
+                       grp.stride, grp.max_rank, tiles, programs=2, split_k=0)
+    assert torch.equal(xa4, xa)
+    out4 = out0.clone()
+    mbgmm_expand(xa_ref, out4, grp.pool, grp.pages, grp.offsets_b, grp.ranks, seg_start,
+                 seg_slot, out_dims, grp.strides, tiles, programs=2, n_span=0)
+    assert torch.equal(out4, out)
+
+
+def test_mbgmm_shrink_slices_d_in_as_the_device_counts_them():
+    """The GPU's default: the slices of d_in counted in the kernel from the step's tiles (up
+    to 16, at least 4 chunks each). One 5-token segment, d_in 1,024: 4 slices, their partial
+    sums meeting in xa by atomic adds; the same xa as one slice."""
+    gen = torch.Generator().manual_seed(11)
+    grp = Group(2, 1024, (64,), torch.float32, gen, page_size=512)
+    seg_start = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    seg_slot = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(5, 1024, generator=gen).to(DEVICE)
+    args = (x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot, grp.stride,
+            grp.max_rank)
+    one = mbgmm_shrink(*args, split_k=1)
+    counted = mbgmm_shrink(*args, split_k=0)
+    torch.testing.assert_close(counted, one, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(counted, one)  # (summed in another order: it did split)
+    xa_ref = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks,
+                             torch.zeros(5, dtype=torch.int32, device=DEVICE), grp.stride,
+                             grp.max_rank)
+    check_shrink(counted, xa_ref, torch.zeros(5, dtype=torch.int32), grp, torch.float32)
 
 
 def test_all_base_rows_cost_nothing_and_change_nothing():

@@ -1,8 +1,9 @@
 """Session 18 scratch: MBGMM's pair (shrink, expand) as a graphed mixed step runs it: the
 grid sized for the bucket (`graphs._static_batch`'s programs), the work list holding only the
 prompts' tiles, decode rows as one-token segments the list skips. Times, per layer, the pair
-alone and after a cuBLAS GEMM of the bucket's rows (the base q/k/v or o projection before it
-in a step), both from a CUDA graph of 4 layers. Run on the tree under test and on a before
+alone, the pair launched for the step's own tiles ("exact": an eager step's launch), and the
+pair after a cuBLAS GEMM of the bucket's rows (the base q/k/v or o projection before it in a
+step), each from a CUDA graph of 4 layers. Run on the tree under test and on a before
 tree (PYTHONPATH) to compare.
 
     python notes/h200-2026-12-01-s18/scratch_mbgmm.py
@@ -30,7 +31,8 @@ CASES = [  # (bucket tokens, decode rows, prompts as (tokens, rank))
     (2048, 200, [(200, r) for r in (64, 32, 16, 8) * 2]),
     (4096, 0, [(512, r) for r in (64, 32, 16, 8) * 2]),  # an eager step's size
 ] if dev.type == "cuda" else [(64, 8, [(20, 16), (9, 8)])]
-print(f"{'G':>2} {'bucket':>6} {'prompts':>24} {'pair us':>8} {'gemm us':>8} {'gemm+pair':>10}")
+print(f"{'G':>2} {'bucket':>6} {'prompts':>24} {'pair us':>8} {'exact':>8} {'gemm us':>8} "
+      f"{'gemm+pair':>10}")
 for G in (3, 1):
     out_dims = (d,) * G
     for T, n_dec, prompts in CASES:
@@ -69,9 +71,19 @@ for G in (3, 1):
         def gemm():
             torch.matmul(x, w.t(), out=y)
 
+        exact = torch.tensor(listed, dtype=torch.int32, device=dev)
+
+        def pair_exact(l):  # the launches sized for this step's own tiles (an eager step's)
+            xa = lora.mbgmm_shrink(x, P.pool[l], P.pages, offa, ranks, seg_start, seg_slot,
+                                   P.stride, 64, exact)
+            lora.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, ranks, seg_start, seg_slot,
+                              out_dims, P.strides, exact)
+
         t_pair = bench_graph(lambda: [pair(l) for l in range(L)], dev) / L * 1e3
+        t_exact = bench_graph(lambda: [pair_exact(l) for l in range(L)], dev) / L * 1e3
         t_gemm = bench_graph(lambda: [gemm() for _ in range(L)], dev) / L * 1e3
         t_both = bench_graph(lambda: [(gemm(), pair(l)) for l in range(L)], dev) / L * 1e3
         desc = "+".join(f"{n}r{r}" for n, r in prompts[:2]) + ("..." if len(prompts) > 2 else "")
-        print(f"{G:>2} {T:>6} {desc:>24} {t_pair:8.2f} {t_gemm:8.2f} {t_both:10.2f}", flush=True)
+        print(f"{G:>2} {T:>6} {desc:>24} {t_pair:8.2f} {t_exact:8.2f} {t_gemm:8.2f} "
+              f"{t_both:10.2f}", flush=True)
         del P

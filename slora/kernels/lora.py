@@ -422,22 +422,71 @@ def _chunk_base(pages_row, v, ok, P, i0, p0, p1, TWO_PAGES: tl.constexpr):
     return page.to(tl.int64) * P + (v % P)
 
 
+# MBGMM sizes its work on the device, from the step's own tile count (`_split_count`,
+# `_span_chunks`): a graph's launch covers its bucket's worst case, while most steps with
+# prompts hold one or two short ones.
+# Shrink: slices of d_in. A short prompt gives few (token tile, module, rank tile) items, each
+# streaming all of d_in in turn: latency, not bandwidth. The slices' partial sums meet in xa by
+# atomic adds. Measured on the H200 (session 8): the best split kept items x slices near
+# 200-400 (16 slices for one 256-token prompt, 13.6 us against 17.2 at 8; 2 for 8 x 512
+# tokens, 65 us against 126 at 8), with at least 4 chunks a slice.
+SHRINK_PROGRAMS = tl.constexpr(384)
+# Expand: columns a program, 64 doubled while token tiles x modules x column spans stay at
+# least this many, up to 512. A program loads its metadata, xa tile and page lookups once for
+# its whole span; one program per 64 columns spent most of its time in that chain. Best spans
+# (session 13, q/k/v, rank 64): 128 for one 256-token prompt, 512 for 4 x 216 and 8 x 512.
+EXPAND_PROGRAMS = tl.constexpr(256)
+
+
+@triton.jit
+def _split_count(work, d_in, fixed):
+    """MBGMM shrink's slices of d_in for `work` (token tile, module, rank tile) items: `fixed`
+    if not 0, else doubled from 1 while items x slices stay within SHRINK_PROGRAMS and every
+    slice keeps at least 4 chunks, up to 16 (see mbgmm_shrink)."""
+    split = fixed
+    if fixed == 0:
+        split = 1
+        while (split < 16) & (work * split * 2 <= SHRINK_PROGRAMS) & (d_in >= 8 * CK * split):
+            split *= 2
+    return split
+
+
+@triton.jit
+def _span_chunks(work, d_out, fixed):
+    """MBGMM expand's 64-column chunks a program: `fixed` if not 0, else doubled from 1 while
+    `work` (token tiles x modules) x column spans stays at least EXPAND_PROGRAMS, up to 8
+    (see mbgmm_expand)."""
+    chunks = fixed
+    if fixed == 0:
+        chunks = 1
+        while (chunks < 8) & (work * tl.cdiv(d_out, 2 * CK * chunks) >= EXPAND_PROGRAMS):
+            chunks *= 2
+    return chunks
+
+
 @triton.jit(do_not_specialize=["stride_pg", "split_k"])
 def _mbgmm_shrink_kernel(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, tiles_ptr,
     xa_ptr,
     stride_x, d_in, stride, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
-    G, max_rank, n_rt, split_k, k_split,
+    G, max_rank, n_rt, split_k,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    g = tl.program_id(1) // (n_rt * split_k)
-    r0 = (tl.program_id(1) // split_k % n_rt) * BLOCK_R
-    k_lo = (tl.program_id(1) % split_k) * k_split  # this program's slice of d_in
+    # The work: (token tile, module, rank tile, slice of d_in) items, the slices counted from
+    # the step's own tiles (the list's length; a graph's grid is sized for its bucket)
     n_tiles = tl.load(tiles_ptr)  # (the step's metadata: before the wait)
+    split = _split_count(n_tiles * G * n_rt, d_in, split_k)
+    k_split = tl.cdiv(tl.cdiv(d_in, BLOCK_K), split) * BLOCK_K
+    split = tl.cdiv(d_in, k_split)  # no empty slice
+    per_tile = G * n_rt * split
     pdl.wait(PDL)
-    for i in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+    for w in range(tl.program_id(0), n_tiles * per_tile, tl.num_programs(0)):
+        i = w // per_tile
+        g = w // (n_rt * split) % G
+        r0 = (w // split % n_rt) * BLOCK_R
+        k_lo = (w % split) * k_split  # this item's slice of d_in
         s = tl.load(tiles_ptr + 1 + 2 * i)
         slot = tl.load(seg_slot_ptr + s)
         rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rk0 + g * stride_rk1)
@@ -446,7 +495,7 @@ def _mbgmm_shrink_kernel(
             m_end = tl.minimum(m0 + BLOCK_M, tl.load(seg_start_ptr + s + 1))
             _mbgmm_shrink_tile(x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0,
                                m_end, r0, k_lo, stride_x, d_in, stride, P, stride_pg,
-                               stride_of0, stride_of1, G, max_rank, split_k, k_split,
+                               stride_of0, stride_of1, G, max_rank, split, k_split,
                                BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32)
     pdl.launch_next(PDL)
 
@@ -500,26 +549,31 @@ def _mbgmm_expand_kernel(
     tiles_ptr,
     stride_out, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
-    G, max_rank, n_nt, n_chunks,
+    G, max_rank, max_out, n_chunks,
     d0, d1, d2, d3, s0, s1, s2, s3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, PDL: tl.constexpr,
 ):
-    g = tl.program_id(1) // n_nt
-    n_lo = (tl.program_id(1) % n_nt) * n_chunks * BLOCK_N
-    d_out = _select(g, d0, d1, d2, d3)
-    stride = _select(g, s0, s1, s2, s3)
-    col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
+    # The work: (token tile, module, column span) items, the span sized from the step's own
+    # tiles (the list's length; a graph's grid is sized for its bucket)
     n_tiles = tl.load(tiles_ptr)  # (the step's metadata: before the wait)
+    chunks = _span_chunks(n_tiles * G, max_out, n_chunks)
+    n_nt = tl.cdiv(max_out, chunks * BLOCK_N)
     pdl.wait(PDL)
-    for i in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+    for w in range(tl.program_id(0), n_tiles * G * n_nt, tl.num_programs(0)):
+        i = w // (G * n_nt)
+        g = w // n_nt % G
+        n_lo = (w % n_nt) * chunks * BLOCK_N
+        d_out = _select(g, d0, d1, d2, d3)
+        stride = _select(g, s0, s1, s2, s3)
+        col = _select(g, 0, d0, d0 + d1, d0 + d1 + d2)
         s = tl.load(tiles_ptr + 1 + 2 * i)
         slot = tl.load(seg_slot_ptr + s)
         rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rk0 + g * stride_rk1)
         if (slot >= 0) & (rank > 0) & (n_lo < d_out):
             m0 = tl.load(tiles_ptr + 2 + 2 * i)
             m_end = tl.minimum(m0 + BLOCK_M, tl.load(seg_start_ptr + s + 1))
-            n_hi = tl.minimum(n_lo + n_chunks * BLOCK_N, d_out)
+            n_hi = tl.minimum(n_lo + chunks * BLOCK_N, d_out)
             _mbgmm_expand_tile(xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank,
                                m0, m_end, n_lo, n_hi, d_out, stride, col, stride_out, P,
                                stride_pg, stride_of0, stride_of1, G, max_rank,
@@ -596,39 +650,13 @@ def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
     if x.device.type != "cuda":
         return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=4,
                     num_stages=1)
-    return dict(BLOCK_M=tile_rows(x.device, x.dtype),
-                BLOCK_R=block_r if shrink else max(64, block_r),
-                num_warps=8 if shrink else 4, num_stages=3 if shrink else 2)
-
-
-EXPAND_PROGRAMS = 256  # MBGMM expand: widen each program's columns while more remain than this
-
-
-def _n_span(d_out: int, work: int) -> int:
-    """Output columns per MBGMM expand program: 64 doubled while `work` (token tiles x modules)
-    x column spans stays at least EXPAND_PROGRAMS, up to 512. A program loads its metadata, xa
-    tile and page lookups once for its whole span; one program per 64 columns spent most of
-    its time in that chain. Best spans measured (session 13, q/k/v, rank 64): 128 for one
-    256-token prompt, 512 for 4 x 216 and 8 x 512 tokens."""
-    span = CHUNK
-    while span < 512 and work * triton.cdiv(d_out, 2 * span) >= EXPAND_PROGRAMS:
-        span *= 2
-    return span
-
-
-def _split_k(d_in: int, programs: int, device: torch.device) -> int:
-    """Slices of d_in for MBGMM shrink. A prefill step of one short prompt gives few (token
-    tile, module, rank tile) programs with work, each streaming all of d_in in turn: latency,
-    not bandwidth. The slices' partial sums meet in xa by atomic adds. Measured on the H200
-    (session 8): the best split kept programs x slices near 200-400 (16 slices for one
-    256-token prompt, 13.6 us against 17.2 at 8; 2 for 8 x 512 tokens, 65 us against 126
-    at 8), with at least 4 chunks a slice. One slice (plain stores) on CPU."""
-    if device.type != "cuda":
-        return 1
-    split = 1
-    while split < 16 and programs * split * 2 <= 384 and d_in >= 4 * CHUNK * split * 2:
-        split *= 2
-    return split
+    if shrink:
+        return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=8,
+                    num_stages=3)
+    # (the expand's item loop took it from 122 to 136 registers, 3 programs an SM instead of
+    # 4; capped at 128 it compiles without spills: `experiments/compile_check.py`)
+    return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=max(64, block_r), num_warps=4,
+                num_stages=2, maxnreg=128)
 
 
 def _dot_f32(x: torch.Tensor, pool_l: torch.Tensor) -> bool:
@@ -648,9 +676,10 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     Twin: `reference.lora_shrink` with token_slot expanded from the segments.
     `tiles`: the work list of the adapter segments (`slora.kernels.tiles`, tiles of
     `tile_rows(x.device, x.dtype)` tokens); None builds it here, a host round trip.
-    Grid: (`programs`, default one per tile slot; module x rank tile x d_in slice); each
-    program walks the list with stride `programs`. `split_k` (None: chosen by `_split_k`)
-    slices d_in across programs whose partial sums are added atomically into xa.
+    Work: (token tile, module, rank tile, slice of d_in) items. `programs` (default: the
+    list's slots) bounds the tiles taken at once. `split_k` fixes the slices of d_in; 0 counts
+    them on the device from the step's tiles (`_split_count`); None is 0 on a GPU, 1 on CPU. The
+    slices' partial sums are added atomically into xa.
     """
     _check_meta(x, pool_l, pages, offsets_a, ranks)
     T, d_in = x.shape
@@ -667,16 +696,17 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     if programs == 0:
         return xa
     n_rt = triton.cdiv(max_rank, cfg["BLOCK_R"])
-    if split_k is None:  # (a graph's `programs` covers its bucket's worst case: cap by tokens)
-        split_k = _split_k(d_in, min(programs, triton.cdiv(T, cfg["BLOCK_M"])) * G * n_rt,
-                           x.device)
-    k_split = triton.cdiv(triton.cdiv(d_in, CHUNK), split_k) * CHUNK
-    split_k = triton.cdiv(d_in, k_split)  # no empty slice
-    _mbgmm_shrink_kernel[(programs, G * n_rt * split_k)](
+    if x.device.type != "cuda" and split_k is None:
+        split_k = 1  # (the interpreter runs programs one by one: no idle ones)
+    work = programs * G * n_rt  # items before any split
+    # A fixed split: one program an item. Counted on the device: a split only while the items
+    # stay within SHRINK_PROGRAMS, so that many programs (or one an unsplit item) cover them.
+    grid = work * split_k if split_k else max(work, SHRINK_PROGRAMS.value)
+    _mbgmm_shrink_kernel[(grid,)](
         x, pool_l, pages, offsets_a, ranks, seg_start, seg_slot, tiles, xa,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, n_rt, split_k, k_split, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
+        G, max_rank, n_rt, split_k or 0, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
         DOT_F32=_dot_f32(x, pool_l), **pdl.options(x.device), **cfg)
     return xa
 
@@ -690,8 +720,10 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
 
     Same segment metadata and work list as `mbgmm_shrink`; same output layout as
     `mbgmv_expand`. On the GPU the dot runs in B's dtype (xa rounded to it) with fp32
-    accumulation; fp32 runs in IEEE precision. Grid: (`programs`, module x column span); each
-    program covers `n_span` columns (a multiple of 64; None: chosen by `_n_span`), 64 at a time.
+    accumulation; fp32 runs in IEEE precision. Work: (token tile, module, column span) items,
+    each span walked 64 columns at a time. `programs` (default: the list's slots) bounds the
+    tiles taken at once. `n_span` fixes the span (a multiple of 64); 0 sizes it on the device
+    from the step's tiles (`_span_chunks`); None is 0 on a GPU, 64 on CPU.
     """
     _check_meta(out, pool_l, pages, offsets_b, ranks)
     T, G, max_rank = xa.shape
@@ -708,14 +740,17 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
     if programs == 0:
         return
     max_out = max(out_dims)
-    if n_span is None:  # (a graph's `programs` covers its bucket's worst case: cap by tokens)
-        n_span = _n_span(max_out, min(programs, triton.cdiv(T, cfg["BLOCK_M"])) * G)
-    assert n_span % CHUNK == 0
-    n_nt = triton.cdiv(max_out, n_span)
-    _mbgmm_expand_kernel[(programs, G * n_nt)](
+    if out.device.type != "cuda" and n_span is None:
+        n_span = CHUNK  # (the interpreter runs programs one by one: no idle ones)
+    assert n_span is None or n_span % CHUNK == 0
+    # A fixed span: one program an item. Sized on the device: spans of 512 columns, or below
+    # that fewer than 2 x EXPAND_PROGRAMS items, so that many programs cover them.
+    grid = (programs * G * triton.cdiv(max_out, n_span) if n_span else
+            max(programs * G * triton.cdiv(max_out, 8 * CHUNK), 2 * EXPAND_PROGRAMS.value))
+    _mbgmm_expand_kernel[(grid,)](
         xa, out, pool_l, pages, offsets_b, ranks, seg_start, seg_slot, tiles,
         out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
-        G, max_rank, n_nt, n_span // CHUNK, *d, *s, BLOCK_N=CHUNK,
+        G, max_rank, max_out, (n_span or 0) // CHUNK, *d, *s, BLOCK_N=CHUNK,
         EVEN_N=all(x % CHUNK == 0 for x in out_dims), DOT_F32=_dot_f32(out, pool_l),
         TWO_PAGES=max_out <= pool_l.shape[1], **pdl.options(out.device), **cfg)
