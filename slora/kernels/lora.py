@@ -638,8 +638,8 @@ def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
     covers every rank, so each program loads its xa tile once and then walks its columns.
     Measured on the H200 (`bench_kernels.py --tune mbgmm`, q/k/v group, 1 x 256 to 8 x 512
     tokens):
-      * shrink with 8 warps (and its d_in split, below) was best at every shape (session 8:
-        126 -> 65 us at 8 x 512 rank 64);
+      * shrink with 8 warps (and its d_in split, SHRINK_PROGRAMS) was best at every shape
+        (session 8: 126 -> 65 us at 8 x 512 rank 64);
       * expand with 4 warps and 2 stages: its tile compiled to 139 / 224 / 122 registers at
         BLOCK_R 16 / 32 / 64, so ranks below 64 take a 64-rank tile (the padding is masked,
         and costs dot steps, not bytes). Session 13: q/k/v at 4 x 216 tokens rank 64 49.5 ->
