@@ -779,7 +779,15 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
       python3 $local_S2 --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $local_S2 --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-83)" >&2; exit 2 ;;
+  84)  # (session 18, for the next) today's standing figures on one GPU: the race, S2 at
+       # 2,000 adapters with all seven modules, and a device-only timeline of S2's steady
+       # steps with q/k/v/o (kernel time by name: what is left after MBGMM's device-sized work)
+    lane 0 gpu0 "python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --out \$OUT/engine 2>&1 | tail -6
+      python3 experiments/bench_scaling.py --part scaling --modules all --adapters 2000 --num-requests 400 --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")
+      python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 2000 --num-requests 400 --trace-steps 150 --trace-skip 20 --trace-device-only --out \$OUT/scaling-trace 2>&1 | grep -E '^scaling:|^trace of'
+      python3 experiments/timeline.py \$OUT/scaling-trace/timeline-*.json.gz --kernels 20"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-84)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \
