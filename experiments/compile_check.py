@@ -55,7 +55,7 @@ DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3"
          "stride_kh", "stride_vp", "stride_vs", "stride_vh", "block_size", "stride_ob",
          "stride_oh", "stride_ot", "D", "N", "stride_d", "stride_t", "kc_page", "kc_row",
          "kc_head", "vc_page", "vc_row", "vc_head", "stride_gu", "K", "k_split", "stride_w",
-         "stride_part"}
+         "stride_part", "HALF", "max_out"}
 
 
 def variants():
