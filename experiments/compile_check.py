@@ -11,6 +11,9 @@ kernel without it: 255 registers and a 488-byte stack; with it: 126 and none). R
 stack bytes come from the wheel's cuobjdump. The decode step's kernels also compile with
 programmatic dependent launch (`slora.kernels.pdl`), and their PTX must keep its order: the
 wait before any store, atomic, async copy or return (`pdl_order`).
+`--loads` also counts each variant's global loads and async copies by width: session 18
+found the MBGMM expand's B tiles in 2-byte loads that way (an alignment hint set on a jit
+function's result, which Triton drops).
 Run it with TRITON_INTERPRET unset: under the interpreter `triton.jit` makes no compilable
 kernel.
 """
@@ -24,6 +27,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -163,9 +167,19 @@ def pdl_order(ptx: str) -> str:
     return ""
 
 
+def load_widths(ptx: str) -> str:
+    """'ld.global.b16 x32, ...': a kernel's global loads and async copies in its PTX, by kind
+    and width (per thread, as written; a loop's body counts once)."""
+    kinds = Counter(re.findall(r"\b(ld\.global[\w.]*|cp\.async\.c[ag]\.shared\.global)\s", ptx))
+    return ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    ap.add_argument("--loads", action="store_true",
+                    help="also count each variant's global loads and async copies by width (a "
+                         "tile of 2-byte loads where 16-byte ones were meant is a lost hint)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_check: TRITON_INTERPRET=1 makes no compilable kernels; unset it")
@@ -178,7 +192,8 @@ def main(argv=None) -> int:
             bad = pdl_order(k.asm["ptx"]) if constexprs.get("PDL") else ""
             if bad:
                 raise RuntimeError(f"PDL order: {bad}")
-            print(f"{name:<42}{k.metadata.shared:>10}{resources(k) or ' ' * 12}  ok")
+            print(f"{name:<42}{k.metadata.shared:>10}{resources(k) or ' ' * 12}  ok"
+                  + (f"  {load_widths(k.asm['ptx'])}" if args.loads else ""))
         except Exception as e:  # report every failing variant, then fail
             failed += 1
             print(f"{name:<42}{'':>10}  FAILED: {type(e).__name__}: {str(e)[:300]}")
