@@ -776,7 +776,7 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py 2>&1 | tail -1
       echo '== after'; python3 $MIX
       echo '== before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $MIX)
-      python3 $local_S2 --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")"
+      python3 $local_S2 --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm|^ceilings'; (cd \$OUT && python3 -c \"$SHOW\")"
     lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $local_S2 --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
     ;;
   84)  # (session 18, for the next) today's standing figures on one GPU: the race, S2 at

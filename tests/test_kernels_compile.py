@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -49,9 +48,6 @@ def test_pdl_order_flags_what_the_kernel_before_may_still_touch():
     assert "ret" in pdl_order("\n".join(["@%p1 ret;", wait, launch]))
 
 
-@pytest.mark.xfail(strict=True, reason="the MBGMM expand's B tiles compile to 2-byte loads: its "
-                   "alignment hint is set on _chunk_base's result, which Triton drops; the fix "
-                   "(notes/h200-2026-12-01-s18/mbgmm_expand_aligned.patch) awaits its H200 timing")
 def test_lora_kernels_read_adapter_tiles_in_16_byte_accesses(tmp_path):
     """No MBGMV or MBGMM variant loads a bf16 tile element by element (`ld.global.b16`): the
     adapter rows are 64-element aligned chunks, and the kernels tell the compiler so."""

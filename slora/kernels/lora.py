@@ -413,13 +413,20 @@ def _row_pages(pages_row, v0, span, ok, P, TWO_PAGES: tl.constexpr):
 
 @triton.jit
 def _chunk_base(pages_row, v, ok, P, i0, p0, p1, TWO_PAGES: tl.constexpr):
-    """Pool offset of the aligned chunks starting at virtual `v`: from the row's two pages
-    (`_row_pages`) or, for rows longer than a page, one lookup each."""
+    """Pool offsets (multiples of 64) of the aligned chunks starting at virtual `v` ([R] or
+    [R, C, 1]): from the rows' two pages (`_row_pages`) or, for rows longer than a page, one
+    lookup each. The alignment hint is set here, on the expression: set on a jit function's
+    result it is dropped (session 18: the MBGMM expand's B tiles compiled to 2-byte loads)."""
     if TWO_PAGES:
         page = tl.where(v // P > i0, p1, p0)
     else:
         page = tl.load(pages_row + v // P, mask=ok, other=0)
-    return page.to(tl.int64) * P + (v % P)
+    off = page.to(tl.int64) * P + (v % P)
+    if len(v.shape) == 3:
+        off = tl.multiple_of(off, [CK, CK, CK])
+    else:
+        off = tl.multiple_of(off, [CK])
+    return off
 
 
 # MBGMM sizes its work on the device, from the step's own tile count (`_split_count`,
@@ -615,8 +622,7 @@ def _mbgmm_expand_tile(
             bmask = r_ok[:, None] & (offs_n < d_out)[None, :]
         o = tl.load(out_rows + offs_n[None, :], mask=omask, other=0.0)  # first: its latency
         # hides behind B's. BLOCK_N divides CHUNK, so each rank row's tile lies in one page.
-        base = tl.multiple_of(_chunk_base(pages_row, row_v + n0, r_ok, P, i0, p0, p1,
-                                          TWO_PAGES), [BLOCK_N])
+        base = _chunk_base(pages_row, row_v + n0, r_ok, P, i0, p0, p1, TWO_PAGES)
         b = tl.load(pool_ptr + base[:, None] + tl.arange(0, BLOCK_N)[None, :], mask=bmask,
                     other=0.0)
         if DOT_F32:
