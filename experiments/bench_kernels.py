@@ -780,6 +780,8 @@ def main():
     ap.add_argument("--only-mixed", action="store_true",
                     help="only the mixed-step comparison (decode rows through the prefill kernels "
                          "or through the decode kernels)")
+    ap.add_argument("--only", choices=("mbgmv", "attention"),
+                    help="only the ceilings and one table: MBGMV (batch x rank) or attention")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -821,21 +823,23 @@ def main():
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "bench_kernels_tune.json").write_text(json.dumps(res, indent=1))
             return
-    res["mixed"] = [run_mixed(n, cfg, device, dtype, gen) for n in cfg["mixed"]]
-    print(f"mixed step: {cfg['mixed_prompt']}-token prompt beside n decode rows (context "
-          f"{cfg['mixed_ctx']}), us per layer: attention / q,k,v LoRA (rank 16)")
-    print(f"{'n':>5} {'attn one':>9} {'attn split':>11} {'lora one':>9} {'lora split':>11}  errors")
-    for m in res["mixed"]:
-        errs = " ".join(f"{m[k]:.1e}" for k in m if k.startswith("err_"))
-        print(f"{m['n_dec']:5d} {m['us_attn_one']:9.1f} {m['us_attn_split']:11.1f} "
-              f"{m['us_lora_one']:9.1f} {m['us_lora_split']:11.1f}  {errs}", flush=True)
+    res["mixed"] = [] if args.only else [run_mixed(n, cfg, device, dtype, gen)
+                                               for n in cfg["mixed"]]
+    if res["mixed"]:
+        print(f"mixed step: {cfg['mixed_prompt']}-token prompt beside n decode rows (context "
+              f"{cfg['mixed_ctx']}), us per layer: attention / q,k,v LoRA (rank 16)")
+        print(f"{'n':>5} {'attn one':>9} {'attn split':>11} {'lora one':>9} {'lora split':>11}  errors")
+        for m in res["mixed"]:
+            errs = " ".join(f"{m[k]:.1e}" for k in m if k.startswith("err_"))
+            print(f"{m['n_dec']:5d} {m['us_attn_one']:9.1f} {m['us_attn_split']:11.1f} "
+                  f"{m['us_lora_one']:9.1f} {m['us_lora_split']:11.1f}  {errs}", flush=True)
     if args.only_mixed:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "bench_kernels_mixed.json").write_text(json.dumps(res, indent=1, default=str))
         return
     res["mbgmv"] = []
-    for T in cfg["batches"]:
+    for T in cfg["batches"] if args.only in (None, "mbgmv") else ():
         for r in cfg["ranks"]:
             row = run_mbgmv(T, r, cfg, device, dtype, gen)
             res["mbgmv"].append(row)
@@ -843,8 +847,9 @@ def main():
                   f" | torch {row['us_torch']:8.2f} us {row['GBps_torch']:7.0f} GB/s"
                   f" | err {row.get('err_ours', 0):.1e} / {row.get('err_torch', 0):.1e}",
                   flush=True)
-    res["mbgmm"] = [run_mbgmm(r, cfg, device, dtype, gen) for r in cfg["mbgmm_ranks"]]
-    if not args.skip_attention:
+    res["mbgmm"] = [] if args.only else [run_mbgmm(r, cfg, device, dtype, gen)
+                                               for r in cfg["mbgmm_ranks"]]
+    if not args.skip_attention and args.only in (None, "attention"):
         res["attention"] = [run_attention(*a, cfg, device, dtype, gen) for a in cfg["attn"]]
         res["prefill_attention"] = [run_prefill_attention(*a, cfg, device, dtype, gen)
                                     for a in cfg["prefill_attn"]]
@@ -859,12 +864,13 @@ def main():
     pct = (lambda g: f"{100 * g / copy:5.1f}%") if copy == copy else (lambda g: "   - ")
     print(f"\n{res['device']}, {dtype}; copy {copy:.0f} GB/s, bf16 GEMM "
           f"{res['ceilings']['gemm_bf16_TFLOPs']:.0f} TFLOP/s; results in {path}")
-    print("MBGMV q/k/v 3 x (4096 -> r -> 4096), every token its own adapter, shrink + expand"
-          if not args.smoke else "MBGMV (smoke shapes)")
-    print("(%copy: of the 2 GiB copy's rate; %same: of a copy of the same bytes per layer, "
-          "timed alike)")
-    print(f"{'T':>5} {'rank':>5} {'us':>8} {'GB/s':>7} {'%copy':>6} {'%same':>6} | "
-          f"{'torch us':>9} {'GB/s':>7} {'%copy':>6} | {'speedup':>7}")
+    if res["mbgmv"]:
+        print("MBGMV q/k/v 3 x (4096 -> r -> 4096), every token its own adapter, shrink + expand"
+              if not args.smoke else "MBGMV (smoke shapes)")
+        print("(%copy: of the 2 GiB copy's rate; %same: of a copy of the same bytes per layer, "
+              "timed alike)")
+        print(f"{'T':>5} {'rank':>5} {'us':>8} {'GB/s':>7} {'%copy':>6} {'%same':>6} | "
+              f"{'torch us':>9} {'GB/s':>7} {'%copy':>6} | {'speedup':>7}")
     for w in res["mbgmv"]:
         cu = (f" | csrc {w['us_cuda']:8.2f} us {pct(w['GBps_cuda'])} err {w.get('err_cuda', float('nan')):.1e}"
               if "us_cuda" in w else "")
@@ -873,7 +879,8 @@ def main():
         print(f"{w['T']:5d} {w['rank']:5d} {w['us_ours']:8.2f} {w['GBps_ours']:7.0f} "
               f"{pct(w['GBps_ours'])} {same} | {w['us_torch']:9.2f} {w['GBps_torch']:7.0f} "
               f"{pct(w['GBps_torch'])} | {w['us_torch'] / w['us_ours']:6.2f}x{cu}")
-    print(f"MBGMM prefill {cfg['segments'][0]} x {cfg['segments'][1]} tokens, q/k/v group")
+    if res["mbgmm"]:
+        print(f"MBGMM prefill {cfg['segments'][0]} x {cfg['segments'][1]} tokens, q/k/v group")
     for m in res["mbgmm"]:
         print(f"  rank {m['rank']:3d}: {m['us_ours']:8.1f} us {m['TFLOPs_ours']:6.1f} TFLOP/s "
               f"{m['GBps_ours']:6.0f} GB/s | torch {m['us_torch']:8.1f} us "

@@ -1,6 +1,7 @@
-"""experiments/bench_kernels.py --smoke on CPU (the interpreter): the mixed-step comparison's two
-ways of running a mixed step (decode rows through the prefill kernels, or through the decode
-kernels) agree with the reference. Rates under the interpreter mean nothing; errors do."""
+"""experiments/bench_kernels.py --smoke on CPU (the interpreter): each of its modes runs and its
+kernels agree with the reference (e.g. the mixed-step comparison's two ways of running a mixed
+step: decode rows through the prefill kernels, or through the decode kernels). Rates under the
+interpreter mean nothing; errors do."""
 
 import json
 import subprocess
@@ -41,3 +42,18 @@ def test_gemm_lora_smoke(tmp_path):
     rows = json.loads((tmp_path / "bench_kernels_gemm_lora.json").read_text())["gemm_lora"]
     assert {r["module"] for r in rows} == {"qkv", "o", "gate_up", "down"}
     assert all(r["err"] < 1e-5 and r["us_one"] > 0 and r["us_two"] > 0 for r in rows)
+
+
+def test_only_one_table_smoke(tmp_path):
+    """--only mbgmv / attention: the ceilings and that one table, its rows matching the
+    reference, and none of the other tables."""
+    for only, table in (("mbgmv", "mbgmv"), ("attention", "attention")):
+        out = tmp_path / only
+        subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_kernels.py"), "--smoke",
+                        "--only", only, "--out", str(out)], check=True, capture_output=True)
+        res = json.loads((out / "bench_kernels_smoke.json").read_text())
+        assert res[table] and not res["mixed"] and not res["mbgmm"]
+        assert ("attention" in res) == (only == "attention")
+        assert bool(res["mbgmv"]) == (only == "mbgmv")
+        for r in res[table]:
+            assert r.get("err_ours", r.get("err")) < 1e-4
