@@ -814,7 +814,19 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
       echo '== head-major (this tree)'; TAG=new; $EACH
       echo '== before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site TAG=old; $EACH)"
     ;;
-  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-86)" >&2; exit 2 ;;
+  87)  # (session 19) the MBGMM shrink's row pages once a slice (_row_pages / _chunk_base, as
+       # the expand does) against before_lora.py: the graphed mixed step's MBGMM pair
+       # (scratch_mbgmm.py) and S2 q/k/v/o after / before, then the LoRA kernels' CUDA tests
+    before_tree kernels/lora.py
+    local_S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo'
+    MIX="$PWD/notes/h200-2026-12-01-s18/scratch_mbgmm.py"
+    lane 0 gpu0 "echo '== after'; python3 $MIX
+      echo '== before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $MIX)
+      echo '== S2 after'; python3 $local_S2 --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")
+      echo '== S2 before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $local_S2 --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\")
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k 'mbgmm or device_counts' 2>&1 | tail -1"
+    ;;
+  *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-87)" >&2; exit 2 ;;
 esac
 wait
 (cd "$OUT" && tar czf results.tgz --exclude=traces --exclude='timeline-*' $(ls -d suites sim-vs-replay* scaling* breakdown* pieces* sync async engine kernels* 2>/dev/null) 2>/dev/null \

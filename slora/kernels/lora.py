@@ -479,7 +479,7 @@ def _mbgmm_shrink_kernel(
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_rt, split_k,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     # The work: (token tile, module, rank tile, slice of d_in) items, the slices counted from
     # the step's own tiles (the list's length; a graph's grid is sized for its bucket)
@@ -503,7 +503,7 @@ def _mbgmm_shrink_kernel(
             _mbgmm_shrink_tile(x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0,
                                m_end, r0, k_lo, stride_x, d_in, stride, P, stride_pg,
                                stride_of0, stride_of1, G, max_rank, split, k_split,
-                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32)
+                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32, TWO_PAGES)
     pdl.launch_next(PDL)
 
 
@@ -512,7 +512,7 @@ def _mbgmm_shrink_tile(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0, m_end, r0, k_lo,
     stride_x, d_in, stride, P, stride_pg, stride_of0, stride_of1, G, max_rank, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
 ):
     """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, ranks
     r0..r0+BLOCK_R-1, d_in slice k_lo..k_lo+k_split-1."""
@@ -526,11 +526,12 @@ def _mbgmm_shrink_tile(
     row_v = off_a + offs_r * stride
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+    # each row's slice lies in two pages at most: their ids once, not a lookup a trip
+    i0, p0, p1 = _row_pages(pages_row, row_v + k_lo, tl.minimum(k_split, d_in - k_lo), r_ok, P,
+                            TWO_PAGES)
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, d_in), BLOCK_K):
-        # BLOCK_K divides CHUNK, so each row's tile lies in one page: one lookup per row.
-        v = row_v + k0
-        page = tl.load(pages_row + v // P, mask=r_ok, other=0)
-        base = tl.multiple_of(page.to(tl.int64) * P + (v % P), [BLOCK_K])
+        # BLOCK_K is CHUNK, so each row's tile lies in one page
+        base = _chunk_base(pages_row, row_v + k0, r_ok, P, i0, p0, p1, TWO_PAGES)
         if EVEN_K:
             amask = r_ok[:, None]
             xmask = m_ok[:, None]
@@ -713,7 +714,8 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_rt, split_k or 0, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
-        DOT_F32=_dot_f32(x, pool_l), **pdl.options(x.device), **cfg)
+        DOT_F32=_dot_f32(x, pool_l), TWO_PAGES=d_in <= pool_l.shape[1],
+        **pdl.options(x.device), **cfg)
     return xa
 
 
