@@ -787,20 +787,18 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
       python3 experiments/bench_scaling.py --part scaling --modules qkvo --adapters 2000 --num-requests 400 --trace-steps 150 --trace-skip 20 --trace-device-only --out \$OUT/scaling-trace 2>&1 | grep -E '^scaling:|^trace of'
       python3 experiments/timeline.py \$OUT/scaling-trace/timeline-*.json.gz --kernels 20"
     ;;
-  85)  # (session 19) the MBGMV page lookups before the PDL wait: this tree (the expand loads a
-       # module's two page ids once) against /tmp/before (before_lora.py, before_gemm.py) and
-       # /tmp/cb (this tree with before_lora_cb.py: the shrink's rows' pages early too), each
+  85)  # (session 19) an MBGMV change: this tree against /tmp/before (before_tree with the
+       # slora files named in BEFORE, default kernels/lora.py: each from before_<name>), each
        # with bench_kernels' MBGMV table and S2 q/k/v/o at 2,000 adapters, one after the other
-    before_tree kernels/lora.py kernels/gemm.py
-    rm -rf /tmp/cb && mkdir /tmp/cb && cp -r slora experiments csrc /tmp/cb/ && cp before_lora_cb.py /tmp/cb/slora/kernels/lora.py
+       # (session 19 call 2 also ran a third tree, this one with before_lora_cb.py)
+    before_tree ${BEFORE:-kernels/lora.py}
     local_S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo'
     EACH="python3 experiments/bench_kernels.py --only mbgmv --out \$OUT/kernels-\$TAG 2>&1 | grep -A34 '^NVIDIA'
       python3 $local_S2 --out \$OUT/s2-\$TAG/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT/s2-\$TAG && python3 -c \"$SHOW\")"
     lane 0 gpu0 "python3 experiments/compile_check.py 2>&1 | grep -i 'mbgmv\|fail\|error'
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k 'mbgmv or shrink or expand' 2>&1 | tail -1
-      echo '== C (this tree)'; TAG=C; $EACH
-      echo '== before (A)'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site TAG=A; $EACH)
-      echo '== C+B'; (cd /tmp/cb && export PYTHONPATH=/tmp/cb:/tmp/site TAG=CB; $EACH)"
+      echo '== after (this tree)'; TAG=after; $EACH
+      echo '== before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site TAG=before; $EACH)"
     ;;
   86)  # (session 19) head-major KV pages (kv_views): this tree against /tmp/before
        # (before_reference.py), each with bench_kernels' attention table, the race and S2
