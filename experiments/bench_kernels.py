@@ -1,6 +1,6 @@
 """Kernel benchmark for the H200: LoRA (MBGMV, MBGMM) and paged decode attention, in physical rates.
 
-    python experiments/bench_kernels.py [--out DIR] [--tune] [--smoke]
+    python experiments/bench_kernels.py [--out DIR] [--tune] [--only mbgmv|attention] [--smoke]
 
 Measures, in one run:
   1. ceilings: device copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) and
@@ -18,6 +18,8 @@ Measures, in one run:
   5. a mixed step's attention and q/k/v LoRA (n decode rows beside a 128-token prompt): every
      row through the prefill kernels, or the decode rows through the decode kernels
      (`--only-mixed` runs just this).
+`--only mbgmv` and `--only attention` run the ceilings and table 2 or table 4 alone (a kernel
+change's before / after in a short call).
 
 Every timed op is captured in a CUDA graph and timed by triton.testing.do_bench (median of the
 replays). So that adapters are not served from the 50 MB L2 (in a real step the whole model
