@@ -445,6 +445,7 @@ SHRINK_PROGRAMS = tl.constexpr(384)
 # its whole span; one program per 64 columns spent most of its time in that chain. Best spans
 # (session 13, q/k/v, rank 64): 128 for one 256-token prompt, 512 for 4 x 216 and 8 x 512.
 EXPAND_PROGRAMS = tl.constexpr(256)
+SPAN_CHUNKS = tl.constexpr(8)  # the widest span, in 64-column chunks (512 columns)
 
 
 @triton.jit
@@ -463,12 +464,13 @@ def _split_count(work, d_in, fixed):
 @triton.jit
 def _span_chunks(work, d_out, fixed):
     """MBGMM expand's 64-column chunks a program: `fixed` if not 0, else doubled from 1 while
-    `work` (token tiles x modules) x column spans stays at least EXPAND_PROGRAMS, up to 8
-    (see mbgmm_expand)."""
+    `work` (token tiles x modules) x column spans stays at least EXPAND_PROGRAMS, up to
+    SPAN_CHUNKS (see mbgmm_expand)."""
     chunks = fixed
     if fixed == 0:
         chunks = 1
-        while (chunks < 8) & (work * tl.cdiv(d_out, 2 * CK * chunks) >= EXPAND_PROGRAMS):
+        while ((chunks < SPAN_CHUNKS)
+               & (work * tl.cdiv(d_out, 2 * CK * chunks) >= EXPAND_PROGRAMS)):
             chunks *= 2
     return chunks
 
@@ -756,7 +758,8 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
     # A fixed span: one program an item. Sized on the device: spans of 512 columns, or below
     # that fewer than 2 x EXPAND_PROGRAMS items, so that many programs cover them.
     grid = (programs * G * triton.cdiv(max_out, n_span) if n_span else
-            max(programs * G * triton.cdiv(max_out, 8 * CHUNK), 2 * EXPAND_PROGRAMS.value))
+            max(programs * G * triton.cdiv(max_out, SPAN_CHUNKS.value * CHUNK),
+                2 * EXPAND_PROGRAMS.value))
     _mbgmm_expand_kernel[(grid,)](
         xa, out, pool_l, pages, offsets_b, ranks, seg_start, seg_slot, tiles,
         out.stride(0), pool_l.shape[1],
