@@ -137,6 +137,25 @@ def check_expand(out, out_ref, out0, slots, dtype):
     assert torch.equal(out[base], out0[base])  # base-only rows untouched
 
 
+@pytest.mark.parametrize("start,rows,stride,width", [
+    (64, 3, 64, 48),  # inside one page
+    (128, 3, 128, 64),  # the last row ends at the page's end: still one page
+    (192, 5, 128, 96),  # across three pages
+    (0, 1, 64, 64), (448, 2, 192, 130),  # one row; a row across a page boundary
+])
+def test_gather_rows_reads_the_virtual_buffer(start, rows, stride, width):
+    """The twin's row gather equals the layout's definition: virtual element v of an adapter
+    is pool_l[pages[v // P], v % P], i.e. its pages concatenated in the adapter's order."""
+    gen = torch.Generator().manual_seed(0)
+    P = 256
+    pool_l = torch.randn(12, P, generator=gen)
+    pages = torch.randperm(12, generator=gen)[:5].to(torch.int32)
+    virtual = pool_l[pages.long()].reshape(-1)
+    want = torch.stack([virtual[start + i * stride:start + i * stride + width]
+                        for i in range(rows)])
+    assert torch.equal(ref.gather_rows(pool_l, pages, start, rows, stride, width), want)
+
+
 def _mbgmv_impls():
     """The Triton MBGMV, and the csrc CUDA one where a GPU and cupy are present."""
     impls = {"triton": (mbgmv_shrink, mbgmv_expand)}

@@ -100,12 +100,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def gather_rows(pool_l: torch.Tensor, pages: torch.Tensor, start: int, rows: int, stride: int,
                 width: int) -> torch.Tensor:
-    """Rows [rows, width] of an adapter's virtual buffer: row i starts at start + i * stride."""
+    """Rows [rows, width] of an adapter's virtual buffer: row i starts at start + i * stride.
+    The pages the rows span, in the adapter's order, viewed with the row stride (a view of the
+    pool when they lie in one page, else of a copy of those pages)."""
     P = pool_l.shape[1]
-    v = (start + torch.arange(rows, device=pool_l.device)[:, None] * stride
-         + torch.arange(width, device=pool_l.device)[None, :])
-    phys = pages.long()[v // P] * P + v % P
-    return pool_l.reshape(-1)[phys]
+    assert pool_l.stride(1) == 1, "pool_l rows must be contiguous"
+    first, last = start // P, (start + max(rows - 1, 0) * stride + width - 1) // P
+    if first == last:
+        span = pool_l[int(pages[first])]
+    else:
+        span = pool_l[pages[first:last + 1].long()].reshape(-1)
+    return span.as_strided((rows, width), (stride, 1), span.storage_offset() + start - first * P)
+
+
+def _adapter_rows(token_slot: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(slot, the token rows that use it) for each adapter row in the batch (base rows: none)."""
+    return [(s, (token_slot == s).nonzero().squeeze(1))
+            for s in torch.unique(token_slot).tolist() if s >= 0]
 
 
 def lora_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
@@ -120,10 +131,7 @@ def lora_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     T, d_in = x.shape
     G = offsets_a.shape[1]
     xa = torch.zeros(T, G, max_rank, dtype=torch.float32, device=x.device)
-    for s in torch.unique(token_slot).tolist():
-        if s < 0:
-            continue
-        rows = (token_slot == s).nonzero().squeeze(1)
+    for s, rows in _adapter_rows(token_slot):
         for g in range(G):
             r = int(ranks[s, g])
             if r == 0:
@@ -141,15 +149,12 @@ def lora_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages
     out [T, sum(out_dims)]: module g's columns start at sum(out_dims[:g]).
     Accumulates in float32, adds in out's dtype. Base-only rows are left untouched.
     """
-    col = 0
+    col, adapter_rows = 0, _adapter_rows(token_slot)
     for g, (d_out, stride) in enumerate(zip(out_dims, strides)):
-        for s in torch.unique(token_slot).tolist():
-            if s < 0:
-                continue
+        for s, rows in adapter_rows:
             r = int(ranks[s, g])
             if r == 0:
                 continue
-            rows = (token_slot == s).nonzero().squeeze(1)
             BT = gather_rows(pool_l, pages[s], int(offsets_b[s, g]), r, stride, d_out)
             delta = xa[rows, g, :r] @ BT.float()
             out[rows, col:col + d_out] += delta.to(out.dtype)
