@@ -42,6 +42,8 @@ before_tree() {  # before_tree FILE...: /tmp/before, a copy of the tree with eac
 }
 # one line per row of a bench_scaling.json (run in the folder above scaling/)
 SHOW="import json; [print(r['adapters'], r['modules'], round(r['wall_s'], 2), round(r['mixed_s'], 2), round(r['eager_s'], 2), round(r['ratio'], 3)) for r in json.load(open('scaling/bench_scaling.json'))['scaling']]"
+# S2 q/k/v/o at 2,000 adapters (bench_scaling's arguments; print its rows with SHOW)
+S2_QKVO='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo'
 profile_s2_lanes() {  # profile_s2_lanes "FIRST": GPU0 runs FIRST, the engine's CUDA tests and a
   # fresh profile validated on n100; GPU1 S2 (q/k/v/o, all seven; 1 and 2,000 adapters) on
   # this tree, then on /tmp/before (before_tree), then the larger traces with that profile
@@ -770,14 +772,13 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
        # LoRA pair and MBGMM's pair in a graphed mixed step's grid (scratch_mbgmm.py) after /
        # before, S2 q/k/v/o after / before (before_lora.py: `git show <rev>:slora/kernels/lora.py`)
     before_tree kernels/lora.py
-    local_S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo'
     MIX="experiments/bench_kernels.py --only-mixed 2>&1 | tail -4; python3 $PWD/notes/h200-2026-12-01-s18/scratch_mbgmm.py"
     lane 0 gpu0 "python3 experiments/compile_check.py 2>&1 | grep -i 'mbgmm\|fail\|error'
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py tests/test_engine_triton.py 2>&1 | tail -1
       echo '== after'; python3 $MIX
       echo '== before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $MIX)
-      python3 $local_S2 --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm|^ceilings'; (cd \$OUT && python3 -c \"$SHOW\")"
-    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $local_S2 --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
+      python3 $S2_QKVO --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm|^ceilings'; (cd \$OUT && python3 -c \"$SHOW\")"
+    lane 1 gpu1 "cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2_QKVO --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\""
     ;;
   84)  # (session 18, for the next) today's standing figures on one GPU: the race, S2 at
        # 2,000 adapters with all seven modules, and a device-only timeline of S2's steady
@@ -792,9 +793,8 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
        # with bench_kernels' MBGMV table and S2 q/k/v/o at 2,000 adapters, one after the other
        # (session 19 call 2 also ran a third tree, this one with before_lora_cb.py)
     before_tree ${BEFORE:-kernels/lora.py}
-    local_S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo'
     EACH="python3 experiments/bench_kernels.py --only mbgmv --out \$OUT/kernels-\$TAG 2>&1 | grep -A34 '^NVIDIA'
-      python3 $local_S2 --out \$OUT/s2-\$TAG/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT/s2-\$TAG && python3 -c \"$SHOW\")"
+      python3 $S2_QKVO --out \$OUT/s2-\$TAG/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT/s2-\$TAG && python3 -c \"$SHOW\")"
     lane 0 gpu0 "python3 experiments/compile_check.py 2>&1 | grep -i 'mbgmv\|fail\|error'
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k 'mbgmv or shrink or expand' 2>&1 | tail -1
       echo '== after (this tree)'; TAG=after; $EACH
@@ -804,10 +804,9 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
        # (before_reference.py), each with bench_kernels' attention table, the race and S2
        # q/k/v/o at 2,000 adapters, one after the other
     before_tree kernels/reference.py
-    local_S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo'
     EACH="python3 experiments/bench_kernels.py --only attention --out \$OUT/kernels-\$TAG 2>&1 | grep -A12 '^NVIDIA'
       python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race --skip-hf --out \$OUT/engine-\$TAG 2>&1 | tail -3
-      python3 $local_S2 --out \$OUT/s2-\$TAG/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT/s2-\$TAG && python3 -c \"$SHOW\")"
+      python3 $S2_QKVO --out \$OUT/s2-\$TAG/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT/s2-\$TAG && python3 -c \"$SHOW\")"
     lane 0 gpu0 "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_fused.py tests/test_engine_triton.py 2>&1 | tail -1
       echo '== head-major (this tree)'; TAG=new; $EACH
       echo '== before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site TAG=old; $EACH)"
@@ -816,12 +815,11 @@ print('index_copy_ of 128 rows into a pool of', pool.numel(), 'elements:', sum(1
        # the expand does) against before_lora.py: the graphed mixed step's MBGMM pair
        # (scratch_mbgmm.py) and S2 q/k/v/o after / before, then the LoRA kernels' CUDA tests
     before_tree kernels/lora.py
-    local_S2='experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo'
     MIX="$PWD/notes/h200-2026-12-01-s18/scratch_mbgmm.py"
     lane 0 gpu0 "echo '== after'; python3 $MIX
       echo '== before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $MIX)
-      echo '== S2 after'; python3 $local_S2 --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")
-      echo '== S2 before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $local_S2 --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\")
+      echo '== S2 after'; python3 $S2_QKVO --out \$OUT/scaling 2>&1 | grep -E '^scaling: warm'; (cd \$OUT && python3 -c \"$SHOW\")
+      echo '== S2 before'; (cd /tmp/before && export PYTHONPATH=/tmp/before:/tmp/site; python3 $S2_QKVO --out \$OUT/scaling-before/scaling 2>&1 | grep -E '^scaling: warm'; cd \$OUT/scaling-before && python3 -c \"$SHOW\")
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lora.py -k 'mbgmm or device_counts' 2>&1 | tail -1"
     ;;
   *) echo "usage: $0 N, N one of the cases in this file (1-13, 15-22, 24-87)" >&2; exit 2 ;;
