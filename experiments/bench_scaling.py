@@ -559,10 +559,6 @@ def parse_args(argv=None):
                     help="EngineConfig.gemm_max_rows: base GEMMs of at most this many rows "
                          "through the Triton kernel (default: the engine's; 0 = cuBLAS always, "
                          "to compare)")
-    ap.add_argument("--lora-in-gemm", action=argparse.BooleanOptionalAction,
-                    default=EngineConfig.lora_in_gemm,
-                    help="EngineConfig.lora_in_gemm: decode steps of 17-32 rows run each LoRA "
-                         "expand in the few-rows GEMM's epilogue (default: the engine's)")
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="programmatic dependent launch of the decode kernels on Hopper "
                          "(slora.kernels.pdl; on by default)")
@@ -597,7 +593,6 @@ def main(argv=None) -> dict:
                               max_num_seqs=args.max_num_seqs,
                               max_batch_tokens=args.max_batch_tokens,
                               async_scheduling=args.async_scheduling,
-                              lora_in_gemm=args.lora_in_gemm,
                               **({} if args.gemm_rows is None
                                  else {"gemm_max_rows": args.gemm_rows}),
                               **({} if args.mixed_graph_tokens is None

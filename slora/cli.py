@@ -174,11 +174,6 @@ def _add_replay(sub) -> None:
                    help="base GEMMs of at most this many rows (a decode step's) run through "
                    "slora's Triton kernel on CUDA, cuBLAS past them (default 32; 0: cuBLAS "
                    "always; H200 batch-32 decode: 5.73 -> 5.46 ms)")
-    p.add_argument("--lora-in-gemm", action=argparse.BooleanOptionalAction,
-                   help="decode steps of 17 rows up to --gemm-max-rows add each LoRA expand "
-                   "in that kernel's epilogue (default off: the shrink beside the GEMM on a "
-                   "side stream ran faster; H200 batch-32 decode, all seven modules: 6.75 "
-                   "with it -> 6.54 ms without)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up (kernel compiles, decode-graph captures) before the clock starts")
@@ -215,7 +210,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_options(args) -> dict:
     keys = ("device", "dtype", "num_pages", "max_num_seqs", "max_batch_tokens", "policy", "backend",
             "load_format", "slo_ttft_s", "mixed_graph_tokens", "async_scheduling",
-            "gemm_max_rows", "lora_in_gemm")
+            "gemm_max_rows")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

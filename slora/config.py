@@ -89,12 +89,6 @@ class EngineConfig:
     # batch-64 decode 6.86 ms with cuBLAS, 7.34 with the kernel); 0: cuBLAS always. CPU runs
     # F.linear whatever this is.
     gemm_max_rows: int = 32
-    # Decode steps of 17 rows or more whose base GEMMs take that kernel: each module group's
-    # LoRA expand runs in the GEMM's epilogue (slora.kernels.gemm.LoraExpand; one launch for
-    # both, the shrink before it). Off by default since session 14: the shrink on a side
-    # stream beside the GEMM and the expand after it ran faster (H200 batch-32 decode, rank
-    # 16: q/k/v/o 6.17 -> 6.09 ms, all seven 6.75 -> 6.54; notes/h200-2026-11-30-s14).
-    lora_in_gemm: bool = False
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"
@@ -128,7 +122,6 @@ class EngineConfig:
         need(self.load_format in ("auto", "dummy"), "load_format", "expected 'auto' or 'dummy'")
         need(self.mixed_graph_tokens >= 0, "mixed_graph_tokens", "must be >= 0 (0: eager)")
         need(self.gemm_max_rows >= 0, "gemm_max_rows", "must be >= 0 (0: cuBLAS always)")
-        need(isinstance(self.lora_in_gemm, bool), "lora_in_gemm", "expected True or False")
 
     @property
     def host_cache_bytes(self) -> int:

@@ -99,8 +99,7 @@ class ModelRunner:
             weights = random_weights(model_config, self.dtype, self.device, config.seed)
         else:
             weights = load_weights(model_dir, model_config, self.dtype, self.device)
-        self.backend = make_backend(config.backend, self.device, config.gemm_max_rows,
-                                    config.lora_in_gemm)
+        self.backend = make_backend(config.backend, self.device, config.gemm_max_rows)
         self.model = LlamaModel(model_config, weights, self.backend, config.block_size)
         self.num_pages = self._pool_pages()
         # One page more than the allocator hands out: padded rows of a captured decode batch

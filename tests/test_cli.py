@@ -122,6 +122,3 @@ def test_replay_engine_options_carry_the_gemm_row_limit():
     args = build_parser().parse_args(["replay", "t.jsonl", "--model", "m", "-o", "r.json",
                                       "--gemm-max-rows", "0", "--num-pages", "64"])
     assert _engine_options(args) == {"gemm_max_rows": 0, "num_pages": 64}
-    args = build_parser().parse_args(["replay", "t.jsonl", "--model", "m", "-o", "r.json",
-                                      "--no-lora-in-gemm"])
-    assert _engine_options(args) == {"lora_in_gemm": False}

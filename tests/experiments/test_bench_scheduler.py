@@ -1,5 +1,5 @@
 """Micro-benchmark: one schedule() + update() with 256 running requests and 2,000 registered
-adapters (pytest-benchmark; `./run test tests/test_bench_scheduler.py --benchmark-enable`)."""
+adapters (pytest-benchmark; `./run test tests/experiments/test_bench_scheduler.py --benchmark-enable`)."""
 
 from slora.config import EngineConfig
 from slora.core.adapters import AdapterInfo, AdapterManager

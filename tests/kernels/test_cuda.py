@@ -1,5 +1,5 @@
 """csrc/ CUDA sources compile for Hopper (sm_90) without register spills, where nvcc exists.
-(Numerics are checked against the twins on a GPU: tests/test_kernels_lora.py, impl 'cuda'.)"""
+(Numerics are checked against the twins on a GPU: tests/kernels/test_lora.py, impl 'cuda'.)"""
 
 import re
 import shutil
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")

@@ -32,7 +32,7 @@ from slora.sim.simulator import (adapter_pages, best_point, pages_for_memory, pa
                                  rescale_rate, simulate_point)
 from slora.workload import Trace, TraceRequest, synthesize, write_trace
 
-LLAMA_7B = Path(__file__).parent.parent / "experiments" / "models" / "llama-2-7b"
+LLAMA_7B = Path(__file__).resolve().parents[2] / "experiments" / "models" / "llama-2-7b"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -633,7 +633,7 @@ def test_sim_vs_replay_logs_steps_and_their_residuals(tiny_model_dir, cpu_profil
     import importlib.util
     import json
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / "sim_vs_replay.py"
+    path = Path(__file__).resolve().parents[2] / "experiments" / "sim_vs_replay.py"
     spec = importlib.util.spec_from_file_location("sim_vs_replay", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_prefetch_cpu(tiny_model_dir, tmp_path):
