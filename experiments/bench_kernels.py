@@ -3,10 +3,10 @@
     python experiments/bench_kernels.py [--out DIR] [--tune] [--only mbgmv|attention] [--smoke]
 
 Measures, in one run:
-  1. ceilings: device copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) and
-     the bf16 GEMM rate (8192^3 torch.matmul);
+  1. ceilings (harness.ceilings): device copy bandwidth (a 2 GiB device-to-device copy, bytes
+     read + written) and the bf16 GEMM rate (8192^3 torch.matmul);
   2. MBGMV (decode): one q/k/v group of 3 modules, each 4096 -> r -> 4096 (Llama-2-7B's MHA
-     shapes), batch T in 1/16/64/256 x rank 8/16/32/64/128, every token its own adapter, shrink
+     shapes), batch T in 1/16/32/64/128/256 x rank 8/16/32/64/128, every token its own adapter, shrink
      + expand. Achieved GB/s over the bytes that must move: x, the T adapters' A and B^T rows,
      y read and written. Beside it: plain torch, a chunk-granular index_select gather of the
      same pages + bmm (the metadata that indexes it is built outside the timing);
@@ -21,11 +21,13 @@ Measures, in one run:
 `--only mbgmv` and `--only attention` run the ceilings and table 2 or table 4 alone (a kernel
 change's before / after in a short call).
 
-Every timed op is captured in a CUDA graph and timed by triton.testing.do_bench (median of the
-replays). So that adapters are not served from the 50 MB L2 (in a real step the whole model
-streams through between two uses of a layer's adapter), each graph runs the op over `layers`
-distinct pool slices, at least 256 MB of adapter bytes in all, and reports the time per layer.
-Prints a short table last and writes the full results as JSON to --out (default $OUT or results/).
+Every timed op is captured in a CUDA graph and timed by harness.bench_graph (the median of
+do_bench's replays). So that adapters are not served from L2 (60 MB on the H200; in a real
+step the whole model streams through between two uses of a layer's adapter), each graph runs
+the op over `layers` distinct pool slices, at least 256 MB of adapter bytes in all, and
+reports the time per layer.
+Prints a short table last and writes the full results as JSON to --out (default $OUT, else
+results/), after the harness's header (GPU, commit, command, ceilings).
 
 --smoke runs tiny shapes on the CPU under the Triton interpreter (no timing worth reading): it
 checks that the shape logic, the layouts and the torch baselines agree with the twins.
@@ -53,6 +55,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import add_out_arg, bench_graph, ceilings, header, write_result  # noqa: E402
 from slora.kernels import lora  # noqa: E402
 from slora.kernels import tiles as tiles_mod  # noqa: E402
 from slora.kernels import reference as ref  # noqa: E402
@@ -66,42 +70,6 @@ ALIGN = ref.LORA_ALIGN
 
 
 # ----------------------------------------------------------------------------- timing
-
-def bench_graph(fn, device, warmup_ms=25, rep_ms=100) -> float:
-    """Median milliseconds of one call of `fn`, replayed from a CUDA graph (host clock on CPU)."""
-    if device.type != "cuda":
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-
-def ceilings(device) -> dict:
-    if device.type != "cuda":
-        return {"copy_GBps": float("nan"), "gemm_bf16_TFLOPs": float("nan")}
-    n = 1 << 30  # 2 GiB of bf16
-    a = torch.randn(n, device=device, dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    copy = 2 * a.numel() * 2 / ms / 1e6
-    del a, b
-    m = 8192
-    x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: x @ y, warmup=25, rep=200, return_mode="median")
-    return {"copy_GBps": copy, "gemm_bf16_TFLOPs": 2 * m ** 3 / ms / 1e9}
-
 
 def same_size_copy(nbytes: int, layers: int, device) -> float:
     """GB/s of a device copy moving `nbytes` (half read, half written) per layer, `layers` of
@@ -233,7 +201,7 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
         for l in range(L):
             torch_gather_bmm(x, y, P.pool[l], P, slots)
 
-    # the Triton kernels, and the csrc CUDA ones where cupy runs (issue 5: pick the faster)
+    # the Triton kernels, and the csrc CUDA ones where cupy runs, each timed
     impls = {"ours": lora}
     cuda_k = _cuda_kernels(device)
     if cuda_k is not None:
@@ -551,8 +519,7 @@ def tune_gemm(cfg, device, dtype, gen):
     the few-rows Triton kernel (slora.kernels.gemm) at each tile of a sweep, and at the tiles
     `skinny_cfg` picks. Each op runs over enough layers' distinct weights (>= 256 MB) that L2
     holds none of them, and reports the time per layer and the weight bytes' share of copy
-    bandwidth. (Session 7 measured F.linear on [out, in] against a matmul on an [in, out] copy:
-    within 1-3%; notes/kernels.md.) Returns JSON rows."""
+    bandwidth. Returns JSON rows."""
     import torch.nn.functional as F
 
     from slora.kernels import gemm
@@ -766,9 +733,9 @@ def run_mixed(n_dec, cfg, device, dtype, gen):
 
 # ----------------------------------------------------------------------------- main
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    add_out_arg(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (interpreter)")
     ap.add_argument("--tune", nargs="?", const="all",
                     choices=("all", "mbgmv", "mbgmm", "attention", "gemm"),
@@ -784,7 +751,7 @@ def main():
                          "or through the decode kernels)")
     ap.add_argument("--only", choices=("mbgmv", "attention"),
                     help="only the ceilings and one table: MBGMV (batch x rank) or attention")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
@@ -805,10 +772,10 @@ def main():
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     t_start = time.time()
-    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
+    res = {**header(__file__, device, ceilings(device), argv),
+           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
            "dtype": str(dtype), "torch": torch.__version__, "triton": triton.__version__,
            "config": {k: v for k, v in cfg.items()}}
-    res["ceilings"] = ceilings(device)
     cfg["copy_GBps"] = res["ceilings"]["copy_GBps"]
     print(f"ceilings: {res['ceilings']}", flush=True)
     if args.gemm_lora:
@@ -822,9 +789,8 @@ def main():
         res["tune"] = [row for name, sweep in sweeps.items() if args.tune in ("all", name)
                        for row in sweep(cfg, device, dtype, gen)]
         if args.tune_only:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "bench_kernels_tune.json").write_text(json.dumps(res, indent=1))
-            return
+            write_result(args.out, "bench_kernels_tune.json", res)
+            return res
     res["mixed"] = [] if args.only else [run_mixed(n, cfg, device, dtype, gen)
                                                for n in cfg["mixed"]]
     if res["mixed"]:
@@ -836,10 +802,8 @@ def main():
             print(f"{m['n_dec']:5d} {m['us_attn_one']:9.1f} {m['us_attn_split']:11.1f} "
                   f"{m['us_lora_one']:9.1f} {m['us_lora_split']:11.1f}  {errs}", flush=True)
     if args.only_mixed:
-        out_dir = Path(args.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "bench_kernels_mixed.json").write_text(json.dumps(res, indent=1, default=str))
-        return
+        write_result(args.out, "bench_kernels_mixed.json", res)
+        return res
     res["mbgmv"] = []
     for T in cfg["batches"] if args.only in (None, "mbgmv") else ():
         for r in cfg["ranks"]:
@@ -857,10 +821,8 @@ def main():
                                     for a in cfg["prefill_attn"]]
     res["seconds"] = time.time() - t_start
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / ("bench_kernels_smoke.json" if args.smoke else "bench_kernels.json")
-    path.write_text(json.dumps(res, indent=1, default=str))
+    name = "bench_kernels_smoke.json" if args.smoke else "bench_kernels.json"
+    path = write_result(args.out, name, res)
 
     copy = res["ceilings"]["copy_GBps"]
     pct = (lambda g: f"{100 * g / copy:5.1f}%") if copy == copy else (lambda g: "   - ")
@@ -896,6 +858,7 @@ def main():
         print(f"prefill attn {a['n_seq']} x {a['n_tok']} H={a['H']} KVH={a['kvh']} D={a['D']}: "
               f"{a['us']:8.1f} us {a['TFLOPs']:6.1f} TFLOP/s | twin {a['us_twin']:8.1f} us "
               f"| err {a['err']:.1e}")
+    return res
 
 
 if __name__ == "__main__":
