@@ -7,18 +7,21 @@ ids, --gen-len new tokens each (ignore_eos), greedy.
 
 Reported: generate tok/s = B * gen_len / wall time of the whole call (prefill included, the
 way HF's generate is timed), and slora's decode tok/s (tokens after the first / time after
-the last first token). --race adds issue 5's PEFT race: 32 distinct rank-16 q/k/v/o adapters
-in one batch.
+the last first token). --race adds the PEFT race: Llama-2-7B at batch 32, 32 distinct
+rank-16 q/k/v/o adapters in one batch, slora beside HF PEFT (mixed-batch adapter_names;
+--skip-hf leaves PEFT out: the slora rows with and without adapters remain).
 
-    python experiments/bench_engine.py --models smollm2-135m,llama-2-7b --batches 1,32 --out $OUT
+Writes bench_engine.json under --out: the harness's header (GPU, commit, command, ceilings)
+and one row per system, model and batch (gen_tok_s; decode_tok_s for slora).
+
+    python experiments/bench_engine.py --models smollm2-135m,llama-2-7b --batches 1,32
+    python experiments/bench_engine.py --models llama-2-7b --batches 32 --race --skip-hf
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness import add_out_arg, ceilings, header, write_result  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -115,13 +119,14 @@ def peft_race(model, batch, prompt_len, gen_len, n_adapters=32, rank=16):
     return res
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2-135m,llama-2-7b")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
-    ap.add_argument("--race", action="store_true", help="issue 5's PEFT race on llama-2-7b")
+    ap.add_argument("--race", action="store_true",
+                    help="the PEFT race: llama-2-7b, batch 32, 32 rank-16 q/k/v/o adapters")
     ap.add_argument("--race-peft-gen", type=int, default=16,
                     help="HF PEFT output tokens in the race (it is slow; tok/s is what counts)")
     ap.add_argument("--num-pages", type=int, default=2048)
@@ -129,9 +134,8 @@ def main():
     ap.add_argument("--sync-too", action="store_true",
                     help="each slora row again without async scheduling (EngineConfig."
                          "async_scheduling=False; the default on CUDA is with it)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
-    args = ap.parse_args()
-    from bench_kernels import ceilings
+    add_out_arg(ap)
+    args = ap.parse_args(argv)
 
     dev = torch.device("cuda")
     rows = []
@@ -161,13 +165,13 @@ def main():
         if not args.skip_hf:
             rows.append(peft_race("llama-2-7b", 32, 128, args.race_peft_gen))
             print(rows[-1], flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bench_engine.json").write_text(json.dumps(
-        {"ceilings": ceil, "rows": rows, "gpu": torch.cuda.get_device_name()}, indent=1))
+    result = {**header(__file__, dev, ceil, argv), "rows": rows}
+    write_result(args.out, "bench_engine.json", result)
     print(f"\n{'system':<28}{'model':<14}{'batch':>6}{'gen tok/s':>12}{'decode tok/s':>14}")
     for r in rows:
         dec = f"{r['decode_tok_s']:14.0f}" if "decode_tok_s" in r else f"{'':>14}"
         print(f"{r['system']:<28}{r['model']:<14}{r['batch']:>6}{r['gen_tok_s']:12.0f}{dec}")
+    return result
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Issue 5 (b) and (c) on the GPU: throughput as adapters grow; decode steps vs their byte floor.
+"""Throughput as adapters grow (S-LoRA's S2); decode steps against their byte floor.
 
 A Llama-2-7B-shaped model with random bf16 weights (EngineConfig(load_format="dummy")), one
 engine for both parts (the pool sized by gpu_memory_fraction unless --num-pages is given).
@@ -23,7 +23,14 @@ Synthetic adapters share one seed, so adapters of one (rank, modules) shape shar
 host buffer (2000 distinct ones of rank 64 on seven modules would need 640 GB of host memory);
 every adapter still has its own pool pages and every load copies its full size to the device.
 
-    python experiments/bench_scaling.py --part all --out $OUT
+Writes bench_scaling.json under --out: the harness's header (GPU, commit, command, ceilings),
+then the rows of each part ("scaling": output_tok_s and ratio; "decode": step_ms, floor_ms and
+ratio). The ceilings are measured for the decode part alone, before the engine sizes its pool:
+scaling's peer is its no-LoRA row.
+
+    python experiments/bench_scaling.py --part all
+    python experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo
+    python experiments/bench_scaling.py --part decode --batches 32 --breakdown ''
     python experiments/bench_scaling.py --part decode --batches 1,32 --model DIR --device cpu \
         --dtype float32
 """
@@ -31,9 +38,7 @@ every adapter still has its own pool pages and every load copies its full size t
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -45,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_engine import MODELS, prompts  # noqa: E402
+from harness import add_out_arg, ceilings, header, write_result  # noqa: E402
 import slora.graphs  # noqa: E402
 import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -60,26 +66,6 @@ ADAPTER_SEED = 0  # one host buffer per (rank, modules); see the docstring
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device) -> dict:
-    """Device copy GB/s (bytes read + written): bench_kernels' ceilings on CUDA; on CPU the
-    best of a few copies of a 64 MB tensor (no GEMM rate)."""
-    if device.type == "cuda":
-        from bench_kernels import ceilings
-
-        ceil = ceilings(device)
-        gc.collect()
-        torch.cuda.empty_cache()  # before the engine sizes its pool from free memory
-        return ceil
-    a = torch.ones(1 << 24)
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return {"copy_GBps": 2 * a.numel() * a.element_size() / best / 1e9}
 
 
 def adapter_bytes(cfg: ModelConfig, rank: int, modules, dtype_bytes: int) -> int:
@@ -130,7 +116,7 @@ class StepLog:
         del self.eng.runner.launch  # back to the class's method
 
 
-# ----------------------------------------------------------------------------- (b) scaling
+# ----------------------------------------------------------------------------- scaling
 
 def s2_trace(args, num_adapters: int):
     lo_in, hi_in = args.input_len
@@ -279,7 +265,7 @@ def part_scaling(eng: Engine, args) -> list[dict]:
         print(f"scaling: {row['adapters']} adapters, modules {key}: "
               f"{row['output_tok_s']:.0f} tok/s {row['req_s']:.2f} req/s ({row['wall_s']:.1f} s; "
               f"{time.perf_counter() - t0:.0f} s into the part)", flush=True)
-    print(f"\n(b) S2 offline throughput, {args.num_requests} requests, lengths in "
+    print(f"\nS2 offline throughput, {args.num_requests} requests, lengths in "
           f"{args.input_len}/{args.output_len}, ranks {args.ranks}, alpha {args.alpha}")
     print(f"{'adapters':>9}{'modules':>8}{'used':>6}{'tok/s':>9}{'req/s':>8}{'ratio':>7}"
           f"{'loads':>7}{'evict':>7}{'preempt':>8}{'wall s':>8}{'steps':>7}{'mixed':>7}"
@@ -304,7 +290,7 @@ def part_scaling(eng: Engine, args) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------- (c) decode
+# ----------------------------------------------------------------------------- decode
 
 def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float) -> dict:
     modules = MODULE_SETS[modules_key]
@@ -483,7 +469,7 @@ def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
             print(f"decode: batch {b}, modules {key}: {r['step_ms']:.2f} ms/step, floor "
                   f"{r['floor_ms']:.2f} ms ({time.perf_counter() - t0:.0f} s into the part)",
                   flush=True)
-    print(f"\n(c) decode step vs byte floor, context ~{args.context}, rank {args.decode_rank}, "
+    print(f"\ndecode step vs byte floor, context ~{args.context}, rank {args.decode_rank}, "
           f"one adapter per request; copy {copy_GBps:.0f} GB/s")
     print(f"{'batch':>6}{'modules':>8}{'ms/step':>9}{'exec ms':>9}{'floor ms':>9}{'ratio':>7}"
           f"{'weights GB':>11}{'KV GB':>7}{'LoRA GB':>8}{'tok/s':>8}")
@@ -562,7 +548,7 @@ def parse_args(argv=None):
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="programmatic dependent launch of the decode kernels on Hopper "
                          "(slora.kernels.pdl; on by default)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    add_out_arg(ap)
     args = ap.parse_args(argv)
     if args.gemm_rows is not None and args.gemm_rows < 0:
         ap.error(f"--gemm-rows {args.gemm_rows}: expected 0 or more")
@@ -585,7 +571,7 @@ def main(argv=None) -> dict:
     if args.graph_pieces is not None:
         slora.graphs.GRAPH_PIECES = args.graph_pieces  # read when the engine is made
     slora.kernels.pdl.ENABLED = args.pdl  # read at each launch and capture
-    ceil = copy_bandwidth(device) if args.part in ("decode", "all") else {}
+    ceil = ceilings(device) if args.part in ("decode", "all") else {}
     if ceil:
         print("ceilings:", ceil, flush=True)
     eng = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device,
@@ -599,10 +585,10 @@ def main(argv=None) -> dict:
                                  else {"mixed_graph_tokens": args.mixed_graph_tokens})))
     print(f"engine: {eng.runner.num_pages} pages of {eng.runner.page_bytes / 1e6:.1f} MB "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
-    result = {"model": args.model, "device": args.device, "dtype": args.dtype,
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    result = {**header(__file__, device, ceil, argv),
+              "model": args.model, "device": args.device, "dtype": args.dtype,
               "pages": eng.runner.num_pages, "page_bytes": eng.runner.page_bytes,
-              "ceilings": ceil, "args": vars(args)}
+              "args": vars(args)}
     if args.part in ("scaling", "all"):
         result["scaling"] = part_scaling(eng, args)
     if args.part in ("decode", "all"):
@@ -614,10 +600,8 @@ def main(argv=None) -> dict:
                 print_breakdown(result["breakdown"][-1])
     eng.close()  # (so that main can run again in one process)
     result["wall_s"] = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_scaling.json").write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out / 'bench_scaling.json'} ({result['wall_s']:.0f} s in all)")
+    path = write_result(args.out, "bench_scaling.json", result)
+    print(f"\nwrote {path} ({result['wall_s']:.0f} s in all)")
     return result
 
 

@@ -64,6 +64,9 @@ def test_bench_scaling_cpu(bench, tiny_model_dir, tmp_path):
     assert by[4, "qkvo"]["adapter_bytes"] == 4 * by[1, "qkvo"]["adapter_bytes"]
     assert by[1, "all"]["adapter_bytes"] > by[1, "qkvo"]["adapter_bytes"]
     assert res["ceilings"]["copy_GBps"] > 0
+    # the harness's header: what reproduces the run
+    assert res["command"].startswith("python3 experiments/bench_scaling.py --part all --model ")
+    assert res["commit"] and res["gpu"] is None
 
 
 def test_byte_counts(bench):
