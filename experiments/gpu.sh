@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The one GPU call: the CUDA tests, then the headline benchmarks, then one table of each figure
+# beside the ceiling or peer measured in the same run and their ratio (experiments/gpu_table.py).
+#
+#   bash experiments/gpu.sh [--tree DIR] [--label NAME] [--no-tests] [--compare NAME]
+#
+#   --tree DIR      test and benchmark another copy of the repository (default: this one): its
+#                   own tests and experiments/ run from DIR with PYTHONPATH=DIR, under the same
+#                   command lines; the table reads fields that old and new results both carry
+#   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
+#                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
+#   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
+#   --compare NAME  the table holds the run NAME too (an earlier $OUT/NAME.tar.gz), and this
+#                   run's figures over NAME's
+#
+# Before / after in one call, an older tree copied to results/base (carried to the device):
+#   bash experiments/gpu.sh --tree results/base --label base --no-tests; \
+#   bash experiments/gpu.sh --label new --compare base
+# The table's commit is the tree's `git rev-parse HEAD`, else $SLORA_COMMIT. JOBS=N runs the tests
+# in N pytest-xdist workers where it is installed (default 4; 0: one process).
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+TREE=$HERE LABEL=new TESTS=1 COMPARE=
+usage() { sed -n 5p "$0" | sed 's/^#   //' >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tree) TREE=$(cd "${2:?}" && pwd) || usage; shift 2 ;;
+    --label) LABEL=${2:?}; shift 2 ;;
+    --no-tests) TESTS=0; shift ;;
+    --compare) COMPARE=${2:?}; shift 2 ;;
+    *) usage ;;
+  esac
+done
+OUT=${OUT:-$HERE/results/gpu}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+D=$OUT/$LABEL
+rm -rf "$D" "$OUT/$LABEL.tar.gz" && mkdir -p "$D"
+export PYTHONPATH=$TREE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+  TOKENIZERS_PARALLELISM=false
+cd "$TREE" || exit 2
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$D/gpu.txt" 2>&1
+failed=()
+step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME.log, under a time limit
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  printf '== %s:' "$name"; printf ' %q' "$@"; echo
+  timeout "$limit" "$@" >"$D/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || { tail -n 5 "$D/$name.log"; failed+=("$name"); }
+}
+if [ "$TESTS" = 1 ]; then
+  xdist=()
+  python3 -c 'import xdist' 2>/dev/null && [ "${JOBS:-4}" != 0 ] && xdist=(-n "${JOBS:-4}")
+  # every test file with a CUDA path; the rest of the suite is CPU-only and runs in CI
+  step pytest 420 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/kernels \
+    tests/engine/test_engine_triton.py tests/engine/test_engine.py \
+    tests/engine/test_async_scheduling.py tests/model/test_vs_hf.py tests/model/test_lora_vs_peft.py
+  tail -n 1 "$D/pytest.log"
+fi
+step engine 240 python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race \
+  --skip-hf --out "$D/engine"
+step s2 300 python3 experiments/bench_scaling.py --part scaling --adapters 2000 \
+  --num-requests 400 --modules qkvo --out "$D/s2"
+step decode 240 python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown '' \
+  --out "$D/decode"
+tar czf "$OUT/$LABEL.tar.gz" -C "$OUT" "$LABEL" && rm -rf "$D"
+runs=("$OUT/$LABEL.tar.gz")
+[ -n "$COMPARE" ] && runs=("$OUT/$COMPARE.tar.gz" "${runs[@]}")
+echo
+python3 "$HERE/experiments/gpu_table.py" "${runs[@]}" | tee "$OUT/$LABEL.txt"
+[ ${#failed[@]} = 0 ] || { echo "failed: ${failed[*]} (logs in $OUT/$LABEL.tar.gz)"; exit 1; }

@@ -1,0 +1,122 @@
+"""The GPU script's table: each headline figure beside the ceiling or peer measured in the same
+run, and their ratio. Given several runs (gpu.sh's folders or their .tar.gz), one column group
+per run, then the last run's figure over the first's.
+
+    python3 experiments/gpu_table.py results/gpu/new
+    python3 experiments/gpu_table.py results/gpu/base.tar.gz results/gpu/new.tar.gz
+
+A run holds engine/bench_engine.json, s2/bench_scaling.json, decode/bench_scaling.json and
+pytest.log, any of them missing. Only fields that these files have always carried are read
+(the rows' gen_tok_s and decode_tok_s; scaling rows' output_tok_s; decode rows' step_ms and
+floor_ms; ceilings), so that a run of an older tree compares with one of today's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+# the datasheet's HBM GB/s and dense bf16 TFLOP/s: the peers of the measured ceilings
+DATASHEET = {"H200": (4800, 989), "H100": (3350, 989)}
+FILES = {"engine": "engine/bench_engine.json", "s2": "s2/bench_scaling.json",
+         "decode": "decode/bench_scaling.json", "tests": "pytest.log"}
+
+
+def load(src: str) -> dict:
+    """{"label", "engine", "s2", "decode": parsed JSON or None, "tests": pytest's last line}."""
+    path, texts = Path(src), {}
+    if path.is_dir():
+        texts = {k: (path / f).read_text() for k, f in FILES.items() if (path / f).is_file()}
+        label = path.name
+    else:
+        label = path.name.removesuffix(".tar.gz").removesuffix(".tgz")
+        with tarfile.open(path) as tar:
+            for m in tar.getmembers():
+                for k, f in FILES.items():
+                    if m.isfile() and (m.name == f or m.name.endswith("/" + f)):
+                        texts[k] = tar.extractfile(m).read().decode()
+    run = {"label": label, **{k: json.loads(texts[k]) if k in texts else None
+                              for k in ("engine", "s2", "decode")}}
+    lines = [ln for ln in texts.get("tests", "").splitlines()
+             if re.search(r"\d+ (passed|failed|error)", ln)]
+    run["tests"] = lines[-1].strip("= ") if lines else None
+    return run
+
+
+def rows(run: dict) -> list[tuple[str, float, float, str]]:
+    """(what, figure, ceiling or peer, the peer's name) for each figure the run holds."""
+    out = []
+    eng = run["engine"]
+    if eng:
+        by = {r["system"]: r for r in eng["rows"] if r["model"] == "llama-2-7b" and r["batch"] == 32}
+        race = next((r for s, r in by.items() if s.startswith("slora+")), None)
+        if race and "slora" in by:
+            for key, unit in (("gen_tok_s", "gen tok/s"), ("decode_tok_s", "decode tok/s")):
+                out.append((f"PEFT race, {race['system'][6:]}: {unit}", race[key],
+                            by["slora"][key], "no LoRA"))
+        peft = next((r for s, r in by.items() if s.startswith("hf-peft")), None)
+        if race and peft:
+            out.append(("PEFT race: gen tok/s", race["gen_tok_s"], peft["gen_tok_s"], "HF PEFT"))
+    s2 = (run["s2"] or {}).get("scaling") or []
+    base = next((r for r in s2 if r["adapters"] == 0), None)
+    for r in s2:
+        if base and r["adapters"]:
+            out.append((f"S2 {r['modules']}, {r['adapters']} adapters: tok/s", r["output_tok_s"],
+                        base["output_tok_s"], "no LoRA"))
+    for r in (run["decode"] or {}).get("decode") or []:
+        out.append((f"decode batch {r['batch']}, {r['modules']}: ms/step", r["step_ms"],
+                    r["floor_ms"], "byte floor"))
+    src = next((d for d in (run["decode"], eng) if d and d.get("ceilings")), None)
+    if src:
+        c = src["ceilings"]
+        sheet = next((v for k, v in DATASHEET.items() if k in (src.get("gpu") or "")), None)
+        out.append(("device copy GB/s (read + write)", c["copy_GBps"],
+                    sheet[0] if sheet else float("nan"), "datasheet"))
+        out.append(("bf16 GEMM TFLOP/s (8192^3)", c["gemm_bf16_TFLOPs"],
+                    sheet[1] if sheet else float("nan"), "datasheet"))
+    return out
+
+
+def num(x: float) -> str:
+    return "-" if x != x else f"{x:.0f}" if abs(x) >= 100 else f"{x:.2f}"
+
+
+def table(runs: list[dict]) -> str:
+    lines = []
+    for run in runs:
+        d = next((run[k] for k in ("engine", "s2", "decode") if run[k]), {})
+        lines.append(f"{run['label']}: {d.get('gpu') or '-'}, commit {d.get('commit', '-')[:12]}; "
+                     f"tests: {run['tests'] or 'not run'}")
+    per = [{what: (fig, peer, name) for what, fig, peer, name in rows(run)} for run in runs]
+    names = {what: name for p in per for what, (_, _, name) in p.items()}
+    head = f"{'benchmark':<36}{'peer (same run)':<16}" + "".join(
+        f"{run['label'][:9]:>10}{'peer':>8}{'ratio':>7}" for run in runs)
+    if len(runs) > 1:
+        head += f"{runs[-1]['label'][:6] + '/' + runs[0]['label'][:6]:>15}"
+    lines += ["", head]
+    for what, name in names.items():
+        line, figs = f"{what:<36}{name:<16}", []
+        for p in per:
+            fig, peer, _ = p.get(what, (float("nan"), float("nan"), ""))
+            figs.append(fig)
+            line += f"{num(fig):>10}{num(peer):>8}{fig / peer if peer else float('nan'):>7.3f}"
+        if len(runs) > 1:
+            line += f"{figs[-1] / figs[0]:>15.3f}" if figs[0] == figs[0] and figs[0] else f"{'-':>15}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if args else 2
+    print(table([load(a) for a in args]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

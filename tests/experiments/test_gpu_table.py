@@ -1,0 +1,85 @@
+"""experiments/gpu_table.py and gpu.sh without a GPU: the table reads the fields that old and new
+benchmark results both carry, from a run's folder or its .tar.gz, and puts each figure beside
+its peer from the same run; gpu.sh parses and refuses unknown options."""
+
+import importlib.util
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpu_table():
+    spec = importlib.util.spec_from_file_location("gpu_table", ROOT / "experiments" / "gpu_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write_run(path: Path, scale: float = 1.0, header: bool = True) -> Path:
+    """A run as gpu.sh leaves it; without `header`, as a tree older than the harness wrote it."""
+    head = {"gpu": "NVIDIA H200", "ceilings": {"copy_GBps": 4200.0, "gemm_bf16_TFLOPs": 700.0}}
+    if header:
+        head.update(commit="0123456789abcdef", command="python3 experiments/...")
+    engine = {**head, "rows": [
+        {"system": "slora", "model": "llama-2-7b", "batch": 32, "gen_tok_s": 5600.0,
+         "decode_tok_s": 6400.0 * scale, "wall_s": 0.7},
+        {"system": "slora+32x r16", "model": "llama-2-7b", "batch": 32,
+         "gen_tok_s": 5040.0 * scale, "decode_tok_s": 5760.0, "wall_s": 0.8}]}
+    s2 = {**head, "ceilings": {}, "scaling": [
+        {"adapters": 0, "modules": "none", "output_tok_s": 8000.0, "ratio": 1.0},
+        {"adapters": 2000, "modules": "qkvo", "output_tok_s": 6800.0 * scale, "ratio": 0.85}]}
+    decode = {**head, "decode": [
+        {"batch": 32, "modules": m, "step_ms": ms, "floor_ms": 4.0, "ratio": ms / 4.0}
+        for m, ms in (("none", 5.2), ("qkvo", 5.6), ("all", 6.0))]}
+    for name, res in (("engine/bench_engine.json", engine), ("s2/bench_scaling.json", s2),
+                      ("decode/bench_scaling.json", decode)):
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(json.dumps(res))
+    (path / "pytest.log").write_text("....\n120 passed, 2 skipped in 61.20s (0:01:01)\n")
+    return path
+
+
+def test_one_run_holds_each_figure_beside_its_peer(gpu_table, tmp_path):
+    run = gpu_table.load(str(write_run(tmp_path / "new")))
+    got = {what: (fig, peer, name) for what, fig, peer, name in gpu_table.rows(run)}
+    assert got == {
+        "PEFT race, 32x r16: gen tok/s": (5040.0, 5600.0, "no LoRA"),
+        "PEFT race, 32x r16: decode tok/s": (5760.0, 6400.0, "no LoRA"),
+        "S2 qkvo, 2000 adapters: tok/s": (6800.0, 8000.0, "no LoRA"),
+        "decode batch 32, none: ms/step": (5.2, 4.0, "byte floor"),
+        "decode batch 32, qkvo: ms/step": (5.6, 4.0, "byte floor"),
+        "decode batch 32, all: ms/step": (6.0, 4.0, "byte floor"),
+        "device copy GB/s (read + write)": (4200.0, 4800, "datasheet"),
+        "bf16 GEMM TFLOP/s (8192^3)": (700.0, 989, "datasheet")}
+    text = gpu_table.table([run])
+    assert text.splitlines()[0] == ("new: NVIDIA H200, commit 0123456789ab; "
+                                    "tests: 120 passed, 2 skipped in 61.20s (0:01:01)")
+    assert any(line.startswith("S2 qkvo, 2000 adapters: tok/s") and line.endswith("0.850")
+               for line in text.splitlines())
+
+
+def test_two_runs_compare_an_old_tree_from_its_archive(gpu_table, tmp_path):
+    write_run(tmp_path / "base", header=False)
+    with tarfile.open(tmp_path / "base.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "base", arcname="base")
+    new = write_run(tmp_path / "new", scale=1.01)
+    lines = gpu_table.table([gpu_table.load(str(tmp_path / "base.tar.gz")),
+                             gpu_table.load(str(new))]).splitlines()
+    assert lines[0].startswith("base: NVIDIA H200, commit -; tests: 120 passed")
+    assert lines[3].split()[-1] == "new/base"
+    s2 = next(line for line in lines if line.startswith("S2 qkvo"))
+    assert s2.split()[-1] == "1.010"
+
+
+def test_gpu_sh_parses_and_refuses_unknown_options():
+    script = ROOT / "experiments" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    res = subprocess.run(["bash", str(script), "--colour"], capture_output=True, text=True)
+    assert res.returncode == 2 and "--tree DIR" in res.stderr
+    assert len(script.read_text().splitlines()) <= 80
