@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 import time
@@ -57,7 +56,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import add_out_arg, bench_graph, ceilings, header, write_result  # noqa: E402
-from slora.kernels import lora  # noqa: E402
+from slora.kernels import mbgmm, mbgmv  # noqa: E402
 from slora.kernels import tiles as tiles_mod  # noqa: E402
 from slora.kernels import reference as ref  # noqa: E402
 from slora.kernels.attention import (  # noqa: E402
@@ -240,7 +239,7 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
 def tune_mbgmv(cfg, device, dtype, gen):
     """Sweep shrink/expand tile configs at a few decode shapes; returns rows for the JSON."""
     rows = []
-    orig_s, orig_e = lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg
+    orig_s, orig_e = mbgmv._mbgmv_shrink_cfg, mbgmv._mbgmv_expand_cfg
     # (CH 64: a 4096-wide d_in in one trip; BLOCK_R 16 / CHN 1: rank 16 in one trip)
     shrink_cfgs = [dict(BLOCK_R=br, CH=ch, num_warps=nw) for br in (1, 2, 4, 8)
                    for ch in (8, 16, 32, 64) for nw in (4, 8)]
@@ -256,7 +255,7 @@ def tune_mbgmv(cfg, device, dtype, gen):
         slots = torch.randperm(T, generator=gen).to(torch.int32).to(device)
         x = torch.randn(T, d, generator=gen).to(dtype).to(device)
         y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
-        xa = lora.mbgmv_shrink(x, P.pool[0], P.pages, P.offsets[:, :, 0], P.ranks, slots,
+        xa = mbgmv.mbgmv_shrink(x, P.pool[0], P.pages, P.offsets[:, :, 0], P.ranks, slots,
                                P.stride, r)
         el = x.element_size()
         a_bytes = T * r * 3 * d * el + x.numel() * el
@@ -264,16 +263,16 @@ def tune_mbgmv(cfg, device, dtype, gen):
         for kind, cfgs, nbytes in (("shrink", shrink_cfgs, a_bytes),
                                    ("expand", expand_cfgs, b_bytes)):
             for c in (cfgs if not cfg["smoke"] else cfgs[:2]):
-                lora._mbgmv_shrink_cfg = (lambda *a, c=c: dict(c)) if kind == "shrink" else orig_s
-                lora._mbgmv_expand_cfg = (lambda *a, c=c: dict(c)) if kind == "expand" else orig_e
+                mbgmv._mbgmv_shrink_cfg = (lambda *a, c=c: dict(c)) if kind == "shrink" else orig_s
+                mbgmv._mbgmv_expand_cfg = (lambda *a, c=c: dict(c)) if kind == "expand" else orig_e
 
                 def fn():
                     for l in range(L):
                         if kind == "shrink":
-                            lora.mbgmv_shrink(x, P.pool[l], P.pages, P.offsets[:, :, 0], P.ranks,
+                            mbgmv.mbgmv_shrink(x, P.pool[l], P.pages, P.offsets[:, :, 0], P.ranks,
                                               slots, P.stride, r)
                         else:
-                            lora.mbgmv_expand(xa, y, P.pool[l], P.pages, P.offsets[:, :, 1],
+                            mbgmv.mbgmv_expand(xa, y, P.pool[l], P.pages, P.offsets[:, :, 1],
                                               P.ranks, slots, out_dims, P.strides)
                 try:
                     us = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / L * 1e3
@@ -281,7 +280,7 @@ def tune_mbgmv(cfg, device, dtype, gen):
                     print(f"  {kind} {c}: {type(e).__name__}", flush=True)
                     continue
                 rows.append(dict(kind=kind, T=T, rank=r, **c, us=us, GBps=nbytes / us / 1e3))
-            lora._mbgmv_shrink_cfg, lora._mbgmv_expand_cfg = orig_s, orig_e
+            mbgmv._mbgmv_shrink_cfg, mbgmv._mbgmv_expand_cfg = orig_s, orig_e
             default = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / L * 1e3  # (the defaults)
             top = sorted((w for w in rows if w["kind"] == kind and w["T"] == T and w["rank"] == r),
                          key=lambda w: w["us"])[:4]
@@ -302,7 +301,7 @@ def tune_mbgmm(cfg, device, dtype, gen):
     short prompt (as a graphed mixed step has) to many long ones. Each row also gives the
     launch's bytes (x and A; out read and written, and B) as a share of the copy ceiling."""
     rows = []
-    orig = lora._mbgmm_cfg
+    orig = mbgmm._mbgmm_cfg
     d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
     # BLOCK_M is the work list's tile (tiles.tile_rows), not swept here
     smoke = cfg["smoke"]
@@ -321,7 +320,7 @@ def tune_mbgmm(cfg, device, dtype, gen):
         y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
         offa, offb = P.offsets[:, :, 0], P.offsets[:, :, 1]
         tiles = work_tiles(seg_start, seg_slot, x)
-        xa = lora.mbgmm_shrink(x, P.pool[0], P.pages, offa, P.ranks, seg_start, seg_slot,
+        xa = mbgmm.mbgmm_shrink(x, P.pool[0], P.pages, offa, P.ranks, seg_start, seg_slot,
                                P.stride, r, tiles)
         el = x.element_size()
         a_bytes = n_seg * r * (d * 3 + sum(out_dims)) * el  # every adapter's A and B, once
@@ -332,15 +331,15 @@ def tune_mbgmm(cfg, device, dtype, gen):
                 c = c or {}
                 run = {k: v for k, v in c.items() if k in run_opts}
                 opts = {k: v for k, v in c.items() if k not in run_opts}
-                lora._mbgmm_cfg = lambda *a, o=opts, **kw: {**orig(*a, **kw), **o}
+                mbgmm._mbgmm_cfg = lambda *a, o=opts, **kw: {**orig(*a, **kw), **o}
 
                 def fn():
                     for l in range(2):
                         if kind == "shrink":
-                            lora.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start,
+                            mbgmm.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start,
                                               seg_slot, P.stride, r, tiles, **run)
                         else:
-                            lora.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start,
+                            mbgmm.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start,
                                               seg_slot, out_dims, P.strides, tiles, **run)
                 try:
                     us = bench_graph(fn, device, warmup_ms=5, rep_ms=20) / 2 * 1e3
@@ -348,7 +347,7 @@ def tune_mbgmm(cfg, device, dtype, gen):
                     print(f"  mbgmm {kind} {c}: {type(e).__name__}", flush=True)
                     continue
                 finally:
-                    lora._mbgmm_cfg = orig
+                    mbgmm._mbgmm_cfg = orig
                 pct = 100 * mb[kind] / 1e3 / us / cfg["copy_GBps"] * 1e6 if us > 0 else 0.0
                 rows.append(dict(kind="mbgmm_" + kind, segments=n_seg, seg_len=seg_len, rank=r,
                                  default=not c, **c, us=us, MB=mb[kind], pct_copy=pct))
@@ -390,9 +389,9 @@ def run_mbgmm(r, cfg, device, dtype, gen):
     tiles = work_tiles(seg_start, seg_slot, x)
 
     def ours_l(l):
-        xa = lora.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start, seg_slot,
+        xa = mbgmm.mbgmm_shrink(x, P.pool[l], P.pages, offa, P.ranks, seg_start, seg_slot,
                                P.stride, r, tiles)
-        lora.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start, seg_slot,
+        mbgmm.mbgmm_expand(xa, y, P.pool[l], P.pages, offb, P.ranks, seg_start, seg_slot,
                           out_dims, P.strides, tiles)
 
     y0 = y.clone()
@@ -576,53 +575,6 @@ def tune_gemm(cfg, device, dtype, gen):
     return rows
 
 
-def run_gemm_lora(cfg, device, dtype, gen):
-    """A decode step's base GEMM of each module group with its rank-16 LoRA expand, every row
-    its own adapter: the few-rows GEMM then `lora.mbgmv_expand` (two launches, what the engine
-    runs) against the GEMM with the expand in its epilogue (`gemm.LoraExpand`, one launch).
-    Weights and adapter pools over enough layers that L2 holds none. Returns JSON rows."""
-    from slora.kernels import gemm
-
-    d = cfg["hidden"]
-    inter = 11008 if not cfg["smoke"] else 2 * d
-    r = 16 if not cfg["smoke"] else 8
-    groups = {"qkv": (d, (d, d, d)), "o": (d, (d,)), "gate_up": (d, (inter, inter)),
-              "down": (inter, (d,))}
-    rows = []
-    for M in ((1, 16, 32) if not cfg["smoke"] else (2,)):
-        for name, (K, out_dims) in groups.items():
-            N = sum(out_dims)
-            L = layers_for(N * K * 2, cfg["smoke"])
-            ws = [(torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
-                  for _ in range(L)]
-            P = Pool(M, r, K, out_dims, cfg["page_size"], L, dtype, device, gen)
-            offa, offb = P.offsets[:, :, 0].contiguous(), P.offsets[:, :, 1].contiguous()
-            slots = torch.randperm(M, generator=gen).to(torch.int32).to(device)
-            x = torch.randn(M, K, generator=gen).to(dtype).to(device)
-            xa = lora.mbgmv_shrink(x, P.pool[0], P.pages, offa, P.ranks, slots, P.stride, r)
-            pick = gemm.skinny_cfg(M, N, K, device)
-
-            def two(l):
-                out = gemm.skinny_linear(x, ws[l], cfg=pick)
-                lora.mbgmv_expand(xa, out, P.pool[l], P.pages, offb, P.ranks, slots, out_dims,
-                                  P.strides)
-                return out
-
-            def one(l):
-                return gemm.skinny_linear(x, ws[l], cfg=pick, lora=gemm.LoraExpand(
-                    xa, P.pool[l], P.pages, offb, P.ranks, slots, out_dims, P.strides))
-
-            err = rel_err(one(0).float(), two(0).float())
-            t_two = bench_graph(lambda: [two(l) for l in range(L)], device) / L * 1e3
-            t_one = bench_graph(lambda: [one(l) for l in range(L)], device) / L * 1e3
-            rows.append(dict(M=M, module=name, rank=r, us_two=t_two, us_one=t_one, err=err))
-            print(f"gemm+lora M={M:3d} {name:8s} rank {r}: GEMM then expand {t_two:7.1f} us, "
-                  f"expand in the GEMM {t_one:7.1f} us ({t_one - t_two:+.1f}) err {err:.1e}",
-                  flush=True)
-            del ws, P
-    return rows
-
-
 def run_prefill_attention(n_seq, n_tok, H, kvh, D, cfg, device, dtype, gen):
     """Causal prefill of n_seq prompts of n_tok tokens (KV already written), vs the twin."""
     k, v, tables = paged_kv(n_seq, n_tok, kvh, D, cfg["block_size"], device, dtype, gen)
@@ -701,18 +653,18 @@ def run_mixed(n_dec, cfg, device, dtype, gen):
     one_tiles, p_tiles = work_tiles(q_start_t, slots, x), work_tiles(p_start, slots[n_dec:], x)
 
     def lora_one():
-        xa = lora.mbgmm_shrink(x, pool_l, P.pages, offa, P.ranks, q_start_t, slots, P.stride, r,
+        xa = mbgmm.mbgmm_shrink(x, pool_l, P.pages, offa, P.ranks, q_start_t, slots, P.stride, r,
                                one_tiles)
-        lora.mbgmm_expand(xa, y, pool_l, P.pages, offb, P.ranks, q_start_t, slots, out_dims,
+        mbgmm.mbgmm_expand(xa, y, pool_l, P.pages, offb, P.ranks, q_start_t, slots, out_dims,
                           P.strides, one_tiles)
 
     def lora_split():
-        xa = lora.mbgmv_shrink(x[:n_dec], pool_l, P.pages, offa, P.ranks, slots[:n_dec], P.stride, r)
-        lora.mbgmv_expand(xa, y[:n_dec], pool_l, P.pages, offb, P.ranks, slots[:n_dec], out_dims,
+        xa = mbgmv.mbgmv_shrink(x[:n_dec], pool_l, P.pages, offa, P.ranks, slots[:n_dec], P.stride, r)
+        mbgmv.mbgmv_expand(xa, y[:n_dec], pool_l, P.pages, offb, P.ranks, slots[:n_dec], out_dims,
                           P.strides)
-        xa = lora.mbgmm_shrink(x[n_dec:], pool_l, P.pages, offa, P.ranks, p_start, slots[n_dec:],
+        xa = mbgmm.mbgmm_shrink(x[n_dec:], pool_l, P.pages, offa, P.ranks, p_start, slots[n_dec:],
                                P.stride, r, p_tiles)
-        lora.mbgmm_expand(xa, y[n_dec:], pool_l, P.pages, offb, P.ranks, p_start, slots[n_dec:],
+        mbgmm.mbgmm_expand(xa, y[n_dec:], pool_l, P.pages, offb, P.ranks, p_start, slots[n_dec:],
                           out_dims, P.strides, p_tiles)
 
     y0 = y.clone()
@@ -743,9 +695,6 @@ def main(argv=None) -> dict:
                          "attention / the decode GEMMs: cuBLAS against the few-rows Triton kernel)")
     ap.add_argument("--tune-only", action="store_true", help="stop after the tile sweep")
     ap.add_argument("--skip-attention", action="store_true")
-    ap.add_argument("--gemm-lora", action="store_true",
-                    help="only the decode GEMMs with their LoRA expand: two launches against "
-                         "the expand in the GEMM's epilogue")
     ap.add_argument("--only-mixed", action="store_true",
                     help="only the mixed-step comparison (decode rows through the prefill kernels "
                          "or through the decode kernels)")
@@ -778,11 +727,6 @@ def main(argv=None) -> dict:
            "config": {k: v for k, v in cfg.items()}}
     cfg["copy_GBps"] = res["ceilings"]["copy_GBps"]
     print(f"ceilings: {res['ceilings']}", flush=True)
-    if args.gemm_lora:
-        res["gemm_lora"] = run_gemm_lora(cfg, device, dtype, gen)
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_kernels_gemm_lora.json").write_text(json.dumps(res, indent=1))
-        return
     if args.tune:
         sweeps = {"mbgmv": tune_mbgmv, "mbgmm": tune_mbgmm, "attention": tune_attention,
                   "gemm": tune_gemm}

@@ -11,9 +11,9 @@ kernel without it: 255 registers and a 488-byte stack; with it: 126 and none). R
 stack bytes come from the wheel's cuobjdump. The decode step's kernels also compile with
 programmatic dependent launch (`slora.kernels.pdl`), and their PTX must keep its order: the
 wait before any store, atomic, async copy or return (`pdl_order`).
-`--loads` also counts each variant's global loads and async copies by width: session 18
-found the MBGMM expand's B tiles in 2-byte loads that way (an alignment hint set on a jit
-function's result, which Triton drops).
+`--loads` also counts each variant's global loads and async copies by width: a tile read in
+2-byte loads where 16-byte ones were meant is a lost alignment hint (one set on a jit
+function's result, which Triton drops, gives exactly that).
 Run it with TRITON_INTERPRET unset: under the interpreter `triton.jit` makes no compilable
 kernel.
 """
@@ -36,7 +36,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from slora.kernels import attention, fused, gemm, lora  # noqa: E402
+from slora.kernels import attention, fused, gemm, mbgmm, mbgmv  # noqa: E402
 
 LORA = {"x_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16", "xa_ptr": "*fp32",
         "pages_ptr": "*i32", "offs_ptr": "*i64", "ranks_ptr": "*i32",
@@ -50,8 +50,7 @@ FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
          "eps": "fp32"}
 GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-        "part_ptr": "*fp32", "count_ptr": "*i32", "xa_ptr": "*fp32", "pool_ptr": "*bf16",
-        "pages_ptr": "*i32", "offs_ptr": "*i64", "ranks_ptr": "*i32", "slot_ptr": "*i32"}
+        "part_ptr": "*fp32", "count_ptr": "*i32"}
 # integer arguments that are multiples of 16 when a 7B's step launches the kernels (hidden 4096,
 # head_dim 128, 32 heads, pages of 16 tokens, LoRA rows and offsets aligned to 64 elements)
 DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3", "s0", "s1",
@@ -66,18 +65,18 @@ def variants():
     """(name, kernel, argument types, constexprs, options) of each variant to compile."""
     opts = dict(num_warps=4)
     base = [
-        ("mbgmv shrink [4 x 32]", lora._mbgmv_shrink_kernel, LORA,
+        ("mbgmv shrink [4 x 32]", mbgmv._mbgmv_shrink_kernel, LORA,
          dict(BLOCK_R=4, CH=32, EVEN_K=True, PRE=False), opts),
-        ("mbgmv shrink [1 x 32], first tile early", lora._mbgmv_shrink_kernel, LORA,
+        ("mbgmv shrink [1 x 32], first tile early", mbgmv._mbgmv_shrink_kernel, LORA,
          dict(BLOCK_R=1, CH=32, EVEN_K=True, PRE=True), dict(opts, num_warps=8)),
-        ("mbgmv expand [2 x 8]", lora._mbgmv_expand_kernel, LORA,
+        ("mbgmv expand [2 x 8]", mbgmv._mbgmv_expand_kernel, LORA,
          dict(BLOCK_R=2, CHN=8, EVEN_N=True, PRE=False), opts),
-        ("mbgmv expand [4 x 4], first tile early", lora._mbgmv_expand_kernel, LORA,
+        ("mbgmv expand [4 x 4], first tile early", mbgmv._mbgmv_expand_kernel, LORA,
          dict(BLOCK_R=4, CHN=4, EVEN_N=True, PRE=True), opts),
-        ("mbgmm shrink", lora._mbgmm_shrink_kernel, LORA,
+        ("mbgmm shrink", mbgmm._mbgmm_shrink_kernel, LORA,
          dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False),
          dict(opts, num_warps=8, num_stages=3)),
-        ("mbgmm expand", lora._mbgmm_expand_kernel, LORA,
+        ("mbgmm expand", mbgmm._mbgmm_expand_kernel, LORA,
          dict(BLOCK_M=64, BLOCK_R=64, BLOCK_N=64, EVEN_N=True, DOT_F32=False, TWO_PAGES=True),
          dict(opts, num_stages=2, maxnreg=128)),
         ("decode attention", attention._decode_kernel, ATTN,
@@ -100,11 +99,8 @@ def variants():
          dict(BLOCK=64, TB=16), opts),
         ("silu_mul", fused._silu_mul_kernel, FUSED, dict(BLOCK=1024), opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
-         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, LORA=False, LORA_R=1,
+         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
-        ("few-rows gemm + LoRA expand", gemm._skinny_kernel, GEMM,
-         dict(SPLIT_K=False, HAS_BIAS=False, EVEN_K=True, DOT_F32=False, LORA=True, LORA_R=4,
-              BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=3)),
     ]
     # a decode step's kernels take a PDL constexpr (slora.kernels.pdl): each compiles without
     # it and, as a Hopper launches them, with it

@@ -109,7 +109,7 @@ class Scheduler:
         stable sort, so equal rows keep the running order). The batch's row order is free, and
         a row's MBGMV expand programs take time in proportion to its rank, which an adapter's
         pages grow with: in this order the GPU starts the longest first
-        (`slora.kernels.lora.mbgmv_expand`)."""
+        (`slora.kernels.mbgmv.mbgmv_expand`)."""
         adapters = self.adapters.adapters
         plan.decode.sort(key=lambda r: adapters[r.adapter].num_pages if r.adapter else 0,
                          reverse=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slora.kernels import TritonBackend
+from slora.kernels.backend import TritonBackend
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "mbgmv.cu"
 _SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -105,16 +105,13 @@ class CudaBackend(TritonBackend):
 
     name = "cuda"
 
-    def __init__(self, gemm_max_rows: int, lora_in_gemm: bool = False) -> None:
-        super().__init__(gemm_max_rows, lora_in_gemm)
-        self._lora = _Mixed(self._lora)
+    def __init__(self, gemm_max_rows: int) -> None:
+        super().__init__(gemm_max_rows)
+        self._mbgmv = _CudaMbgmv()
 
 
-class _Mixed:
-    """The Triton LoRA module with its MBGMV pair replaced by the CUDA one."""
+class _CudaMbgmv:
+    """The MBGMV pair the Triton backend calls (`self._mbgmv`), from csrc."""
 
-    def __init__(self, triton_lora) -> None:
-        self.mbgmm_shrink = triton_lora.mbgmm_shrink
-        self.mbgmm_expand = triton_lora.mbgmm_expand
-        self.mbgmv_shrink = mbgmv_shrink
-        self.mbgmv_expand = mbgmv_expand
+    mbgmv_shrink = staticmethod(mbgmv_shrink)
+    mbgmv_expand = staticmethod(mbgmv_expand)

@@ -19,8 +19,8 @@ pytest.importorskip("triton")
 
 from slora.kernels import reference as ref  # noqa: E402
 from slora.kernels.tiles import tile_rows, token_tiles  # noqa: E402
-from slora.kernels.lora import (mbgmm_expand, mbgmm_shrink, mbgmv_expand,  # noqa: E402
-                                mbgmv_shrink)
+from slora.kernels.mbgmm import mbgmm_expand, mbgmm_shrink  # noqa: E402
+from slora.kernels.mbgmv import mbgmv_expand, mbgmv_shrink  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALIGN = ref.LORA_ALIGN
@@ -341,12 +341,12 @@ def test_mbgmv_other_tilings(monkeypatch, tiles, pre_wait):
     """The GPU's tile choices (1-4 rank rows per program) on the interpreter too, whose own
     default tiles are larger to keep it fast: every tiling must compute the same function,
     with each program's first adapter tile loaded before or after the PDL wait."""
-    from slora.kernels import lora
+    from slora.kernels import mbgmv
 
-    monkeypatch.setattr(lora, "PRE_WAIT_ROWS", pre_wait)
+    monkeypatch.setattr(mbgmv, "PRE_WAIT_ROWS", pre_wait)
     br_s, ch, br_e, chn = tiles
-    monkeypatch.setattr(lora, "_mbgmv_shrink_cfg", lambda *a: dict(BLOCK_R=br_s, CH=ch))
-    monkeypatch.setattr(lora, "_mbgmv_expand_cfg", lambda *a: dict(BLOCK_R=br_e, CHN=chn))
+    monkeypatch.setattr(mbgmv, "_mbgmv_shrink_cfg", lambda *a: dict(BLOCK_R=br_s, CH=ch))
+    monkeypatch.setattr(mbgmv, "_mbgmv_expand_cfg", lambda *a: dict(BLOCK_R=br_e, CHN=chn))
     gen = torch.Generator().manual_seed(sum(tiles))
     d_in, out_dims = GROUPS["qkv"]
     grp = Group(3, d_in, out_dims, torch.float16, gen)
@@ -365,41 +365,3 @@ def test_mbgmv_other_tilings(monkeypatch, tiles, pre_wait):
     ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
                     out_dims, grp.strides)
     check_expand(out, out_ref, out0, slots, torch.float16)
-
-
-@pytest.mark.parametrize("split", [1, 2], ids=["one-slice", "split-k"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T", [1, 5])
-def test_skinny_linear_with_lora_expand_matches_twins(T, dtype, split):
-    """The few-rows GEMM with each row's LoRA delta added in its epilogue (gemm.LoraExpand)
-    gives F.linear then reference.lora_expand: modules of different widths (one 64-column
-    tile lies in one module), ranks that differ per adapter and module (0 included), base-only
-    rows, with and without K split across programs."""
-    from slora.kernels import gemm
-
-    gen = torch.Generator().manual_seed(77 * T + DTYPES.index(dtype) + split)
-    d_in, out_dims = 96, (128, 64, 64)
-    grp = Group(3, d_in, out_dims, dtype, gen)
-    slots = random_slots(T, 3, gen) if T > 1 else torch.tensor([2], dtype=torch.int32)
-    slots = slots.to(DEVICE)
-    x = torch.randn(T, d_in, generator=gen).to(dtype).to(DEVICE)
-    w = (torch.randn(sum(out_dims), d_in, generator=gen) * 0.1).to(dtype).to(DEVICE)
-    bias = torch.randn(sum(out_dims), generator=gen).to(dtype).to(DEVICE)
-    xa = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots, grp.stride,
-                         grp.max_rank)
-    expect = torch.nn.functional.linear(x, w, bias)
-    base = expect.clone()
-    ref.lora_expand(xa, expect, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
-                    out_dims, grp.strides)
-    cfg = gemm.skinny_cfg(T, sum(out_dims), d_in, torch.device(DEVICE))
-    cfg.update(BLOCK_N=64, BLOCK_K=32, SPLIT=split)
-    lora = gemm.LoraExpand(xa, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots, out_dims,
-                           grp.strides)
-    out = gemm.skinny_linear(x, w, bias, cfg=cfg, lora=lora)
-    plain = gemm.skinny_linear(x, w, bias, cfg=cfg)
-    assert not torch.isnan(out).any()
-    rows = slots >= 0
-    assert torch.equal(out[~rows], plain[~rows])  # base-only rows: the GEMM alone
-    assert rel_err(out, expect) < tol(dtype)
-    if rows.any():  # the deltas themselves (the kernel's own GEMM as their base)
-        assert rel_err(out - plain, expect - base) < tol(dtype) * 2

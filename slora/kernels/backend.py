@@ -1,0 +1,226 @@
+"""Kernel backends behind one small interface.
+
+`TorchBackend` runs the twins in `reference.py` (the CPU path, and the specification) and
+F.linear for the base GEMMs. `TritonBackend` runs the Triton kernels: MBGMV for decode rows,
+MBGMM for prefill segments, paged decode and prefill attention, the fused elementwise kernels,
+and the base GEMMs of a decode step's few rows (`gemm.linear`; cuBLAS past them). Both take the
+same `Batch` / `LoraMeta` built by the runner; `make_backend` picks one by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from slora.kernels import reference as ref
+
+
+@dataclass
+class GroupMeta:
+    """One LoRA module group (modules sharing an input) for the adapters of this batch."""
+
+    offsets_a: torch.Tensor  # int64 [n_a, G]
+    offsets_b: torch.Tensor  # int64 [n_a, G]
+    ranks: torch.Tensor  # int32 [L, n_a, G]
+    max_rank: int
+    stride_in: int
+    strides_out: tuple[int, ...]
+    out_dims: tuple[int, ...]
+
+
+@dataclass
+class LoraMeta:
+    """Per-step LoRA batch metadata, shared by every layer (see reference.py's docstring).
+
+    Tokens 0..num_decode-1 are decode rows, one token each; the rest are prefill rows. Two views
+    of the same assignment: token_slot gives each token's adapter row (the torch twin and MBGMV
+    read it), and, in steps with prefill rows, the segments seg_start[i]:seg_start[i+1], one
+    per sequence (decode rows too), share adapter row seg_slot[i]; MBGMM walks `tiles`, the
+    work list of the prompts' segments with an adapter (slora.kernels.tiles).
+    """
+
+    pages: torch.Tensor  # int32 [n_a, max_pages]
+    token_slot: torch.Tensor  # int32 [T]
+    num_decode: int
+    groups: dict[str, GroupMeta]
+    seg_start: torch.Tensor | None = None  # int32 [S+1], absolute token indices (Batch.q_start_tensor)
+    seg_slot: torch.Tensor | None = None  # int32 [S]
+    tiles: torch.Tensor | None = None  # int32 [1 + 2 * capacity]: the prompts' (adapter) tiles
+    tile_programs: int | None = None  # programs walking `tiles` (None: one per tile)
+    # A step with prompts and decode rows: the adapter rows of its first n tokens, for MBGMV
+    # (the decode rows; a graph's bucket pads it with -1 over the prompt tokens).
+    dec_slot: torch.Tensor | None = None  # int32 [n]
+
+
+class TorchBackend:
+    name = "torch"
+
+    linear = staticmethod(F.linear)
+    rms_norm = staticmethod(ref.rms_norm)
+    add_rms_norm = staticmethod(ref.add_rms_norm)
+    rope_write_kv = staticmethod(ref.rope_write_kv)
+    silu_mul = staticmethod(ref.silu_mul)
+
+    def attention(self, q, k_cache, v_cache, b, scale):
+        return ref.paged_attention(q, k_cache, v_cache, b.block_tables, b.q_start_list,
+                                   b.ctx_lens_list, scale)
+
+    def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
+                       num_kv_heads):
+        """Rotary on q and k of the fused qkv output, K/V stored at the tokens' slots, then
+        attention: [T, H, D]."""
+        q = self.rope_write_kv(qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping,
+                               num_heads, num_kv_heads)
+        return self.attention(q, k_cache, v_cache, b, scale)
+
+    def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
+        """A base linear layer of module group `group` with its batch's LoRA deltas added:
+        x @ w^T (+ bias) + each row's own adapter's (x @ A^T) @ B^T."""
+        out = self.linear(x, w, bias)
+        if meta is not None:
+            self.lora(out, x, pool_l, meta, layer, group)
+        return out
+
+    def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
+        g = meta.groups.get(group)
+        if g is None:
+            return
+        ranks = g.ranks[layer]
+        xa = ref.lora_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, meta.token_slot,
+                             g.stride_in, g.max_rank)
+        ref.lora_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks, meta.token_slot,
+                        g.out_dims, g.strides_out)
+
+
+class TritonBackend(TorchBackend):
+    name = "triton"
+
+    def __init__(self, gemm_max_rows: int) -> None:
+        # triton imported only for this backend
+        from slora.kernels import attention, fused, gemm, mbgmm, mbgmv
+
+        self._attn, self._mbgmv, self._mbgmm = attention, mbgmv, mbgmm
+        self._side: dict[torch.device, torch.cuda.Stream] = {}  # (linear_lora)
+        self.linear = functools.partial(gemm.linear, max_rows=gemm_max_rows)
+        self.rms_norm = fused.rms_norm
+        self.add_rms_norm = fused.add_rms_norm
+        self.rope_write_kv = fused.rope_write_kv
+        self.silu_mul = fused.silu_mul
+
+    def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
+                       num_kv_heads):
+        if b.num_decode == len(b.q_start_list) - 1:  # decode only: rotary and K/V store folded in
+            return self._attn.rope_paged_decode_attention(
+                qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping, b.block_tables,
+                b.ctx_lens, scale, num_heads, num_kv_heads)
+        return super().rope_attention(qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
+                                      num_kv_heads)
+
+    def attention(self, q, k_cache, v_cache, b, scale):
+        if b.num_decode == len(b.q_start_list) - 1:  # decode only: the split-K decode kernel
+            return self._attn.paged_decode_attention(q, k_cache, v_cache, b.block_tables,
+                                                     b.ctx_lens, scale)
+        out = torch.empty_like(q)
+        if b.dec_ctx_lens is not None:  # the decode rows: the decode kernel
+            n = b.dec_ctx_lens.shape[0]
+            out[:n] = self._attn.paged_decode_attention(q[:n], k_cache, v_cache,
+                                                        b.block_tables[:n], b.dec_ctx_lens, scale)
+        # the prompts (whole, or chunks over a cached prefix): the flash-style prefill kernel
+        # over their work tiles, writing only their rows of `out`
+        return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
+                                                  b.q_start_tensor, b.ctx_lens, scale, b.tiles,
+                                                  b.tile_programs, out=out)
+
+    def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
+        """A decode-only step on a GPU runs the shrink on a side stream beside the base GEMM
+        (the shrink reads only x and adapter pages) and the expand after both: a decode step's
+        GEMM leaves SMs idle (its few output tiles do not fill the GPU), and the shrink fills
+        them. Other steps run the GEMM, then `lora`, on one stream: their GEMMs fill the GPU.
+        Every use of the side stream starts by waiting for the main one, so xa (allocated on
+        the side) is reused there only after its expand ran."""
+        g = meta.groups.get(group) if meta is not None else None
+        if g is None:
+            return self.linear(x, w, bias)
+        if x.device.type != "cuda" or x.shape[0] != meta.num_decode:
+            return super().linear_lora(x, w, bias, pool_l, meta, layer, group)
+        main = torch.cuda.current_stream(x.device)
+        side = self._side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            xa = self._shrink(x, pool_l, meta, g, layer)
+        out = self.linear(x, w, bias)
+        main.wait_stream(side)
+        self._expand(xa, out, pool_l, meta, g, layer)
+        return out
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._side:
+            self._side[device] = torch.cuda.Stream(device)
+        return self._side[device]
+
+    def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
+        """Decode rows: MBGMV, one adapter row per token. Prompts: MBGMM over their segments'
+        work tiles. A step with both runs both pairs: decode rows go to MBGMV even in a mixed
+        step, since as one-token MBGMM segments each would fill a whole token tile alone."""
+        g = meta.groups.get(group)
+        if g is not None:
+            self._expand(self._shrink(x, pool_l, meta, g, layer), out, pool_l, meta, g, layer)
+
+    def _shrink(self, x, pool_l, meta: LoraMeta, g: GroupMeta, layer: int):
+        """(xa of the decode rows, xa of the prompts), None where the step has none."""
+        ranks = g.ranks[layer]
+        slot = _decode_slot(meta, x.shape[0])
+        xa_dec = xa_pre = None
+        if slot is not None:
+            xa_dec = self._mbgmv.mbgmv_shrink(x[:slot.shape[0]], pool_l, meta.pages, g.offsets_a,
+                                             ranks, slot, g.stride_in, g.max_rank)
+        if x.shape[0] != meta.num_decode:
+            xa_pre = self._mbgmm.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
+                                             meta.seg_start, meta.seg_slot, g.stride_in,
+                                             g.max_rank, meta.tiles, meta.tile_programs)
+        return xa_dec, xa_pre
+
+    def _expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta, layer: int) -> None:
+        ranks = g.ranks[layer]
+        xa_dec, xa_pre = xa
+        if xa_dec is not None:
+            slot = _decode_slot(meta, out.shape[0])
+            self._mbgmv.mbgmv_expand(xa_dec, out[:slot.shape[0]], pool_l, meta.pages, g.offsets_b,
+                                    ranks, slot, g.out_dims, g.strides_out)
+        if xa_pre is not None:
+            self._mbgmm.mbgmm_expand(xa_pre, out, pool_l, meta.pages, g.offsets_b, ranks,
+                                    meta.seg_start, meta.seg_slot, g.out_dims, g.strides_out,
+                                    meta.tiles, meta.tile_programs)
+
+
+def _decode_slot(meta: LoraMeta, rows: int) -> torch.Tensor | None:
+    """The adapter rows of a step's decode rows, for MBGMV (None: the step has none): every
+    token's in a decode-only step of `rows` tokens, else `dec_slot`."""
+    return meta.token_slot if rows == meta.num_decode else meta.dec_slot
+
+
+def make_backend(name: str, device: torch.device, gemm_max_rows: int):
+    """The backend `name` ("auto", "torch", "triton" or "cuda") for `device`; the GPU backends
+    run base GEMMs of at most `gemm_max_rows` rows (`EngineConfig.gemm_max_rows`) through
+    `gemm.linear`."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchBackend()
+    if name in ("triton", "cuda") and device.type == "cuda":
+        from slora.kernels import gemm
+
+        gemm.prepare(device)  # the GEMMs' tile counters, before any graph capture
+    if name == "triton":
+        return TritonBackend(gemm_max_rows)
+    if name == "cuda":
+        if device.type != "cuda":
+            raise ValueError("EngineConfig.backend='cuda' runs the csrc CUDA kernels and needs a "
+                             "CUDA device; use backend='torch' (or 'auto') on CPU")
+        from slora.kernels.cuda import CudaBackend
+
+        return CudaBackend(gemm_max_rows)
+    raise ValueError(f"unknown backend {name!r}")

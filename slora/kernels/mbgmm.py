@@ -1,0 +1,378 @@
+"""MBGMM: the prompts' multi-LoRA shrink and expand (Triton), reading adapter weights straight
+from the paged pool (`adapter_pages`).
+
+Semantics: exactly `reference.lora_shrink` / `reference.lora_expand` (the torch twins) with
+token_slot expanded from segments: seg_start int32 [S+1] holds token offsets, seg_slot int32
+[S] the adapter row of each segment's consecutive tokens (-1 = base-only segment).
+
+Tiling, and why:
+  * tl.dot on (BLOCK_M tokens x 64) by (64 x BLOCK_R ranks) tiles (shrink) and (BLOCK_M x
+    BLOCK_R) by (BLOCK_R x 64 columns) tiles (expand); 64-wide K or N tiles keep one page per
+    rank row. A shrink program loads each A row's (at most two) pages before its loop over its
+    slice of d_in; an expand program covers every rank and a span of columns: it loads its xa
+    tile once, and each B row's (at most two) pages before its loop over the span. Dot tiles
+    are at least 16 in every dimension on the GPU.
+  * The programs walk a host-built list of (segment, token tile) work items (`tiles.py`)
+    holding only segments with an adapter: no program is launched for a tile without work.
+  * The work is sized on the device from the step's own tile count (`_split_count`,
+    `_span_chunks`): a graph's launch covers its bucket's worst case, while most steps with
+    prompts hold one or two short ones.
+  * Under the Triton interpreter (CPU tensors) dot operands are cast to fp32, because bf16
+    tl.dot is silently wrong there (triton#11584); on the GPU fp32 dots run in IEEE precision,
+    so the fp32 path matches the twin rather than tf32.
+  * The page-table width (`stride_pg`) and the shrink's split count are exempt from Triton's
+    integer specialization: values of a new class met while serving compile no new variant.
+
+PDL (`pdl.py`): each kernel reads the step's metadata (slots, ranks, offsets, page ids, work
+list) before its wait, and x, xa and out after it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import pdl
+from .adapter_pages import (CHUNK, CK, add_rounded, check_meta, chunk_base, dims4, row_pages,
+                            select)
+from .tiles import as_tiles, tile_rows
+from .tuning import pow2
+
+
+# MBGMM sizes its work on the device, from the step's own tile count (`_split_count`,
+# `_span_chunks`): a graph's launch covers its bucket's worst case, while most steps with
+# prompts hold one or two short ones.
+# Shrink: slices of d_in. A short prompt gives few (token tile, module, rank tile) items, each
+# streaming all of d_in in turn: latency, not bandwidth. The slices' partial sums meet in xa by
+# atomic adds. Measured on the H200 (session 8): the best split kept items x slices near
+# 200-400 (16 slices for one 256-token prompt, 13.6 us against 17.2 at 8; 2 for 8 x 512
+# tokens, 65 us against 126 at 8), with at least 4 chunks a slice.
+SHRINK_PROGRAMS = tl.constexpr(384)
+# Expand: columns a program, 64 doubled while token tiles x modules x column spans stay at
+# least this many, up to 512. A program loads its metadata, xa tile and page lookups once for
+# its whole span; one program per 64 columns spent most of its time in that chain. Best spans
+# (session 13, q/k/v, rank 64): 128 for one 256-token prompt, 512 for 4 x 216 and 8 x 512.
+EXPAND_PROGRAMS = tl.constexpr(256)
+SPAN_CHUNKS = tl.constexpr(8)  # the widest span, in 64-column chunks (512 columns)
+
+
+@triton.jit
+def _split_count(work, d_in, fixed):
+    """MBGMM shrink's slices of d_in for `work` (token tile, module, rank tile) items: `fixed`
+    if not 0, else doubled from 1 while items x slices stay within SHRINK_PROGRAMS and every
+    slice keeps at least 4 chunks, up to 16 (see mbgmm_shrink)."""
+    split = fixed
+    if fixed == 0:
+        split = 1
+        while (split < 16) & (work * split * 2 <= SHRINK_PROGRAMS) & (d_in >= 8 * CK * split):
+            split *= 2
+    return split
+
+
+@triton.jit
+def _span_chunks(work, d_out, fixed):
+    """MBGMM expand's 64-column chunks a program: `fixed` if not 0, else doubled from 1 while
+    `work` (token tiles x modules) x column spans stays at least EXPAND_PROGRAMS, up to
+    SPAN_CHUNKS (see mbgmm_expand)."""
+    chunks = fixed
+    if fixed == 0:
+        chunks = 1
+        while ((chunks < SPAN_CHUNKS)
+               & (work * tl.cdiv(d_out, 2 * CK * chunks) >= EXPAND_PROGRAMS)):
+            chunks *= 2
+    return chunks
+
+
+@triton.jit(do_not_specialize=["stride_pg", "split_k"])
+def _mbgmm_shrink_kernel(
+    x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, tiles_ptr,
+    xa_ptr,
+    stride_x, d_in, stride, P,
+    stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
+    G, max_rank, n_rt, split_k,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    # The work: (token tile, module, rank tile, slice of d_in) items, the slices counted from
+    # the step's own tiles (the list's length; a graph's grid is sized for its bucket)
+    n_tiles = tl.load(tiles_ptr)  # (the step's metadata: before the wait)
+    split = _split_count(n_tiles * G * n_rt, d_in, split_k)
+    k_split = tl.cdiv(tl.cdiv(d_in, BLOCK_K), split) * BLOCK_K
+    split = tl.cdiv(d_in, k_split)  # no empty slice
+    per_tile = G * n_rt * split
+    pdl.wait(PDL)
+    for w in range(tl.program_id(0), n_tiles * per_tile, tl.num_programs(0)):
+        i = w // per_tile
+        g = w // (n_rt * split) % G
+        r0 = (w // split % n_rt) * BLOCK_R
+        k_lo = (w % split) * k_split  # this item's slice of d_in
+        s = tl.load(tiles_ptr + 1 + 2 * i)
+        slot = tl.load(seg_slot_ptr + s)
+        rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rk0 + g * stride_rk1)
+        if (slot >= 0) & (r0 < rank):
+            m0 = tl.load(tiles_ptr + 2 + 2 * i)
+            m_end = tl.minimum(m0 + BLOCK_M, tl.load(seg_start_ptr + s + 1))
+            _mbgmm_shrink_tile(x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0,
+                               m_end, r0, k_lo, stride_x, d_in, stride, P, stride_pg,
+                               stride_of0, stride_of1, G, max_rank, split, k_split,
+                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32, TWO_PAGES)
+    pdl.launch_next(PDL)
+
+
+@triton.jit
+def _mbgmm_shrink_tile(
+    x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0, m_end, r0, k_lo,
+    stride_x, d_in, stride, P, stride_pg, stride_of0, stride_of1, G, max_rank, split_k, k_split,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
+):
+    """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, ranks
+    r0..r0+BLOCK_R-1, d_in slice k_lo..k_lo+k_split-1."""
+    off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
+    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < m_end
+    r_ok = offs_r < rank
+    row_v = off_a + offs_r * stride
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+    # each row's slice lies in two pages at most: their ids once, not a lookup a trip
+    i0, p0, p1 = row_pages(pages_row, row_v + k_lo, tl.minimum(k_split, d_in - k_lo), r_ok, P,
+                            TWO_PAGES)
+    for k0 in range(k_lo, tl.minimum(k_lo + k_split, d_in), BLOCK_K):
+        # BLOCK_K is CHUNK, so each row's tile lies in one page
+        base = chunk_base(pages_row, row_v + k0, r_ok, P, i0, p0, p1, TWO_PAGES)
+        if EVEN_K:
+            amask = r_ok[:, None]
+            xmask = m_ok[:, None]
+        else:
+            amask = r_ok[:, None] & (k0 + offs_k[None, :] < d_in)
+            xmask = m_ok[:, None] & (k0 + offs_k[None, :] < d_in)
+        a = tl.load(pool_ptr + base[:, None] + offs_k[None, :], mask=amask, other=0.0)
+        xt = tl.load(x_rows + k0 + offs_k[None, :], mask=xmask, other=0.0)
+        if DOT_F32:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, tl.trans(a))
+    ptrs = xa_ptr + (offs_m[:, None] * G + g) * max_rank + offs_r[None, :]
+    if split_k == 1:  # a runtime branch: the split is no compile-time variant
+        tl.store(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+    else:  # partial sums over d_in slices meet in the zeroed xa
+        tl.atomic_add(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["stride_pg", "n_chunks"])
+def _mbgmm_expand_kernel(
+    xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr,
+    tiles_ptr,
+    stride_out, P,
+    stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
+    G, max_rank, max_out, n_chunks,
+    d0, d1, d2, d3, s0, s1, s2, s3,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    # The work: (token tile, module, column span) items, the span sized from the step's own
+    # tiles (the list's length; a graph's grid is sized for its bucket)
+    n_tiles = tl.load(tiles_ptr)  # (the step's metadata: before the wait)
+    chunks = _span_chunks(n_tiles * G, max_out, n_chunks)
+    n_nt = tl.cdiv(max_out, chunks * BLOCK_N)
+    pdl.wait(PDL)
+    for w in range(tl.program_id(0), n_tiles * G * n_nt, tl.num_programs(0)):
+        i = w // (G * n_nt)
+        g = w // n_nt % G
+        n_lo = (w % n_nt) * chunks * BLOCK_N
+        d_out = select(g, d0, d1, d2, d3)
+        stride = select(g, s0, s1, s2, s3)
+        col = select(g, 0, d0, d0 + d1, d0 + d1 + d2)
+        s = tl.load(tiles_ptr + 1 + 2 * i)
+        slot = tl.load(seg_slot_ptr + s)
+        rank = tl.load(ranks_ptr + tl.maximum(slot, 0) * stride_rk0 + g * stride_rk1)
+        if (slot >= 0) & (rank > 0) & (n_lo < d_out):
+            m0 = tl.load(tiles_ptr + 2 + 2 * i)
+            m_end = tl.minimum(m0 + BLOCK_M, tl.load(seg_start_ptr + s + 1))
+            n_hi = tl.minimum(n_lo + chunks * BLOCK_N, d_out)
+            _mbgmm_expand_tile(xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank,
+                               m0, m_end, n_lo, n_hi, d_out, stride, col, stride_out, P,
+                               stride_pg, stride_of0, stride_of1, G, max_rank,
+                               BLOCK_M, BLOCK_R, BLOCK_N, EVEN_N, DOT_F32, TWO_PAGES)
+    pdl.launch_next(PDL)
+
+
+@triton.jit
+def _mbgmm_expand_tile(
+    xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank, m0, m_end, n_lo, n_hi, d_out,
+    stride, col, stride_out, P, stride_pg, stride_of0, stride_of1, G, max_rank,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
+):
+    """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, output
+    columns n_lo..n_hi-1 of the module's d_out (at column `col` of out), BLOCK_N at a time.
+    BLOCK_R covers every rank, so xa's tile and each B row's pages load once, before the loop."""
+    off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
+    pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    m_ok = offs_m < m_end
+    r_ok = offs_r < rank
+    row_v = off_b + offs_r * stride
+    i0, p0, p1 = row_pages(pages_row, row_v, d_out, r_ok, P, TWO_PAGES)
+    w = tl.load(xa_ptr + (offs_m[:, None] * G + g) * max_rank + offs_r[None, :],
+                mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+    if not DOT_F32:
+        w = w.to(pool_ptr.dtype.element_ty)
+    out_rows = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + col
+    for c in range(0, tl.cdiv(n_hi - n_lo, BLOCK_N)):
+        n0 = n_lo + c * BLOCK_N  # (a multiple of BLOCK_N the compiler sees: 16-byte accesses)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if EVEN_N:  # n0 < d_out and BLOCK_N = CK: the tile is whole, no column mask
+            omask = m_ok[:, None]
+            bmask = r_ok[:, None]
+        else:
+            omask = m_ok[:, None] & (offs_n < d_out)[None, :]
+            bmask = r_ok[:, None] & (offs_n < d_out)[None, :]
+        o = tl.load(out_rows + offs_n[None, :], mask=omask, other=0.0)  # first: its latency
+        # hides behind B's. BLOCK_N divides CHUNK, so each rank row's tile lies in one page.
+        base = chunk_base(pages_row, row_v + n0, r_ok, P, i0, p0, p1, TWO_PAGES)
+        b = tl.load(pool_ptr + base[:, None] + tl.arange(0, BLOCK_N)[None, :], mask=bmask,
+                    other=0.0)
+        if DOT_F32:
+            acc = tl.dot(w, b.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(w, b)
+        tl.store(out_rows + offs_n[None, :], add_rounded(o, acc), mask=omask)
+
+
+def _dot_min(device: torch.device) -> int:
+    # The GPU compiler needs every tl.dot dimension >= 16; the interpreter does not, and its
+    # cost grows with tile size, so CPU runs use the smallest tiles that cover the data.
+    return 16 if device.type == "cuda" else 1
+
+
+def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
+    """Tiles for MBGMM: BLOCK_M tokens (`tile_rows`: the work list's tile) by BLOCK_R ranks,
+    64-wide K (shrink) or N (expand). Shrink programs own up to 64 ranks; expand's BLOCK_R
+    covers every rank, so each program loads its xa tile once and then walks its columns.
+    Measured on the H200 (`bench_kernels.py --tune mbgmm`, q/k/v group, 1 x 256 to 8 x 512
+    tokens):
+      * shrink with 8 warps (and its d_in split, SHRINK_PROGRAMS) was best at every shape
+        (session 8: 126 -> 65 us at 8 x 512 rank 64);
+      * expand with 4 warps and 2 stages: its tile compiled to 139 / 224 / 122 registers at
+        BLOCK_R 16 / 32 / 64, so ranks below 64 take a 64-rank tile (the padding is masked,
+        and costs dot steps, not bytes). Session 13: q/k/v at 4 x 216 tokens rank 64 49.5 ->
+        24 us, 8 x 512 185 -> 86 us against one program per 64 columns; rank 16 alone lost
+        5-15% (20.8 -> 23.9 us), yet in a batch-128 step with 4 x 216-token prompts the
+        expand went 1.31 -> 1.15 ms (rank 16), 1.69 -> 1.20 (32), 2.75 -> 1.30 (64)."""
+    block_r = max(_dot_min(x.device), min(64, pow2(max_rank)) if shrink else pow2(max_rank))
+    if x.device.type != "cuda":
+        return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=4,
+                    num_stages=1)
+    if shrink:
+        return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=8,
+                    num_stages=3)
+    # (the expand's item loop took it from 122 to 136 registers, 3 programs an SM instead of
+    # 4; capped at 128 it compiles without spills: `experiments/compile_check.py`)
+    return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=max(64, block_r), num_warps=4,
+                num_stages=2, maxnreg=128)
+
+
+def _dot_f32(x: torch.Tensor, pool_l: torch.Tensor) -> bool:
+    # Interpreter (CPU tensors): bf16 tl.dot is wrong there, so fp32 operands. GPU fp32: IEEE.
+    return x.device.type != "cuda" or pool_l.dtype == torch.float32
+
+
+def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+                 offsets_a: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
+                 seg_slot: torch.Tensor, stride: int, max_rank: int,
+                 tiles: torch.Tensor | None = None, programs: int | None = None,
+                 split_k: int | None = None) -> torch.Tensor:
+    """MBGMM shrink (prefill): xa[t, g, :r] = x[t] @ A_g^T for every token t of a segment.
+
+    seg_start int32 [S+1] token offsets, seg_slot int32 [S] (-1 = base-only segment, skipped).
+    Returns xa [T, G, max_rank] float32, zero past each rank and outside adapter segments.
+    Twin: `reference.lora_shrink` with token_slot expanded from the segments.
+    `tiles`: the work list of the adapter segments (`slora.kernels.tiles`, tiles of
+    `tile_rows(x.device, x.dtype)` tokens); None builds it here, a host round trip.
+    Work: (token tile, module, rank tile, slice of d_in) items. `programs` (default: the
+    list's slots) bounds the tiles taken at once. `split_k` fixes the slices of d_in; 0 counts
+    them on the device from the step's tiles (`_split_count`); None is 0 on a GPU, 1 on CPU. The
+    slices' partial sums are added atomically into xa.
+    """
+    check_meta(x, pool_l, pages, offsets_a, ranks)
+    T, d_in = x.shape
+    G = offsets_a.shape[1]
+    S = seg_slot.shape[0]
+    assert stride % CHUNK == 0 and stride >= d_in
+    assert seg_start.dtype == torch.int32 and seg_start.shape[0] == S + 1
+    xa = torch.zeros(T, G, max_rank, dtype=torch.float32, device=x.device)
+    if T == 0 or S == 0 or max_rank == 0:
+        return xa
+    cfg = _mbgmm_cfg(max_rank, x, shrink=True)
+    tiles = as_tiles(tiles, seg_start, cfg["BLOCK_M"], keep=seg_slot)
+    programs = programs or (tiles.shape[0] - 1) // 2
+    if programs == 0:
+        return xa
+    n_rt = triton.cdiv(max_rank, cfg["BLOCK_R"])
+    if x.device.type != "cuda" and split_k is None:
+        split_k = 1  # (the interpreter runs programs one by one: no idle ones)
+    work = programs * G * n_rt  # items before any split
+    # A fixed split: one program an item. Counted on the device: a split only while the items
+    # stay within SHRINK_PROGRAMS, so that many programs (or one an unsplit item) cover them.
+    grid = work * split_k if split_k else max(work, SHRINK_PROGRAMS.value)
+    _mbgmm_shrink_kernel[(grid,)](
+        x, pool_l, pages, offsets_a, ranks, seg_start, seg_slot, tiles, xa,
+        x.stride(0), d_in, stride, pool_l.shape[1],
+        pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
+        G, max_rank, n_rt, split_k or 0, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
+        DOT_F32=_dot_f32(x, pool_l), TWO_PAGES=d_in <= pool_l.shape[1],
+        **pdl.options(x.device), **cfg)
+    return xa
+
+
+def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+                 offsets_b: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
+                 seg_slot: torch.Tensor, out_dims: tuple[int, ...], strides: tuple[int, ...],
+                 tiles: torch.Tensor | None = None, programs: int | None = None,
+                 n_span: int | None = None) -> None:
+    """MBGMM expand (prefill), in place: out[t, cols_g] += xa[t, g, :r] @ B_g^T per segment.
+
+    Same segment metadata and work list as `mbgmm_shrink`; same output layout as
+    `mbgmv_expand`. On the GPU the dot runs in B's dtype (xa rounded to it) with fp32
+    accumulation; fp32 runs in IEEE precision. Work: (token tile, module, column span) items,
+    each span walked 64 columns at a time. `programs` (default: the list's slots) bounds the
+    tiles taken at once. `n_span` fixes the span (a multiple of 64); 0 sizes it on the device
+    from the step's tiles (`_span_chunks`); None is 0 on a GPU, 64 on CPU.
+    """
+    check_meta(out, pool_l, pages, offsets_b, ranks)
+    T, G, max_rank = xa.shape
+    S = seg_slot.shape[0]
+    assert xa.dtype == torch.float32 and xa.is_contiguous()
+    assert out.shape == (T, sum(out_dims)) and len(out_dims) == G
+    assert seg_start.dtype == torch.int32 and seg_start.shape[0] == S + 1
+    if T == 0 or S == 0 or max_rank == 0:
+        return
+    d, s = dims4(out_dims, strides)
+    cfg = _mbgmm_cfg(max_rank, out, shrink=False)
+    tiles = as_tiles(tiles, seg_start, cfg["BLOCK_M"], keep=seg_slot)
+    programs = programs or (tiles.shape[0] - 1) // 2
+    if programs == 0:
+        return
+    max_out = max(out_dims)
+    if out.device.type != "cuda" and n_span is None:
+        n_span = CHUNK  # (the interpreter runs programs one by one: no idle ones)
+    assert n_span is None or n_span % CHUNK == 0
+    # A fixed span: one program an item. Sized on the device: spans of 512 columns, or below
+    # that fewer than 2 x EXPAND_PROGRAMS items, so that many programs cover them.
+    grid = (programs * G * triton.cdiv(max_out, n_span) if n_span else
+            max(programs * G * triton.cdiv(max_out, SPAN_CHUNKS.value * CHUNK),
+                2 * EXPAND_PROGRAMS.value))
+    _mbgmm_expand_kernel[(grid,)](
+        xa, out, pool_l, pages, offsets_b, ranks, seg_start, seg_slot, tiles,
+        out.stride(0), pool_l.shape[1],
+        pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
+        G, max_rank, max_out, (n_span or 0) // CHUNK, *d, *s, BLOCK_N=CHUNK,
+        EVEN_N=all(x % CHUNK == 0 for x in out_dims), DOT_F32=_dot_f32(out, pool_l),
+        TWO_PAGES=max_out <= pool_l.shape[1], **pdl.options(out.device), **cfg)
