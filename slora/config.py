@@ -71,23 +71,22 @@ class EngineConfig:
     prefetch_reserve: int = 64
     cuda_graphs: bool = True
     # Steps with prompts of at most this many tokens in all (prompts + decode rows) replay CUDA
-    # graphs too (slora.graphs), on a GPU with cuda_graphs; 0 runs them eagerly. Under the
-    # profiler on the H200 a batch-32 mixed step took 14.5 ms graphed, 79 ms eager: the host
-    # launching ~450 Triton kernels bounds an eager step (notes/kernels.md).
+    # graphs too (slora.graphs), on a GPU with cuda_graphs; 0 runs them eagerly. A small
+    # eager step is bound by the host launching its ~450 Triton kernels, which a graph
+    # replays at once.
     mixed_graph_tokens: int = 2048
     # Launch each step before collecting the one before it (vLLM's async scheduling): the
     # host's work for a step (scheduling, the batch, the launch) overlaps the device's for the
     # last one, decode rows take their input ids on the device, and a request that stops
     # computes one token more, dropped. Outputs are the same; Engine.step returns a step's
     # outputs one call later. None (auto): on with CUDA, where a launch returns before the
-    # device is done (H200, batch-32 decode: 6.5 -> 5.8 ms), off on CPU, where it computes
-    # the step; the simulator takes its profile's order (`Profile.async_scheduling`).
+    # device is done, off on CPU, where it computes the step; the simulator takes its
+    # profile's order (`Profile.async_scheduling`).
     async_scheduling: bool | None = None
     # Base GEMMs (q/k/v, o, gate/up, down, lm_head) of at most this many rows run through
-    # slora's few-rows Triton kernel on CUDA (slora.kernels.gemm: a decode step's weight
-    # stream; H200 batch-32 decode 5.73 -> 5.46 ms), cuBLAS past them (at 64 rows cuBLAS won:
-    # batch-64 decode 6.86 ms with cuBLAS, 7.34 with the kernel); 0: cuBLAS always. CPU runs
-    # F.linear whatever this is.
+    # slora's few-rows Triton kernel on CUDA (slora.kernels.gemm: it streams a decode step's
+    # weights faster than cuBLAS at few rows), cuBLAS past them, which is faster from 64 rows
+    # up; 0: cuBLAS always. CPU runs F.linear whatever this is.
     gemm_max_rows: int = 32
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").

@@ -4,7 +4,9 @@
       -> Scheduler.schedule(now)            who runs, which pages, which adapter loads/evictions
       -> ModelRunner.execute(plan)          adapter copies, batch metadata, model, sampling
       -> Scheduler.update(plan, tokens)     append tokens, free pages of finished requests
-      -> outputs (detokenised, stop strings applied)
+      -> Engine._resolve_texts              detokenise; a stop string finishes its request
+      -> RequestOutput per request          built from the request's state, nothing changed
+      -> Engine._release                    drop finished requests' per-request state
 
 With `EngineConfig.async_scheduling` a step is launched (`ModelRunner.launch`) and the scheduler
 advanced (`Scheduler.advance`: the new tokens PENDING) before the step before it is collected
@@ -19,12 +21,12 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from slora.config import LORA_MODULES, EngineConfig, ModelConfig, bucket, cdiv
+from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
-from slora.graphs import round_rank
-from slora.model.llama import GROUPS, groups_of
+from slora.graphs import warmup_adapters, warmup_steps
+from slora.model.llama import GROUPS
 from slora.model.loader import PeftAdapter, synthetic_pack
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.runner import ModelRunner, resolve_device
@@ -51,8 +53,7 @@ class Engine:
         self.allocator = PageAllocator(self.runner.num_pages)
         self.adapters = AdapterManager(self.allocator, config.host_cache_bytes)
         self.scheduler = Scheduler(config, self.allocator, self.adapters)
-        limit = config.max_model_len or self.model_config.max_position_embeddings
-        self.max_model_len = min(limit, self.runner.num_pages * config.block_size)
+        self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer
                               else self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -94,7 +95,7 @@ class Engine:
 
     def remove_adapter(self, name: str) -> None:
         self.allocator.free(self.adapters.unregister(name))
-        self.runner.host.pop(name, None)
+        self.runner.host_tier.drop(name)
 
     def list_adapters(self) -> list[str]:
         return sorted(self.adapters.adapters)
@@ -167,7 +168,10 @@ class Engine:
             touched = self.scheduler.update(plan, tokens, logprobs, time.monotonic())
         touched += self._ended
         self._ended = []
-        return [self._output(r) for r in touched]
+        texts = self._resolve_texts(touched)
+        outputs = [self._output(r, text) for r, text in zip(touched, texts)]
+        self._release(touched)
+        return outputs
 
     def _step_async(self) -> list[Request]:
         """Schedule and launch this step while the last one still runs on the device, then
@@ -182,7 +186,7 @@ class Engine:
             touched += plan.finished
         else:
             self.scheduler.advance(plan)
-        keep = flight is not None and flight.simple  # left running until the next call
+        keep = flight is not None and flight.tokens_only  # left running until the next call
         for done in (self._flight, None if keep else flight):  # in launch order
             if done is not None:
                 tokens, logprobs = self.runner.collect(done)
@@ -190,12 +194,34 @@ class Engine:
         self._flight = flight if keep else None
         return touched
 
-    def _output(self, req: Request) -> RequestOutput:
-        ids = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]  # known ones
-        text = self._detokenize(req, ids)
-        if req.finished:
-            self.runner.release(req.request_id)
-            self.requests.pop(req.request_id, None)
+    def _resolve_texts(self, reqs: list[Request]) -> list[str]:
+        """The output text of each request so far, decoded incrementally from its known
+        tokens (the full decode once finished). The earliest stop string in a text finishes
+        its request (finish_reason "stop", over a length limit hit in the same step) and is
+        cut off with what follows. A request listed twice gets the same text twice."""
+        if self.tokenizer is None:
+            return [""] * len(reqs)
+        texts = []
+        for req in reqs:
+            ids = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]
+            dec = self._decoders.get(req.request_id)
+            if dec is None:
+                dec = self._decoders[req.request_id] = IncrementalDecoder(self.tokenizer)
+            text = dec.update(ids)
+            cuts = [at for at in (text.find(s) for s in req.sampling.stop) if at >= 0]
+            if cuts:
+                text = text[:min(cuts)]
+                self.scheduler.abort(req, "stop", time.monotonic())
+                req.finish_reason = "stop"
+            elif req.finished:
+                text = self.tokenizer.decode(ids)
+            texts.append(text)
+        return texts
+
+    @staticmethod
+    def _output(req: Request, text: str) -> RequestOutput:
+        """The request's output as it stands: its known tokens (not those still pending)."""
+        ids = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]
         return RequestOutput(
             request_id=req.request_id, adapter=req.adapter,
             prompt_token_ids=req.prompt_token_ids, text=text,
@@ -204,26 +230,13 @@ class Engine:
             finish_reason=req.finish_reason, finished=req.finished, metrics=req.metrics,
             error=req.error)
 
-    def _detokenize(self, req: Request, ids: list[int]) -> str:
-        """Text of the output tokens so far (`ids`), decoded incrementally; the full decode
-        once finished. The earliest stop string ends the request and is cut off with what
-        follows."""
-        if self.tokenizer is None:
-            return ""
-        dec = self._decoders.get(req.request_id)
-        if dec is None:
-            dec = self._decoders[req.request_id] = IncrementalDecoder(self.tokenizer)
-        text = dec.update(ids)
-        cuts = [at for at in (text.find(s) for s in req.sampling.stop) if at >= 0]
-        if cuts:
-            text = text[:min(cuts)]
-            self.scheduler.abort(req, "stop", time.monotonic())
-            req.finish_reason = "stop"  # a stop string wins over a length limit hit together
-        elif req.finished:
-            text = self.tokenizer.decode(ids)
-        if req.finished:
-            del self._decoders[req.request_id]
-        return text
+    def _release(self, reqs: list[Request]) -> None:
+        """Forget the finished requests' per-request state: sampler, decoder, id."""
+        for req in reqs:
+            if req.finished:
+                self.runner.sampler.release(req.request_id)
+                self._decoders.pop(req.request_id, None)
+                self.requests.pop(req.request_id, None)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -274,67 +287,36 @@ class Engine:
                modules: Sequence[Sequence[str]] = ()) -> float:
         """Compile the kernels and capture the graphs before serving; returns seconds.
 
-        On a fresh GPU machine each Triton kernel variant compiles on first use and each
-        decode-graph bucket is captured on first use: seconds of stalls that would otherwise
-        land on the first requests (vLLM captures its graphs at start for the same reason).
-        This runs a short batch at every graph batch bucket, without LoRA
-        and with one temporary adapter per rank bucket of the registered adapters and of
-        `ranks` (adapters to come; graphs are keyed by the rank rounded up to a power of two)
-        and per set of module groups they target (graphs hold only their batch's groups'
-        LoRA kernels): the registered adapters' sets and those of `modules` (one list of
-        target modules per kind of adapter to come; every module when `ranks` are given
-        without them), and the union of those sets, which serves batches that mix them. The
-        graphs' page-table width is set first, to the widest of these adapters. Only idle
-        engines warm up; the copies show in `stats()`. With `mixed_graph_tokens` set, one prefill step
-        per mixed-step graph bucket (tokens x sequences) too, at each rank bucket, and three
-        eager steps past them; then one full prefill step (`max_batch_tokens`: the allocator
-        grows to its largest activations). A 7B on the H200: ~50 s; `progress` shows a bar.
-        Last, the objects that exist are frozen out of the garbage collector's view
-        (`gc.freeze`; `close` unfreezes them)."""
+        Each Triton kernel variant compiles on first use and each graph is captured on first
+        use: stalls that would otherwise land on the first requests (vLLM captures its graphs
+        at start for the same reason). This runs the steps `slora.graphs.warmup_steps` names,
+        without LoRA and with one temporary adapter per (rank bucket, module groups) that
+        `slora.graphs.warmup_adapters` names for the registered adapters, `ranks` and
+        `modules` (adapters to come). The graphs' page-table width is set first, to the
+        widest of these adapters. Last, one full prefill step (`max_batch_tokens`: the
+        allocator grows to its largest activations). Only idle engines warm up; the copies
+        show in `stats()`; `progress` shows a bar. Last, the objects that exist are frozen out
+        of the garbage collector's view (`gc.freeze`; `close` unfreezes them)."""
         if self.has_unfinished():
             raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
         t0 = time.perf_counter()
-        graphs = self.runner.graphs
-        buckets = graphs.buckets if graphs is not None else (1,)
-        layouts = [info.layout for info in self.adapters.adapters.values()]
-        sets = {groups_of(m) for m in [lo.modules for lo in layouts] + list(modules)}
-        if ranks and not modules:  # adapters to come, of any modules
-            sets.add(groups_of(LORA_MODULES))
-        if sets:  # (a batch mixing sets replays their union's graph: StepGraphs._superset)
-            sets.add(tuple(g for g in GROUPS if any(g in s for s in sets)))
-        rank_buckets = sorted({round_rank(r) for r in [lo.max_rank for lo in layouts]
-                               + list(ranks)}, reverse=True)
-        names, buffers = [None], set(self._synthetic)
-        for r in rank_buckets:  # each group set at its widest: all its modules at rank r
-            # (fewest groups first: a set captures its own graphs before a superset's exist)
-            for groups in sorted(sets, key=lambda s: (len(s), s)):
-                names.append(f"__warmup_r{r}_{'_'.join(groups)}")
-                self.add_synthetic_adapter(names[-1], r, [LORA_MODULES[i] for g in groups
-                                                          for i in GROUPS[g]])
-        if graphs is not None and len(names) > 1:  # the widest page table, set once
-            graphs.reserve_pages(max(self.adapters.get(n).num_pages for n in names[1:]))
-        sp = SamplingParams(max_tokens=3, ignore_eos=True)
-        batches = []  # (adapter, prompts, prompts that join one step later)
-        for name in names[1:] + names[:1]:
-            batches += [(name, [[1] * 8] * b, []) for b in buckets]
-            # one prefill step per mixed-step graph bucket (t tokens, n prompts)
-            batches += [(name, [[1] * (t - n + 1)] + [[1]] * (n - 1), [])
-                        for t, n in self._mixed_buckets()]
-        # Steps past the mixed graphs run eagerly, and Triton compiles a kernel again for each
-        # new class of its integer arguments (1, a multiple of 16, other): H200 serving stopped
-        # 0.3-1 s at its first eager steps. At each rank bucket: one sequence of t tokens (odd),
-        # two of a multiple of 16, and a mixed step (a decode row, then a prompt joins).
+        graphs, buffers = self.runner.graphs, set(self._synthetic)
+        names = []
+        for r, groups in warmup_adapters([i.layout for i in self.adapters.adapters.values()],
+                                         ranks, modules):
+            names.append(f"__warmup_r{r}_{'_'.join(groups)}")
+            self.add_synthetic_adapter(names[-1], r, [LORA_MODULES[i] for g in groups
+                                                      for i in GROUPS[g]])
+        if graphs is not None and names:  # the widest page table, set once
+            graphs.reserve_pages(max(self.adapters.get(n).num_pages for n in names))
         limit = min(self.config.max_batch_tokens, self.max_model_len - 4)
-        t = graphs.mixed_tokens + 1 if graphs is not None else None
-        if t is not None and t + 16 <= limit:
-            batches += [(name, prompts, late) for name in names[1:] + names[:1]
-                        for prompts, late in (([[1] * t], []), ([[1] * (t // 2 + 8)] * 2, []),
-                                              ([[1] * 8], [[1] * t]))]
-        # last, one step of max_batch_tokens prefill: the allocator grows to its largest
-        # activations (after the captures, which give their cached blocks back)
-        if self.runner.device.type == "cuda":
+        graphed, eager = warmup_steps(graphs, limit)
+        batches = [(name, prompts, late) for steps in (graphed, eager)
+                   for name in names + [None] for prompts, late in steps]
+        if self.runner.device.type == "cuda":  # the largest activations, after the captures
             n = min(self.config.max_num_seqs, cdiv(self.config.max_batch_tokens, limit))
             batches.append((None, [[1] * limit] * n, []))
+        sp = SamplingParams(max_tokens=3, ignore_eos=True)
         bar = _progress(len(batches), unit="step", desc="warm-up") if progress else None
         try:
             for name, prompts, late in batches:
@@ -354,48 +336,22 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
-            for name in names[1:]:
+            for name in names:
                 self.remove_adapter(name)
             for key in set(self._synthetic) - buffers:
                 del self._synthetic[key]
         # What exists now lives as long as the engine: move it out of the garbage collector's
         # view (as vLLM does after start-up), so a full collection while serving walks only
-        # the objects made since. With 2,000 registered adapters a full collection took 70 ms
-        # on a 2-core CPU, and H200 replays showed 100-290 ms stalls in small steps.
+        # the objects made since, not thousands of registered adapters.
         gc.collect()
         gc.freeze()
         return time.perf_counter() - t0
-
-    def _mixed_buckets(self) -> list[tuple[int, int]]:
-        """(t, n) for every mixed-step graph bucket a step can fill (none unless
-        `mixed_graph_tokens` is set): a step of t tokens over n sequences, one of them a
-        prompt of several tokens, fills it.
-
-        A step's sequence bucket is capped by its token bucket (StepGraphs.feed), so 13 tokens
-        over 6 sequences take the (16, 16) graph; n is the fewest sequences that reach each
-        bucket, and stays under t: a step of t one-token sequences runs as decode rows (the
-        decode graph), so it captured no mixed graph, and serving stopped 100-160 ms to
-        capture (16, 16), (32, 32) and (64, 64) (H200, session 6)."""
-        graphs = self.runner.graphs
-        if graphs is None:
-            return []
-        limit = min(self.config.max_batch_tokens, self.max_model_len - 4)
-        out = []
-        for t in graphs.token_buckets:
-            if t > limit:
-                continue
-            reach = {}  # sequence bucket -> the fewest sequences that reach it
-            for n in range(1, min(t, graphs.max_batch + 1)):
-                reach.setdefault(min(bucket(n, graphs.seq_buckets), t), n)
-            out += [(t, reach[s]) for s in sorted(reach)]
-        return out
 
     def close(self) -> None:
         """Give the engine's device memory (pool, weights, graphs, host copies) back now rather
         than whenever the garbage collector breaks the runner's reference cycles. A new engine
         sizes its pool from free memory, so one built while an old one lingers gets a sliver
-        of it: the H200 validation run's second replay got 334 pages instead of 13,403.
-        The engine cannot serve afterwards."""
+        of it. The engine cannot serve afterwards."""
         import torch
 
         cuda = self.runner.device.type == "cuda"

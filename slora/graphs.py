@@ -1,29 +1,28 @@
 """CUDA graphs for engine steps, LoRA kernels inside, for any mix of adapters and base rows.
 
 A step launches a few hundred small kernels; replaying a captured graph removes their launch
-cost. Two kinds of graph, captured lazily (or by `Engine.warmup`) over static device buffers:
+cost. Two kinds of graph, captured lazily (or by `Engine.warmup`, which runs the steps
+`warmup_steps` names) over static device buffers:
 
 - decode steps, one graph per (batch bucket, rank bucket, adapter-page bucket, module groups);
 - mixed steps (prompts, with or without decode rows) of at most `mixed_tokens` tokens, one per
   (token bucket, sequence bucket, rank bucket, adapter-page bucket, module groups), up to
-  `EngineConfig.mixed_graph_tokens` (default 2048; 0: none). A larger mixed step runs eagerly:
-  on the H200 an eager step was bound by the host launching its ~450 Triton kernels below a
-  few hundred prompt tokens (notes/kernels.md).
+  `EngineConfig.mixed_graph_tokens` (0: none). A larger mixed step runs eagerly: its kernels'
+  work outweighs the host's time launching them.
 
 A graph holds the LoRA kernels of the module groups its batch's adapters target (`GROUPS`:
-q/k/v, o, gate/up, down), as an eager step runs them; a batch whose groups have no graph of
-their own replays a captured one holding more (its other groups at rank 0, returning at
-once) before a new one is captured. Captured for every group, a batch of
-q/k/v/o adapters launched the gate/up and down kernels too, every program returning at rank
-0: 4 launches a layer that did nothing in a decode step, 10 in a step with prompts, ~0.9 ms
-of kernel time a step in S2 at 2,000 adapters (~255 rows; H200, session 17).
+q/k/v, o, gate/up, down), as an eager step runs them, so a batch of q/k/v/o adapters launches
+no gate/up or down kernel. A batch whose groups have no graph of their own replays a captured
+one holding more (its other groups at rank 0, returning at once) before a new one is captured.
 
 Each step writes its host batch into pinned twins of the buffers, copies them over in two
 transfers (the adapter-side tensors only when the batch's adapters changed), and replays the
-graph of the smallest bucket that holds it. A step's graph is captured as GRAPH_PIECES graphs
-of consecutive layers, replayed in turn: launching a graph costs the host time in proportion
-to its kernels (0.18 ms for a ~450-kernel step on the H200, 0.37 ms with LoRA), during which
-the GPU waits; in pieces, the GPU runs the first while the host launches the rest.
+graph of the smallest bucket that holds it. A step's graph is captured as one graph per piece
+of consecutive layers (`GRAPH_PIECES`, cut at `piece_starts`), each the model's forward over
+that piece's layers, replayed in turn: launching a graph costs the host time in proportion to
+its kernels, during which the GPU waits; in pieces, the GPU runs the first while the host
+launches the rest, and a piece whose layers read adapters copied in this step waits for
+those layers' copies alone.
 
 Padding never touches a live page:
 - padded tokens write their KV to the pool's scratch page and belong to no sequence, so
@@ -34,11 +33,8 @@ Padding never touches a live page:
 
 The prefill kernels (attention, MBGMM) walk work lists of (segment, token tile) items
 (`slora.kernels.tiles`), copied in with the step; their grids depend only on the bucket, and
-MBGMM sizes its work from the list's length on the device (its d_in split and column span; a
-launch sized for the bucket cost a 300-token prompt's q/k/v pair 50.0 us against 34.8, H200
-session 18).
-A grid over every (token tile, sequence) pair of the bucket, most of them empty, cost a
-batch-128 mixed step 13.4 ms in MBGMM expand alone on the H200 (notes/kernels.md).
+MBGMM sizes its work from the list's length on the device (its d_in split and column span),
+so a bucket's empty items cost no work.
 
 A step with prompts and decode rows runs the decode rows through the decode kernels and the
 prompts through the prefill ones (`TritonBackend`). In a mixed graph, d (the decode rows:
@@ -46,9 +42,8 @@ tokens and sequences 0..d-1) varies within a bucket, so each decode kernel runs 
 bucket's first s_bucket rows (d <= sequences <= s_bucket) with the other rows switched off: the
 decode attention kernel sees context length 1 past the decode rows (`Batch.dec_ctx_lens`; its
 rows there are overwritten by the prefill kernel's), MBGMV adapter row -1 (`LoraMeta.dec_slot`);
-the prefill kernels' work lists hold the prompts' tiles alone, as in an eager step. (MBGMV over
-all t_bucket rows cost a batch-128 mixed step with two 256-token prompts 3.4 ms against 2.0 ms
-for the same decode rows alone: H200, session 8.)
+the prefill kernels' work lists hold the prompts' tiles alone, as in an eager step. The decode
+kernels never run over the prompts' tokens (t_bucket rows), only over s_bucket rows.
 """
 
 from __future__ import annotations
@@ -57,21 +52,21 @@ import gc
 
 import torch
 
-from slora.config import TOKEN_BUCKETS, bucket, buckets_up_to, cdiv
+from slora.config import LORA_MODULES, TOKEN_BUCKETS, bucket, buckets_up_to, cdiv
 from slora.kernels import GroupMeta, LoraMeta
 from slora.kernels.tiles import capacity
-from slora.model.llama import GROUPS, Batch
+from slora.model.llama import GROUPS, Batch, LlamaModel, groups_of
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # mixed steps: sequences (coarse: a padded sequence costs programs that return); their tokens
 # take slora.config.TOKEN_BUCKETS
 MIXED_SEQ_BUCKETS = (4, 16, 64, 256, 512)
-GRAPH_PIECES = 4  # graphs a step is captured in (see the module docstring; read by ModelRunner)
+GRAPH_PIECES = 4  # pieces of layers a step is cut into (see the module docstring)
 
 
 def piece_starts(num_layers: int) -> list[int]:
-    """The first layer of each piece a step is cut into: its graphs' pieces, and the chunks of
-    layers in which the runner copies the step's own adapters (waited for piece by piece)."""
+    """The first layer of each piece a step is cut into: its graphs' pieces, and the pieces
+    of layers in which the runner copies the step's own adapters (waited for piece by piece)."""
     return sorted({num_layers * i // GRAPH_PIECES for i in range(GRAPH_PIECES)})
 
 
@@ -85,13 +80,31 @@ def round_rank(max_rank: int) -> int:
 
 
 class StepGraphs:
-    """runner: the ModelRunner; max_num_seqs: the most sequences a step has; mixed_tokens: the
-    most tokens of a mixed step that replays a graph (0: decode steps only); capture: False
-    runs the static buffers' forward eagerly instead of capturing it (on CPU, where there are
-    no graphs: the tests check the padded buffers give the eager batch's tokens)."""
+    """The graphs of one model over one pool, and the static buffers they replay over.
 
-    def __init__(self, runner, max_num_seqs: int, mixed_tokens: int = 0, capture: bool = True) -> None:
-        self.runner = runner
+    model, pool: what the graphs run; scratch_page: the pool page padded tokens write to
+    (never handed out); block_size: tokens per KV page; piece_starts: the first layer of each
+    piece a step is captured in; group_shapes: per LoRA module group, its row strides and
+    output widths (GroupMeta's); tile_rows: the prefill kernels' work-tile tokens;
+    max_blocks: the widest block table (the longest sequence the engine admits);
+    max_num_seqs: the most sequences a step has; mixed_tokens: the most tokens of a mixed
+    step that replays a graph (0: decode steps only); capture: False runs the static
+    buffers' forward eagerly instead of capturing it (on CPU, where there are no graphs: the
+    tests check the padded buffers give the eager batch's tokens)."""
+
+    def __init__(self, model: LlamaModel, pool: torch.Tensor, *, scratch_page: int,
+                 block_size: int, piece_starts: list[int], group_shapes: dict[str, dict],
+                 tile_rows: int, max_blocks: int, max_num_seqs: int, mixed_tokens: int = 0,
+                 capture: bool = True) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+        self.scratch_page = scratch_page
+        self.block_size = block_size
+        self.piece_starts = piece_starts
+        self.group_shapes = group_shapes
+        self.tile = tile_rows
+        self.max_blocks = max_blocks
         self.capture = capture
         self.buckets = buckets_up_to(BATCH_BUCKETS, max_num_seqs)
         self.max_batch = max_num_seqs
@@ -99,26 +112,40 @@ class StepGraphs:
         self.token_buckets = buckets_up_to(TOKEN_BUCKETS, mixed_tokens) if mixed_tokens else ()
         self.seq_buckets = buckets_up_to(MIXED_SEQ_BUCKETS, max_num_seqs)
         self.max_tokens = max(max_num_seqs, mixed_tokens)
-        self.tile = runner.tile
-        # the longest sequence the engine admits (model limit, capped by the pool's size)
-        max_len = min(runner.config.max_model_len or runner.cfg.max_position_embeddings,
-                      runner.num_pages * runner.block_size)
-        self.max_blocks = cdiv(max_len, runner.block_size)
         self.graphs: dict[tuple, tuple] = {}  # key -> (pieces or None, logits, batch)
         self.max_pages = 0
         self._alloc(max_pages=1)
 
+    def mixed_buckets(self, max_tokens: int) -> list[tuple[int, int]]:
+        """(t, n) for every mixed-step graph bucket of at most `max_tokens` tokens a step can
+        fill: a step of t tokens over n sequences, one of them a prompt of several tokens,
+        fills it.
+
+        A step's sequence bucket is capped by its token bucket (`feed`), so 13 tokens over 6
+        sequences take the (16, 16) graph; n is the fewest sequences that reach each bucket,
+        and stays under t: a step of t one-token sequences runs as decode rows (the decode
+        graph), so it would capture no mixed graph."""
+        out = []
+        for t in self.token_buckets:
+            if t > max_tokens:
+                continue
+            reach = {}  # sequence bucket -> the fewest sequences that reach it
+            for n in range(1, min(t, self.max_batch + 1)):
+                reach.setdefault(min(bucket(n, self.seq_buckets), t), n)
+            out += [(t, reach[s]) for s in sorted(reach)]
+        return out
+
     def _alloc(self, max_pages: int) -> None:
         """Static buffers; growing the adapter-page width drops the graphs that used them."""
-        dev, B, T, L = self.runner.device, self.max_batch, self.max_tokens, self.runner.cfg.num_layers
+        dev, B, T, L = self.device, self.max_batch, self.max_tokens, self.pool.shape[0]
         i32 = dict(dtype=torch.int32, device=dev)
         self.graphs.clear()
-        self._stand_in: dict[tuple, tuple | None] = {}  # key -> the graph replayed for it
+        self._superset_of: dict[tuple, tuple | None] = {}  # key -> the graph replayed for it
         # A fresh private pool: once the dropped graphs release the old one, capturing into
-        # it again trips PyTorch's allocator (an internal assert, seen on the H200).
+        # it again trips an internal assert of PyTorch's allocator.
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.max_pages = max_pages
-        scratch = self.runner.scratch_page
+        scratch = self.scratch_page
         # Per-token and per-sequence inputs live in two device buffers (int64, int32), each
         # filled from a pinned host twin by one copy a step. int64: token ids, positions, KV
         # slots [T], logits rows [B] (mixed steps; decode rows are their own). int32, in this
@@ -169,18 +196,18 @@ class StepGraphs:
         return {name: buf[at:at + self._sizes32[name]] for name, at in self._at32.items()}
 
     def fits(self, b: Batch) -> bool:
-        n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
+        n_tok, n_seq = b.input_ids.shape[0], len(b.q_start_list) - 1
         if n_seq > self.max_batch or b.block_tables.shape[1] > self.max_blocks:
             return False
         return n_tok == b.num_decode or n_tok <= self.mixed_tokens
 
-    def feed(self, b: Batch, fed: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def feed(self, b: Batch, ids_from_prev: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Copy a host batch that `fits` into the static inputs of its captured graph
-        (capturing it on first use); returns the step for `replay`. `fed`: (rows, ids) on the
-        device that replace those rows' input ids (async scheduling: the tokens of a step
-        still running). The runner queues its adapter copies between the two, so that they
-        do not hold up these uploads (see ModelRunner.launch)."""
-        n_tok, n_seq = b.input_ids.shape[0], len(b.q_start) - 1
+        (capturing it on first use); returns the step for `replay`. `ids_from_prev`: (rows,
+        ids) on the device that replace those rows' input ids (async scheduling: the tokens
+        of a step still running). The runner queues its adapter copies between `feed` and
+        `replay`, so that they do not hold up these uploads (see ModelRunner.launch)."""
+        n_tok, n_seq = b.input_ids.shape[0], len(b.q_start_list) - 1
         lora = b.lora
         rank_bucket, groups = 0, ()
         if lora is not None:
@@ -195,12 +222,12 @@ class StepGraphs:
             s_bucket = min(bucket(n_seq, self.seq_buckets), t_bucket)
             key = ("mixed", t_bucket, s_bucket, rank_bucket, self.max_pages, groups)
         self._fill(b, n_tok, n_seq, t_bucket, s_bucket)
-        if fed is not None:
-            self.ids.index_copy_(0, *fed)
+        if ids_from_prev is not None:
+            self.ids.index_copy_(0, *ids_from_prev)
         if key not in self.graphs:
-            if key not in self._stand_in:  # (looked up once, not at every step)
-                self._stand_in[key] = self._superset(key)
-            key = self._stand_in[key] or key
+            if key not in self._superset_of:  # (looked up once, not at every step)
+                self._superset_of[key] = self._superset(key)
+            key = self._superset_of[key] or key
             if key not in self.graphs:
                 self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket, groups)
         return self.graphs[key], n_seq
@@ -229,15 +256,15 @@ class StepGraphs:
         if pieces is None:  # capture=False
             for event in ready.values():
                 torch.cuda.current_stream().wait_event(event)
-            logits = self.runner.model.forward(batch, self.runner.pool)
-        for start, graph in zip(self.runner.piece_starts, pieces or ()):
+            logits = self.model.forward(batch, self.pool)
+        for start, graph in zip(self.piece_starts, pieces or ()):
             if start in ready:
                 torch.cuda.current_stream().wait_event(ready[start])
             graph.replay()
         return logits[:n_seq]
 
     def _fill(self, b: Batch, n_tok: int, n_seq: int, t_bucket: int, s_bucket: int) -> None:
-        bs, scratch = self.runner.block_size, self.runner.scratch_page
+        bs, scratch = self.block_size, self.scratch_page
         h64, h32, h, tables = self._twins[self._turn]
         self._turn ^= 1
         ids, positions, slots, logits_index = h64
@@ -255,7 +282,7 @@ class StepGraphs:
             logits_index[n_seq:s_bucket] = 0
             h["dec_ctx"][:s_bucket] = 1
             h["dec_ctx"][:d] = b.ctx_lens[:d]
-            h["q_start"][:n_seq + 1] = b.q_start_t
+            h["q_start"][:n_seq + 1] = b.q_start_tensor
             h["q_start"][n_seq + 1:s_bucket + 1] = n_tok  # padded sequences: no tokens
             h["dec_slot"][:t_bucket] = -1
             h["seg_slot"][:s_bucket] = -1
@@ -302,7 +329,7 @@ class StepGraphs:
                     offsets_b=off_b[:s_bucket],
                     ranks=ranks[:, :s_bucket],
                     max_rank=rank_bucket,
-                    **self.runner.group_shapes[gname])
+                    **self.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:s_bucket], token_slot=self.token_slot[:t_bucket],
                             num_decode=num_decode, groups=metas)
             if mixed:
@@ -314,51 +341,92 @@ class StepGraphs:
                       ctx_lens=self.ctx[:s_bucket], ctx_lens_list=[1] * s_bucket,
                       num_decode=num_decode, lora=lora)
         if not mixed:
-            return Batch(**common, q_start=list(range(s_bucket + 1)), q_start_t=self.q_start[:0],
-                         logits_index=self._arange[:s_bucket])
-        # (A mixed batch's host-side q_start is read by no kernel: its segments are in
-        # q_start_t, its work in the tiles.)
-        return Batch(**common, q_start=[0] + [t_bucket] * s_bucket,
-                     q_start_t=self.q_start[:s_bucket + 1], logits_index=self.logits_index[:s_bucket],
+            return Batch(**common, q_start_list=list(range(s_bucket + 1)),
+                         q_start_tensor=self.q_start[:0], logits_index=self._arange[:s_bucket])
+        # (A mixed batch's q_start_list is read by no kernel: its segments are in
+        # q_start_tensor, its work in the tiles.)
+        return Batch(**common, q_start_list=[0] + [t_bucket] * s_bucket,
+                     q_start_tensor=self.q_start[:s_bucket + 1],
+                     logits_index=self.logits_index[:s_bucket],
                      tiles=self.att_tiles, tile_programs=programs,
                      dec_ctx_lens=self.dec_ctx[:s_bucket])
 
     def _capture(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int,
                  groups: tuple[str, ...]):
         batch = self._static_batch(kind, t_bucket, s_bucket, rank_bucket, groups)
-        model, pool = self.runner.model, self.runner.pool
+        model, pool = self.model, self.pool
         if not self.capture:
             return None, None, batch
-        stream = torch.cuda.Stream(self.runner.device)
+        stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles the Triton kernels for these shapes
             model.forward(batch, pool)
         torch.cuda.current_stream().wait_stream(stream)
-        # GRAPH_PIECES graphs, cut before evenly spaced layers, sharing one memory pool (a
-        # piece's outputs are the next one's inputs, so they must replay in capture order)
-        cuts = set(self.runner.piece_starts[1:])
-        pieces = [torch.cuda.CUDAGraph()]
-
-        def cut(layer: int) -> None:
-            if layer in cuts:
-                pieces[-1].capture_end()
-                pieces.append(torch.cuda.CUDAGraph())
-                pieces[-1].capture_begin(pool=self.mempool)
-
         # as torch.cuda.graph does: give back the cached blocks of the warm-up forward (the
-        # side stream's: nothing else can reuse them), or the captures run out of memory (a
-        # 7B warm-up on the H200 did, with 5.5 GB reserved and unused)
-        torch.cuda.synchronize(self.runner.device)
+        # side stream's: nothing else can reuse them), or the captures can run out of memory
+        torch.cuda.synchronize(self.device)
         gc.collect()
         torch.cuda.empty_cache()
+        # One graph per piece of layers, sharing one memory pool: a piece's outputs are the
+        # next one's inputs, so they must replay in capture order. The first piece holds the
+        # embedding, the last the head.
+        ends = self.piece_starts[1:] + [model.num_layers]
+        pieces = []
         with torch.cuda.stream(stream):
-            pieces[0].capture_begin(pool=self.mempool)
-            model.layer_hook = cut
-            try:
-                logits = model.forward(batch, pool)
-            finally:
-                model.layer_hook = None
-                pieces[-1].capture_end()
+            for start, end in zip(self.piece_starts, ends):
+                pieces.append(torch.cuda.CUDAGraph())
+                pieces[-1].capture_begin(pool=self.mempool)
+                try:
+                    if start == 0:
+                        hidden = model.embed(batch)
+                    hidden = model.layers(batch, pool, hidden, start, end)
+                    if end == model.num_layers:
+                        logits = model.head(batch, hidden)
+                finally:
+                    pieces[-1].capture_end()
         torch.cuda.current_stream().wait_stream(stream)
         # NOTE: the graphs read every tensor of `batch` by address: keep them all alive.
         return pieces, logits, batch
+
+
+# -- the warm-up plan: the steps that compile every kernel variant and capture every graph
+
+Prompts = list[list[int]]
+WarmupStep = tuple[Prompts, Prompts]  # (prompts, prompts that join one step later)
+
+
+def warmup_adapters(layouts, ranks=(), modules=()) -> list[tuple[int, tuple[str, ...]]]:
+    """(rank, module groups) of the temporary adapters a warm-up runs its steps with: one per
+    rank bucket of the registered adapters' `layouts` and of `ranks` (adapters to come) and
+    per set of module groups they target, since graphs are keyed by both. The sets: the
+    registered adapters', those of `modules` (one list of target modules per kind of adapter
+    to come; every module when `ranks` come without them), and their union, which the
+    batches that mix them replay (`StepGraphs._superset`). Largest rank first; within a rank,
+    fewest groups first, so a set captures its own graphs before a superset's exist."""
+    sets = {groups_of(m) for m in [lo.modules for lo in layouts] + list(modules)}
+    if ranks and not modules:  # adapters to come, of any modules
+        sets.add(groups_of(LORA_MODULES))
+    if sets:
+        sets.add(tuple(g for g in GROUPS if any(g in s for s in sets)))
+    rank_buckets = sorted({round_rank(r) for r in [lo.max_rank for lo in layouts] + list(ranks)},
+                          reverse=True)
+    return [(r, groups) for r in rank_buckets for groups in sorted(sets, key=lambda s: (len(s), s))]
+
+
+def warmup_steps(graphs: StepGraphs | None, max_tokens: int) -> tuple[list[WarmupStep], list[WarmupStep]]:
+    """The steps a warm-up runs with each of its adapters and the base model, as
+    (graphed, eager) lists of at most `max_tokens` tokens a step.
+
+    graphed: a decode batch at every batch bucket, then one prefill step per mixed-step graph
+    bucket (`mixed_buckets`); without graphs, one decode batch. eager: the steps past the
+    mixed graphs, which run eagerly; Triton compiles a kernel again for each new class of its
+    integer arguments (1, a multiple of 16, other), so one sequence of t tokens (odd), two of
+    a multiple of 16, and a mixed step (a decode row, then a prompt joins)."""
+    if graphs is None:
+        return [([[1] * 8], [])], []
+    graphed = [([[1] * 8] * b, []) for b in graphs.buckets]
+    graphed += [([[1] * (t - n + 1)] + [[1]] * (n - 1), []) for t, n in graphs.mixed_buckets(max_tokens)]
+    t = graphs.mixed_tokens + 1
+    if t + 16 > max_tokens:
+        return graphed, []
+    return graphed, [([[1] * t], []), ([[1] * (t // 2 + 8)] * 2, []), ([[1] * 8], [[1] * t])]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -48,13 +49,23 @@ class Weights:
     lm_head: torch.Tensor  # the embedding itself when tied
 
 
+class Hidden(NamedTuple):
+    """The residual stream between layers. `down` is the last layer's MLP output, not yet
+    added to `x`: the next layer's fused add + norm adds it (None before layer 0)."""
+
+    x: torch.Tensor  # [T, hidden]
+    down: torch.Tensor | None
+
+
 @dataclass
 class Batch:
     """One step's flat token batch, built by the runner.
 
-    Sequence s owns tokens q_start[s]:q_start[s+1]; the first `num_decode` sequences are
-    decode rows (one token each). ctx_lens[s] counts its cached tokens including the new
-    ones. `logits_index` picks each sequence's last token.
+    Sequence s owns tokens q_start_list[s]:q_start_list[s+1]; the first `num_decode`
+    sequences are decode rows (one token each). ctx_lens[s] counts its cached tokens including
+    the new ones. `logits_index` picks each sequence's last token. Fields named `_list` are
+    host lists for the code that loops or sizes grids on the host; their tensor twins are what
+    kernels read.
     """
 
     input_ids: torch.Tensor  # [T]
@@ -63,8 +74,8 @@ class Batch:
     block_tables: torch.Tensor  # int32 [S, max_blocks]
     ctx_lens: torch.Tensor  # int32 [S]
     ctx_lens_list: list[int]
-    q_start: list[int]
-    q_start_t: torch.Tensor  # int32 [S+1], q_start as a tensor (for the Triton prefill kernel)
+    q_start_list: list[int]  # [S+1]
+    q_start_tensor: torch.Tensor  # int32 [S+1], q_start_list as a tensor (the prefill kernels)
     num_decode: int
     logits_index: torch.Tensor  # [S]
     lora: object | None  # kernels.LoraMeta, None when no row has an adapter
@@ -92,7 +103,7 @@ def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _to(obj, device, moved: dict | None = None):
     """Copy of a dataclass with its tensors (and nested dataclasses') moved to `device`; a
-    tensor two fields share (LoraMeta.seg_start is Batch.q_start_t) moves once."""
+    tensor two fields share (LoraMeta.seg_start is Batch.q_start_tensor) moves once."""
     moved = {} if moved is None else moved
     changes = {}
     for name, value in vars(obj).items():
@@ -131,6 +142,17 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class LlamaModel:
+    """The decoder as three steps a caller can run piece by piece:
+
+        h = model.embed(b)                              the residual stream entering layer 0
+        h = model.layers(b, pool, h, start, end)        layers start..end-1
+        logits = model.head(b, h)
+
+    `forward` runs them over every layer. An eager step waits for each piece's adapter copies
+    between `layers` calls; a CUDA graph captures each piece as one `layers` call. Any cut
+    into pieces runs the same kernels in the same order as `forward`.
+    """
+
     def __init__(self, cfg: ModelConfig, weights: Weights, backend, block_size: int) -> None:
         self.cfg = cfg
         self.w = weights
@@ -138,19 +160,28 @@ class LlamaModel:
         self.block_size = block_size
         self.inv_freq = rope_inv_freq(cfg).to(weights.embed.device)
         self.scale = cfg.head_dim ** -0.5
-        # called with each layer's index before the layer runs: StepGraphs cuts its captures
-        # there (slora.graphs.GRAPH_PIECES), an eager step waits there for its adapter copies
-        self.layer_hook = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.w.layers)
 
     @torch.inference_mode()
     def forward(self, b: Batch, pool: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] in float32 for each sequence's last token."""
-        cfg, w, be = self.cfg, self.w, self.backend
-        x = w.embed[b.input_ids]
-        down = None  # the last layer's MLP output, added to x by the next fused add + norm
-        for layer, lw in enumerate(w.layers):
-            if self.layer_hook is not None:
-                self.layer_hook(layer)
+        return self.head(b, self.layers(b, pool, self.embed(b), 0, self.num_layers))
+
+    @torch.inference_mode()
+    def embed(self, b: Batch) -> Hidden:
+        """The token embeddings: the residual stream before layer 0."""
+        return Hidden(self.w.embed[b.input_ids], None)
+
+    @torch.inference_mode()
+    def layers(self, b: Batch, pool: torch.Tensor, hidden: Hidden, start: int, end: int) -> Hidden:
+        """The residual stream after layers start..end-1, given `hidden` entering layer `start`."""
+        cfg, be = self.cfg, self.backend
+        x, down = hidden
+        for layer in range(start, end):
+            lw = self.w.layers[layer]
             kc, vc = ref.kv_views(pool[layer], self.block_size, cfg.num_kv_heads, cfg.head_dim)
             if down is None:
                 h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps)
@@ -164,6 +195,12 @@ class LlamaModel:
             gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up")
             act = be.silu_mul(gate_up)
             down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down")
-        x = (x + down)[b.logits_index]
-        x = be.rms_norm(x, w.norm, cfg.rms_norm_eps)
-        return be.linear(x, w.lm_head).float()
+        return Hidden(x, down)
+
+    @torch.inference_mode()
+    def head(self, b: Batch, h: Hidden) -> torch.Tensor:
+        """Logits [S, vocab] in float32 of each sequence's last token, from the last layer's
+        residual stream."""
+        x = (h.x + h.down)[b.logits_index]
+        x = self.backend.rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
+        return self.backend.linear(x, self.w.lm_head).float()

@@ -296,8 +296,8 @@ def test_small_host_cache_rereads_adapters_and_keeps_tokens(tiny_model_dir, room
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     s = engine.stats()
     assert s["host_evictions"] > 0 and s["host_loads"] > s["adapter_loads"] / 2
-    assert engine.adapters.host_bytes <= engine.config.host_cache_bytes or len(engine.runner.host) == 1
-    assert set(engine.runner.host) == set(engine.adapters._host)  # tensors follow the LRU state
+    assert engine.adapters.host_bytes <= engine.config.host_cache_bytes or len(engine.runner.host_tier.tensors) == 1
+    assert set(engine.runner.host_tier.tensors) == set(engine.adapters._host)  # tensors follow the LRU state
 
 
 def test_prefetch_evicts_idle_adapters_the_queue_does_not_need():

@@ -93,13 +93,12 @@ def test_async_scheduling_with_preemption_and_abort(tiny_model_dir, paths):
 def test_async_scheduling_through_the_step_graphs(tiny_model_dir, paths):
     """The graphs' static buffers (run eagerly here, capture=False, as on CPU) take the fed
     input ids too: decode and mixed steps, same outputs as the sync engine."""
-    from slora.graphs import StepGraphs
 
     jobs = _jobs(tiny_model_dir, paths)[:4]  # (the Triton interpreter is slow on CPU)
     out = {}
     for flag in (False, True):
         e = _engine(tiny_model_dir, paths, flag, backend="triton", cuda_graphs=False)
-        e.runner.graphs = StepGraphs(e.runner, e.config.max_num_seqs, mixed_tokens=64, capture=False)
+        e.runner.graphs = e.runner.make_graphs(e.config.max_num_seqs, mixed_tokens=64, capture=False)
         out[flag] = _serve(e, jobs)
         assert {k[0] for k in e.runner.graphs.graphs} == {"decode", "mixed"}
     assert out[True] == out[False]

@@ -174,10 +174,10 @@ def test_adapter_copies_fill_scattered_pages_of_several_adapters(tiny_model_dir,
     assert na > 2 and nb >= 1
     pages_a = [3 * i + 1 for i in range(na)][::-1]  # not consecutive, descending
     pages_b = [3 * i + 2 for i in range(nb)]  # between a's pages
-    runner._load_adapters([("a", pages_a), ("b", pages_b)], e.adapters, lambda layer: None)
+    runner.host_tier.load([("a", pages_a), ("b", pages_b)], e.adapters, lambda layer: None)
     L, _, ps = runner.pool.shape
     for name, pages in (("a", pages_a), ("b", pages_b)):
-        host = runner.adapter_host_copy(info[name], e.adapters).view(L, len(pages), ps)
+        host = runner.host_tier.host_copy(info[name], e.adapters).view(L, len(pages), ps)
         assert host.abs().sum() > 0
         assert torch.equal(runner.pool[:, pages], host)
     others = sorted(set(range(runner.pool.shape[1])) - set(pages_a) - set(pages_b))
@@ -186,7 +186,7 @@ def test_adapter_copies_fill_scattered_pages_of_several_adapters(tiny_model_dir,
 
 def test_adapter_copies_in_pieces_of_layers_fill_the_same_pages(tiny_model_dir, adapter_factory):
     """A step's own adapter loads go a piece of layers at a time on the GPU, the forward
-    waiting for each piece (ModelRunner._load_for_step): the pieces, copied one after another,
+    waiting for each piece (HostAdapterTier.load_for_step): the pieces, copied one after another,
     leave the pool as the whole copy does, and each piece is announced once, in layer order."""
     import torch
 
@@ -197,12 +197,12 @@ def test_adapter_copies_in_pieces_of_layers_fill_the_same_pages(tiny_model_dir, 
     e.add_adapter("a", adapter_factory(tiny_model_dir, r=8, target_modules="all-linear"))
     pages = e.adapters.load("a")
     runner = e.runner
-    runner._load_adapters([("a", pages)], e.adapters)
+    runner.host_tier.load([("a", pages)], e.adapters)
     whole = runner.pool.clone()
     assert whole[:, pages].abs().sum() > 0
     runner.pool[:, pages] = 0
     seen = []
-    runner._load_adapters([("a", pages)], e.adapters, seen.append)
+    runner.host_tier.load([("a", pages)], e.adapters, seen.append)
     assert seen == piece_starts(e.model_config.num_layers) and len(seen) > 1
     assert torch.equal(runner.pool, whole)
 
@@ -216,16 +216,38 @@ def test_a_steps_adapter_copies_are_queued_after_its_inputs(tiny_model_dir, adap
     for i in range(3):
         e.add_adapter(f"a{i}", adapter_factory(tiny_model_dir, r=4, seed=i))
     runner, calls = e.runner, []
-    for name in ("prepare", "_fed_ids", "_load_for_step", "_forward", "_prefetch"):
-        def logged(*args, _name=name, _f=getattr(runner, name)):
-            if _name not in ("_load_for_step", "_prefetch") or args[0]:  # copies, not none
+    parts = {"prepare": runner.batches, "_ids_from_prev": runner, "load_for_step": runner.host_tier,
+             "_forward": runner, "prefetch": runner.host_tier}
+    for name, part in parts.items():
+        def logged(*args, _name=name, _f=getattr(part, name)):
+            if _name not in ("load_for_step", "prefetch") or args[0]:  # copies, not none
                 calls.append(_name)
             return _f(*args)
-        setattr(runner, name, logged)
+        setattr(part, name, logged)
     out = e.generate(["hi"] * 3, adapters=["a0", "a1", "a2"])
-    assert len(out) == 3 and "_load_for_step" in calls
+    assert len(out) == 3 and "load_for_step" in calls
     for i, name in enumerate(calls):
-        if name in ("_load_for_step", "_prefetch"):
-            assert "_fed_ids" in calls[:i] and calls[:i].count("prepare") > calls[:i].count("_forward")
+        if name in ("load_for_step", "prefetch"):
+            assert "_ids_from_prev" in calls[:i] and calls[:i].count("prepare") > calls[:i].count("_forward")
         if name == "_forward":
-            assert calls[i - 1] in ("_load_for_step", "_fed_ids")
+            assert calls[i - 1] in ("load_for_step", "_ids_from_prev")
+
+
+def test_the_forward_cut_into_pieces_of_layers_gives_the_same_logits(tiny_model_dir):
+    """`LlamaModel.layers` over consecutive ranges, between `embed` and `head`, as the eager
+    step waiting for its adapter copies and the graph captures run it, equals `forward`."""
+    import torch
+
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=32))
+    e.add_request([5, 6, 7, 8], SamplingParams(max_tokens=2))
+    e.add_request([9, 10, 11], SamplingParams(max_tokens=2))
+    plan = e.scheduler.schedule(0.0)
+    runner, model = e.runner, e.runner.model
+    batch = runner.batches.prepare(plan, e.adapters)
+    whole = model.forward(batch, runner.pool)
+    for cuts in ([0, 1], [0]):
+        hidden = model.embed(batch)
+        for start, end in zip(cuts, cuts[1:] + [model.num_layers]):
+            hidden = model.layers(batch, runner.pool, hidden, start, end)
+        assert torch.equal(model.head(batch, hidden), whole)

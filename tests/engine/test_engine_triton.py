@@ -92,7 +92,7 @@ def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory):
 def test_each_piece_of_layers_waits_for_its_adapter_copies(tiny_model_dir, adapter_factory,
                                                            graphs):
     """A step's own adapter loads run on the copy stream beside its forward, each piece of
-    layers waiting for its own layers' copies (ModelRunner._load_for_step). With the copy
+    layers waiting for its own layers' copies (HostAdapterTier.load_for_step). With the copy
     stream held up ~20 ms before every piece's copies, a piece that ran before its copies
     landed would read pages without the adapter's weights: the tokens must still be those of
     the same weights loaded before (under other names, which captured the graphs), and
@@ -110,7 +110,7 @@ def test_each_piece_of_layers_waits_for_its_adapter_copies(tiny_model_dir, adapt
     base = [o.token_ids for o in e.generate(prompts, sp)]
     first = [o.token_ids for o in e.generate(prompts, sp, adapters=["a8", "a24", "a8"])]
     captured = dict(e.runner.graphs.graphs) if graphs else {}
-    load, pieces = e.runner._load_adapters, []
+    load, pieces = e.runner.host_tier.load, []
 
     def slow(loads, adapters, on_piece=None):
         if on_piece is None:
@@ -124,7 +124,7 @@ def test_each_piece_of_layers_waits_for_its_adapter_copies(tiny_model_dir, adapt
 
         return load(loads, adapters, later)
 
-    e.runner._load_adapters = slow
+    e.runner.host_tier.load = slow
     again = [o.token_ids for o in e.generate(prompts, sp, adapters=["b8", "b24", "b8"])]
     assert pieces == [0, 1], "the step loaded b8 and b24 itself, in the 2-layer model's pieces"
     if graphs:
@@ -157,7 +157,6 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
     check), give the eager batch's tokens.
     Decode steps pad rows to a batch bucket; mixed steps pad tokens to a token bucket and
     sequences to a sequence bucket, the prefill kernels walking the prompts' work tiles."""
-    from slora.graphs import StepGraphs
 
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
              "r20": adapter_factory(tiny_model_dir, r=20, target_modules="all-linear", seed=1)}
@@ -167,8 +166,8 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
                                 num_pages=48, backend="triton", cuda_graphs=False))
         captured = []  # the module groups of each graph, as it is made
         if graphs:
-            g = e.runner.graphs = StepGraphs(e.runner, e.config.max_num_seqs, mixed_tokens=48,
-                                             capture=False)
+            g = e.runner.graphs = e.runner.make_graphs(e.config.max_num_seqs, mixed_tokens=48,
+                                                       capture=False)
             capture = g._capture
             g._capture = lambda *args: captured.append(args[-1]) or capture(*args)
         results[graphs] = _staggered_run(e, paths)
@@ -204,12 +203,12 @@ def test_mixed_step_graphs_match_eager(tiny_model_dir, adapter_factory):
 def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
     """With mixed-step graphs on, `Engine.warmup` runs one prefill step per (token bucket,
     sequence bucket), so serving does not stop to capture them."""
-    from slora.graphs import StepGraphs
 
     e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
                             num_pages=48, backend="triton", cuda_graphs=False, max_num_seqs=4))
-    e.runner.graphs = StepGraphs(e.runner, 4, mixed_tokens=32, capture=False)
-    assert e._mixed_buckets() == [(16, 1), (32, 1)]  # (tokens, prompts) of each warm-up step
+    e.runner.graphs = e.runner.make_graphs(4, mixed_tokens=32, capture=False)
+    # (tokens, prompts) of each warm-up step
+    assert e.runner.graphs.mixed_buckets(e.config.max_batch_tokens) == [(16, 1), (32, 1)]
     e.warmup()
     gc.unfreeze()  # (warmup froze the objects it found; the suite goes on collecting them)
     mixed = {k[1:3] for k in e.runner.graphs.graphs if k[0] == "mixed"}
@@ -220,16 +219,15 @@ def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
 def test_warmup_captures_every_mixed_bucket_a_step_can_reach(tiny_model_dir):
     """Every (token, sequence) bucket a step with a prompt can take, those whose sequence
     bucket the token bucket caps included ((16, 16): 13 tokens over 6 sequences), is captured
-    by the warm-up, at each rank bucket: serving never stops to capture one. (A warm-up step
-    of t one-token prompts runs as decode rows and captured no mixed graph: the H200 replays
-    stopped 100-160 ms for (16, 16), (32, 32) and (64, 64).)"""
+    by the warm-up, at each rank bucket: serving never stops to capture one. (A step of t
+    one-token prompts runs as decode rows, so the warm-up's steps hold a longer prompt.)"""
     from slora.config import bucket
-    from slora.graphs import StepGraphs, round_rank
+    from slora.graphs import round_rank
 
     e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                             num_pages=512, cuda_graphs=False, max_num_seqs=64))
     e.add_synthetic_adapter("a", 8)
-    graphs = e.runner.graphs = StepGraphs(e.runner, 64, mixed_tokens=64, capture=False)
+    graphs = e.runner.graphs = e.runner.make_graphs(64, mixed_tokens=64, capture=False)
     e.warmup()
     gc.unfreeze()
     captured = {k[1:4] for k in graphs.graphs if k[0] == "mixed"}
@@ -246,14 +244,13 @@ def test_warmup_captures_the_module_groups_of_the_adapters(tiny_model_dir):
     captures each group set in use: the registered adapters' and those `modules` names for
     adapters to come (every group when only their ranks are known), and their union, whose
     graphs serve a batch that mixes them."""
-    from slora.graphs import StepGraphs
 
     def warmed(register=(), **kw):
         e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                                 num_pages=256, cuda_graphs=False, max_num_seqs=2))
         for i, modules in enumerate(register):
             e.add_synthetic_adapter(f"a{i}", 8, modules)
-        e.runner.graphs = StepGraphs(e.runner, 2, capture=False)
+        e.runner.graphs = e.runner.make_graphs(2, capture=False)
         e.warmup(**kw)
         gc.unfreeze()
         assert not e.adapters.adapters.keys() - {f"a{i}" for i in range(len(register))}
@@ -271,7 +268,6 @@ def test_a_batch_without_a_graph_of_its_groups_replays_one_holding_more(tiny_mod
     """Once a batch of a q/k/v/o adapter has its graph, an adapter of o alone, and a batch
     mixing the two, replay that graph (its other groups at rank 0) with the tokens of eager
     steps: nothing more is captured."""
-    from slora.graphs import StepGraphs
 
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -282,7 +278,7 @@ def test_a_batch_without_a_graph_of_its_groups_replays_one_holding_more(tiny_mod
         e.add_synthetic_adapter("qkvo", 8, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=1)
         e.add_synthetic_adapter("o", 8, ["o_proj"], seed=2)
         if graphs:
-            e.runner.graphs = StepGraphs(e.runner, e.config.max_num_seqs, capture=False)
+            e.runner.graphs = e.runner.make_graphs(e.config.max_num_seqs, capture=False)
         out[graphs] = [[o.token_ids for o in e.generate(prompts, sp, adapters=names)]
                        for names in (["qkvo", "qkvo"], ["o", "o"], ["o", "qkvo"])]
         if graphs:
@@ -294,14 +290,12 @@ def test_warmup_runs_eager_steps_past_the_mixed_graphs(tiny_model_dir):
     """Past `mixed_graph_tokens` steps run eagerly, and a Triton kernel compiles again for each
     new class of its integer arguments: the warm-up runs, at each rank bucket, a step of one
     prompt of odd length, one of two prompts (a multiple of 16 tokens) and a mixed step (a
-    decode row beside a prompt), all past the graphs. (H200: the first eager steps of S2's
-    runs took 0.4-1.3 s.)"""
-    from slora.graphs import StepGraphs
+    decode row beside a prompt), all past the graphs."""
 
     e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                             num_pages=256, cuda_graphs=False, max_num_seqs=8))
     e.add_synthetic_adapter("a", 8)
-    graphs = e.runner.graphs = StepGraphs(e.runner, 8, mixed_tokens=32, capture=False)
+    graphs = e.runner.graphs = e.runner.make_graphs(8, mixed_tokens=32, capture=False)
     steps, launch = [], e.runner.launch
 
     def logged(plan, adapters, prev=None):
@@ -321,16 +315,14 @@ def test_warmup_runs_eager_steps_past_the_mixed_graphs(tiny_model_dir):
 
 def test_step_metadata_starts_16_byte_aligned(tiny_model_dir):
     """Triton specializes a pointer argument on 16-byte alignment, so a kernel fed an unaligned
-    slice is another variant, compiled when first met: on the H200, serving one adapter
-    compiled MBGMV again (its ranks' per-layer slices, 12 bytes apart) and eager steps the
-    decode kernel (the graphs' block tables sat at an odd offset). Every field of the graphs'
+    slice is another variant, compiled when first met while serving (an adapter's ranks'
+    per-layer slices 12 bytes apart, block tables at an odd offset). Every field of the graphs'
     buffers and every layer's slice of an adapter batch's ranks starts aligned, whatever the
     batch size and adapter count."""
-    from slora.graphs import StepGraphs
 
     e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                             num_pages=256, cuda_graphs=False, max_num_seqs=7))
-    graphs = StepGraphs(e.runner, 7, mixed_tokens=33, capture=False)
+    graphs = e.runner.make_graphs(7, mixed_tokens=33, capture=False)
     twins = [(graphs.meta32, graphs.tables)] + [(h32, tables) for _, h32, _, tables in graphs._twins]
     for buf, tables in twins:
         assert all(v.data_ptr() % 16 == 0 for v in graphs._views32(buf).values())
@@ -343,7 +335,7 @@ def test_step_metadata_starts_16_byte_aligned(tiny_model_dir):
         names.append(f"a{n}")
         e.add_synthetic_adapter(names[-1], 4 * n)
         e.adapters.adapters[names[-1]].pages = list(range(n))  # (no load needed: tensors only)
-        _, groups = e.runner._adapter_tensors(tuple(names), e.adapters)
+        _, groups = e.runner.batches.adapter_tensors(tuple(names), e.adapters)
         for g in groups.values():
             assert all(g.ranks[layer].data_ptr() % 16 == 0 for layer in range(len(g.ranks)))
             assert g.ranks[:, n:].eq(0).all() and g.max_rank == 32 if n > 4 else True
@@ -376,42 +368,4 @@ def test_few_rows_gemm_in_the_engine_gives_the_twins_tokens(tiny_model_dir, adap
                           SamplingParams(max_tokens=5, ignore_eos=True), adapters=["a", None, "a"])
         tokens[backend] = [o.token_ids for o in outs]
     assert calls, "the kernel ran"
-    assert tokens["triton"] == tokens["torch"]
-
-
-@pytest.mark.parametrize("model", ["llama", "llama_headdim_linear"])
-def test_lora_in_gemm_gives_the_twins_tokens(tiny_models, adapter_factory, monkeypatch, model):
-    """EngineConfig.lora_in_gemm: decode steps run each module group's LoRA expand in the
-    few-rows GEMM's epilogue (forced onto the kernel here, fp32 on CPU under the interpreter)
-    and give the torch backend's greedy tokens; groups whose modules are not multiples of 64
-    wide (the tiny llama's k/v) keep the separate expand."""
-    from slora.kernels import gemm
-
-    fused = []
-    skinny = gemm.skinny_linear
-
-    def counted(x, w, bias=None, cfg=None, lora=None):
-        if lora is not None:
-            fused.append(tuple(lora.out_dims))
-        return skinny(x, w, bias, cfg=cfg, lora=lora)
-
-    model_dir = tiny_models(model)
-    path = adapter_factory(model_dir, r=8, target_modules="all-linear")
-    tokens = {}
-    for backend in ("torch", "triton"):
-        if backend == "triton":
-            monkeypatch.setattr(gemm, "uses_kernel",
-                                lambda x, w, max_rows: 0 < x.shape[0] <= max_rows)
-            monkeypatch.setattr(gemm, "skinny_linear", counted)
-            monkeypatch.setattr(gemm, "LORA_MIN_ROWS", 1)  # (3 rows here; 17 on the GPU)
-        e = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
-                                num_pages=48, backend=backend, cuda_graphs=False,
-                                lora_in_gemm=True))
-        e.add_adapter("a", path)
-        outs = e.generate(["The quick brown fox", "Hello", "Paris is"],
-                          SamplingParams(max_tokens=5, ignore_eos=True), adapters=["a", None, "a"])
-        tokens[backend] = [o.token_ids for o in outs]
-    # (hidden 64, intermediate 128; o and down both give (64,))
-    qkv = (128, 128, 128) if model == "llama_headdim_linear" else None  # llama: (64, 32, 32)
-    assert set(fused) == {(64,), (128, 128)} | ({qkv} if qkv else set())
     assert tokens["triton"] == tokens["torch"]

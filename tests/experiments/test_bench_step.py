@@ -14,7 +14,7 @@ def test_decode_step_host_overhead(tiny_model_dir, benchmark):
     vocab = engine.model_config.vocab_size
 
     def forward(batch, pool):
-        return torch.zeros(len(batch.q_start) - 1, vocab)
+        return torch.zeros(len(batch.q_start_list) - 1, vocab)
 
     engine.runner.model.forward = forward
     for i in range(32):

@@ -1,6 +1,6 @@
 """The embedded SmolLM2 conversion against transformers' own GGUF loader (the reference).
 
-Slow-ish by nature (~40 s on 2 cores: one conversion, one transformers GGUF load, one greedy
+Slow by nature (one conversion, one transformers GGUF load, one greedy
 answer), so the converted directory and the reference are built once per session.
 """
 

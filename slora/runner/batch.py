@@ -1,0 +1,145 @@
+"""A step's batch and its LoRA metadata, built on the host from the scheduler's plan.
+
+Built from plain lists, one tensor per field: this runs every step, on the CPU, while the
+GPU waits. The runner moves the batch to the device, or StepGraphs copies it into the
+static buffers of a graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from slora.config import cdiv
+from slora.core.adapters import AdapterLayout, AdapterManager
+from slora.core.scheduler import SchedulerPlan
+from slora.graphs import round_rank
+from slora.kernels import GroupMeta, LoraMeta
+from slora.kernels.tiles import token_tiles
+from slora.model.llama import GROUPS, Batch
+from slora.request import Request
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_tensors(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """An adapter layout as tensors (offsets [7, 2], ranks [L, 7]), built once per layout
+    rather than from nested tuples every step."""
+    return (torch.tensor(layout.offsets, dtype=torch.int64),
+            torch.tensor(layout.ranks, dtype=torch.int32))
+
+
+class BatchBuilder:
+    """block_size: tokens per KV page; tile_rows: the prefill kernels' work-tile tokens;
+    group_shapes: per LoRA module group, its row strides and output widths (fixed by the
+    model); pin: pin the adapter-side tensors (on a GPU), so the graphs copy them in without
+    waiting for the running step."""
+
+    def __init__(self, block_size: int, tile_rows: int, group_shapes: dict[str, dict],
+                 pin: bool) -> None:
+        self.block_size = block_size
+        self.tile_rows = tile_rows
+        self.group_shapes = group_shapes
+        self.pin = pin
+        self._adapter_side: tuple = (None, None)  # (key, tensors): see lora_meta
+
+    def prepare(self, plan: SchedulerPlan, adapters: AdapterManager) -> Batch:
+        """The step's batch as host tensors: decode rows first, then the prompts' tokens."""
+        seqs, bs = plan.seqs, self.block_size
+        ids, positions, slots, q_start, ctx = [], [], [], [0], []
+        for r in seqs:
+            start, end, table = r.num_computed, r.num_tokens, r.block_table
+            ids += r.token_ids_from(start)
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            q_start.append(len(ids))
+            ctx.append(end)
+        width = max(len(r.block_table) for r in seqs)
+        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in seqs]
+        batch = Batch(
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slots),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            ctx_lens=torch.tensor(ctx, dtype=torch.int32),
+            ctx_lens_list=ctx,
+            q_start_list=q_start,
+            q_start_tensor=torch.tensor(q_start, dtype=torch.int32),
+            num_decode=len(plan.decode),
+            logits_index=torch.tensor(q_start[1:]) - 1,
+            lora=None,
+        )
+        d = batch.num_decode
+        if d < len(seqs):  # prompts: the prefill kernel's work list; decode rows: their own
+            prompts = [s >= d for s in range(len(seqs))]
+            batch.tiles = torch.tensor(token_tiles(q_start, self.tile_rows, prompts), dtype=torch.int32)
+            if d:
+                batch.dec_ctx_lens = batch.ctx_lens[:d]
+        batch.lora = self.lora_meta(seqs, batch, adapters)
+        return batch
+
+    def lora_meta(self, seqs: list[Request], batch: Batch, adapters: AdapterManager) -> LoraMeta | None:
+        """The batch's LoRA metadata, None when no row has an adapter. Segments (one per
+        sequence: the batch's own q_start_tensor) and MBGMM's work list (the tiles of the
+        prompts with an adapter) only for steps with prompts, the ones MBGMM runs."""
+        names = tuple(dict.fromkeys(r.adapter for r in seqs if r.adapter))
+        if not names:
+            return None
+        # The adapter side (pages, offsets, ranks) changes only when the batch's adapter set
+        # does or an adapter moves: in steady decode it is the same object step after step
+        # (the graphs then skip copying it again).
+        key = (names, adapters.loads, adapters.evictions)
+        if self._adapter_side[0] != key:
+            self._adapter_side = (key, self.adapter_tensors(names, adapters))
+        pages, groups = self._adapter_side[1]
+        slot_of = {n: i for i, n in enumerate(names)}
+        seq_slot = [slot_of[r.adapter] if r.adapter else -1 for r in seqs]
+        num_decode = batch.num_decode
+        token_slot = seq_slot[:num_decode]
+        for s, r in zip(seq_slot[num_decode:], seqs[num_decode:]):
+            token_slot += [s] * r.num_new
+        meta = LoraMeta(pages=pages, token_slot=torch.tensor(token_slot, dtype=torch.int32),
+                        num_decode=num_decode, groups=groups)
+        if num_decode < len(seqs):  # MBGMM: the prompts with an adapter; MBGMV: decode rows
+            meta.seg_start = batch.q_start_tensor
+            meta.seg_slot = torch.tensor(seq_slot, dtype=torch.int32)
+            keep = [i >= num_decode and s >= 0 for i, s in enumerate(seq_slot)]
+            meta.tiles = torch.tensor(token_tiles(batch.q_start_list, self.tile_rows, keep),
+                                      dtype=torch.int32)
+            if num_decode:
+                meta.dec_slot = meta.token_slot[:num_decode]
+        return meta
+
+    def adapter_tensors(self, names: tuple[str, ...], adapters: AdapterManager):
+        """Page table [n_a, max_pages] and per-group offsets/ranks of the adapters `names`."""
+        pin = (lambda t: t.pin_memory()) if self.pin else (lambda t: t)
+        infos = [adapters.adapters[n] for n in names]
+        max_pages = max(len(i.pages) for i in infos)
+        pages = pin(torch.tensor([i.pages + [0] * (max_pages - len(i.pages)) for i in infos],
+                                 dtype=torch.int32))
+        per_adapter = [_layout_tensors(i.layout) for i in infos]
+        # Rows padded (zeros) to a multiple of 4 adapters: each layer's slice of the ranks then
+        # starts 16-byte aligned, as in the graphs' buffers. Triton specializes a pointer on
+        # its alignment, so an unaligned slice would compile another MBGMV variant while
+        # serving.
+        n_a, n_pad = len(infos), cdiv(len(infos), 4) * 4
+        offsets = torch.zeros(n_pad, *per_adapter[0][0].shape, dtype=torch.int64)  # [n, 7, 2]
+        offsets[:n_a] = torch.stack([o for o, _ in per_adapter])
+        ranks = torch.zeros(len(per_adapter[0][1]), n_pad, per_adapter[0][1].shape[1],
+                            dtype=torch.int32)  # [L, n, 7]
+        ranks[:, :n_a] = torch.stack([r for _, r in per_adapter], dim=1)
+        groups = {}
+        for gname, mods in GROUPS.items():
+            r = ranks[:, :, list(mods)].contiguous()
+            if not r.any():
+                continue
+            groups[gname] = GroupMeta(
+                offsets_a=pin(offsets[:, list(mods), 0].contiguous()),
+                offsets_b=pin(offsets[:, list(mods), 1].contiguous()),
+                ranks=pin(r),
+                # the rank bucket, as graphs have it: eager steps then run the kernel
+                # variants the warm-up compiled (rows keep their own ranks)
+                max_rank=round_rank(int(r.max())),
+                **self.group_shapes[gname],
+            )
+        return pages, groups

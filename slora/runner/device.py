@@ -1,0 +1,25 @@
+"""The device and dtype an `EngineConfig` names, with "auto" resolved."""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto": the GPU when there is one, else the CPU. A named CUDA device must exist."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device={name!r}: CUDA is not available on this machine; "
+                         "use device='cpu'")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on a GPU, float32 on a CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]

@@ -1,0 +1,223 @@
+"""The model runner: owns the pool tensor and the weights, launches steps and collects them.
+
+`execute(plan)` is `collect(launch(plan))`. `launch` does, in order: build the step's batch
+on the host (`BatchBuilder`), upload it (or copy it into a graph's static inputs), queue the
+copies of the adapters the step loads itself (`HostAdapterTier.load_for_step`), run the
+forward (replaying graphs or eagerly, each piece of layers after its own layers' copies),
+take the greedy tokens, and queue the prefetch copies beside the forward. `collect` waits
+for the tokens and samples the rows that need it (`Sampler`). With
+`EngineConfig.async_scheduling` the engine launches the next step before it collects this
+one; the decode rows' input ids are then taken on the device from this step's tokens.
+
+    pool[num_layers, num_pages + 1, P]     P = block_size * 2 * num_kv_heads * head_dim
+
+is allocated once. KV pages and adapter pages are both rows of it (see kernels/reference.py);
+the last page is the scratch page, which the allocator never hands out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv
+from slora.core.adapters import AdapterManager
+from slora.core.scheduler import SchedulerPlan
+from slora.graphs import StepGraphs, piece_starts
+from slora.kernels import make_backend
+from slora.kernels.reference import LORA_ALIGN
+from slora.kernels.tiles import tile_rows
+from slora.model.llama import GROUPS, Batch, LlamaModel
+from slora.model.loader import load_weights, random_weights, strides
+from slora.runner.batch import BatchBuilder
+from slora.runner.device import resolve_device, resolve_dtype
+from slora.runner.host_tier import HostAdapterTier
+from slora.runner.sampling import Sampler
+
+
+class Flight:
+    """A launched step: its plan and its sampled tokens, on the device and, once `done`, on
+    the host. Steps whose rows all decode greedily without logprobs copy back the tokens
+    alone (`pipelined`: into pinned memory, without waiting); others keep their logits for
+    the sampler. A graph's logits are its static output, which the next replay overwrites:
+    the argmax (or the copy) is taken at launch."""
+
+    def __init__(self, plan: SchedulerPlan, logits: torch.Tensor, pipelined: bool) -> None:
+        self.plan = plan
+        self.tokens = logits.argmax(dim=-1)
+        tokens_only = all(r.sampling.greedy and r.sampling.logprobs is None for r in plan.seqs)
+        # (collected at once unless pipelined: no later replay can overwrite the logits)
+        self.logits = None if tokens_only else logits.clone() if pipelined else logits
+        self.host, self.done = self.tokens, None
+        if tokens_only and pipelined and self.tokens.is_cuda:
+            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self.host.copy_(self.tokens, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    @property
+    def tokens_only(self) -> bool:
+        """Whether only the greedy tokens come back (nothing to sample on the host): the next
+        step may launch before this one is collected."""
+        return self.logits is None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.page_size = model_config.page_size(config.block_size)
+        if self.page_size % LORA_ALIGN:
+            raise ValueError(f"page size {self.page_size} (block_size x 2 x kv_heads x head_dim) "
+                             f"must be a multiple of {LORA_ALIGN}; raise EngineConfig.block_size")
+        if config.load_format == "dummy":
+            weights = random_weights(model_config, self.dtype, self.device, config.seed)
+        else:
+            weights = load_weights(model_dir, model_config, self.dtype, self.device)
+        self.backend = make_backend(config.backend, self.device, config.gemm_max_rows)
+        self.model = LlamaModel(model_config, weights, self.backend, config.block_size)
+        self.num_pages = self._pool_pages()
+        # One page more than the allocator hands out: padded rows of a captured batch write
+        # their KV there (`scratch_page`), never into a live page.
+        self.pool = torch.zeros(model_config.num_layers, self.num_pages + 1, self.page_size,
+                                dtype=self.dtype, device=self.device)
+        self.scratch_page = self.num_pages
+        # the longest sequence the engine admits: the model's limit, capped by the pool's size
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 self.num_pages * self.block_size)
+        self.cuda = self.device.type == "cuda"
+        # the first layer of each piece a step is cut into: its CUDA graphs, and the copies of
+        # the adapters it loads itself, each piece waited for before its layers run
+        self.piece_starts = piece_starts(model_config.num_layers)
+        self.host_tier = HostAdapterTier(self.pool, self.dtype, self.piece_starts)
+        self.tile_rows = tile_rows(self.device, self.dtype)  # prefill kernels' work-tile tokens
+        # row strides and output widths of each LoRA module group: fixed by the model
+        self.group_shapes = {
+            g: dict(stride_in=strides(model_config, LORA_MODULES[mods[0]])[0],
+                    strides_out=tuple(strides(model_config, LORA_MODULES[m])[1] for m in mods),
+                    out_dims=tuple(model_config.module_dims(LORA_MODULES[m])[1] for m in mods))
+            for g, mods in GROUPS.items()}
+        self.batches = BatchBuilder(self.block_size, self.tile_rows, self.group_shapes, pin=self.cuda)
+        self.sampler = Sampler(config.seed)
+        self.graphs = (self.make_graphs(config.max_num_seqs, config.mixed_graph_tokens)
+                       if self.cuda and config.cuda_graphs and self.backend.name != "torch" else None)
+
+    def make_graphs(self, max_num_seqs: int, mixed_tokens: int = 0, capture: bool = True) -> StepGraphs:
+        """The CUDA graphs of this runner's model and pool (see StepGraphs)."""
+        return StepGraphs(
+            self.model, self.pool, scratch_page=self.scratch_page, block_size=self.block_size,
+            piece_starts=self.piece_starts, group_shapes=self.group_shapes,
+            tile_rows=self.tile_rows, max_blocks=cdiv(self.max_model_len, self.block_size),
+            max_num_seqs=max_num_seqs, mixed_tokens=mixed_tokens, capture=capture)
+
+    @property
+    def mixed_graph_tokens(self) -> int:
+        """The setting in effect: steps with prompts run eagerly where there are no graphs."""
+        return self.graphs.mixed_tokens if self.graphs is not None else 0
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page id across all layers."""
+        return self.model_config.num_layers * self.page_size * self.pool.element_size()
+
+    def _pool_pages(self) -> int:
+        """The pool's pages: `num_pages`, or as many as the memory budget holds."""
+        c = self.config
+        if c.num_pages is not None:
+            return c.num_pages
+        page_bytes = (self.model_config.num_layers * self.page_size
+                      * torch.empty((), dtype=self.dtype).element_size())
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * c.gpu_memory_fraction - (1 << 30)  # 1 GiB for activations
+        else:
+            budget = c.cpu_pool_gb * (1 << 30)
+        pages = int(budget // page_bytes)
+        if pages < 2:
+            raise ValueError(f"no room for a KV pool: one page needs {page_bytes} bytes; "
+                             "set EngineConfig.num_pages or free memory")
+        return pages
+
+    # -- the step
+    def execute(self, plan: SchedulerPlan, adapters: AdapterManager):
+        """Run the plan's step and sample it: (tokens, logprobs), one per sequence."""
+        return self.collect(self.launch(plan, adapters))
+
+    def launch(self, plan: SchedulerPlan, adapters: AdapterManager,
+               prev: Flight | None = None) -> Flight | None:
+        """Queue the plan's step on the device (None when it has no sequences). `prev`: the
+        step still running, not yet collected (async scheduling); the decode rows whose
+        last token it samples take their input ids from its tokens on the device."""
+        tier = self.host_tier
+        tier.wait_for_copies()
+        if plan.empty:
+            ready = tier.load_for_step(plan.adapter_loads, adapters)
+            for event in ready.values():  # (the next step waits for the copy stream)
+                torch.cuda.current_stream().wait_event(event)
+            tier.prefetch(plan.prefetch, adapters, self._mark())
+            return None
+        batch = self.batches.prepare(plan, adapters)
+        ids_from_prev = self._ids_from_prev(plan, prev)
+        graphed = self.graphs is not None and self.graphs.fits(batch)
+        if graphed:
+            step = self.graphs.feed(batch, ids_from_prev)
+        else:
+            batch = batch.to(self.device)
+            if ids_from_prev is not None:
+                batch.input_ids.index_copy_(0, *ids_from_prev)
+        # The adapter copies queue after this step's inputs: the copy engine serves copies in
+        # the order they are queued, so an adapter copy queued first would delay the small
+        # uploads the forward waits for.
+        inputs = self._mark()
+        ready = tier.load_for_step(plan.adapter_loads, adapters)
+        logits = self.graphs.replay(step, ready) if graphed else self._forward(batch, ready)
+        flight = Flight(plan, logits, self.config.async_scheduling)
+        tier.prefetch(plan.prefetch, adapters, inputs)  # overlaps the forward
+        return flight
+
+    def _mark(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the compute stream (None on a CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _forward(self, batch: Batch, ready: dict[int, torch.cuda.Event]) -> torch.Tensor:
+        """The eager forward, each piece of layers after its adapter copies (`ready`: {a
+        piece's first layer: the event after its layers' copies})."""
+        model, pool = self.model, self.pool
+        if not ready:
+            return model.forward(batch, pool)
+        hidden = model.embed(batch)
+        for start, end in zip(self.piece_starts, self.piece_starts[1:] + [model.num_layers]):
+            if start in ready:
+                torch.cuda.current_stream().wait_event(ready[start])
+            hidden = model.layers(batch, pool, hidden, start, end)
+        return model.head(batch, hidden)
+
+    def _ids_from_prev(self, plan: SchedulerPlan, prev: Flight | None):
+        """(rows, ids) on the device: the decode rows whose last token `prev` samples, and
+        those tokens, which replace the rows' input ids (None: no such row)."""
+        if prev is None:
+            return None
+        where = {r.request_id: i for i, r in enumerate(prev.plan.seqs)}
+        pairs = [(i, where[r.request_id]) for i, r in enumerate(plan.decode) if r.num_pending]
+        if not pairs:
+            return None
+        # (pinned and non-blocking: a pageable copy would wait for the running step)
+        idx = torch.tensor(list(zip(*pairs)), pin_memory=self.cuda)
+        rows, src = idx.to(self.device, non_blocking=True)
+        return rows, prev.tokens[src]
+
+    def collect(self, flight: Flight | None):
+        """The tokens and logprobs of a launched step (waits for it)."""
+        if flight is None:
+            return [], []
+        if flight.tokens_only:
+            if flight.done is not None:
+                flight.done.synchronize()
+            return flight.host.tolist(), [None] * len(flight.plan.seqs)
+        return self.sampler.sample(flight.logits, flight.plan.seqs, flight.tokens)

@@ -1,0 +1,65 @@
+"""Sampling: one token per sequence from its logits, and vLLM-shaped logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from slora.request import Request, SamplingParams
+
+
+class Sampler:
+    """Greedy rows take the argmax the runner computed at launch; sampled rows draw from
+    their own generator, seeded by the request's seed or, without one, from `seed`'s stream
+    in the order requests first sample. A request's generator lives until `release`."""
+
+    def __init__(self, seed: int) -> None:
+        self.generators: dict[str, torch.Generator] = {}  # request id -> its generator
+        self.rng = torch.Generator().manual_seed(seed)  # seeds requests without a seed
+
+    def sample(self, logits: torch.Tensor, seqs: list[Request], greedy: torch.Tensor):
+        """(tokens, logprobs), one per sequence. `greedy`: the logits' argmax, for the greedy
+        rows. Logprobs are those of the raw distribution, for the rows that ask for them:
+        {token id: log-prob} holding the chosen token and the top N."""
+        tokens = greedy.tolist()
+        want_lp = any(r.sampling.logprobs is not None for r in seqs)
+        logp = torch.log_softmax(logits, dim=-1) if want_lp else None
+        out_lp = []
+        for i, r in enumerate(seqs):
+            sp = r.sampling
+            if not sp.greedy:
+                tokens[i] = self._sample_row(logits[i], sp, r.request_id)
+            if sp.logprobs is None:
+                out_lp.append(None)
+                continue
+            row = logp[i]
+            entry = {}
+            if sp.logprobs:
+                top = torch.topk(row, sp.logprobs)
+                entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+            entry[tokens[i]] = float(row[tokens[i]])
+            out_lp.append(entry)
+        return tokens, out_lp
+
+    def _sample_row(self, logits: torch.Tensor, sp: SamplingParams, request_id: str) -> int:
+        """One token from `logits` with temperature, then top-k, then top-p applied."""
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=logits.device)
+            seed = sp.seed if sp.seed is not None else int(torch.randint(1 << 62, (), generator=self.rng))
+            gen.manual_seed(seed)
+            self.generators[request_id] = gen
+        x = logits / sp.temperature
+        if sp.top_k and sp.top_k < x.shape[-1]:
+            kth = torch.topk(x, sp.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if sp.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=True)
+            probs = torch.softmax(sorted_x, dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            drop = probs.cumsum(-1) - probs >= sp.top_p
+            x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+        return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gen))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator."""
+        self.generators.pop(request_id, None)
