@@ -7,7 +7,7 @@
     device.py         the device and dtype a config names
 """
 
-from slora.runner.device import resolve_device, resolve_dtype
-from slora.runner.model_runner import Flight, ModelRunner
+from slora.runner.device import resolve_device
+from slora.runner.model_runner import ModelRunner
 
-__all__ = ["Flight", "ModelRunner", "resolve_device", "resolve_dtype"]
+__all__ = ["ModelRunner", "resolve_device"]
