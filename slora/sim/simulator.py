@@ -36,8 +36,11 @@ from slora.config import DTYPE_BYTES, EngineConfig, ModelConfig
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler, SchedulerPlan
+from slora.metrics import result_dict, summarize
+from slora.replay import replay
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.sim.cost import CostModel, Profile, plan_features
+from slora.workload import Trace
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Engine.add_synthetic_adapter's
 FAKE_TOKEN = 0
@@ -95,7 +98,7 @@ class SimRunner:
 
     Copies happen in the runner's order (`plan.adapter_loads`, then `plan.prefetch`); a copy of
     an adapter missing from the host tier first reads it (disk time) and records it there with
-    `AdapterManager.admit_host`, exactly as `ModelRunner.adapter_host_copy` does, so the host
+    `AdapterManager.admit_host`, exactly as `HostAdapterTier.host_copy` does, so the host
     tier's LRU state is the engine's.
     """
 
@@ -348,9 +351,6 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     seed: of the random prompt token ids (as replay's; they do not change the timing).
     Warns (`ProfileOrderWarning`) when the engine's `async_scheduling` is not the profile's.
     """
-    from slora.metrics import result_dict, summarize
-    from slora.replay import replay
-
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
     model = model or ModelConfig.from_dict(profile.model_config, source="profile model_config")
     dtype = options.get("dtype") or "auto"
@@ -373,7 +373,7 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     register_trace_adapters(sim, trace, default_rank)
     wall = time.perf_counter()
     run = replay(sim, trace, vocab_size=model.vocab_size, seed=seed, progress=progress,
-                 clock=sim.clock, sleep=sim.clock.sleep)
+                 label="simulate", clock=sim.clock, sleep=sim.clock.sleep)
     wall = time.perf_counter() - wall
     summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
     stats = {**sim.stats(), "sim_wall_s": wall}
@@ -383,8 +383,8 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
                               "async_scheduling": profile.async_scheduling,
                               "cost": profile.cost.to_dict()},
                   "gpu_memory_gb": gpu_memory_gb, **(extra_config or {})}
-    return SimRun(result_dict(summary, source="simulate", config=config_out, stats=stats),
-                  run.records, sim)
+    return SimRun(result_dict(summary, source="simulate", config=config_out, stats=stats,
+                              records=run.records), run.records, sim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,8 +432,6 @@ def trace_rate(trace) -> float:
 
 def rescale_rate(trace, rate: float):
     """The same requests with arrival times scaled so that the mean rate becomes `rate`."""
-    from slora.workload import Trace
-
     if rate <= 0:
         raise ValueError(f"rate={rate} must be positive")
     factor = trace_rate(trace) / rate
