@@ -16,15 +16,15 @@
 # Before / after in one call, an older tree copied to results/base (carried to the device):
 #   bash experiments/gpu.sh --tree results/base --label base --no-tests; \
 #   bash experiments/gpu.sh --label new --compare base
-# The table's commit is the tree's `git rev-parse HEAD`, else $SLORA_COMMIT. JOBS=N runs the tests
-# in N pytest-xdist workers where it is installed (default 4; 0: one process).
+# The tree's commit: its `git rev-parse HEAD`, else $SLORA_COMMIT (a copy has no .git). JOBS=N
+# runs the tests in N pytest-xdist workers where it is installed (default 4; 0: one process).
 set -uo pipefail
-HERE=$(cd "$(dirname "$0")/.." && pwd)
+HERE=$(cd "$(dirname "$0")/.." && pwd -P)
 TREE=$HERE LABEL=new TESTS=1 COMPARE=
 usage() { sed -n 5p "$0" | sed 's/^#   //' >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    --tree) TREE=$(cd "${2:?}" && pwd) || usage; shift 2 ;;
+    --tree) TREE=$(cd "${2:?}" && pwd -P) || usage; shift 2 ;;
     --label) LABEL=${2:?}; shift 2 ;;
     --no-tests) TESTS=0; shift ;;
     --compare) COMPARE=${2:?}; shift 2 ;;
@@ -39,6 +39,9 @@ export PYTHONPATH=$TREE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFF
   TOKENIZERS_PARALLELISM=false
 cd "$TREE" || exit 2
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$D/gpu.txt" 2>&1
+# the tree's commit, for results whose JSON names none (a tree older than the harness)
+head=$([ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$TREE" ] && git rev-parse -q --verify HEAD)
+echo "${head:-${SLORA_COMMIT:-unknown}}" >"$D/commit.txt"
 failed=()
 step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME.log, under a time limit
   local name=$1 limit=$2 t0=$SECONDS
@@ -56,7 +59,7 @@ if [ "$TESTS" = 1 ]; then
   step pytest 420 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/kernels \
     tests/engine/test_engine_triton.py tests/engine/test_engine.py \
     tests/engine/test_async_scheduling.py tests/model/test_vs_hf.py tests/model/test_lora_vs_peft.py
-  tail -n 1 "$D/pytest.log"
+  [[ " ${failed[*]} " == *" pytest "* ]] || tail -n 1 "$D/pytest.log"
 fi
 step engine 240 python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race \
   --skip-hf --out "$D/engine"

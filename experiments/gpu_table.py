@@ -5,8 +5,8 @@ per run, then the last run's figure over the first's.
     python3 experiments/gpu_table.py results/gpu/new
     python3 experiments/gpu_table.py results/gpu/base.tar.gz results/gpu/new.tar.gz
 
-A run holds engine/bench_engine.json, s2/bench_scaling.json, decode/bench_scaling.json and
-pytest.log, any of them missing. Only fields that these files have always carried are read
+A run holds engine/bench_engine.json, s2/bench_scaling.json, decode/bench_scaling.json,
+pytest.log and commit.txt, any of them missing. Only fields that these files have always carried are read
 (the rows' gen_tok_s and decode_tok_s; scaling rows' output_tok_s; decode rows' step_ms and
 floor_ms; ceilings), so that a run of an older tree compares with one of today's.
 """
@@ -22,11 +22,12 @@ from pathlib import Path
 # the datasheet's HBM GB/s and dense bf16 TFLOP/s: the peers of the measured ceilings
 DATASHEET = {"H200": (4800, 989), "H100": (3350, 989)}
 FILES = {"engine": "engine/bench_engine.json", "s2": "s2/bench_scaling.json",
-         "decode": "decode/bench_scaling.json", "tests": "pytest.log"}
+         "decode": "decode/bench_scaling.json", "tests": "pytest.log", "commit": "commit.txt"}
 
 
 def load(src: str) -> dict:
-    """{"label", "engine", "s2", "decode": parsed JSON or None, "tests": pytest's last line}."""
+    """{"label", "engine", "s2", "decode": parsed JSON or None, "tests": pytest's last line,
+    "commit": the JSON header's, else commit.txt's}."""
     path, texts = Path(src), {}
     if path.is_dir():
         texts = {k: (path / f).read_text() for k, f in FILES.items() if (path / f).is_file()}
@@ -43,6 +44,8 @@ def load(src: str) -> dict:
     lines = [ln for ln in texts.get("tests", "").splitlines()
              if re.search(r"\d+ (passed|failed|error)", ln)]
     run["tests"] = lines[-1].strip("= ") if lines else None
+    heads = [run[k]["commit"] for k in ("engine", "s2", "decode") if run[k] and "commit" in run[k]]
+    run["commit"] = heads[0] if heads else texts.get("commit", "-").strip() or "-"
     return run
 
 
@@ -88,7 +91,7 @@ def table(runs: list[dict]) -> str:
     lines = []
     for run in runs:
         d = next((run[k] for k in ("engine", "s2", "decode") if run[k]), {})
-        lines.append(f"{run['label']}: {d.get('gpu') or '-'}, commit {d.get('commit', '-')[:12]}; "
+        lines.append(f"{run['label']}: {d.get('gpu') or '-'}, commit {run['commit'][:12]}; "
                      f"tests: {run['tests'] or 'not run'}")
     per = [{what: (fig, peer, name) for what, fig, peer, name in rows(run)} for run in runs]
     names = {what: name for p in per for what, (_, _, name) in p.items()}

@@ -42,6 +42,7 @@ def write_run(path: Path, scale: float = 1.0, header: bool = True) -> Path:
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_text(json.dumps(res))
     (path / "pytest.log").write_text("....\n120 passed, 2 skipped in 61.20s (0:01:01)\n")
+    (path / "commit.txt").write_text("b216879\n")  # gpu.sh's: the tree's commit
     return path
 
 
@@ -71,7 +72,9 @@ def test_two_runs_compare_an_old_tree_from_its_archive(gpu_table, tmp_path):
     new = write_run(tmp_path / "new", scale=1.01)
     lines = gpu_table.table([gpu_table.load(str(tmp_path / "base.tar.gz")),
                              gpu_table.load(str(new))]).splitlines()
-    assert lines[0].startswith("base: NVIDIA H200, commit -; tests: 120 passed")
+    # the old tree's JSON names no commit: gpu.sh's commit.txt does
+    assert lines[0].startswith("base: NVIDIA H200, commit b216879; tests: 120 passed")
+    assert lines[1].startswith("new: NVIDIA H200, commit 0123456789ab; ")
     assert lines[3].split()[-1] == "new/base"
     s2 = next(line for line in lines if line.startswith("S2 qkvo"))
     assert s2.split()[-1] == "1.010"
