@@ -1,4 +1,4 @@
-"""Adapter churn on the GPU (issue 4): many registered adapters, a pool far smaller than their
+"""Adapter churn on the GPU: many registered adapters, a pool far smaller than their
 total size, a stream of requests. Shows loads, evictions and prefetch, and what an adapter
 load costs a step with and without prefetch.
 
@@ -8,14 +8,16 @@ waves, each on a random adapter; every step is timed (`runner.execute`, synchron
 tagged with the adapter copies it carried: blocking loads (adapter needed now) or prefetches
 (copied on a side stream while the step computes).
 
-    python experiments/bench_prefetch.py --adapters 1000 --num-pages 1200 --out $OUT
+Writes bench_prefetch.json under --out: the harness's header (GPU, commit, command; no
+ceilings: the figures are step times against each other) and "rows", one per prefetch window
+(0, then --prefetch-window).
+
+    python experiments/bench_prefetch.py --adapters 1000 --num-pages 1200
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import sys
@@ -24,7 +26,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import add_out_arg, header, write_result  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 MODEL = Path(__file__).resolve().parent / "models" / "llama-2-7b"
@@ -62,18 +66,18 @@ def run(args, prefetch_window: int) -> dict:
     # compute: the share of the copies' span that lies inside the compute stream's span.
     copies = []  # (start, end) events of this step's prefetch copies on the side stream
     if cuda:
-        prefetch = eng.runner._prefetch
+        prefetch = eng.runner.host_tier.prefetch
 
         def marked(loads, adapters, after=None):
             if not loads:
                 return prefetch(loads, adapters, after)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(eng.runner.copy_stream)
+            start.record(eng.runner.host_tier.copy_stream)
             prefetch(loads, adapters, after)
-            end.record(eng.runner.copy_stream)
+            end.record(eng.runner.host_tier.copy_stream)
             copies.append((start, end))
 
-        eng.runner._prefetch = marked
+        eng.runner.host_tier.prefetch = marked
 
     def timed(plan, adapters):
         sync()
@@ -160,7 +164,7 @@ def _slope(rows: list[dict], keys: list[str]) -> float | None:
     return float(coef[1])
 
 
-def main(argv=None):
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(MODEL), help="a model dir (config.json is enough)")
     ap.add_argument("--device", default="cuda")
@@ -177,11 +181,11 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--prefetch-window", type=int, default=8, help="the second run's window")
-    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    add_out_arg(ap)
     args = ap.parse_args(argv)
     rows = [run(args, 0), run(args, args.prefetch_window)]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bench_prefetch.json").write_text(json.dumps(rows, indent=1))
+    result = {**header(__file__, args.device, {}, argv), "rows": rows}
+    write_result(args.out, "bench_prefetch.json", result)
     mb = rows[0]["adapter_bytes"] / 1e6
     print(f"\n{args.adapters} adapters x {mb:.1f} MB (rank {args.rank} q/k/v/o), pool "
           f"{args.num_pages} pages; step medians in ms, by what the step copied")
@@ -209,7 +213,7 @@ def main(argv=None):
         print(f"prefetch window {r['prefetch_window']}: one more adapter copy adds "
               f"{ms(r['ms_per_blocking_load_on_prefill'])} to a prefill step (blocking) and "
               f"{ms(r['ms_per_prefetch_on_decode'])} to a decode step (prefetch)")
-    return rows
+    return result
 
 
 if __name__ == "__main__":

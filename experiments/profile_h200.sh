@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Calibrate the simulator on this GPU for the Llama-2-7B shape (random weights: config.json only),
-# then check it against the real engine. Run through the device tool from the repo root, one step
-# per call (each stays under 10 minutes):
-#   bash experiments/profile_h200.sh profile    # ~3-5 min -> $OUT/h200-llama2-7b.json
-#   bash experiments/profile_h200.sh validate   # ~5 min: replay vs simulate on three 60 s traces,
-#                                               #   $OUT/sim-vs-replay/table.md
-# Then commit $OUT/h200-llama2-7b.json as experiments/profiles/h200-llama2-7b.json and put the
-# table in the simulator note. validate uses $PROFILE (default: the shipped profile if present,
-# else the one `profile` just wrote to $OUT). DURATION=30 shortens the validation traces;
-# ONLY="n100-a1-r4" runs a subset, RESULTS=DIR writes elsewhere. MIXED=N profiles and replays with mixed-step CUDA graphs
+# then check it against the real engine; each step fits one device call (under 10 minutes):
+#   bash experiments/profile_h200.sh profile    # -> $OUT/h200-llama2-7b.json
+#   bash experiments/profile_h200.sh validate   # replay vs simulate on three 60 s traces
+#                                               #   -> $OUT/sim-vs-replay/table.md
+# A new profile ships as experiments/profiles/h200-llama2-7b.json, its table in docs/simulator.md.
+# validate uses $PROFILE (default: the shipped profile if present, else the one `profile` wrote to
+# $OUT). DURATION=30 shortens the validation traces; ONLY="n100-a1-r4" runs a subset; RESULTS=DIR
+# writes elsewhere; MIXED=N profiles and replays with mixed-step CUDA graphs
 # (EngineConfig.mixed_graph_tokens=N).
 set -euo pipefail
 OUT=${OUT:-results/gpu}

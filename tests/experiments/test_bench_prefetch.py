@@ -14,11 +14,13 @@ def test_bench_prefetch_cpu(tiny_model_dir, tmp_path):
     spec = importlib.util.spec_from_file_location("bench_prefetch", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rows = mod.main(["--model", str(tiny_model_dir), "--device", "cpu", "--adapters", "60",
+    res = mod.main(["--model", str(tiny_model_dir), "--device", "cpu", "--adapters", "60",
                      "--rank", "8", "--num-pages", "48", "--batch", "4", "--prefetch-reserve", "4",
                      "--waves", "6", "--wave-size", "4", "--steps-per-wave", "3",
                      "--prompt-len", "8", "--gen-len", "6", "--out", str(tmp_path)])
-    assert rows == json.loads((tmp_path / "bench_prefetch.json").read_text())
+    assert res == json.loads((tmp_path / "bench_prefetch.json").read_text())
+    assert res["command"].startswith("python3 experiments/bench_prefetch.py --model ")
+    rows = res["rows"]
     no_window, window = rows
     for r in rows:
         s = r["stats"]
