@@ -439,8 +439,9 @@ def _add_profile(sub) -> None:
         "  slora profile --refit old.json -o new.json   # no device: refit stored steps")
     p.add_argument("--model", help="model directory (config.json; weights unless dummy)")
     p.add_argument("--refit", metavar="PROFILE",
-                   help="instead of measuring, refit PROFILE's stored steps under this version's "
-                        "cost model (for a profile made before its features changed; no device)")
+                   help="instead of measuring, refit PROFILE's stored steps under this "
+                        "version's cost model (features a stored step lacks are derived from "
+                        "those it has); no device, in seconds")
     p.add_argument("--add-steps", nargs="+", metavar="JSONL", default=[],
                    help="with --refit: also fit these step logs (replay's step_log, "
                         "sim_vs_replay's <trace>-steps.jsonl); steps that copied adapters are "

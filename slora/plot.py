@@ -173,6 +173,7 @@ def _distributions(plt, lines: dict[str, list[dict]]):
             # steps up by 1/n at each request's latency, from 0 before the first
             ax.plot(values[:1] + values, [i / n for i in range(n + 1)], drawstyle="steps-post",
                     label=f"{label} ({n} requests)")
+        ax.locator_params(axis="x", nbins=6)  # tick labels of a few digits each, apart
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of completed requests")
         ax.set_ylim(0, 1.02)

@@ -10,6 +10,10 @@ clock whether or not the engine keeps up, so queueing shows in the latencies.
 the simulator drives the same loop on its virtual clock and the two share the metrics path.
 A request is submitted with its *scheduled* arrival time, so a step that delays submission still
 counts against the request's latency, as it would for a real client.
+
+`run_replay` is the real engine's side: it builds the engine, replays, and returns the result
+dict, with a step log (`slora.sim.steplog`) when asked. This module imports nothing of
+`slora.sim` at its top: the simulator and the profiler import the loop from here.
 """
 
 from __future__ import annotations

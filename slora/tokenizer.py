@@ -10,6 +10,10 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 
 class Tokenizer:
+    """A model directory's tokenizer.json, its chat template and its end-of-sequence ids: those
+    given (`eos_token_ids`: the model config's) plus the id of tokenizer_config.json's
+    eos_token."""
+
     def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> None:
         path = Path(path)
         file = path / "tokenizer.json"

@@ -62,7 +62,7 @@ def test_bad_input():
         summarize([RECORDS[3]])  # nothing finished: no duration to divide by
 
 
-def test_result_dict_is_json_with_the_issue_keys():
+def test_result_dict_is_json_with_the_metric_keys():
     r = result_dict(summarize(RECORDS), source="replay", config={"workload": {"rate": 1}},
                     stats={"preemptions": 0})
     for key in ("throughput_req_s", "throughput_tok_s", "avg_latency_s", "ttft_p50_s", "ttft_p90_s",

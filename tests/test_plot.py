@@ -62,6 +62,10 @@ def test_a_replay_and_its_simulation_are_one_line_each_named_by_source():
     assert_legend_clear_of_labels(fig)
 
 
+def test_millisecond_latencies_get_readable_ticks():
+    assert_legend_clear_of_labels(figure([result(scale=0.0123), result("simulate", scale=0.004)]))
+
+
 def test_a_key_that_splits_a_source_is_kept():
     rs = [result("replay", dtype="float32"), result("replay", dtype="bfloat16"),
           result("simulate", dtype="float32")]
@@ -112,10 +116,13 @@ def test_a_categorical_axis_with_explicit_series():
 
 
 def assert_legend_clear_of_labels(fig):
+    """The legend overlaps no axes and no label; no two tick labels of an axis overlap."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     legend = fig.legends[0].get_window_extent(renderer)
     for ax in fig.axes:
+        ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+        assert not any(a.overlaps(b) for a, b in zip(ticks, ticks[1:])), ax.get_xlabel()
         for text in [ax.xaxis.label, ax.yaxis.label, *ax.get_xticklabels(), *ax.get_yticklabels()]:
             if text.get_text():
                 assert not legend.overlaps(text.get_window_extent(renderer)), text.get_text()

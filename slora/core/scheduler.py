@@ -229,8 +229,8 @@ class Scheduler:
     def _prefetch(self, plan: SchedulerPlan) -> None:
         """Load the adapters of the next waiting requests. Room comes from free pages, then
         from idle adapters (LRU) that no request in the window needs: a queued request's
-        adapter is needed soon, an idle one only maybe. The H200 showed why: once idle
-        adapters filled the pool, a prefetch that only took free pages almost never ran."""
+        adapter is needed soon, an idle one only maybe. Taking free pages alone would stop
+        prefetching for good once idle adapters fill the pool, as they do in steady serving."""
         window = list(self.waiting)[: self.config.prefetch_window]
         keep = {r.adapter for r in window if r.adapter}
         for req in window:

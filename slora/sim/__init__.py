@@ -5,8 +5,9 @@
     run.result["throughput_req_s"]
 
 `slora.sim.cost`: the cost model, its fit and the profile file; `slora.sim.simulator`: the
-engine-shaped simulator and sweeps; `slora.sim.profile`: calibration on a real engine (imports
-torch when it runs). Nothing imported here needs torch.
+engine-shaped simulator and sweeps; `slora.sim.steplog`: the log of a real engine's steps as
+the cost model sees them; `slora.sim.profile`: calibration on a real engine (imports torch
+when it runs). Nothing imported here needs torch.
 """
 
 from slora.sim.cost import FEATURES, CostModel, Profile, fit, fit_max, plan_features

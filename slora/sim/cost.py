@@ -20,8 +20,8 @@ A step's forward time is the larger of two linear models over fifteen features o
             + c_eager_lora     * eager_lora        1 when such a step also has adapters: the
                                                    LoRA kernels' launches, eagerly too
             + c_lora           * lora              1 when any row has an adapter: the LoRA
-                                                   kernels' fixed cost, in graphs too (64 small
-                                                   launches a 7B step, each of some microseconds)
+                                                   kernels' fixed cost, in graphs too (small
+                                                   launches, a few per layer)
             + c_eager_adapters * eager_adapters    distinct adapters in an eager step
             + c_mixed          * mixed             1 when the step has prompts and decode rows:
                                                    it runs both kernel sets (decode attention
@@ -37,24 +37,22 @@ and the host's, over HOST_FEATURES (`host_coeffs`; None: the device's alone):
     forward = max(device, h . x)
 
 An eager step whose kernels finish faster than Python launches them takes the host's time,
-flat in its tokens: on the H200 a mixed step with LoRA took 19-22 ms from 16 to ~400 prompt
-tokens while its GPU work grew with them. `fit_max` fits both pieces.
+flat in its tokens while its device work grows with them: the host piece models that, and
+`fit_max` fits both pieces.
 
-eager and eager_lora came from the first H200 profile: a prefill step of 16 tokens took 12 ms
-where a decode step took 5, and 50 ms with an adapter in the batch; without them the fit's mean
-relative error was 17%, with them 15%. lora and eager_adapters came from the residuals of the
-third (2026-11-30): decode steps with one adapter at batch 1 took 6.4 ms against 4.8 without
-(the model said +0.1 ms), and mixed steps with 32 distinct adapters were under-predicted by
-half; with them the mean relative error of that profile's 582 steps fell from 15.0% to 11.6%
-(12.6% on the profile before it).
+Why the indicator features exist (each models a cost the sums above do not scale with):
 
-mixed and mixed_adapters came from the first profile with mixed-step graphs on (2026-11-30,
-session 5): replays' steps with prompts took 18-23 ms where the model said 0.78-0.82 of that,
-and the profile's own steps with prompts and decode rows were under-predicted the same way
-(0.80). Fitted on the profile's steps alone, the two took the replays' steps with prompts to
-0.92-1.02 of their measured time. padded followed: a step of 271 prompt tokens beside 21
-decode rows replays the 512-token graph, and fitted on the profile's steps its coefficient
-came out as a prompt token's (0.020 against 0.019 ms), the profile's error 7.4% -> 6.6%.
+- eager, eager_lora: a step with prompts beyond the graphed sizes runs eagerly and pays
+  every kernel launch from Python, the LoRA kernels' launches again when it has adapters;
+  a small prefill then costs far more than its tokens' GEMMs.
+- lora, eager_adapters: any adapter in a step adds the LoRA kernels' fixed cost (many small
+  launches per step, in graphs too), and every distinct adapter of an eager step adds its
+  own launches and metadata.
+- mixed, mixed_adapters: a step with both prompts and decode rows runs both kernel sets
+  (decode attention and MBGMV for the decode rows, prefill attention and MBGMM for the
+  prompts), each distinct adapter its segments in both.
+- padded: a graphed step with prompts computes its whole token bucket, so the rows between
+  its tokens and the bucket cost what a prompt token costs.
 
 Adapter pages stand in for rank because they are proportional to the bytes the LoRA kernels
 read and the FLOPs they do (rank x the target modules' widths), for any choice of targets.
@@ -72,7 +70,7 @@ Adapter copies (the runner issues them with the forward, in plan order: loads, t
 loads (`b`) arrive in K pieces of layers, the forward waiting for each piece before its first
 layer (on the GPU, the pieces of its graphs): the first piece's copies come before any
 compute, the rest run beside it as a prefetch does. K = 1: all of them before the forward
-(the CPU, and profiles made before the runner copied in pieces).
+(the CPU, whose runner copies on the compute stream; and a profile that records no K).
 
 `fit(samples)` chooses the coefficients by least squares on *relative* error (weights 1/t), so
 the many short decode steps count as much as the few long prefills, and keeps every
@@ -306,9 +304,9 @@ def _nnls_rel(X, y, columns: list[int], features: tuple[str, ...]):
 
 
 def sample_row(features: dict, graph_tokens: int = 0) -> tuple[float, ...]:
-    """A stored sample's features in FEATURES order. Features added after a profile was made
-    are derived from the others (all of them can be; `padded` from the profile's
-    `mixed_graph_tokens`), so old samples refit."""
+    """A stored sample's features in FEATURES order. A feature the sample lacks is derived from
+    those it has (every indicator is a function of the sums; `padded` also of the profile's
+    `mixed_graph_tokens`), so any stored sample refits under the current FEATURES."""
     f = dict(features)
     f.setdefault("eager", 1.0 if f.get("prefill_tokens", 0) > 0 else 0.0)
     f.setdefault("eager_lora", f["eager"] if f.get("adapters", 0) > 0 else 0.0)
@@ -358,7 +356,7 @@ class Profile:
     num_pages: the pool the engine sized on that device (the simulator's default);
     gpu_memory_gb: the device's total memory; async_scheduling: whether the engine ran with
     `EngineConfig.async_scheduling`, its steps then timed between collections (see
-    `slora.sim.profile.logged_steps`; simulate in the same order); samples: the measurements
+    `slora.sim.steplog.logged_steps`; simulate in the same order); samples: the measurements
     the fit used, [{"features": {...}, "seconds": t}, ...].
     """
 
@@ -371,7 +369,7 @@ class Profile:
     num_pages: int | None = None
     gpu_memory_gb: float | None = None
     mixed_graph_tokens: int = 0  # the engine's setting when profiled (simulate's default)
-    async_scheduling: bool = False  # the engine's setting when profiled (profiles before: off)
+    async_scheduling: bool = False  # the engine's setting when profiled (none recorded: off)
     fit_stats: dict = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)
     transfer_samples: dict = field(default_factory=dict)
@@ -416,8 +414,8 @@ class Profile:
 
     def refit(self, extra: list[dict] = ()) -> "Profile":
         """This profile with its step coefficients fitted anew from its own samples under the
-        current FEATURES (transfers and overlap kept): for a profile measured before the cost
-        model changed. No device needed. `extra`: more steps of the same form
+        current FEATURES (transfers and overlap kept): for a profile whose coefficients do not
+        cover the current FEATURES. No device needed. `extra`: more steps of the same form
         ({"features", "seconds"}), e.g. a replay's step log; they join the stored samples."""
         samples = list(self.samples) + list(extra)
         if not samples:

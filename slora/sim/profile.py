@@ -12,17 +12,18 @@ scheduling, batch metadata, the forward, sampling and output building are all in
    compilation, graph captures and allocator growth land before any timed step. Steps that
    copied an adapter are left out: copies are measured on their own. With
    `EngineConfig.async_scheduling` the steps are timed in its order, between collections
-   (`logged_steps`), and the profile says so (`Profile.async_scheduling`): simulate in the
-   order the profile was measured in.
-2. Host -> device copies of adapters of each rank into their pool pages, and host-cache misses
+   (`slora.sim.steplog.logged_steps`), and the profile says so (`Profile.async_scheduling`):
+   simulate in the order the profile was measured in.
+2. Steps of serving: a short synthetic trace replayed on the wall clock (`measure_serving`),
+   for the steps a server runs that the grid's batches, arriving together, do not.
+3. Host -> device copies of adapters of each rank into their pool pages, and host-cache misses
    (the runner's read-and-pack path; for synthetic adapters that is the pinned host copy),
    fitted as overhead + bytes / bandwidth.
-2b. Steps of serving: a short synthetic trace replayed on the wall clock (`measure_serving`),
-   for the steps a server runs that the grid's batches, arriving together, do not.
-3. Prefetch overlap: a decode step timed alone, with an adapter copy injected as prefetch, and
+4. Prefetch overlap: a decode step timed alone, with an adapter copy injected as prefetch, and
    the copy alone; the overlap fraction is how much of the shorter one hides under the other.
 
-Then `cost.fit` gives the coefficients. torch is imported only here (through the engine).
+Then `cost.fit_max` gives the coefficients. With `progress`, each of these shows a tqdm bar
+named for it. torch is imported only here (through the engine).
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ def _alloc_stats(device):
     if torch.device(device).type != "cuda":
         return None
 
-    host_stats = getattr(torch.cuda, "host_memory_stats", dict)  # (older torch: none)
+    host_stats = getattr(torch.cuda, "host_memory_stats", dict)  # (a torch without it: none)
 
     def stats():
         dev = torch.cuda.memory_stats(device)

@@ -199,11 +199,11 @@ def test_random_workloads_keep_invariants(data, num_pages, n_adapters, policy):
 
 
 def test_a_step_that_preempts_admits_nothing_while_others_run():
-    """The case the async-order property test (below) found in session 10: at step 11 the
-    fair policy preempted requests 5 and 0 for the running requests' growth, evicted 5's
-    adapter a3 and re-admitted 5 in the same step, copying a3 back. A step that preempts now
-    admits no waiting request while others run (vLLM's rule); `Sim.step` checks that no
-    running request's adapter is evicted, every step."""
+    """A case of the async-order property test (below): at step 11 the fair policy preempts
+    requests 5 and 0 for the running requests' growth; were 5 re-admitted in the same step, its
+    adapter a3 would be evicted and copied back for nothing. A step that preempts admits no
+    waiting request while others run (vLLM's rule); `Sim.step` checks that no running
+    request's adapter is evicted, every step."""
     sizes = {"a0": 1, "a1": 5, "a2": 6, "a3": 1, "a4": 2, "a5": 6}
     # (arrival, prompt tokens, max_tokens, adapter) of requests "0".."18"
     jobs = [(3, 17, 5, "a5"), (1, 12, 6, "a4"), (1, 1, 5, None), (1, 1, 1, None),

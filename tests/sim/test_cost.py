@@ -83,9 +83,9 @@ def test_fit_max_finds_the_host_bound_steps():
         CostModel(host_coeffs={"prefill_tokens": 1.0})
 
 
-def test_refit_derives_new_features_from_old_samples():
-    """A profile stored before `eager`, `eager_lora`, `lora`, `eager_adapters`, `mixed` and
-    `mixed_adapters` existed refits from its own samples."""
+def test_refit_derives_missing_features_from_the_stored_ones():
+    """A profile whose samples hold only the first eight features (none of `eager`,
+    `eager_lora`, `lora`, `eager_adapters`, `mixed`, `mixed_adapters`) refits from them."""
     old_keys = FEATURES[:8]
     samples = []
     for n_pre in (0, 1, 3):
@@ -124,7 +124,7 @@ def test_steps_that_replay_mixed_graphs_are_not_eager():
 def test_step_loads_in_pieces_wait_for_the_first_piece_only():
     """CostModel.step_time: the step's own loads in K pieces of layers, the forward waiting for
     each piece: the first piece's copy before any compute, the rest beside the forward as
-    prefetch copies are. K = 1 (profiles before pieces, the CPU): every load before it."""
+    prefetch copies are. K = 1 (the CPU; a profile that records no K): every load before it."""
     whole = CostModel(prefetch_overlap=1.0)
     pieces = CostModel(prefetch_overlap=1.0, load_pieces=4)
     assert whole.step_time(forward=10.0, blocking=4.0, prefetch=0.0, disk=0.0) == pytest.approx(14.0)

@@ -18,7 +18,7 @@ def test_profile_round_trips_and_fits_the_cpu(cpu_profile, tmp_path):
     assert p.gpu.startswith("cpu") and p.num_pages and p.dtype == "float32"
     assert all(v >= 0 for v in p.cost.coeffs.values())
     # every profiled step takes time in the fit (on a busy machine the fit may give the time to
-    # other features than the constant: CI once fitted const 0)
+    # other features than the constant, even leave the constant 0)
     assert all(p.cost.forward_time(tuple(s["features"][k] for k in FEATURES)) > 0
                for s in p.samples)
     assert {s["case"]["step"] for s in p.samples} == {"prefill", "mixed", "decode", "serve"}
@@ -65,14 +65,30 @@ def test_async_profile_times_the_same_cases_in_collect_order(tiny_model_dir, tmp
     assert p.async_scheduling and not profiles[False].async_scheduling
     again = Profile.load(p.save(tmp_path / "async.json"))
     assert again.async_scheduling and again.to_dict() == p.to_dict()
-    old = {k: v for k, v in p.to_dict().items() if k != "async_scheduling"}  # made before it
+    old = {k: v for k, v in p.to_dict().items() if k != "async_scheduling"}  # none recorded
     assert Profile.from_dict(old).async_scheduling is False
+
+
+def test_profiling_shows_a_labelled_bar_for_each_measurement(tiny_model_dir, capsys):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=256))
+    grid = Grid(**{**SMALL_GRID, "serve_s": 0.2, "serve_rate": 20.0, "serve_adapters": 2,
+                   "serve_lengths": (4, 8)})
+    lines = []
+    profile_engine(engine, grid, "tiny", log=lines.append, progress=True)
+    err = capsys.readouterr().err
+    for label in ("warm-up", "profile: batch shapes", "profile: serving trace",
+                  "profile: adapter copies", "profile: prefetch overlap"):
+        assert f"{label}: 100%" in err, label
+    # the bars stand for the per-case lines; the results are still logged
+    assert not any("case " in line for line in lines)
+    assert any(line.startswith("  rank ") for line in lines) and lines[-1].startswith("fit over")
 
 
 def test_cli_profile_refit(tmp_path, cpu_profile, capsys):
     """`slora profile --refit` refits a stored profile's steps without a device or a model."""
     old = cpu_profile.to_dict()
-    for s in old["samples"]:  # as a profile made before the newest features existed
+    for s in old["samples"]:  # as a profile whose samples lack these features
         for k in ("lora", "eager_adapters"):
             s["features"].pop(k, None)
     old["coeffs"] = {k: v for k, v in old["coeffs"].items() if k not in ("lora", "eager_adapters")}

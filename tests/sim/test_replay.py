@@ -114,7 +114,7 @@ def test_refused_and_aborted_requests_are_failed_records_with_reasons():
 
 
 # ---------------------------------------------------------------------------------------------
-# The real engine (tiny random Llama on CPU): awaits slora.Engine and tests/conftest.py.
+# The real engine (the tiny random Llama of tests/conftest.py, on CPU).
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

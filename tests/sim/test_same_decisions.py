@@ -38,9 +38,9 @@ ENGINE = dict(num_pages=56, block_size=16, max_num_seqs=8, max_batch_tokens=160,
               prefetch_reserve=4, prefetch_window=4, max_skips=4)
 
 
-# The clock of the same-decisions test: a CPU profile of the tiny model (session 20's, rounded),
-# fixed so the decisions do not depend on how fast the machine running the tests is (a fit on a
-# busy CI machine once made steps so short that no adapter was ever evicted).
+# The clock of the same-decisions test: a CPU profile of the tiny model, rounded and fixed, so the
+# decisions do not depend on how fast the machine running the tests is (a fit on a busy machine
+# can make steps so short that no adapter is ever evicted, and the test would check little).
 DECISION_COST = CostModel(
     coeffs=dict(const=6e-4, prefill_tokens=1.2e-5, decode_ctx=5e-6, adapters=1.5e-3,
                 lora_decode=1.6e-5, eager=3e-4, lora=4e-4, eager_adapters=2e-5,

@@ -157,6 +157,14 @@ def test_cli_simulate_and_plot(tmp_path, cpu_profile):
     assert (tmp_path / "fig.png").stat().st_size > 0
 
 
+def test_the_progress_bar_says_simulate(cpu_profile, capsys):
+    trace = synthesize(num_adapters=2, rate=50, cv=1, alpha=1, duration=0.2, input_len=(4, 8),
+                       output_len=(2, 4), ranks=(4,), seed=0)
+    simulate(trace, cpu_profile, num_pages=64, progress=True)
+    err = capsys.readouterr().err
+    assert "simulate: 100%" in err and "replay" not in err
+
+
 def test_simulating_in_another_order_than_the_profile_warns(tmp_path, cpu_profile, capsys,
                                                             monkeypatch):
     """A sync profile simulated with async scheduling (or the reverse) draws one warning line
