@@ -37,13 +37,16 @@ does not compile a new variant.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, tuning
 from .fused import rope_write_kv
 from .tiles import as_tiles, tile_rows
+from .tuning import pow2
 
 LOG2E = 1.4426950408889634
 
@@ -210,31 +213,37 @@ def _merge_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, D, num_spl
              o.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _default_splits(B: int, kvh: int, max_ctx: int, block_n: int, device: torch.device) -> int:
-    """Split only when (sequence, KV head) programs can't fill the GPU and the context is long:
-    aim at ~2 programs per SM with at least 2 KV tiles per split. Measured on the H200 (bf16,
-    head_dim 128): 4 programs per SM cost 6-14% at batch 8 x 32 heads and 64 x 8 KV heads;
-    2 tiles rather than 4 per split took batch 1 x 8 KV heads x 4096 from 19.5 to 17.4 us."""
-    if device.type != "cuda":
-        return 1
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * n_sm, B * kvh)
-    return int(max(1, min(want, max_ctx // (2 * block_n), 64)))
+    """Split-K only when (sequence, KV head) programs can't fill the GPU and the context is
+    long: table entry `decode_attention_splits` (one rule) gives the programs an SM to aim at,
+    the fewest key tiles a split keeps and the most splits."""
+    c = tuning.choose(tuning.kind(device), "decode_attention_splits")
+    want = triton.cdiv(c["programs_per_sm"] * tuning.sms(device), B * kvh)
+    return int(max(1, min(want, max_ctx // (c["min_key_tiles"] * block_n), c["max_splits"])))
 
 
 def decode_config(D: int, device: torch.device) -> dict:
     """The decode kernel's tiles: BLOCK_N keys a step, num_warps, num_stages (scores and P.V
-    are tl.dot on a q tile of the head group padded to 16 rows). The interpreter takes small
-    key tiles (its cost grows with elements a trip). On the H200 (session 7) these were best at
-    every decode shape swept; CUDA-core sums over an unpadded group never came near (session
-    8 removed that variant)."""
-    if device.type != "cuda":
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_N=64 if D <= 128 else 32, num_warps=4, num_stages=2)
+    are tl.dot on a q tile of the head group padded to 16 rows); table entry
+    `decode_attention`, by `head_dim`."""
+    return dict(_decode_config(tuning.kind(device), D))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_config(table: str, D: int) -> dict:
+    return tuning.choose(table, "decode_attention", head_dim=D)
+
+
+def prefill_config(D: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The prefill kernel's BLOCK_N keys a step, num_warps and num_stages: table entry
+    `prefill_attention`, by `itemsize` (element bytes: fp32's IEEE dots spill registers at
+    the 16-bit key tile) and `head_dim`."""
+    return dict(_prefill_config(tuning.kind(device), D, dtype.itemsize))
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_config(table: str, D: int, itemsize: int) -> dict:
+    return tuning.choose(table, "prefill_attention", head_dim=D, itemsize=itemsize)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -278,14 +287,11 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
 def fold_rope(programs: int, device: torch.device) -> bool:
     """Whether the decode kernel takes the rotary + K/V store in (one launch) at this many
     programs. Folding saves a launch but puts the rotary's latency at the start of every
-    program, so it pays while the programs run in one wave: on the H200 (bf16, head_dim 128,
-    4 programs an SM by registers) batch 1 x 8 KV heads at context 4096 went 20.8 -> 18.2 us a
-    layer and 64 x 8 at 1024 83.4 -> 80.5; 1,024 programs (batch 32 x 32 heads) tied, 59.0 ->
-    58.3, and 4,096 (batch 128) lost, 170.9 -> 177.5 (session 10). The interpreter always
-    folds (the tests cover both forms through `fold`)."""
-    if device.type != "cuda":
-        return True
-    return programs <= 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    program, so it pays while the programs run in one wave: table entry
+    `decode_attention_fold_rope` gives the most programs an SM (null: always fold, as the
+    interpreter does; the tests cover both forms through `fold`)."""
+    most = tuning.choose(tuning.kind(device), "decode_attention_fold_rope")["max_programs_per_sm"]
+    return most is None or programs <= most * tuning.sms(device)
 
 
 def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg, rope=None,
@@ -299,8 +305,8 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
         return out
     qh = H // kvh
     cfg = {**decode_config(D, q.device), **(cfg or {})}
-    block_h = max(16 if q.device.type == "cuda" else 1, _pow2(qh))
-    block_d = _pow2(D)
+    block_h = max(16 if q.device.type == "cuda" else 1, pow2(qh))
+    block_d = pow2(D)
     if num_splits is None:
         num_splits = _default_splits(B, kvh, block_tables.shape[1] * block_size, cfg["BLOCK_N"],
                                      q.device)
@@ -331,7 +337,7 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
         ROPE=rope is not None, **pdl.options(q.device), **cfg)
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,
-                              BLOCK_S=_pow2(num_splits), BLOCK_D=block_d,
+                              BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
                               **pdl.options(q.device))
     return out
 
@@ -411,9 +417,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if T == 0 or S == 0:
         return out
     cuda = q.device.type == "cuda"
-    f32 = q.dtype == torch.float32  # IEEE fp32 dots spill at 64 x 64 tiles (checked with ptxas)
     block_m = tile_rows(q.device, q.dtype)
-    block_n = (32 if f32 or D > 128 else 64) if cuda else 16
+    cfg = prefill_config(D, q.dtype, q.device)
     tiles = as_tiles(tiles, q_start, block_m)
     programs = programs or (tiles.shape[0] - 1) // 2
     if programs == 0:
@@ -427,7 +432,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_tables.stride(0), block_size,
         out.stride(0), out.stride(1),
         D,
-        QH=H // kvh, BLOCK_M=block_m, BLOCK_D=_pow2(D), BLOCK_N=block_n,
-        DOT_F32=not cuda or q.dtype == torch.float32,
-        num_warps=4, num_stages=2 if cuda else 1)
+        QH=H // kvh, BLOCK_M=block_m, BLOCK_D=pow2(D),
+        DOT_F32=not cuda or q.dtype == torch.float32, **cfg)
     return out

@@ -14,15 +14,14 @@ HF rounds (the residual sum, the normalised value before the weight, cos/sin).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from . import pdl
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+from . import pdl, tuning
+from .tuning import pow2
 
 
 @triton.jit
@@ -52,7 +51,7 @@ def _norm(x, delta, weight, eps):
     if T:
         _rms_norm_kernel[(T,)](x, delta if delta is not None else x, weight, total, out, N, eps,
                                x.stride(0), delta.stride(0) if delta is not None else 0,
-                               HAS_DELTA=delta is not None, BLOCK=_pow2(N), num_warps=4,
+                               HAS_DELTA=delta is not None, BLOCK=pow2(N), num_warps=4,
                                **pdl.options(x.device))
     return total, out
 
@@ -107,29 +106,37 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_
         tl.store(vdst + HALF + offs, tl.load(vbase + HALF + offs, mask=m), mask=m)
 
 
-ROPE_BLOCK_FROM = 512  # rope_write_kv: tokens from which a program takes a block of them
+def rope_config(T: int, device: torch.device) -> dict:
+    """`rope_write_kv`'s TB (tokens a program) and num_warps: table entry `rope_write_kv`, by
+    `tokens`. Decode-sized batches take one head of one token a program (one warp); long
+    prefills take blocks of tokens, as one-warp programs a token would be so many that their
+    launches, not their bytes, would set the time."""
+    return dict(_rope_config(tuning.kind(device), T))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rope_config(table: str, T: int) -> dict:
+    return tuning.choose(table, "rope_write_kv", tokens=T)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Rotary on q and k of the fused qkv output (q in place), K and V stored at the tokens'
-    slots; returns q [T, H, D]. Twin: `reference.rope_write_kv`. A program takes one head of
-    one token in decode-sized batches (one warp; what the decode step was tuned with) and of
-    16 tokens from ROPE_BLOCK_FROM tokens on: an 8k-token prefill launched 516k one-warp
-    programs, 0.63 ms a layer for ~330 MB (session 13: the launches, not the bytes)."""
+    slots; returns q [T, H, D]. Twin: `reference.rope_write_kv`. A program takes TB tokens
+    of one head (`rope_config`)."""
     T = qkv.shape[0]
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert D % 2 == 0 and inv_freq.dtype == torch.float32
     if T:
-        tb = 16 if T >= ROPE_BLOCK_FROM else 1
-        _rope_kv_kernel[(triton.cdiv(T, tb), num_heads + num_kv_heads)](
+        cfg = rope_config(T, qkv.device)
+        _rope_kv_kernel[(triton.cdiv(T, cfg["TB"]), num_heads + num_kv_heads)](
             qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, qkv.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[1],
-            T, num_heads, num_kv_heads, D // 2, BLOCK=_pow2(D // 2), TB=tb,
-            num_warps=1 if tb == 1 else 4, **pdl.options(qkv.device))
+            T, num_heads, num_kv_heads, D // 2, BLOCK=pow2(D // 2),
+            **pdl.options(qkv.device), **cfg)
     return qkv[:, : num_heads * D].view(T, num_heads, D)
 
 
@@ -152,7 +159,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     N = N2 // 2
     out = torch.empty(T, N, dtype=gate_up.dtype, device=gate_up.device)
     if T:
-        block = min(1024, _pow2(N))
+        block = min(1024, pow2(N))
         _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, N, gate_up.stride(0),
                                                     BLOCK=block, num_warps=4,
                                                     **pdl.options(gate_up.device))

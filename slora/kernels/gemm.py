@@ -25,7 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, tuning
+from .tuning import pow2
 
 
 @triton.jit(do_not_specialize=["split"])
@@ -105,25 +106,29 @@ def prepare(device: torch.device) -> torch.Tensor:
     return _COUNTS[device]
 
 
-@functools.lru_cache(maxsize=None)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def skinny_cfg(M: int, N: int, K: int, device: torch.device) -> dict:
-    """Tiles measured on the H200 (`bench_kernels.py --tune gemm`, session 9 call 4: a 7B's
-    four decode GEMMs at 1, 16, 32 and 64 rows over 48 tile settings): 64 rows of W by 128
-    columns a step with 4 warps was best or within 2% of best at 1-32 rows for every shape,
-    with K cut so that tiles x slices reach about one program per SM (o and down: 64 tiles, 2
-    slices), 3 stages without a split (gate_up: 48.3 against 50.8 us with 4) and 4 with one."""
-    pow2 = triton.next_power_of_2
-    if device.type != "cuda":  # interpreter: few, large programs
-        return dict(BLOCK_M=pow2(M), BLOCK_N=min(64, pow2(N)), BLOCK_K=min(128, pow2(K)), SPLIT=1)
-    block_n, block_k = 64, 128
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    split = max(1, min(_sms(index) // triton.cdiv(N, block_n), triton.cdiv(K, block_k)))
-    return dict(BLOCK_M=max(16, pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                num_warps=4, num_stages=3 if split == 1 else 4)
+    """The kernel's tiles: table entry `gemm`, by `split` (the K slices the rule's tile gives).
+    BLOCK_M holds every row of x (a power of two, at least 16 on the GPU, where tl.dot needs
+    it). K is cut so that output tiles x slices reach about one program per SM: SPLIT slices,
+    each a whole number of BLOCK_K steps. The interpreter's tiles shrink to the data (its cost
+    grows with a tile's elements); a GPU's stay as the table gives them."""
+    return dict(_skinny_cfg(tuning.kind(device), device.type == "cuda", tuning.sms(device), M, N,
+                            K))
+
+
+@functools.lru_cache(maxsize=4096)
+def _skinny_cfg(table: str, cuda: bool, n_sm: int, M: int, N: int, K: int) -> dict:
+    def fit(cfg):
+        if not cuda:
+            cfg["BLOCK_N"] = min(cfg["BLOCK_N"], pow2(N))
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], pow2(K))
+        return cfg
+
+    def split(cfg):
+        return max(1, min(n_sm // triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(K, cfg["BLOCK_K"])))
+
+    cfg = tuning.choose(table, "gemm", fit, split=split)
+    return dict(cfg, BLOCK_M=max(16 if cuda else 1, pow2(M)), SPLIT=split(cfg))
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -29,11 +29,13 @@ list) before its wait, and x, xa and out after it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, tuning
 from .adapter_pages import (CHUNK, CK, add_rounded, check_meta, chunk_base, dims4, row_pages,
                             select)
 from .tiles import as_tiles, tile_rows
@@ -45,14 +47,13 @@ from .tuning import pow2
 # prompts hold one or two short ones.
 # Shrink: slices of d_in. A short prompt gives few (token tile, module, rank tile) items, each
 # streaming all of d_in in turn: latency, not bandwidth. The slices' partial sums meet in xa by
-# atomic adds. Measured on the H200 (session 8): the best split kept items x slices near
-# 200-400 (16 slices for one 256-token prompt, 13.6 us against 17.2 at 8; 2 for 8 x 512
-# tokens, 65 us against 126 at 8), with at least 4 chunks a slice.
+# atomic adds. The split keeps items x slices within this many programs, with at least 4
+# chunks a slice.
 SHRINK_PROGRAMS = tl.constexpr(384)
 # Expand: columns a program, 64 doubled while token tiles x modules x column spans stay at
 # least this many, up to 512. A program loads its metadata, xa tile and page lookups once for
-# its whole span; one program per 64 columns spent most of its time in that chain. Best spans
-# (session 13, q/k/v, rank 64): 128 for one 256-token prompt, 512 for 4 x 216 and 8 x 512.
+# its whole span, so wider spans spread that chain over more columns; the floor keeps enough
+# programs to fill the GPU.
 EXPAND_PROGRAMS = tl.constexpr(256)
 SPAN_CHUNKS = tl.constexpr(8)  # the widest span, in 64-column chunks (512 columns)
 
@@ -141,7 +142,7 @@ def _mbgmm_shrink_tile(
     acc = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
     # each row's slice lies in two pages at most: their ids once, not a lookup a trip
     i0, p0, p1 = row_pages(pages_row, row_v + k_lo, tl.minimum(k_split, d_in - k_lo), r_ok, P,
-                            TWO_PAGES)
+                           TWO_PAGES)
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, d_in), BLOCK_K):
         # BLOCK_K is CHUNK, so each row's tile lies in one page
         base = chunk_base(pages_row, row_v + k0, r_ok, P, i0, p0, p1, TWO_PAGES)
@@ -254,29 +255,25 @@ def _dot_min(device: torch.device) -> int:
 
 def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
     """Tiles for MBGMM: BLOCK_M tokens (`tile_rows`: the work list's tile) by BLOCK_R ranks,
-    64-wide K (shrink) or N (expand). Shrink programs own up to 64 ranks; expand's BLOCK_R
-    covers every rank, so each program loads its xa tile once and then walks its columns.
-    Measured on the H200 (`bench_kernels.py --tune mbgmm`, q/k/v group, 1 x 256 to 8 x 512
-    tokens):
-      * shrink with 8 warps (and its d_in split, SHRINK_PROGRAMS) was best at every shape
-        (session 8: 126 -> 65 us at 8 x 512 rank 64);
-      * expand with 4 warps and 2 stages: its tile compiled to 139 / 224 / 122 registers at
-        BLOCK_R 16 / 32 / 64, so ranks below 64 take a 64-rank tile (the padding is masked,
-        and costs dot steps, not bytes). Session 13: q/k/v at 4 x 216 tokens rank 64 49.5 ->
-        24 us, 8 x 512 185 -> 86 us against one program per 64 columns; rank 16 alone lost
-        5-15% (20.8 -> 23.9 us), yet in a batch-128 step with 4 x 216-token prompts the
-        expand went 1.31 -> 1.15 ms (rank 16), 1.69 -> 1.20 (32), 2.75 -> 1.30 (64)."""
-    block_r = max(_dot_min(x.device), min(64, pow2(max_rank)) if shrink else pow2(max_rank))
-    if x.device.type != "cuda":
-        return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=4,
-                    num_stages=1)
+    64-wide K (shrink) or N (expand); table entries `mbgmm_shrink` / `mbgmm_expand` (no
+    quantities: one rule each). Shrink: BLOCK_R the rank's power of two, at most the table's
+    BLOCK_R. Expand: BLOCK_R covers every rank (each program loads its xa tile once, then
+    walks its columns), at least the table's BLOCK_R: where smaller rank tiles compile to more
+    registers (fewer programs an SM), small ranks take the larger tile, whose padding is
+    masked (it costs dot steps, not bytes). Both at least `_dot_min`. The expand's `maxnreg`
+    caps its registers where the cap compiles without spills (`experiments/compile_check.py`)."""
+    return dict(_cfg(tuning.kind(x.device), _dot_min(x.device), max_rank,
+                     tile_rows(x.device, x.dtype), shrink))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cfg(table: str, dot_min: int, max_rank: int, block_m: int, shrink: bool) -> dict:
+    cfg = tuning.choose(table, "mbgmm_shrink" if shrink else "mbgmm_expand")
     if shrink:
-        return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=block_r, num_warps=8,
-                    num_stages=3)
-    # (the expand's item loop took it from 122 to 136 registers, 3 programs an SM instead of
-    # 4; capped at 128 it compiles without spills: `experiments/compile_check.py`)
-    return dict(BLOCK_M=tile_rows(x.device, x.dtype), BLOCK_R=max(64, block_r), num_warps=4,
-                num_stages=2, maxnreg=128)
+        block_r = max(dot_min, min(cfg["BLOCK_R"], pow2(max_rank)))
+    else:
+        block_r = max(dot_min, cfg["BLOCK_R"], pow2(max_rank))
+    return dict(cfg, BLOCK_M=block_m, BLOCK_R=block_r)
 
 
 def _dot_f32(x: torch.Tensor, pool_l: torch.Tensor) -> bool:

@@ -33,11 +33,13 @@ only by the copies before the step).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import pdl, tuning
 from .adapter_pages import CHUNK, CK, a_chunks, add_rounded, b_rows, check_meta, dims4, select
 from .tuning import pow2
 
@@ -66,8 +68,8 @@ def _mbgmv_shrink_kernel(
     if PRE:  # (r3 and c3 as in _shrink_rows)
         r3 = offs_r[:, None, None]
         a0 = a_chunks(pool_ptr, pages_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pg,
-                       off_a + r3 * stride, r3 < rank, tl.arange(0, CH)[None, :, None] * CK,
-                       d_in, P, EVEN_K)
+                      off_a + r3 * stride, r3 < rank, tl.arange(0, CH)[None, :, None] * CK,
+                      d_in, P, EVEN_K)
     pdl.wait(PDL)
     if r0 >= rank:  # base-only row, or a rank tile past this adapter's rank: zeros, done
         tl.store(xa_row, tl.zeros((BLOCK_R,), tl.float32), mask=offs_r < max_rank)
@@ -151,9 +153,9 @@ def _mbgmv_expand_kernel(
                     other=0).to(tl.int32)
     if PRE:  # (r3 and nc as below)
         b0 = b_rows(pool_ptr, pages_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_pg, off_b,
-                     tl.arange(0, BLOCK_R)[:, None, None], rank,
-                     n0 + tl.arange(0, CHN)[None, :, None] * CK, d_out,
-                     select(g, s0, s1, s2, s3), P, EVEN_N)
+                    tl.arange(0, BLOCK_R)[:, None, None], rank,
+                    n0 + tl.arange(0, CHN)[None, :, None] * CK, d_out,
+                    select(g, s0, s1, s2, s3), P, EVEN_N)
     pdl.wait(PDL)
     if (rank == 0) | (n0 >= d_out):  # (a base-only row has rank 0)
         return
@@ -173,7 +175,7 @@ def _mbgmv_expand_kernel(
         r_first = BLOCK_R
     for rr in range(r_first, rank, BLOCK_R):
         rows = rr + r3
-        # (the B tile's loads issued before xa's, as measured on the H200)
+        # (the B tile's loads issued before xa's: the longer chain starts first)
         b = b_rows(pool_ptr, pages_row, off_b, rows, rank, nc, d_out, stride, P, EVEN_N)
         acc += b * tl.load(xa_row + rows, mask=rows < rank, other=0.0)
     delta = tl.sum(acc, axis=0)  # [CHN, CK]
@@ -182,52 +184,47 @@ def _mbgmv_expand_kernel(
 
 
 # MBGMV loads each program's first adapter tile (A in the shrink, B^T in the expand) before
-# its PDL wait while a launch reads at most this many (token x rank) adapter rows a module.
-# On the H200 (session 12, call 2; q/k/v pairs back to back, every token its own adapter)
-# loading before the wait took the small launches 9-11% faster (batch 1 rank 8 5.80 -> 5.16
-# us, batch 16 rank 16 9.74 -> 8.84, batch 32 rank 8 9.75 -> 8.87) and decode steps with all
-# seven modules 4.90 -> 4.78 ms at batch 1, 5.81 -> 5.66 at 16, while larger launches ran
-# 1-5% slower than session 11's kernels (batch 64 rank 16 20.7 -> 21.5-21.9 us) in calls 2-4,
-# with the early load or without it: that came from the loop's code, since written back as it
-# was. Above this many rows the two kernels compile to session 11's PTX (debug lines aside).
+# its PDL wait while a launch reads at most this many (token x rank) adapter rows a module:
+# small launches are latency-bound, and the early load overlaps the kernel before. Larger
+# launches take the loop alone (PRE=False compiles the kernels without the early load).
 PRE_WAIT_ROWS = 256
 
 
 def _mbgmv_shrink_cfg(T: int, G: int, max_rank: int, d_in: int, device: torch.device) -> dict:
-    """Tiles measured on the H200 (experiments/bench_kernels.py --tune, bf16, hidden 4096):
-    [4 rank rows x 32 chunks] per iteration with 4 warps was best or within 3% of best at batch
-    64 and 256, ranks 16-128. Fewer rank rows per program when that leaves < 512 programs
-    (batch 16: 1 row x 32 chunks, 8 warps, -38% time), so enough loads are in flight."""
-    if device.type != "cuda":  # interpreter: its cost grows with programs x loop trips
-        return dict(BLOCK_R=min(16, pow2(max_rank)), CH=min(8, pow2(triton.cdiv(d_in, CHUNK))))
-    block_r = 4
-    while block_r > 1 and T * G * triton.cdiv(max_rank, block_r) < 512:
-        block_r //= 2
-    block_r = min(block_r, pow2(max_rank))
-    ch = min(32, pow2(triton.cdiv(d_in, CHUNK)))
-    return dict(BLOCK_R=block_r, CH=ch, num_warps=4 if block_r > 1 else 8)
+    """The shrink's tiles: table entry `mbgmv_shrink`, by `rank` (max_rank), `rows` (T x G)
+    and `programs` (the grid the rule's tile gives: rows x rank tiles). The tile never exceeds
+    the data: BLOCK_R at most the rank's power of two, CH at most d_in's chunks'."""
+    return dict(_shrink_cfg(tuning.kind(device), T, G, max_rank, d_in))
 
 
-EXPAND_WIDE_PROGRAMS = 4096  # MBGMV expand of one module: [2 x 8]-chunk tiles from this many on
+@functools.lru_cache(maxsize=4096)
+def _shrink_cfg(table: str, T: int, G: int, max_rank: int, d_in: int) -> dict:
+    def fit(cfg):
+        cfg["BLOCK_R"] = min(cfg["BLOCK_R"], pow2(max_rank))
+        cfg["CH"] = min(cfg["CH"], pow2(triton.cdiv(d_in, CHUNK)))
+        return cfg
+
+    return tuning.choose(table, "mbgmv_shrink", fit, rank=max_rank, rows=T * G,
+                         programs=lambda c: T * G * triton.cdiv(max_rank, c["BLOCK_R"]))
 
 
 def _mbgmv_expand_cfg(T: int, G: int, max_rank: int, max_out: int, device: torch.device) -> dict:
-    """Measured on the H200 likewise: [2 rank rows x 8 chunks] tiles with 4 warps were best or
-    within 2% of best at batch 64-256 of q/k/v, ranks 16-128: small tiles keep registers low
-    (~32), so 16 programs fit per SM; 16-row tiles took 2-3.7x longer. [4 rank rows x 4
-    chunks] (twice the programs, half the columns each) was best below 128 (token, module)
-    rows: q/k/v at batch 16 and 32, rank 16: 7.68 -> 5.88 us, 8.95 -> 7.65 (session 6); and for
-    one module (o, down) below EXPAND_WIDE_PROGRAMS programs of [2 x 8]: o (4096 columns) at
-    128 and 256 rows, ranks 64/32/16/8 mixed as in S2, 26.40 -> 19.78 and 30.83 -> 25.02 us
-    (session 17). Not for q/k/v at 64-128 rows: with ranks mixed it gained 5% at 128 rows
-    (35.74 -> 34.02 us), with one rank (the q/k/v pair, every token its own adapter) it lost
-    1.5-7% at 64 and 128 rows, ranks 8-64 (2% won at 128 rows rank 64)."""
-    chn = min(8, pow2(triton.cdiv(max_out, CHUNK)))
-    if device.type != "cuda":  # interpreter: fewer, larger programs
-        return dict(BLOCK_R=min(16, pow2(max_rank)), CHN=min(4, chn))
-    if T * G < 128 or (G == 1 and T * triton.cdiv(max_out, chn * CHUNK) < EXPAND_WIDE_PROGRAMS):
-        return dict(BLOCK_R=min(4, pow2(max_rank)), CHN=min(4, chn), num_warps=4)
-    return dict(BLOCK_R=min(2, pow2(max_rank)), CHN=chn, num_warps=4)
+    """The expand's tiles: table entry `mbgmv_expand`, by `rows` (T x G), `modules` (G) and
+    `programs` (the grid the rule's tile gives: modules x column tiles x tokens). The tile
+    never exceeds the data: BLOCK_R at most the rank's power of two, CHN at most the widest
+    module's chunks'."""
+    return dict(_expand_cfg(tuning.kind(device), T, G, max_rank, max_out))
+
+
+@functools.lru_cache(maxsize=4096)
+def _expand_cfg(table: str, T: int, G: int, max_rank: int, max_out: int) -> dict:
+    def fit(cfg):
+        cfg["BLOCK_R"] = min(cfg["BLOCK_R"], pow2(max_rank))
+        cfg["CHN"] = min(cfg["CHN"], pow2(triton.cdiv(max_out, CHUNK)))
+        return cfg
+
+    return tuning.choose(table, "mbgmv_expand", fit, rows=T * G, modules=G,
+                         programs=lambda c: G * triton.cdiv(max_out, c["CHN"] * CHUNK) * T)
 
 
 def mbgmv_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
@@ -270,9 +267,6 @@ def mbgmv_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
     programs in grid order, the first axis fastest: with the token on the slow axis and the
     rows in order of rank, highest first (the scheduler orders decode rows so), the longest
     programs start first and short ones fill the end, as in longest-job-first scheduling.
-    On the H200 (session 14, q/k/v, ranks 64/32/16/8 in one launch) that took the expand from
-    39.3 to 34.0 us at 136 rows (62.6 to 53.3 at 256), within 4% of the same rows' time at
-    uniform ranks; the token on the fast axis, or the rows unsorted, gained nothing.
     """
     check_meta(out, pool_l, pages, offsets_b, ranks)
     T, G, max_rank = xa.shape

@@ -2,9 +2,8 @@
 
 A step's segments (one per sequence: its new tokens) are cut on the host into tiles of
 `tile_rows` tokens, and the kernels' grids run over that list rather than over (token tile x
-segment): a grid of every segment's possible tiles launched mostly empty programs. On the
-H200 a batch-128 mixed step in a CUDA graph, whose grid had to cover its token bucket for
-each of 256 sequence slots, spent 13.4 ms in MBGMM expand (notes/kernels.md).
+segment): a graph's grid over every segment's possible tiles must cover its token bucket for
+each of its sequence slots, and would launch mostly empty programs.
 
 The list is int32 [1 + 2 * capacity]: the count n, then n pairs (segment, first token). A
 kernel's program p takes tiles p, p + P, p + 2P, ... (P: the grid's first axis), so a graph
@@ -14,18 +13,25 @@ to n.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from slora.config import cdiv
+from slora.kernels import tuning
 
 
 def tile_rows(device: torch.device, dtype: torch.dtype) -> int:
-    """Tokens per tile: the prefill kernels' BLOCK_M. On the GPU 64, or 32 in fp32 (its IEEE
-    dots spill registers at 64 x 64 tiles, checked with ptxas); the interpreter (CPU) 16, as
-    its cost grows with the tile."""
-    if device.type != "cuda":
-        return 16
-    return 32 if dtype == torch.float32 else 64
+    """Tokens per tile: the prefill kernels' BLOCK_M (table entry `tile_rows`, by `itemsize`,
+    the element bytes). Fp32 takes a smaller tile where its IEEE dots would spill registers at
+    the 16-bit tile (checked with ptxas: `experiments/compile_check.py`); the interpreter a
+    small one, as its cost grows with the tile."""
+    return _tile_rows(tuning.kind(device), dtype.itemsize)
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_rows(table: str, itemsize: int) -> int:
+    return tuning.choose(table, "tile_rows", itemsize=itemsize)["BLOCK_M"]
 
 
 def token_tiles(seg_start: list[int], tile: int, keep: list[bool] | None = None) -> list[int]:

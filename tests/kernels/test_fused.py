@@ -30,12 +30,13 @@ def test_add_rms_norm(dtype, N):
                                atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
 
 
-@pytest.mark.parametrize("block_from", [10 ** 9, 1], ids=["token", "token-block"])
+@pytest.mark.parametrize("tb", [1, 16], ids=["token", "token-block"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,KVH,D", [(4, 2, 16), (3, 1, 40), (2, 2, 8)])
-def test_rope_write_kv(dtype, H, KVH, D, block_from, monkeypatch):
+def test_rope_write_kv(dtype, H, KVH, D, tb, monkeypatch):
     # a program a token (decode batches), or a block of 16 tokens (here 7: one partial block)
-    monkeypatch.setattr(fused, "ROPE_BLOCK_FROM", block_from)
+    monkeypatch.setattr(fused, "rope_config",
+                        lambda T, device: dict(TB=tb, num_warps=1 if tb == 1 else 4))
     T, bs, pages = 7, 4, 6
     qkv = _rand(T, (H + 2 * KVH) * D, dtype=dtype)
     positions = torch.tensor([0, 1, 2, 9, 33, 100, 4], device=DEVICE)
