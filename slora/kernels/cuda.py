@@ -1,9 +1,11 @@
 """The csrc/ CUDA C++ MBGMV (decode LoRA), compiled at run time through cupy (NVRTC).
 
-No build step: the first call compiles csrc/mbgmv.cu for the current GPU and caches the
-module. `mbgmv_shrink` / `mbgmv_expand` have the signatures and semantics of the Triton
-kernels and of their twins in reference.py. `backend="cuda"` selects `CudaBackend`: decode
-rows through these kernels, everything else as the Triton backend does it.
+No build step: the first call compiles mbgmv.cu for the current GPU and caches the module.
+The source ships inside the package (`slora._csrc`, which packaging maps csrc/ to) and is read
+through importlib.resources; slora run from a checkout reads csrc/ beside it. `mbgmv_shrink` /
+`mbgmv_expand` have the signatures and semantics of the Triton kernels and of their twins in
+reference.py. `backend="cuda"` selects `CudaBackend`: decode rows through these kernels,
+everything else as the Triton backend does it.
 
 cupy is an optional dependency (`pip install slora[cuda]`); it is imported on first use.
 Kernels launch on torch's current stream, so they are captured into CUDA graphs like the rest.
@@ -12,6 +14,7 @@ Kernels launch on torch's current stream, so they are captured into CUDA graphs 
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import os
 from pathlib import Path
 
@@ -20,7 +23,19 @@ import torch
 
 from slora.kernels.backend import TritonBackend
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "mbgmv.cu"
+
+def source_file():
+    """mbgmv.cu (a Traversable): the installed package's copy in `slora._csrc`, or, where no
+    `slora._csrc` is importable (slora imported from a checkout, or an editable install that
+    maps only slora/), the checkout's csrc/mbgmv.cu."""
+    try:
+        return importlib.resources.files("slora._csrc") / "mbgmv.cu"
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "csrc" / "mbgmv.cu"
+
+
+SOURCE = source_file()
+
 _SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _THREADS = 128  # 4 warps: shrink gives each warp one rank row; expand one 16-byte vector a thread
 
@@ -34,7 +49,7 @@ def _module():
                           "to match your CUDA); or use backend='triton'") from e
     cuda_home = os.environ.get("CUDA_PATH") or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
     options = ("-std=c++17", f"-I{cuda_home}/include")
-    return cupy, cupy.RawModule(code=SOURCE.read_text(), options=options)
+    return cupy, cupy.RawModule(code=SOURCE.read_text(encoding="utf-8"), options=options)
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
