@@ -164,7 +164,7 @@ class TritonBackend(TorchBackend):
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         """Decode rows: MBGMV, one adapter row per token. Prompts: MBGMM over their segments'
         work tiles. A step with both runs both pairs: decode rows go to MBGMV even in a mixed
-        step, since as one-token MBGMM segments each would fill a whole token tile alone."""
+        step, as one-token MBGMM segments would each fill a whole token tile alone."""
         g = meta.groups.get(group)
         if g is not None:
             self._expand(self._shrink(x, pool_l, meta, g, layer), out, pool_l, meta, g, layer)

@@ -1,6 +1,6 @@
 """Torch twins of every kernel: the specification, and the CPU path.
 
-Page layout (see shared/DESIGN.md). The runner owns one tensor
+Page layout (docs/design.md draws it). The runner owns one tensor
 
     pool[num_layers, num_pages, P]      P = block_size * 2 * num_kv_heads * head_dim
 
@@ -18,10 +18,11 @@ module m in LORA_MODULES order, the adapter stores
     B_m^T : r_m rows of d_out(m) elements,  row i at offset_b[m] + i * stride_out(m)
 with B already multiplied by the PEFT scaling (alpha / r or alpha / sqrt(r)), so
     y_m += (x @ A_m^T) @ (B_m^T)
-Row strides and module offsets are multiples of LORA_ALIGN = 64 elements, and P is too (the
-engine checks), so any tile of 64 (or 32, 16, ...) elements starting at a multiple of its own
-size inside a row lies in one page: a kernel looks up the page once per (row, tile), never per
-element. The padding costs under 64 elements per row.
+Alignment rule: row strides and module offsets are multiples of LORA_ALIGN = 64 elements,
+and P is too (the engine checks it), so any tile of 64 (or 32, 16, ...) elements starting at
+a multiple of its own size inside a row lies in one page: a kernel looks up the page once per
+(row, tile), never per element, and no tile straddles a page. The padding costs under 64
+elements per row.
 
 Batch metadata for LoRA (`LoraMeta`, built by the runner once per step, shared by all layers):
     pages      int32 [n_a, max_pages]   page lists of the n_a distinct adapters in the batch
