@@ -201,7 +201,7 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
             torch_gather_bmm(x, y, P.pool[l], P, slots)
 
     # the Triton kernels, and the csrc CUDA ones where cupy runs, each timed
-    impls = {"ours": lora}
+    impls = {"ours": mbgmv}
     cuda_k = _cuda_kernels(device)
     if cuda_k is not None:
         impls["cuda"] = cuda_k
@@ -219,7 +219,7 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
         torch_gather_bmm(x, y, P.pool[0], P, slots)
         errs["err_torch"] = rel_err(y - y0, y_ref - y0)
         y.copy_(y0)
-    t_ours = bench_graph(lambda: [apply(lora, l) for l in range(L)], device) / L
+    t_ours = bench_graph(lambda: [apply(mbgmv, l) for l in range(L)], device) / L
     t_base = bench_graph(base, device) / L
     if cuda_k is not None:
         extra["us_cuda"] = bench_graph(lambda: [apply(cuda_k, l) for l in range(L)], device) / L * 1e3

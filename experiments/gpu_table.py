@@ -8,7 +8,7 @@ per run, then the last run's figure over the first's.
 A run holds engine/bench_engine.json, s2/bench_scaling.json, decode/bench_scaling.json,
 pytest.log and commit.txt, any of them missing. Only fields that these files have always carried are read
 (the rows' gen_tok_s and decode_tok_s; scaling rows' output_tok_s; decode rows' step_ms and
-floor_ms; ceilings), so that a run of an older tree compares with one of today's.
+floor_ms; ceilings), so that a run of an older tree compares with a current one.
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@ its modes runs and its kernels agree with the reference (e.g. the mixed-step com
 ways of running a mixed step: decode rows through the prefill kernels, or through the decode
 kernels). Rates under the interpreter mean nothing; errors do."""
 
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # --smoke runs CPU tensors through the Triton kernels: only under the interpreter, which the
 # test session turns on where there is no GPU (tests/conftest.py)
@@ -19,12 +15,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels",
-                                                  ROOT / "experiments" / "bench_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(experiment):
+    return experiment("bench_kernels")
 
 
 def test_mixed_step_comparison_smoke(bench, tmp_path):

@@ -2,19 +2,11 @@
 pool far smaller than their total, waves of requests. Checks that adapters are loaded,
 evicted and (with a window) prefetched, and that every step is accounted for; no timings."""
 
-import importlib.util
 import json
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_prefetch_cpu(tiny_model_dir, tmp_path):
-    path = ROOT / "experiments" / "bench_prefetch.py"
-    spec = importlib.util.spec_from_file_location("bench_prefetch", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    res = mod.main(["--model", str(tiny_model_dir), "--device", "cpu", "--adapters", "60",
+def test_bench_prefetch_cpu(experiment, tiny_model_dir, tmp_path):
+    res = experiment("bench_prefetch").main(["--model", str(tiny_model_dir), "--device", "cpu", "--adapters", "60",
                      "--rank", "8", "--num-pages", "48", "--batch", "4", "--prefetch-reserve", "4",
                      "--waves", "6", "--wave-size", "4", "--steps-per-wave", "3",
                      "--prompt-len", "8", "--gen-len", "6", "--out", str(tmp_path)])

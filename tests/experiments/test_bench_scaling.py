@@ -2,7 +2,6 @@
 sizes. Checks the rows and that rates are positive, never timings."""
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,12 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    path = ROOT / "experiments" / "bench_scaling.py"
-    spec = importlib.util.spec_from_file_location("bench_scaling", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(experiment):
+    return experiment("bench_scaling")
 
 
 def test_bench_scaling_cpu(bench, tiny_model_dir, tmp_path):
@@ -123,14 +118,12 @@ def test_trace_steps_prints_where_the_first_steps_went(bench, tiny_model_dir, tm
     assert [r["not_length"] for r in rows] == [0, 0]
 
 
-def test_timeline_summary_splits_the_compute_streams_idle_time():
+def test_timeline_summary_splits_the_compute_streams_idle_time(experiment):
     """experiments/timeline.py: the compute stream (most kernel time) idles 200 us between
     its kernels, 150 of them while a host-to-device copy ran on another stream, 20 beside
     another stream's kernel, 30 with nothing on the GPU, listed by the kernels around the
     gap; host ops are not GPU work."""
-    spec = importlib.util.spec_from_file_location("timeline", ROOT / "experiments" / "timeline.py")
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+    timeline = experiment("timeline")
 
     def ev(cat, name, ts, dur, stream):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}

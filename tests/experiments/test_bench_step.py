@@ -1,6 +1,6 @@
 """Micro-benchmark: the host work of one decode step at batch 32 (schedule, batch building,
 sampling, outputs) with the model's forward stubbed out. On a GPU this work sits beside a
-~5 ms 7B decode step, so it must stay well under a millisecond.
+7B decode step of a few milliseconds, so it must stay well under a millisecond.
 (`./run test tests/experiments/test_bench_step.py --benchmark-enable`)"""
 
 import torch

@@ -2,7 +2,6 @@
 benchmark results both carry, from a run's folder or its .tar.gz, and puts each figure beside
 its peer from the same run; gpu.sh parses and refuses unknown options."""
 
-import importlib.util
 import json
 import subprocess
 import tarfile
@@ -14,11 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def gpu_table():
-    spec = importlib.util.spec_from_file_location("gpu_table", ROOT / "experiments" / "gpu_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def gpu_table(experiment):
+    return experiment("gpu_table")
 
 
 def write_run(path: Path, scale: float = 1.0, header: bool = True) -> Path:

@@ -1,9 +1,7 @@
 """Experiment suites: every shipped suite file loads and expands; the driver runs a suite end to
 end on a tiny model, writes one result per point and the figure, and resumes."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,12 +11,8 @@ SUITES = sorted((ROOT / "experiments" / "suites").glob("*.json"))
 
 
 @pytest.fixture(scope="module")
-def run_suite():
-    spec = importlib.util.spec_from_file_location("run_suite", ROOT / "experiments" / "run_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_suite"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+def run_suite(experiment):
+    return experiment("run_suite")
 
 
 @pytest.mark.parametrize("path", SUITES, ids=lambda p: p.stem)
