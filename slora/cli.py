@@ -176,8 +176,9 @@ def _add_replay(sub) -> None:
         "replay", help="replay a trace on the real engine and measure it",
         formatter_class=HelpFormatter,
         description="Issue a trace's requests in-process at their arrival times on the wall clock "
-        "(each generates exactly output_len tokens: greedy, ignore_eos), then print and write "
-        "throughput, latency, first-token latency and SLO attainment.",
+        "(each generates exactly output_len tokens: greedy, ignore_eos), with progress bars "
+        "over the engine's warm-up and the requests; then print and write throughput, "
+        "latency, first-token latency and SLO attainment.",
         epilog="examples:\n"
         "  slora replay trace.jsonl --model ./llama --synthetic-adapters -o result.json\n"
         "  slora replay trace.jsonl --model ./llama --adapter-dir ./adapters --policy cluster \\\n"
@@ -432,7 +433,7 @@ def _add_profile(sub) -> None:
         "much of a prefetch copy hides under a decode step. Then fit the simulator's cost model "
         "(slora/sim/cost.py) to the steps and write the profile. A 7B model on an H200 takes "
         "about two minutes; on a 2-core CPU (the cpu grid), a tiny test model takes about 15 s "
-        "and SmolLM2-135M about three minutes.",
+        "and SmolLM2-135M a minute and a half (three with other work on the cores).",
         epilog="examples:\n"
         "  slora profile --model experiments/models/llama-2-7b --load-format dummy \\\n"
         "      -o experiments/profiles/h200-llama2-7b.json\n"
