@@ -103,7 +103,7 @@ class StepGraphs:
         self.block_size = block_size
         self.piece_starts = piece_starts
         self.group_shapes = group_shapes
-        self.tile = tile_rows
+        self.tile_rows = tile_rows
         self.max_blocks = max_blocks
         self.capture = capture
         self.buckets = buckets_up_to(BATCH_BUCKETS, max_num_seqs)
@@ -140,7 +140,7 @@ class StepGraphs:
         dev, B, T, L = self.device, self.max_batch, self.max_tokens, self.pool.shape[0]
         i32 = dict(dtype=torch.int32, device=dev)
         self.graphs.clear()
-        self._superset_of: dict[tuple, tuple | None] = {}  # key -> the graph replayed for it
+        self._superset_of: dict[tuple, tuple | None] = {}  # key -> the captured key it replays
         # A fresh private pool: once the dropped graphs release the old one, capturing into
         # it again trips an internal assert of PyTorch's allocator.
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -158,7 +158,7 @@ class StepGraphs:
         # of their own), or an eager step compiles again while serving.
         self.meta64 = torch.zeros(4, cdiv(T, 2) * 2, dtype=torch.long, device=dev)
         self.ids, self.positions, self.slots, self.logits_index = self.meta64
-        n_tiles = 1 + 2 * capacity(T, B, self.tile)
+        n_tiles = 1 + 2 * capacity(T, B, self.tile_rows)
         self._sizes32 = {"ctx": B, "dec_ctx": B, "token_slot": T, "dec_slot": T,
                          "q_start": B + 1, "seg_slot": B, "att_tiles": n_tiles,
                          "lora_tiles": n_tiles}
@@ -318,7 +318,8 @@ class StepGraphs:
         num_decode = 0 if mixed else t_bucket
         # Programs walking the work lists: enough for a bucket of long prompts at one tile
         # each; many short prompts' tiles take turns.
-        programs = min(capacity(t_bucket, s_bucket, self.tile), cdiv(t_bucket, self.tile) + 16)
+        programs = min(capacity(t_bucket, s_bucket, self.tile_rows),
+                       cdiv(t_bucket, self.tile_rows) + 16)
         lora = None
         if rank_bucket:
             metas = {}
@@ -413,7 +414,8 @@ def warmup_adapters(layouts, ranks=(), modules=()) -> list[tuple[int, tuple[str,
     return [(r, groups) for r in rank_buckets for groups in sorted(sets, key=lambda s: (len(s), s))]
 
 
-def warmup_steps(graphs: StepGraphs | None, max_tokens: int) -> tuple[list[WarmupStep], list[WarmupStep]]:
+def warmup_steps(graphs: StepGraphs | None,
+                 max_tokens: int) -> tuple[list[WarmupStep], list[WarmupStep]]:
     """The steps a warm-up runs with each of its adapters and the base model, as
     (graphed, eager) lists of at most `max_tokens` tokens a step.
 
@@ -425,7 +427,8 @@ def warmup_steps(graphs: StepGraphs | None, max_tokens: int) -> tuple[list[Warmu
     if graphs is None:
         return [([[1] * 8], [])], []
     graphed = [([[1] * 8] * b, []) for b in graphs.buckets]
-    graphed += [([[1] * (t - n + 1)] + [[1]] * (n - 1), []) for t, n in graphs.mixed_buckets(max_tokens)]
+    graphed += [([[1] * (t - n + 1)] + [[1]] * (n - 1), [])
+                for t, n in graphs.mixed_buckets(max_tokens)]
     t = graphs.mixed_tokens + 1
     if t + 16 > max_tokens:
         return graphed, []

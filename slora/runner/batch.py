@@ -72,13 +72,15 @@ class BatchBuilder:
         d = batch.num_decode
         if d < len(seqs):  # prompts: the prefill kernel's work list; decode rows: their own
             prompts = [s >= d for s in range(len(seqs))]
-            batch.tiles = torch.tensor(token_tiles(q_start, self.tile_rows, prompts), dtype=torch.int32)
+            batch.tiles = torch.tensor(token_tiles(q_start, self.tile_rows, prompts),
+                                       dtype=torch.int32)
             if d:
                 batch.dec_ctx_lens = batch.ctx_lens[:d]
         batch.lora = self.lora_meta(seqs, batch, adapters)
         return batch
 
-    def lora_meta(self, seqs: list[Request], batch: Batch, adapters: AdapterManager) -> LoraMeta | None:
+    def lora_meta(self, seqs: list[Request], batch: Batch,
+                  adapters: AdapterManager) -> LoraMeta | None:
         """The batch's LoRA metadata, None when no row has an adapter. Segments (one per
         sequence: the batch's own q_start_tensor) and MBGMM's work list (the tiles of the
         prompts with an adapter) only for steps with prompts, the ones MBGMM runs."""

@@ -62,6 +62,10 @@ class Flight:
 
 
 class ModelRunner:
+    """Owns the pool and the weights and runs steps: `launch` queues one, `collect` waits
+    for its tokens. Its parts: `batches` (BatchBuilder), `host_tier` (HostAdapterTier),
+    `sampler` (Sampler) and `graphs` (StepGraphs, None without CUDA graphs)."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str) -> None:
         self.config = config
         self.model_config = model_config
@@ -99,12 +103,15 @@ class ModelRunner:
                     strides_out=tuple(strides(model_config, LORA_MODULES[m])[1] for m in mods),
                     out_dims=tuple(model_config.module_dims(LORA_MODULES[m])[1] for m in mods))
             for g, mods in GROUPS.items()}
-        self.batches = BatchBuilder(self.block_size, self.tile_rows, self.group_shapes, pin=self.cuda)
+        self.batches = BatchBuilder(self.block_size, self.tile_rows, self.group_shapes,
+                                    pin=self.cuda)
         self.sampler = Sampler(config.seed)
+        graphed = self.cuda and config.cuda_graphs and self.backend.name != "torch"
         self.graphs = (self.make_graphs(config.max_num_seqs, config.mixed_graph_tokens)
-                       if self.cuda and config.cuda_graphs and self.backend.name != "torch" else None)
+                       if graphed else None)
 
-    def make_graphs(self, max_num_seqs: int, mixed_tokens: int = 0, capture: bool = True) -> StepGraphs:
+    def make_graphs(self, max_num_seqs: int, mixed_tokens: int = 0,
+                    capture: bool = True) -> StepGraphs:
         """The CUDA graphs of this runner's model and pool (see StepGraphs)."""
         return StepGraphs(
             self.model, self.pool, scratch_page=self.scratch_page, block_size=self.block_size,
