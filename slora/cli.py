@@ -3,8 +3,8 @@
     slora generate ...                      run the embedded model with LoRA adapters (slora.demo)
     slora trace synth ... -o trace.jsonl    make an S-LoRA synthetic trace (slora.workload)
     slora replay trace.jsonl --model DIR    replay a trace on the real engine, write metrics JSON
-    slora simulate trace.jsonl --profile P  the trace in the simulator (slora.sim): same metrics JSON
     slora profile --model DIR -o P          calibrate the simulator's cost model on this device
+    slora simulate trace.jsonl --profile P  the trace in the simulator (slora.sim): same metrics JSON
     slora plot result*.json -o fig.png      a sweep against its axis, or latency distributions
 
 Each subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets its
@@ -68,11 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     # to _generate, which builds that parser only when the command runs. Listed here for --help.
     sub.add_parser("generate",
                    help="generate text with the embedded model and LoRA adapters (slora generate --help)")
-    _add_trace(sub)
+    _add_trace(sub)  # in the order of the workflow: trace, replay, profile, simulate, plot
     _add_replay(sub)
-    _add_plot(sub)
-    _add_simulate(sub)
     _add_profile(sub)
+    _add_simulate(sub)
+    _add_plot(sub)
     return parser
 
 
