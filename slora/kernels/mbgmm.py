@@ -42,9 +42,7 @@ from .tiles import as_tiles, tile_rows
 from .tuning import pow2
 
 
-# MBGMM sizes its work on the device, from the step's own tile count (`_split_count`,
-# `_span_chunks`): a graph's launch covers its bucket's worst case, while most steps with
-# prompts hold one or two short ones.
+# The work sized on the device (see the module docstring).
 # Shrink: slices of d_in. A short prompt gives few (token tile, module, rank tile) items, each
 # streaming all of d_in in turn: latency, not bandwidth. The slices' partial sums meet in xa by
 # atomic adds. The split keeps items x slices within this many programs, with at least 4
