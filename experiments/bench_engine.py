@@ -1,7 +1,7 @@
 """End-to-end GPU benchmark: slora beside HF transformers (and HF PEFT) on the same GPU run.
 
-Models are config.json files under experiments/models/ with random bf16 weights
-(EngineConfig(load_format="dummy")), so nothing is downloaded: throughput depends on shapes,
+Models are config.json files under experiments/models/ (or any model directory) with random
+weights (EngineConfig(load_format="dummy"); bf16 on CUDA), so nothing is downloaded: throughput depends on shapes,
 not on weight values. For each model and batch size: B prompts of --prompt-len random token
 ids, --gen-len new tokens each (ignore_eos), greedy.
 
@@ -21,7 +21,6 @@ and one row per system, model and batch (gen_tok_s; decode_tok_s for slora).
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import add_out_arg, ceilings, header, write_result  # noqa: E402
+from harness import add_out_arg, ceilings, free_memory, header, sync, write_result  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -42,10 +41,11 @@ def prompts(n, length, vocab, seed=0):
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
-def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, **cfg):
+def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, device="cuda",
+              dtype="bfloat16", **cfg):
     """tok/s of one engine.generate over `batch` prompts (after a warm-up call)."""
-    eng = Engine(EngineConfig(model=str(MODELS / model), load_format="dummy", device="cuda",
-                              dtype="bfloat16", max_num_seqs=max(batch, 8), **cfg))
+    eng = Engine(EngineConfig(model=str(MODELS / model), load_format="dummy", device=device,
+                              dtype=dtype, max_num_seqs=max(batch, 8), **cfg))
     names = [None] * batch
     if adapters:
         for i in range(adapters):
@@ -54,10 +54,10 @@ def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, **cfg):
     ps = prompts(batch, prompt_len, eng.model_config.vocab_size)
     sp = SamplingParams(max_tokens=gen_len, ignore_eos=True)
     eng.generate(ps, SamplingParams(max_tokens=4, ignore_eos=True), adapters=names)  # warm-up
-    torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     outs = eng.generate(ps, sp, adapters=names)
-    torch.cuda.synchronize()
+    sync(device)
     wall = time.perf_counter() - t0
     last_first = max(o.metrics.first_token_time for o in outs)
     end = max(o.metrics.finish_time for o in outs)
@@ -67,61 +67,63 @@ def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, **cfg):
            "batch": batch, "gen_tok_s": batch * gen_len / wall,
            "decode_tok_s": decode_toks / max(end - last_first, 1e-9), "wall_s": wall,
            "stats": eng.stats()}
+    eng.close()
     del eng
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory(device)
     return res
 
 
-def hf_model(model):
+def hf_model(model, device="cuda", dtype="bfloat16"):
     import transformers
 
     cfg = transformers.AutoConfig.from_pretrained(MODELS / model)
-    with torch.device("cuda"):
-        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.device(device):
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     return m.eval()
 
 
 def hf_run(m, model, batch, prompt_len, gen_len, label="hf", **gen_kwargs):
-    ps = torch.tensor(prompts(batch, prompt_len, m.config.vocab_size), device="cuda")
+    device = m.device
+    ps = torch.tensor(prompts(batch, prompt_len, m.config.vocab_size), device=device)
     kw = dict(attention_mask=torch.ones_like(ps), do_sample=False, eos_token_id=None,
               pad_token_id=0, **gen_kwargs)
     with torch.inference_mode():
         m.generate(ps, max_new_tokens=4, min_new_tokens=4, **kw)
-        torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         out = m.generate(ps, max_new_tokens=gen_len, min_new_tokens=gen_len, **kw)
-        torch.cuda.synchronize()
+        sync(device)
     wall = time.perf_counter() - t0
     assert out.shape[1] == prompt_len + gen_len
     return {"system": label, "model": model, "batch": batch, "gen_tok_s": batch * gen_len / wall,
             "wall_s": wall}
 
 
-def peft_race(model, batch, prompt_len, gen_len, n_adapters=32, rank=16):
+def peft_race(model, batch, prompt_len, gen_len, n_adapters=32, rank=16, device="cuda",
+              dtype="bfloat16"):
     """HF PEFT with `n_adapters` distinct adapters in one batch (mixed-batch adapter_names)."""
     import peft
 
-    m = hf_model(model)
+    m = hf_model(model, device, dtype)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     pm = peft.get_peft_model(m, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
                                                 init_lora_weights=False), adapter_name="a0")
     for i in range(1, n_adapters):
         pm.add_adapter(f"a{i}", peft.LoraConfig(r=rank, lora_alpha=2 * rank,
                                                 target_modules=targets, init_lora_weights=False))
-    pm = pm.to(torch.bfloat16).eval()
+    pm = pm.to(getattr(torch, dtype)).eval()
     names = [f"a{i % n_adapters}" for i in range(batch)]
     res = hf_run(pm, model, batch, prompt_len, gen_len, label=f"hf-peft+{n_adapters}x r{rank}",
                  adapter_names=names)
     del pm, m
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory(device)
     return res
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="smollm2-135m,llama-2-7b")
+    ap.add_argument("--models", default="smollm2-135m,llama-2-7b",
+                    help="names under experiments/models/, or model directories")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=128)
@@ -134,10 +136,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--sync-too", action="store_true",
                     help="each slora row again without async scheduling (EngineConfig."
                          "async_scheduling=False; the default on CUDA is with it)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
     add_out_arg(ap)
     args = ap.parse_args(argv)
 
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    on = dict(device=args.device, dtype=args.dtype)
     rows = []
     ceil = ceilings(dev)
     print("ceilings:", ceil, flush=True)
@@ -145,25 +150,24 @@ def main(argv=None) -> dict:
     for model in args.models.split(","):
         for b in map(int, args.batches.split(",")):
             for mode in modes:
-                rows.append(slora_run(model, b, args.prompt_len, args.gen_len,
+                rows.append(slora_run(model, b, args.prompt_len, args.gen_len, **on,
                                       num_pages=args.num_pages, async_scheduling=mode))
                 print(rows[-1], flush=True)
         if args.skip_hf:
             continue
-        m = hf_model(model)
+        m = hf_model(model, **on)
         for b in map(int, args.batches.split(",")):
             rows.append(hf_run(m, model, b, args.prompt_len, args.gen_len))
             print(rows[-1], flush=True)
         del m
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_memory(dev)
     if args.race:
         for mode in modes:
-            rows.append(slora_run("llama-2-7b", 32, 128, 128, adapters=32, num_pages=args.num_pages,
-                                  async_scheduling=mode))
+            rows.append(slora_run("llama-2-7b", 32, 128, 128, adapters=32, **on,
+                                  num_pages=args.num_pages, async_scheduling=mode))
             print(rows[-1], flush=True)
         if not args.skip_hf:
-            rows.append(peft_race("llama-2-7b", 32, 128, args.race_peft_gen))
+            rows.append(peft_race("llama-2-7b", 32, 128, args.race_peft_gen, **on))
             print(rows[-1], flush=True)
     result = {**header(__file__, dev, ceil, argv), "rows": rows}
     write_result(args.out, "bench_engine.json", result)

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_engine import MODELS, prompts  # noqa: E402
-from harness import add_out_arg, ceilings, header, write_result  # noqa: E402
+from harness import add_out_arg, ceilings, header, sync, write_result  # noqa: E402
 import slora.graphs  # noqa: E402
 import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -61,11 +61,6 @@ from slora.workload import synthesize  # noqa: E402
 # name -> target modules of a row's synthetic adapters (None: no adapters, the base model)
 MODULE_SETS = {"none": None, "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj"), "all": LORA_MODULES}
 ADAPTER_SEED = 0  # one host buffer per (rank, modules); see the docstring
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def adapter_bytes(cfg: ModelConfig, rank: int, modules, dtype_bytes: int) -> int:

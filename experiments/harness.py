@@ -1,7 +1,7 @@
 """The benchmarks' shared harness: graph-replay timing, the device's measured ceilings, and the
 header every result file carries.
 
-    from harness import add_out_arg, bench_graph, ceilings, write_result
+    from harness import add_out_arg, bench_graph, ceilings, header, write_result
 
 bench_graph(fn, device)  median ms of one call of `fn`, replayed from a CUDA graph after a
                          warm-up outside the capture (the host clock on CPU).
@@ -13,6 +13,7 @@ header(script, device, ceil, argv)  {"gpu", "commit", "command", "ceilings"}: wh
                          (commit: `git rev-parse HEAD` of this checkout, else $SLORA_COMMIT,
                          else "unknown").
 write_result(out, name, result)  `result` as JSON in out/name.
+sync(device), free_memory(device)  wait for the device; hand cached blocks back to it.
 
 Raw results go under --out (add_out_arg: $OUT, else the repository's git-ignored results/).
 """
@@ -83,9 +84,21 @@ def ceilings(device) -> dict:
     y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: x @ y, warmup=25, rep=200, return_mode="median")
     del x, y
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory(device)
     return {"copy_GBps": copy, "gemm_bf16_TFLOPs": 2 * m ** 3 / ms / 1e9}
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device) -> None:
+    """Collect garbage and return the caching allocator's free blocks to the device, so that
+    the next engine sizes its pool from what is really free."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def commit() -> str:
