@@ -202,6 +202,20 @@ def _decode_slot(meta: LoraMeta, rows: int) -> torch.Tensor | None:
     return meta.token_slot if rows == meta.num_decode else meta.dec_slot
 
 
+class CudaBackend(TritonBackend):
+    """Decode LoRA through the csrc CUDA MBGMV (`slora.kernels.cuda`, compiled at run time by
+    cupy); prefill (MBGMM), attention and the fused elementwise kernels as in the Triton
+    backend."""
+
+    name = "cuda"
+
+    def __init__(self, gemm_max_rows: int) -> None:
+        super().__init__(gemm_max_rows)
+        from slora.kernels import cuda  # (imports nothing optional until its first launch)
+
+        self._mbgmv = cuda
+
+
 def make_backend(name: str, device: torch.device, gemm_max_rows: int):
     """The backend `name` ("auto", "torch", "triton" or "cuda") for `device`; the GPU backends
     run base GEMMs of at most `gemm_max_rows` rows (`EngineConfig.gemm_max_rows`) through
@@ -220,7 +234,5 @@ def make_backend(name: str, device: torch.device, gemm_max_rows: int):
         if device.type != "cuda":
             raise ValueError("EngineConfig.backend='cuda' runs the csrc CUDA kernels and needs a "
                              "CUDA device; use backend='torch' (or 'auto') on CPU")
-        from slora.kernels.cuda import CudaBackend
-
         return CudaBackend(gemm_max_rows)
     raise ValueError(f"unknown backend {name!r}")

@@ -4,7 +4,7 @@ No build step: the first call compiles mbgmv.cu for the current GPU and caches t
 The source ships inside the package (`slora._csrc`, which packaging maps csrc/ to) and is read
 through importlib.resources; slora run from a checkout reads csrc/ beside it. `mbgmv_shrink` /
 `mbgmv_expand` have the signatures and semantics of the Triton kernels and of their twins in
-reference.py. `backend="cuda"` selects `CudaBackend`: decode rows through these kernels,
+reference.py. `backend="cuda"` selects `slora.kernels.backend.CudaBackend`: decode rows through these kernels,
 everything else as the Triton backend does it.
 
 cupy is an optional dependency (`pip install slora[cuda]`); it is imported on first use.
@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slora.kernels.backend import TritonBackend
 
 
 def source_file():
@@ -112,21 +111,3 @@ def mbgmv_expand(xa, out, pool_l, pages, offsets_b, ranks, token_slot, out_dims,
         _ptr(token_slot), _ptr(col_start), _ptr(dims), _ptr(strides_t), np.int32(G),
         np.int32(max_rank), np.int64(pool_l.shape[1]), np.int32(pages.stride(0)),
         np.int32(out.stride(0))), shared_mem=4 * max_rank)
-
-
-class CudaBackend(TritonBackend):
-    """Decode LoRA through the csrc CUDA MBGMV; prefill (MBGMM), attention and the fused
-    elementwise kernels as in the Triton backend."""
-
-    name = "cuda"
-
-    def __init__(self, gemm_max_rows: int) -> None:
-        super().__init__(gemm_max_rows)
-        self._mbgmv = _CudaMbgmv()
-
-
-class _CudaMbgmv:
-    """The MBGMV pair the Triton backend calls (`self._mbgmv`), from csrc."""
-
-    mbgmv_shrink = staticmethod(mbgmv_shrink)
-    mbgmv_expand = staticmethod(mbgmv_expand)
