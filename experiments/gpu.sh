@@ -16,8 +16,9 @@
 # Before / after in one call, an older tree copied to results/base (carried to the device):
 #   bash experiments/gpu.sh --tree results/base --label base --no-tests; \
 #   bash experiments/gpu.sh --label new --compare base
-# The tree's commit: its `git rev-parse HEAD`, else $SLORA_COMMIT (a copy has no .git). JOBS=N
-# runs the tests in N pytest-xdist workers where it is installed (default 4; 0: one process).
+# The tree's commit: $SLORA_COMMIT when set (a copy may have no .git, or a stale one), else its
+# `git rev-parse HEAD`. JOBS=N runs the tests in N pytest-xdist workers where it is installed
+# (default 4; 0: one process).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd -P)
 TREE=$HERE LABEL=new TESTS=1 COMPARE=
@@ -41,7 +42,7 @@ cd "$TREE" || exit 2
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$D/gpu.txt" 2>&1
 # the tree's commit, for results whose JSON names none (a tree older than the harness)
 head=$([ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$TREE" ] && git rev-parse -q --verify HEAD)
-echo "${head:-${SLORA_COMMIT:-unknown}}" >"$D/commit.txt"
+echo "${SLORA_COMMIT:-${head:-unknown}}" >"$D/commit.txt"
 failed=()
 step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME.log, under a time limit
   local name=$1 limit=$2 t0=$SECONDS

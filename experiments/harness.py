@@ -10,8 +10,8 @@ ceilings(device)         what the device moves and computes at best, measured no
                          TFLOP/s (8192^3). A kernel's rate is read against these.
 header(script, device, ceil, argv)  {"gpu", "commit", "command", "ceilings"}: what a result
                          needs to be reproduced and compared; every result file starts with it
-                         (commit: `git rev-parse HEAD` of this checkout, else $SLORA_COMMIT,
-                         else "unknown").
+                         (commit: $SLORA_COMMIT when set, else `git rev-parse HEAD` of this
+                         checkout, else "unknown").
 write_result(out, name, result)  `result` as JSON in out/name.
 sync(device), free_memory(device)  wait for the device; hand cached blocks back to it.
 
@@ -102,8 +102,11 @@ def free_memory(device) -> None:
 
 
 def commit() -> str:
-    """HEAD of the checkout this file is in; $SLORA_COMMIT where it is no checkout of its own
-    (a copy of the tree, or one inside another repository); else "unknown"."""
+    """$SLORA_COMMIT when set: a copy of the tree (a device's) may have no .git, or one whose HEAD
+    is not what was copied. Else HEAD of the checkout this file is in, if it is one of its own
+    (not a copy inside another repository); else "unknown"."""
+    if os.environ.get("SLORA_COMMIT"):
+        return os.environ["SLORA_COMMIT"]
     try:
         res = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel", "HEAD"],
                              capture_output=True, text=True, timeout=10)
@@ -112,7 +115,7 @@ def commit() -> str:
             return head
     except (OSError, ValueError, subprocess.TimeoutExpired):
         pass
-    return os.environ.get("SLORA_COMMIT", "unknown")
+    return "unknown"
 
 
 def header(script, device, ceil: dict, argv=None) -> dict:
