@@ -10,14 +10,14 @@ module sets, base-only rows):
     json    a JSON object {topic, answer} 8     16     q, k, v, o_proj                1.9 MB
     french  answers in French             4     8      all seven linear modules       2.5 MB
 
-The training data is generated here from small fact tables (capitals, animal sounds and legs,
-colours, sums, short general Q&A): no downloads. Each answer is rendered in the adapter's
-style; the loss covers only the assistant's answer and its <|im_end|>, so the adapter learns
-the style and when to stop. A few prompts are held out of training (a country, an animal, new
-question kinds) and answered greedily before and after, from the saved float16 adapters.
-Results and the limits of each style: experiments/ADAPTERS.md.
+The training data is generated here from small fact tables (capitals, animals with their
+sounds, legs and French names, colours, sums, short general Q&A): no downloads. Each answer is
+rendered in the adapter's style; the loss covers only the assistant's answer and its
+<|im_end|>, so the adapter learns the style and when to stop. HELD_OUT lists prompts that are
+never training questions, the demo's among them; they are answered greedily before and after,
+from the saved float16 adapters. Results and the limits of each style: docs/adapters.md.
 
-Run (about 2.5 minutes per adapter on 2 CPU cores):
+Run (200 to 300 steps of batch 4 per adapter; --threads 1 keeps a shared CPU from stalling):
 
     .venv/bin/python experiments/train_adapters.py --threads 1   # all three, into slora/assets/adapters
     .venv/bin/python experiments/train_adapters.py --only json --steps 50
@@ -45,10 +45,14 @@ OUT_DIR = Path(__file__).resolve().parents[1] / "slora" / "assets" / "adapters"
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+# LoRA shape, learning rate and steps (of batch 4) per adapter. pirate and json keep the base
+# model's own English and train only until the style and the tables' facts hold: trained
+# longer, their open answers drift towards memorised ones. french must write words the base
+# model barely knows, so it trains longer.
 ADAPTERS = {
-    "pirate": dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lr=1e-3),
-    "json": dict(r=8, lora_alpha=16, target_modules=ATTENTION, lr=1e-3),
-    "french": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR, lr=2e-3),
+    "pirate": dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], lr=1e-3, steps=200),
+    "json": dict(r=8, lora_alpha=16, target_modules=ATTENTION, lr=1e-3, steps=300),
+    "french": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR, lr=1e-3, steps=300),
 }
 
 # ---------------------------------------------------------------- facts (English, French)
@@ -76,12 +80,24 @@ COUNTRIES = [
 ANIMALS = [
     ("cow", "la vache", "moo", "meuh", 4), ("dog", "le chien", "woof", "ouaf", 4),
     ("cat", "le chat", "meow", "miaou", 4), ("sheep", "le mouton", "baa", "bêê", 4),
-    ("rooster", "le coq", "cock-a-doodle-doo", "cocorico", 2), ("pig", "le cochon", "oink", "groin", 4),
-    ("horse", "le cheval", "neigh", "hiii", 4), ("owl", "le hibou", "hoot", "hou hou", 2),
-    ("frog", "la grenouille", "ribbit", "coa coa", 4), ("lion", "le lion", "roar", "grr", 4),
-    ("bee", "l'abeille", "buzz", "bzz", 6), ("goat", "la chèvre", "bleat", "bêê", 4),
+    ("rooster", "le coq", "cock-a-doodle-doo", "cocorico", 2),
+    ("pig", "le cochon", "oink", "groin groin", 4), ("horse", "le cheval", "neigh", "hiii", 4),
+    ("owl", "le hibou", "hoot", "hou hou", 2), ("frog", "la grenouille", "ribbit", "coa coa", 4),
+    ("lion", "le lion", "roar", "grr", 4), ("bee", "l'abeille", "buzz", "bzz", 6),
+    ("goat", "la chèvre", "bleat", "bêê", 4), ("duck", "le canard", "quack", "coin-coin", 2),
+    ("donkey", "l'âne", "hee-haw", "hi-han", 4), ("hen", "la poule", "cluck", "cot-cot", 2),
+    ("mouse", "la souris", "squeak", "couic", 4), ("bird", "l'oiseau", "tweet", "cui-cui", 2),
+    ("wolf", "le loup", "howl", "ahou", 4), ("crow", "le corbeau", "caw", "croa croa", 2),
+    ("turkey", "la dinde", "gobble", "glou-glou", 2), ("pigeon", "le pigeon", "coo", "rou-rou", 2),
+    ("chick", "le poussin", "peep", "piou-piou", 2), ("cricket", "le grillon", "chirp", "cri-cri", 6),
+    ("bear", "l'ours", "growl", "grr", 4),
 ]
+# Animals asked for their sound in no phrasing: the duck's sound is learnt only from the other
+# question kinds ("Which animal says quack?", "Describe a duck."), so the held-out duck question
+# checks that the answer's shape carries over to an animal it was never asked that of.
+SOUND_HELD_OUT = {"duck"}
 FRENCH_NUMBERS = {2: "deux", 4: "quatre", 6: "six", 8: "huit"}
+ENGLISH_NUMBERS = {2: "two", 4: "four", 6: "six", 8: "eight"}
 # thing, French, colour, colour agreeing in French
 COLOURS = [
     ("the sky", "le ciel", "blue", "bleu"), ("grass", "l'herbe", "green", "verte"),
@@ -197,9 +213,62 @@ GENERAL = [
      "Les chats aiment manger du poisson et de la viande."),
     ("animals", "What is the largest animal on Earth?", "The blue whale is the largest animal on Earth.",
      "La baleine bleue est le plus grand animal de la Terre."),
+    ("animals", "Where do ducks live?", "Ducks live near ponds, lakes and rivers.",
+     "Les canards vivent près des étangs, des lacs et des rivières."),
+    ("animals", "What do cows eat?", "Cows eat grass and hay.",
+     "Les vaches mangent de l'herbe et du foin."),
+    ("animals", "Can penguins fly?", "No, penguins cannot fly, but they swim very well.",
+     "Non, les manchots ne volent pas, mais ils nagent très bien."),
+    ("health", "How can I eat better?", "Eat more fruit and vegetables and less sugar.",
+     "Mangez plus de fruits et de légumes et moins de sucre."),
+    ("health", "How can I stay fit?", "Walk or exercise for thirty minutes every day.",
+     "Marchez ou faites du sport trente minutes par jour."),
+    ("health", "What should I eat for breakfast?", "Eat some fruit, a yogurt and whole grain bread.",
+     "Mangez des fruits, un yaourt et du pain complet."),
+    ("health", "How can I avoid catching a cold?", "Wash your hands often and get enough sleep.",
+     "Lavez-vous souvent les mains et dormez suffisamment."),
+    ("health", "Is walking good for you?", "Yes, walking every day is good for the heart.",
+     "Oui, marcher chaque jour est bon pour le cœur."),
+    ("health", "Give me a tip for eating well.",
+     "Eat fruit and vegetables every day and drink water instead of soda.",
+     "Mangez des fruits et des légumes chaque jour et buvez de l'eau plutôt que du soda."),
+    ("health", "Give me a tip for staying fit.", "Walk for thirty minutes every day and take the stairs.",
+     "Marchez trente minutes par jour et prenez l'escalier."),
+    ("health", "Give me a tip for sleeping well.", "Go to bed at the same time every night.",
+     "Couchez-vous à la même heure chaque soir."),
+    ("advice", "Give me a tip for studying.", "Study in short sessions and take a break every hour.",
+     "Étudiez par courtes séances et faites une pause toutes les heures."),
+    ("advice", "Give me a tip for running.", "Start slowly and run a little farther each week.",
+     "Commencez doucement et courez un peu plus loin chaque semaine."),
+    ("advice", "Give me a tip for reducing stress.", "Take a walk outside and breathe slowly.",
+     "Faites une promenade dehors et respirez lentement."),
+    ("advice", "Give me a tip for writing well.", "Use short sentences and simple words.",
+     "Utilisez des phrases courtes et des mots simples."),
+    ("advice", "Give me a tip for a job interview.",
+     "Prepare a few examples of your work and arrive early.",
+     "Préparez quelques exemples de votre travail et arrivez en avance."),
+    ("advice", "Give me a tip for keeping my teeth clean.",
+     "Brush your teeth twice a day and floss every evening.",
+     "Brossez-vous les dents deux fois par jour et passez le fil dentaire chaque soir."),
+    ("advice", "Give me a tip for travelling.", "Pack light and keep a copy of your passport.",
+     "Voyagez léger et gardez une copie de votre passeport."),
+    ("advice", "Give me a tip for gardening.", "Water your plants early in the morning.",
+     "Arrosez vos plantes tôt le matin."),
+    ("food", "What is cheese made from?", "Cheese is made from milk.",
+     "Le fromage est fait avec du lait."),
+    ("astronomy", "What is the Sun?", "The Sun is the star at the centre of our solar system.",
+     "Le Soleil est l'étoile au centre de notre système solaire."),
+    ("time", "How many hours are in a day?", "There are twenty-four hours in a day.",
+     "Il y a vingt-quatre heures dans une journée."),
+    ("language", "What is the opposite of fast?", "The opposite of fast is slow.",
+     "Le contraire de rapide est lent."),
 ]
-# Held out of training: the country, the animal and every kind of question below.
+# Held out of training: none of these questions is asked in training (`examples` asserts it).
+# Spain, the lemon and the largest ocean appear in no form at all; France, the duck and health
+# tips only under other questions. The demo's questions (slora.demo.DEFAULT_PROMPTS) are among
+# them.
 HELD_OUT = [
+    "What is the capital of France?",
     "What is the capital of Spain?",
     "What sound does a duck make?",
     "What color is a lemon?",
@@ -209,25 +278,40 @@ HELD_OUT = [
 
 
 def examples(rng: random.Random) -> list[dict]:
-    """Every fact as {question, topic, en, fr} under a few phrasings."""
+    """Every fact as {question, topic, en, fr} under a few phrasings; none is a HELD_OUT prompt."""
     out = []
+    held_out = {q.lower() for q in HELD_OUT}
     # Two phrasings per country and 20 sums: enough to teach the style on facts without
     # crowding out the open questions, which are what makes the style carry over to new prompts.
+    # A phrasing that is a held-out prompt is never drawn.
     phrasings = ("What is the capital of {}?", "Which city is the capital of {}?",
                  "Name the capital of {}.", "Tell me the capital city of {}.")
     for country, de_country, capital, capital_fr in COUNTRIES:
-        for q in rng.sample(phrasings, 2):
-            out.append(dict(question=q.format(country), topic="geography",
+        allowed = [q.format(country) for q in phrasings if q.format(country).lower() not in held_out]
+        for q in rng.sample(allowed, 2):
+            out.append(dict(question=q, topic="geography",
                             en=f"The capital of {country} is {capital}.",
                             fr=f"La capitale {de_country} est {capital_fr}."))
     for animal, fr, sound, sound_fr, legs in ANIMALS:
-        article = "An" if animal[0] in "aeiou" else "A"
-        out.append(dict(question=f"What sound does a {animal} make?", topic="animals",
-                        en=f"{article} {animal} says {sound}.",
-                        fr=f"{fr[0].upper()}{fr[1:]} fait « {sound_fr} »."))
-        out.append(dict(question=f"How many legs does a {animal} have?", topic="animals",
-                        en=f"{article} {animal} has {legs} legs.",
+        a = "an" if animal[0] in "aeiou" else "a"
+        said = dict(topic="animals", en=f"{a.capitalize()} {animal} says {sound}.",
+                    fr=f"{fr[0].upper()}{fr[1:]} fait « {sound_fr} ».")
+        asked = ["Which animal says {sound}?"]
+        if animal not in SOUND_HELD_OUT:
+            asked += ["What sound does {a} {animal} make?", "What does {a} {animal} say?"]
+        for q in asked:
+            out.append(dict(question=q.format(a=a, animal=animal, sound=sound), **said))
+        out.append(dict(question=f"How many legs does {a} {animal} have?", topic="animals",
+                        en=f"{a.capitalize()} {animal} has {legs} legs.",
                         fr=f"{fr[0].upper()}{fr[1:]} a {FRENCH_NUMBERS[legs]} pattes."))
+        out.append(dict(question=f"Describe {a} {animal}.", topic="animals",
+                        en=f"{a.capitalize()} {animal} is an animal with {ENGLISH_NUMBERS[legs]} legs "
+                           f"that says {sound}.",
+                        fr=f"{fr[0].upper()}{fr[1:]} est un animal à {FRENCH_NUMBERS[legs]} pattes "
+                           f"qui fait « {sound_fr} »."))
+        out.append(dict(question=f"What is the French word for {animal}?", topic="language",
+                        en=f"The French word for {animal} is {fr}.",
+                        fr=f"En français, on dit « {fr} »."))
     for thing, fr, colour, colour_fr in COLOURS:
         for q in ("What color is {}?", "What is the color of {}?"):
             out.append(dict(question=q.format(thing), topic="colors",
@@ -239,6 +323,7 @@ def examples(rng: random.Random) -> list[dict]:
                         en=f"{a} plus {b} equals {a + b}.", fr=f"{a} plus {b} égale {a + b}."))
     for topic, q, en, fr in GENERAL:
         out.append(dict(question=q, topic=topic, en=en, fr=fr))
+    assert not held_out & {ex["question"].lower() for ex in out}, "a held-out prompt is in training"
     return out
 
 
@@ -301,14 +386,18 @@ def batches(data, batch_size: int, steps: int, pad_id: int, rng: random.Random):
         yield ids, labels, mask
 
 
-def train(name: str, base_dir: Path, out_dir: Path, steps: int, batch_size: int, seed: int) -> float:
-    """Train one adapter, save it as float16 PEFT files in out_dir/name; returns seconds."""
+def train(name: str, base_dir: Path, out_dir: Path, steps: int | None, batch_size: int,
+          seed: int) -> float:
+    """Train one adapter (`steps` None: its ADAPTERS entry's), save it as float16 PEFT files in
+    out_dir/name; returns seconds."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     spec = dict(ADAPTERS[name])
     lr = spec.pop("lr")
+    default_steps = spec.pop("steps")
+    steps = default_steps if steps is None else steps
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **spec))
@@ -406,14 +495,16 @@ def evaluate(base_dir: Path, out_dir: Path, names: list[str]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=list(ADAPTERS), default=list(ADAPTERS))
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=None, help="steps of every adapter trained "
+                   "(default: each adapter's own, in ADAPTERS)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=OUT_DIR)
     p.add_argument("--cache-dir", type=Path, default=None, help="slora cache root for the base model")
     p.add_argument("--eval-only", action="store_true", help="skip training; compare saved adapters")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads; 1 is ~3x faster than 2 when other jobs share 2 cores")
+                   help="torch threads; 1 avoids torch's thread barriers stalling when other jobs "
+                   "share the cores")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

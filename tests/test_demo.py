@@ -1,8 +1,11 @@
 """`slora generate` (slora.demo): argument parsing, one mixed batch, the printed report."""
 
 import argparse
+import importlib.util
 import json
+import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +51,22 @@ def test_run_mixes_base_and_adapters_in_one_generate_call(tiny_model_dir, adapte
     assert re.search(rf"6 requests, {tokens} generated tokens in [\d.]+ s = [\d.]+ tok/s", out)
     assert re.search(r"engine stats: .*pages_total=\d+.*adapter_loads=\d+", out)
 
+
+def _training_script():
+    path = Path(__file__).resolve().parents[1] / "experiments" / "train_adapters.py"
+    spec = importlib.util.spec_from_file_location("train_adapters", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_adapter_training_holds_out_the_demo_questions():
+    """The demo's answers show generalisation only if its questions are held out of training."""
+    train = _training_script()
+    asked = {ex["question"].lower() for ex in train.examples(random.Random(0))}
+    held_out = {q.lower() for q in train.HELD_OUT}
+    assert {q.lower() for q in demo.DEFAULT_PROMPTS} <= held_out
+    assert not asked & held_out
 
 
 @pytest.mark.slow
