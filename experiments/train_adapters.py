@@ -92,10 +92,6 @@ ANIMALS = [
     ("chick", "le poussin", "peep", "piou-piou", 2), ("cricket", "le grillon", "chirp", "cri-cri", 6),
     ("bear", "l'ours", "growl", "grr", 4),
 ]
-# Animals asked for their sound in no phrasing: the duck's sound is learnt only from the other
-# question kinds ("Which animal says quack?", "Describe a duck."), so the held-out duck question
-# checks that the answer's shape carries over to an animal it was never asked that of.
-SOUND_HELD_OUT = {"duck"}
 FRENCH_NUMBERS = {2: "deux", 4: "quatre", 6: "six", 8: "huit"}
 ENGLISH_NUMBERS = {2: "two", 4: "four", 6: "six", 8: "eight"}
 # thing, French, colour, colour agreeing in French
@@ -264,8 +260,8 @@ GENERAL = [
      "Le contraire de rapide est lent."),
 ]
 # Held out of training: none of these questions is asked in training (`examples` asserts it).
-# Spain, the lemon and the largest ocean appear in no form at all; France, the duck and health
-# tips only under other questions. The demo's questions (slora.demo.DEFAULT_PROMPTS) are among
+# Spain, the lemon and the largest ocean appear in no form at all; France, the duck's sound and
+# health tips only under other questions. The demo's questions (slora.demo.DEFAULT_PROMPTS) are among
 # them.
 HELD_OUT = [
     "What is the capital of France?",
@@ -296,11 +292,13 @@ def examples(rng: random.Random) -> list[dict]:
         a = "an" if animal[0] in "aeiou" else "a"
         said = dict(topic="animals", en=f"{a.capitalize()} {animal} says {sound}.",
                     fr=f"{fr[0].upper()}{fr[1:]} fait « {sound_fr} ».")
-        asked = ["Which animal says {sound}?"]
-        if animal not in SOUND_HELD_OUT:
-            asked += ["What sound does {a} {animal} make?", "What does {a} {animal} say?"]
+        # (a phrasing that is a held-out prompt is never drawn: the duck is asked the other two)
+        asked = [q.format(a=a, animal=animal, sound=sound)
+                 for q in ("Which animal says {sound}?", "What sound does {a} {animal} make?",
+                           "What does {a} {animal} say?")]
         for q in asked:
-            out.append(dict(question=q.format(a=a, animal=animal, sound=sound), **said))
+            if q.lower() not in held_out:
+                out.append(dict(question=q, **said))
         out.append(dict(question=f"How many legs does {a} {animal} have?", topic="animals",
                         en=f"{a.capitalize()} {animal} has {legs} legs.",
                         fr=f"{fr[0].upper()}{fr[1:]} a {FRENCH_NUMBERS[legs]} pattes."))
