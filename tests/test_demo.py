@@ -69,23 +69,63 @@ def test_adapter_training_holds_out_the_demo_questions():
     assert not asked & held_out
 
 
+FRENCH_WORDS = {"le", "la", "les", "de", "des", "du", "et", "est", "un", "une", "vous", "votre",
+                "pour", "chaque", "par", "au", "aux", "avec", "fait"}
+ENGLISH_WORDS = {"the", "and", "is", "are", "you", "your", "of", "to", "with", "for", "it", "says"}
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-zà-ÿœ]+", text.lower())
+
+
+def runaway(text: str) -> bool:
+    """A piece of two or more characters repeated four times in a row ("chh-chh-chh-chh")."""
+    return re.search(r"(.{2,}?)\1{3,}", text) is not None
+
+
 @pytest.mark.slow
-def test_default_run_serves_embedded_model_with_shipped_adapters(tmp_path, capsys):
-    """The real thing: SmolLM2 (converted into a tmp cache) and the three shipped adapters, each
-    row of one batch answered in its adapter's style (greedy outputs equal PEFT's)."""
+def test_default_run_answers_each_demo_question_in_its_adapters_style(tmp_path, capsys):
+    """The real thing: SmolLM2 (converted into a tmp cache) and the three shipped adapters, all
+    of the demo's questions in one batch, greedy on CPU in float32. Each adapter's answer is in
+    its style, states the fact, and ends by itself (<|im_end|>) within the demo's 48 tokens."""
     pytest.importorskip("gguf")
     if not demo.shipped_adapters():
         pytest.fail(f"no adapters in {demo.ASSETS}: run experiments/train_adapters.py")
-    args = parse("--cache-dir", str(tmp_path), "--device", "cpu", "--max-tokens", "24",
-                 "--prompt", "What is the capital of France?")
+    args = parse("--cache-dir", str(tmp_path), "--device", "cpu", "--dtype", "float32")
     assert demo.run(args) == 0
 
     out = capsys.readouterr().out
-    answers = dict(re.findall(r"adapter=(\w+) .*\n  prompt: .*\n  output: (.*)", out))
-    assert set(answers) == {"base", "french", "json", "pirate"}
-    assert "Paris" in answers["base"]
-    assert answers["french"] == "La capitale de la France est Paris."
-    assert json.loads(answers["json"]) == {"topic": "geography",
-                                           "answer": "The capital of France is Paris."}
-    assert answers["pirate"].startswith("Arr") and "Paris" in answers["pirate"]
+    rows = re.findall(r"adapter=(\w+)  tokens=\d+ .*\((\w+)\)\n  prompt: (.*)\n  output: (.*)", out)
+    answers = {(prompt, adapter): text for adapter, _, prompt, text in rows}
+    finished = {(prompt, adapter): reason for adapter, reason, prompt, _ in rows}
+    capital, duck, health = demo.DEFAULT_PROMPTS
+    assert set(answers) == {(p, a) for p in demo.DEFAULT_PROMPTS
+                            for a in ("base", "french", "json", "pirate")}
     assert "adapter_loads=3" in out
+    assert "Paris" in answers[capital, "base"]
+
+    for prompt in demo.DEFAULT_PROMPTS:
+        for adapter in ("french", "json", "pirate"):
+            text = answers[prompt, adapter]
+            assert finished[prompt, adapter] == "stop", (adapter, text)
+            assert not runaway(text), (adapter, text)
+
+        reply = json.loads(answers[prompt, "json"])
+        assert set(reply) == {"topic", "answer"}, reply
+        assert all(isinstance(v, str) and v for v in reply.values()), reply
+
+        pirate = answers[prompt, "pirate"]
+        assert re.match(r"(Arr|Ahoy|Yo ho)\b", pirate), pirate
+
+        french = words(answers[prompt, "french"])
+        assert len(set(french) & FRENCH_WORDS) >= 2, french
+        assert not set(french) & ENGLISH_WORDS, french
+
+    assert answers[capital, "french"] == "La capitale de la France est Paris."
+    assert json.loads(answers[capital, "json"])["topic"] == "geography"
+    assert "Paris" in json.loads(answers[capital, "json"])["answer"]
+    assert "Paris" in answers[capital, "pirate"]
+
+    assert "canard" in answers[duck, "french"] and "coin" in answers[duck, "french"]
+    assert "quack" in json.loads(answers[duck, "json"])["answer"].lower()
+    assert "quack" in answers[duck, "pirate"].lower()
