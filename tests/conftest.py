@@ -87,7 +87,7 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """kind -> model dir, built on first use and shared by the session."""
+    """kind -> model dir, built on first use and shared by the whole test run."""
     root = tmp_path_factory.mktemp("models")
     cache = {}
 

@@ -9,9 +9,9 @@ import os
 import pytest
 
 # --smoke runs CPU tensors through the Triton kernels: only under the interpreter, which the
-# test session turns on where there is no GPU (tests/conftest.py)
+# test run turns on where there is no GPU (tests/conftest.py)
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the Triton interpreter is off in this session (a GPU)")
+                                reason="the Triton interpreter is off in this test run (a GPU)")
 
 
 @pytest.fixture(scope="module")

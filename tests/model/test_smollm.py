@@ -1,7 +1,7 @@
 """The embedded SmolLM2 conversion against transformers' own GGUF loader (the reference).
 
 Slow by nature (one conversion, one transformers GGUF load, one greedy
-answer), so the converted directory and the reference are built once per session.
+answer), so the converted directory and the reference are built once per test run.
 """
 
 import json

@@ -1,5 +1,5 @@
 """Fixtures of the simulator's tests: one torch thread, and a CPU profile of the tiny model
-(measured once per session: the profile tests, the CLI tests and the same-decisions tests share
+(measured once per test run: the profile tests, the CLI tests and the same-decisions tests share
 it)."""
 
 from __future__ import annotations
