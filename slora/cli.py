@@ -173,18 +173,26 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _add_replay(sub) -> None:
     p = sub.add_parser(
-        "replay", help="replay a trace on the real engine and measure it",
+        "replay", help="replay a trace on the real engine, or on a server over HTTP, and measure it",
         formatter_class=HelpFormatter,
-        description="Issue a trace's requests in-process at their arrival times on the wall clock "
-        "(each generates exactly output_len tokens: greedy, ignore_eos), with progress bars "
-        "over the engine's warm-up and the requests; then print and write throughput, "
-        "latency, first-token latency and SLO attainment.",
+        description="Issue a trace's requests at their arrival times on the wall clock, "
+        "in-process (--model) or to a running server (--url), each generating exactly "
+        "output_len tokens (greedy, ignore_eos), with progress bars over the engine's warm-up "
+        "and the requests; then print and write throughput, latency, first-token latency and "
+        "SLO attainment. Both write the same result JSON, so slora plot compares them.",
         epilog="examples:\n"
         "  slora replay trace.jsonl --model ./llama --synthetic-adapters -o result.json\n"
         "  slora replay trace.jsonl --model ./llama --adapter-dir ./adapters --policy cluster \\\n"
-        "      --num-pages 4096 -o cluster.json")
+        "      --num-pages 4096 -o cluster.json\n"
+        "  # a running server (slora serve, vLLM, SGLang): streamed OpenAI completions\n"
+        "  slora replay trace.jsonl --url http://127.0.0.1:8000 --model ./llama -o http.json\n"
+        "  # LoRAX's API: text prompts, no ignore_eos\n"
+        "  slora replay trace.jsonl --url http://127.0.0.1:8080 --api lorax --label lorax \\\n"
+        "      -o lorax.json\n"
+        "  slora plot result.json http.json lorax.json -o servers.png")
     p.add_argument("trace", help="JSONL trace (slora trace synth, or your own)")
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", help="Hugging Face model directory (required in-process; with "
+                   "--url, only its config.json's vocabulary size is read, for random prompt ids)")
     adapters = p.add_mutually_exclusive_group()
     adapters.add_argument("--synthetic-adapters", action="store_true",
                           help="random adapters with the ranks in the trace header")
@@ -204,7 +212,36 @@ def _add_replay(sub) -> None:
     p.add_argument("-o", "--output", required=True,
                    help="result JSON to write: the metrics, the settings, the engine's counters "
                    "and every completed request's latencies")
+    _add_http_args(p)
     p.set_defaults(handler=_replay)
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    """replay's options over HTTP (slora.http_replay)."""
+    g = p.add_argument_group(
+        "over HTTP", "With --url the requests go to a running server, streamed, so first-token "
+        "latency is measured at the first token event; the server registers its own adapters "
+        "and has its own engine options (of these, only --slo and --seed apply).")
+    g.add_argument("--url", help="the server's root, e.g. http://127.0.0.1:8000")
+    g.add_argument("--api", choices=("openai", "lorax"), default="openai",
+                   help="openai (default): POST /v1/completions, model = the adapter's name or "
+                   "the base model's, prompts as token-id lists, ignore_eos sent (vLLM's field; "
+                   "slora and SGLang accept it); lorax: POST /generate_stream, "
+                   "parameters.adapter_id, text prompts (a length becomes \"hello \" repeated), "
+                   "and no ignore_eos in that API: requests may stop early at end of sequence")
+    g.add_argument("--concurrency", type=int, default=1024, metavar="N",
+                   help="most requests open at once; the rest wait for a connection, their "
+                   "latency counted from their arrival (default 1024)")
+    g.add_argument("--vocab-size", type=int, metavar="N",
+                   help="random prompt ids are drawn from [0, N) (default: --model's)")
+    g.add_argument("--served-model", metavar="NAME",
+                   help="the OpenAI model name of requests without an adapter (default: the "
+                   "first entry of GET /v1/models without a parent)")
+    g.add_argument("--adapter-source", metavar="SOURCE",
+                   help="lorax: parameters.adapter_source (hub, local, ...)")
+    g.add_argument("--api-key", metavar="KEY", help="sent as Authorization: Bearer KEY")
+    g.add_argument("--label", default="http", metavar="NAME",
+                   help="the result's source, its series name in slora plot (default http)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -244,11 +281,40 @@ def _replay(args) -> int:
     from slora.replay import run_replay
     from slora.workload import read_trace
 
+    if args.url:
+        return _replay_http(args)
+    if not args.model:
+        raise ValueError("give --model DIR or --url URL (the in-process engine or a server)")
     trace = read_trace(args.trace)
     result = run_replay(trace, model=args.model, engine_options=_engine_options(args),
                         synthetic_adapters=args.synthetic_adapters, adapter_dir=args.adapter_dir,
                         trace_path=args.trace, seed=args.seed, warmup=args.warmup,
                         progress=args.progress)
+    _finish_result(result, args.output)
+    return 0
+
+
+def _replay_http(args) -> int:
+    from slora.config import ModelConfig
+    from slora.http_replay import HttpTarget, run_http_replay
+    from slora.metrics import DEFAULT_SLO_TTFT_S
+    from slora.workload import read_trace
+
+    local = [f"--{k.replace('_', '-')}" for k in _engine_options(args) if k != "slo_ttft_s"]
+    local += [f for f, on in (("--synthetic-adapters", args.synthetic_adapters),
+                              ("--adapter-dir", args.adapter_dir), ("--no-warmup", not args.warmup))
+              if on]
+    if local:
+        raise ValueError(f"{', '.join(local)} configure the in-process engine; with --url the "
+                         "server has its own")
+    trace = read_trace(args.trace)
+    vocab = args.vocab_size or (ModelConfig.from_dir(args.model).vocab_size if args.model else None)
+    target = HttpTarget(args.url, api=args.api, concurrency=args.concurrency,
+                        served_model=args.served_model, adapter_source=args.adapter_source,
+                        api_key=args.api_key)
+    result = run_http_replay(trace, target, vocab_size=vocab, seed=args.seed,
+                             trace_path=args.trace, source=args.label, progress=args.progress,
+                             slo_ttft_s=args.slo_ttft_s or DEFAULT_SLO_TTFT_S)
     _finish_result(result, args.output)
     return 0
 
