@@ -1,6 +1,7 @@
 """The `slora` command.
 
     slora generate ...                      run the embedded model with LoRA adapters (slora.demo)
+    slora serve --model DIR --adapter N=P   serve the OpenAI and LoRAX HTTP APIs (slora.server)
     slora trace synth ... -o trace.jsonl    make an S-LoRA synthetic trace (slora.workload)
     slora replay trace.jsonl --model DIR    replay a trace on the real engine, write metrics JSON
     slora profile --model DIR -o P          calibrate the simulator's cost model on this device
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     # to _generate, which builds that parser only when the command runs. Listed here for --help.
     sub.add_parser("generate",
                    help="generate text with the embedded model and LoRA adapters (slora generate --help)")
+    _add_serve(sub)
     _add_trace(sub)  # in the order of the workflow: trace, replay, profile, simulate, plot
     _add_replay(sub)
     _add_profile(sub)
@@ -85,6 +87,64 @@ def _generate(argv: list[str]) -> int:
                                      formatter_class=HelpFormatter)
     demo.add_arguments(parser)
     return demo.run(parser.parse_args(argv)) or 0
+
+
+# ---------------------------------------------------------------------------------------------
+# serve
+
+
+def _add_serve(sub) -> None:
+    from slora.server.settings import add_engine_config_args
+
+    p = sub.add_parser(
+        "serve", help="serve the model and its adapters over HTTP (OpenAI and LoRAX APIs)",
+        formatter_class=HelpFormatter,
+        description="Build the engine, register the adapters, warm up, then serve the OpenAI "
+        "API (/v1/completions, /v1/chat/completions, /v1/models; `model` names the base model "
+        "or an adapter), the LoRAX API (/generate, /generate_stream, /), runtime adapter loads "
+        "(/v1/load_lora_adapter, /v1/unload_lora_adapter), /health and Prometheus /metrics. "
+        "SIGTERM drains: new requests get 503, running ones finish, then the server exits 0.",
+        epilog="examples:\n"
+        "  slora serve --adapter pirate=slora/assets/adapters/pirate --port 8000\n"
+        "  slora serve --model ./llama --adapter-dir ./adapters --api-key $KEY --host 0.0.0.0\n"
+        "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+        "      -d '{\"model\": \"pirate\", \"prompt\": \"Hello\", \"max_tokens\": 16}'")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="register the PEFT adapter directory PATH as NAME (repeatable)")
+    p.add_argument("--adapter-dir", metavar="DIR",
+                   help="adapters not registered are looked up by name as DIR/<name> and "
+                   "loaded on first use; runtime loads take paths under DIR only")
+    p.add_argument("--allow-any-adapter-path", action="store_true",
+                   help="runtime loads may read any directory (default: only under --adapter-dir)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="what clients call the base model (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--max-waiting", type=int, default=4096, metavar="N",
+                   help="requests waiting for their first token, at most; more get 503 with "
+                   "Retry-After (default 4096)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="BYTES",
+                   help="larger request bodies get 413 (default 8 MiB)")
+    p.add_argument("--drain-timeout", type=float, metavar="S",
+                   help="on SIGTERM, wait at most S seconds for running requests (default: "
+                   "until they finish)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the warm-up (kernel compiles, graph captures) before serving")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar over the warm-up")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default info)")
+    add_engine_config_args(p)
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args) -> int:
+    from slora.server.serve import run
+
+    return run(args)
 
 
 # ---------------------------------------------------------------------------------------------

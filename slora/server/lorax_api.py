@@ -1,0 +1,160 @@
+"""LoRAX/TGI-compatible routes: POST /generate (one answer), POST /generate_stream
+(server-sent token events) and POST / (what lorax-client posts: a one-element list, or the
+token events when `stream` is true).
+
+`parameters.adapter_id` names the adapter (none: the base model). With `adapter_source`
+"local" or "hub" (or none) an id that is not registered is looked up under --adapter-dir
+and loaded on first use; "s3" and "pbase" are not served. Sampling follows LoRAX: greedy
+unless `do_sample` is set or temperature, top_k or top_p ask for sampling. Token log-probs
+(required by the token events) are computed for streams and for `details`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from slora.request import RequestOutput
+from slora.server.errors import APIError, sse_error
+from slora.server.generation import EventStream, Generation, until_disconnected
+from slora.server.openai_api import holdback
+from slora.server.protocol import GenerateParameters, GenerateRequest
+from slora.server.state import ServerState
+
+NAMES = {"max_tokens": "max_new_tokens", "logprobs": "return_k_alternatives"}
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        return await until_disconnected(request, _generate(state, body, False, False))
+
+    @app.post("/generate_stream")
+    async def generate_stream(body: GenerateRequest, request: Request):
+        return await until_disconnected(request, _generate(state, body, True, False))
+
+    @app.post("/")
+    async def compat_generate(body: GenerateRequest, request: Request):
+        return await until_disconnected(request, _generate(state, body, body.stream, True))
+
+
+def _refuse_unsupported(p: GenerateParameters) -> None:
+    refused = {
+        "merged_adapters": p.merged_adapters is not None,
+        "best_of": p.best_of not in (None, 1),
+        "repetition_penalty": p.repetition_penalty not in (None, 1.0),
+        "typical_p": p.typical_p is not None,
+        "watermark": p.watermark,
+        "decoder_input_details": p.decoder_input_details,
+        "response_format": p.response_format is not None,
+    }
+    for field, asked in refused.items():
+        if asked:
+            raise APIError(400, f"parameters.{field} is not supported by slora",
+                           f"parameters.{field}")
+    if p.adapter_source in ("s3", "pbase"):
+        raise APIError(400, f"adapter_source {p.adapter_source!r} is not supported: serve "
+                       "adapters from --adapter-dir ('local' or 'hub')", "parameters.adapter_source")
+
+
+def _sampling(p: GenerateParameters, details: bool) -> dict:
+    temperature = 1.0 if p.temperature is None else p.temperature
+    sample = (p.do_sample or temperature != 1.0 or (p.top_k or 0) > 0
+              or (p.top_p is not None and p.top_p < 1.0))
+    return dict(max_tokens=p.max_new_tokens, temperature=temperature if sample else 0.0,
+                top_k=p.top_k or 0, top_p=1.0 if p.top_p is None else p.top_p, seed=p.seed,
+                stop=p.stop, ignore_eos=p.ignore_eos_token,
+                logprobs=(p.return_k_alternatives or 0) if details else None)
+
+
+async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_list: bool):
+    state.check_accepting()
+    p = body.parameters or GenerateParameters()
+    _refuse_unsupported(p)
+    ids = state.encode(body.inputs, "inputs")
+    if p.truncate is not None:
+        ids = ids[-p.truncate:]
+    state.check_length(ids, "inputs")
+    gen = await Generation.open(state, p.adapter_id, lambda _: [ids],
+                                _sampling(p, p.details or stream),
+                                names={k: f"parameters.{v}" for k, v in NAMES.items()})
+    if stream:
+        try:
+            await gen.wait_started()
+        except BaseException:
+            await gen.close()
+            raise
+        return EventStream(_events(state, body, p, gen))
+    try:
+        (out,) = await gen.finals()
+    finally:
+        await gen.close()
+    answer = {"generated_text": _full_text(body, p, out)}
+    if p.details:
+        answer["details"] = {**_details(state, p, out), "prefill": [], "best_of_sequences": None,
+                             "tokens": [_token(state, p, out, j) for j in range(len(out.token_ids))]}
+    return JSONResponse([answer] if as_list else answer)
+
+
+def _full_text(body: GenerateRequest, p: GenerateParameters, out: RequestOutput) -> str:
+    return body.inputs + out.text if p.return_full_text else out.text
+
+
+def _details(state: ServerState, p: GenerateParameters, out: RequestOutput) -> dict:
+    if out.finish_reason == "length":
+        reason = "length"
+    elif (out.token_ids and out.token_ids[-1] in state.eos_token_ids
+          and not p.ignore_eos_token):
+        reason = "eos_token"
+    else:
+        reason = "stop_sequence"
+    return {"finish_reason": reason, "prompt_tokens": len(out.prompt_token_ids),
+            "generated_tokens": len(out.token_ids), "seed": p.seed}
+
+
+def _token(state: ServerState, p: GenerateParameters, out: RequestOutput, j: int,
+           text: str | None = None) -> dict:
+    """Token j of `out` as a TGI token (`text`: its text, default: the token's own)."""
+    tid, probs = out.token_ids[j], out.logprobs[j]
+    alternatives = None
+    if p.return_k_alternatives:
+        top = sorted(probs.items(), key=lambda kv: -kv[1])[:p.return_k_alternatives]
+        alternatives = [{"id": t, "text": state.token_text(t), "logprob": v} for t, v in top]
+    return {"id": tid, "text": state.token_text(tid) if text is None else text,
+            "logprob": probs[tid], "special": tid in state.eos_token_ids,
+            "alternative_tokens": alternatives}
+
+
+async def _events(state: ServerState, body: GenerateRequest, p: GenerateParameters,
+                  gen: Generation):
+    """One event per generated token. A token's text is what it adds to the output text
+    (so the texts add up to generated_text, stop strings cut); text that may begin a stop
+    string waits for the token that settles it. The last event carries generated_text and,
+    with `details`, the details."""
+    sent_text = sent_tokens = 0
+    try:
+        async for _, out in gen.outputs():
+            end = len(out.text) if out.finished else holdback(out.text, p.stop)
+            delta = out.text[sent_text:end]
+            sent_text = max(sent_text, end)
+            # a final output adds a token (EOS, the stop string's, the last one); should one
+            # add none, its event repeats the last token with no text
+            new = list(range(sent_tokens, len(out.token_ids)))
+            if not new and out.finished:
+                new = [len(out.token_ids) - 1]
+            sent_tokens = len(out.token_ids)
+            for j in new:
+                last = j == new[-1]
+                event = {"token": _token(state, p, out, j, delta if last else ""),
+                         "generated_text": None, "details": None}
+                if last and out.finished:
+                    event["generated_text"] = _full_text(body, p, out)
+                    event["details"] = _details(state, p, out) if p.details else None
+                yield f"data: {json.dumps(event)}\n\n"
+    except APIError as e:
+        state.metrics.rejected.labels(str(e.status)).inc()
+        yield sse_error(e)
+    finally:
+        await gen.close()

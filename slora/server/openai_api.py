@@ -1,0 +1,292 @@
+"""OpenAI-compatible routes, vLLM's conventions: POST /v1/completions, POST
+/v1/chat/completions (both streamed as server-sent events ending in `data: [DONE]` when
+`stream` is true), GET /v1/models.
+
+`model` names the base model (the server's model name) or an adapter. Text the stream sends
+never has to be taken back: while a request may still end on a stop string, the text that
+could be that string's beginning is held back. Usage counts each prompt once, whatever `n`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from slora.request import RequestOutput
+from slora.server.errors import APIError, sse_error
+from slora.server.generation import EventStream, Generation, until_disconnected
+from slora.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from slora.server.state import ServerState
+
+DONE = "data: [DONE]\n\n"
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await until_disconnected(request, _completions(state, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await until_disconnected(request, _chat(state, body))
+
+    @app.get("/v1/models")
+    async def models():
+        created, base = int(time.time()), state.settings.model_name
+        card = {"object": "model", "created": created, "owned_by": "slora",
+                "max_model_len": state.max_model_len}
+        data = [{"id": base, "root": base, "parent": None, **card}]
+        data += [{"id": name, "root": name, "parent": base, **card}
+                 for name in state.adapters.names()]
+        return {"object": "list", "data": data}
+
+
+# -- completions
+
+
+async def _completions(state: ServerState, body: CompletionRequest):
+    state.check_accepting()
+    for field in ("echo", "suffix"):
+        if getattr(body, field):
+            raise APIError(400, f"{field} is not supported", field)
+    prompts = _prompt_ids(state, body.prompt)
+    sampling = _sampling(body, body.max_tokens, body.logprobs)
+    gen = await Generation.open(state, body.model, lambda _: prompts, sampling, body.n)
+    reply = _Reply(state, body, "cmpl", "text_completion")
+    if body.stream:
+        return await reply.stream(gen, _completion_chunk)
+    try:
+        outs = await gen.finals()
+    finally:
+        await gen.close()
+    choices = [{"index": i, "text": out.text, "finish_reason": out.finish_reason,
+                "stop_reason": None,
+                "logprobs": _completion_logprobs(state, body, out, 0, 0)}
+               for i, out in enumerate(outs)]
+    return JSONResponse(reply.answer(choices, outs, gen))
+
+
+def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
+    """A completion's prompts as token ids: a string, a list of strings, a token-id list or
+    a list of them."""
+    if isinstance(prompt, str):
+        prompts = [state.encode(prompt, "prompt")]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
+    if not prompts:
+        raise APIError(400, "the prompt list is empty", "prompt")
+    for ids in prompts:
+        state.check_length(ids, "prompt")
+    return prompts
+
+
+def _completion_logprobs(state, body, out: RequestOutput, start: int, offset: int) -> dict | None:
+    """OpenAI's completion logprobs of tokens `start`.. (text offsets from `offset`)."""
+    if out.logprobs is None:
+        return None
+    name = _token_name(state, body)
+    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, probs in zip(out.token_ids[start:], out.logprobs[start:]):
+        lp["tokens"].append(name(tid))
+        lp["token_logprobs"].append(probs.get(tid))
+        lp["top_logprobs"].append({name(t): v for t, v in _top(probs, body.logprobs)})
+        lp["text_offset"].append(offset)
+        offset += len(state.token_text(tid))
+    return lp
+
+
+def _completion_chunk(state, body, out: RequestOutput, text: str, start: int) -> dict:
+    return {"text": text, "logprobs": _completion_logprobs(state, body, out, start, 0)}
+
+
+# -- chat
+
+
+async def _chat(state: ServerState, body: ChatCompletionRequest):
+    state.check_accepting()
+    messages = [{"role": m.role, "content": _content(m.content, i)}
+                for i, m in enumerate(body.messages)]
+
+    def prompts(adapter: str | None) -> list[list[int]]:
+        text = _render_chat(state, adapter, messages, body.add_generation_prompt)
+        ids = state.encode(text, "messages", add_special_tokens=False)
+        state.check_length(ids, "messages")
+        return [ids]
+
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = _sampling(body, body.max_completion_tokens or body.max_tokens, top)
+    gen = await Generation.open(state, body.model, prompts, sampling, body.n,
+                                names={"logprobs": "top_logprobs"})
+    reply = _Reply(state, body, "chatcmpl", "chat.completion")
+    if body.stream:
+        return await reply.stream(gen, _chat_chunk)
+    try:
+        outs = await gen.finals()
+    finally:
+        await gen.close()
+    choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
+                "finish_reason": out.finish_reason, "stop_reason": None,
+                "logprobs": _chat_logprobs(state, body, out, 0)}
+               for i, out in enumerate(outs)]
+    return JSONResponse(reply.answer(choices, outs, gen))
+
+
+def _content(content, index: int) -> str:
+    """A message's text: a string, or the text parts of a list of content parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"content part of type {part.get('type')!r} is not supported "
+                           "(text only)", f"messages.{index}.content")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _render_chat(state: ServerState, adapter: str | None, messages: list[dict],
+                 add_generation_prompt: bool) -> str:
+    """The chat prompt: the adapter's own template if its directory has one, else the
+    model's."""
+    if state.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
+    tokenizer = state.tokenizer
+    own = state.adapters.templates.get(adapter) if adapter is not None else None
+    if own:
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = own
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+        raise APIError(400, f"the chat template cannot render these messages: {e}",
+                       "messages") from None
+
+
+def _chat_logprobs(state, body, out: RequestOutput, start: int) -> dict | None:
+    if out.logprobs is None:
+        return None
+    name = _token_name(state, body)
+
+    def entry(tid, value):
+        text = name(tid)
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(tid, probs.get(tid)),
+                         "top_logprobs": [entry(t, v) for t, v in _top(probs, body.top_logprobs)]}
+                        for tid, probs in zip(out.token_ids[start:], out.logprobs[start:])]}
+
+
+def _chat_chunk(state, body, out: RequestOutput, text: str, start: int) -> dict:
+    return {"delta": {"content": text}, "logprobs": _chat_logprobs(state, body, out, start)}
+
+
+# -- shared
+
+
+def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> dict:
+    """SamplingParams' keywords of an OpenAI request (temperature defaults to 1, as OpenAI's;
+    top_k -1 disables, as vLLM's)."""
+    return dict(max_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=0 if body.top_k in (None, -1) else body.top_k,
+                seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
+                stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+                logprobs=logprobs)
+
+
+def _top(probs: dict[int, float], k: int | None) -> list[tuple[int, float]]:
+    return sorted(probs.items(), key=lambda kv: -kv[1])[:k or 0]
+
+
+def _token_name(state: ServerState, body: _Sampling):
+    if body.return_tokens_as_token_ids:
+        return lambda tid: f"token_id:{tid}"
+    return state.token_text
+
+
+def holdback(text: str, stops) -> int:
+    """How much of `text` may be sent while the request may still end on a stop string: all
+    but the longest tail that begins one of `stops`."""
+    keep = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), keep, -1):
+            if text.endswith(stop[:k]):
+                keep = k
+                break
+    return len(text) - keep
+
+
+class _Reply:
+    """The envelope of a completion or chat answer: id, object, created, model, usage."""
+
+    def __init__(self, state: ServerState, body: _Sampling, prefix: str, obj: str) -> None:
+        self.state, self.body, self.obj = state, body, obj
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = body.model or state.settings.model_name
+
+    def envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def usage(self, outs: list[RequestOutput], gen: Generation) -> dict:
+        prompt = sum(len(ids) for ids in gen.prompts[::self.body.n])
+        completion = sum(len(out.token_ids) for out in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def answer(self, choices: list[dict], outs: list[RequestOutput], gen: Generation) -> dict:
+        return {**self.envelope(self.obj, choices), "usage": self.usage(outs, gen)}
+
+    async def stream(self, gen: Generation, chunk) -> EventStream:
+        """Wait for every choice's first output (an error until then is an error status),
+        then stream; `chunk(state, body, out, text, first_token)` makes a choice's fields."""
+        try:
+            await gen.wait_started()
+        except BaseException:
+            await gen.close()
+            raise
+        return EventStream(self._events(gen, chunk))
+
+    async def _events(self, gen: Generation, chunk):
+        state, body = self.state, self.body
+        obj = self.obj + ".chunk" if self.obj == "chat.completion" else self.obj
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        sent_text, sent_tokens = [0] * gen.count, [0] * gen.count
+        try:
+            if obj == "chat.completion.chunk":  # the role first, as OpenAI's streams do
+                role = [{"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None} for i in range(gen.count)]
+                yield _event(self.envelope(obj, role))
+            async for i, out in gen.outputs():
+                end = len(out.text) if out.finished else holdback(out.text, stops)
+                text = out.text[sent_text[i]:end]
+                if not text and not out.finished and out.logprobs is None:
+                    continue
+                fields = chunk(state, body, out, text, sent_tokens[i])
+                sent_text[i], sent_tokens[i] = max(end, sent_text[i]), len(out.token_ids)
+                choice = {"index": i, **fields, "finish_reason": out.finish_reason
+                          if out.finished else None}
+                yield _event(self.envelope(obj, [choice]))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                outs = [gen.last[i] for i in range(gen.count)]
+                yield _event({**self.envelope(obj, []), "usage": self.usage(outs, gen)})
+            yield DONE
+        except APIError as e:
+            state.metrics.rejected.labels(str(e.status)).inc()
+            yield sse_error(e)
+            yield DONE
+        finally:
+            await gen.close()
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"

@@ -1,0 +1,104 @@
+"""Request bodies (pydantic v2): OpenAI's completions and chat completions with vLLM's
+extensions, vLLM's adapter load/unload, and LoRAX/TGI's generate.
+
+Fields the server does not implement are refused with 400 by the handlers (not silently
+ignored) when they would change the output; unknown fields are ignored, as OpenAI-compatible
+servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Sampling fields shared by completions and chat (OpenAI names, vLLM extensions)."""
+
+    model: str | None = None  # the base model's name or an adapter's; None: the base model
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = None  # None: 1.0, as OpenAI
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM: 0 or -1 disables
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM: logprobs' tokens as "token_id:<id>" (token strings may not be unique)
+    return_tokens_as_token_ids: bool = False
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: up to the model's length
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    add_generation_prompt: bool = True
+
+
+class LoadAdapterRequest(_Body):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadAdapterRequest(_Body):
+    lora_name: str
+
+
+class GenerateParameters(_Body):
+    """LoRAX's `parameters` (lorax-client's `Parameters`)."""
+
+    adapter_id: str | None = None
+    adapter_source: Literal["hub", "local", "s3", "pbase"] | None = None
+    merged_adapters: dict | None = None
+    api_token: str | None = None
+    do_sample: bool = False
+    max_new_tokens: int | None = None  # None: up to the model's length
+    ignore_eos_token: bool = False
+    repetition_penalty: float | None = None
+    return_full_text: bool = False
+    stop: list[str] = []
+    seed: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    truncate: int | None = Field(None, ge=1)
+    typical_p: float | None = None
+    best_of: int | None = None
+    watermark: bool = False
+    details: bool = False
+    decoder_input_details: bool = False
+    return_k_alternatives: int | None = Field(None, ge=1)
+    response_format: dict | None = None
+
+
+class GenerateRequest(_Body):
+    inputs: str = Field(min_length=1)
+    parameters: GenerateParameters | None = None
+    stream: bool = False

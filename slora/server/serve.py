@@ -1,0 +1,47 @@
+"""`slora serve`: build the engine, register the adapters, warm up, then serve until SIGTERM
+(or Ctrl-C), draining first; exits 0 after a drain."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from slora.server.settings import ServerSettings, engine_config_from_args
+
+
+def run(args) -> int:
+    from slora.async_engine import AsyncEngine
+    from slora.engine import Engine
+    from slora.server.app import DrainingServer, build_app
+
+    config = engine_config_from_args(args)
+    adapters = [_adapter_spec(spec) for spec in args.adapter]
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
+        adapter_dir=args.adapter_dir, allow_any_adapter_path=args.allow_any_adapter_path,
+        api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+    engine = Engine(config)
+    for name, path in adapters:
+        engine.add_adapter(name, path)
+    if args.warmup:
+        seconds = engine.warmup(progress=args.progress)
+        print(f"slora serve: warmed up in {seconds:.1f} s", file=sys.stderr)
+    async_engine = AsyncEngine(engine=engine)
+    try:
+        server = DrainingServer(build_app(async_engine, settings), host=args.host,
+                                port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.drain_timeout)
+        # uvicorn re-raises the signal that stopped it once it has drained; with this
+        # handler in place, a drained SIGTERM ends the process with status 0
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        server.run()
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def _adapter_spec(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--adapter {spec!r}: expected NAME=PATH")
+    return name, path

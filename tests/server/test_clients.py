@@ -1,0 +1,166 @@
+"""The real `openai` and `lorax-client` packages against a real server: completions and chat,
+streamed and not, base model and adapters in one concurrent burst, each answer's tokens
+equal to the in-process engine's for the same request (greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import httpx
+import lorax
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from slora import SamplingParams
+
+from .conftest import BASE, OWN_TEMPLATE
+
+MAX_TOKENS = 8
+CHAT = [{"role": "user", "content": "Hello! How are you today?"}]
+IDS = {"return_tokens_as_token_ids": True}
+# lorax-client calls pydantic's deprecated .dict()
+pytestmark = pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")
+
+
+def _ids(tokens) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def chat_prompt(reference, adapter) -> list[int]:
+    tok = reference.tokenizer
+    if adapter == "chatty":  # its directory's own template
+        tok = copy.copy(tok)
+        tok.chat_template = OWN_TEMPLATE
+    return tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+
+
+async def completion(client, model, prompt, stream):
+    kw = dict(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+              extra_body=IDS)
+    if not stream:
+        choice = (await client.completions.create(**kw)).choices[0]
+        return _ids(choice.logprobs.tokens), choice.text
+    tokens, text = [], ""
+    async for chunk in await client.completions.create(stream=True, **kw):
+        tokens += chunk.choices[0].logprobs.tokens
+        text += chunk.choices[0].text
+    return _ids(tokens), text
+
+
+async def chat(client, model, stream):
+    kw = dict(model=model, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+              extra_body=IDS)
+    if not stream:
+        choice = (await client.chat.completions.create(**kw)).choices[0]
+        return _ids(t.token for t in choice.logprobs.content), choice.message.content
+    tokens, text = [], ""
+    async for chunk in await client.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0]
+        text += delta.delta.content or ""
+        tokens += [t.token for t in (delta.logprobs.content if delta.logprobs else [])]
+    return _ids(tokens), text
+
+
+async def lorax_generate(client, adapter, prompt, stream):
+    if not stream:
+        res = await client.generate(prompt, adapter_id=adapter, max_new_tokens=MAX_TOKENS)
+        assert res.details.generated_tokens == len(res.details.tokens)
+        return [t.id for t in res.details.tokens], res.generated_text
+    tokens, text, last = [], "", None
+    async for event in client.generate_stream(prompt, adapter_id=adapter,
+                                              max_new_tokens=MAX_TOKENS):
+        tokens.append(event.token.id)
+        text += event.token.text
+        last = event
+    assert last.generated_text == text and last.details.generated_tokens == len(tokens)
+    return tokens, text
+
+
+def test_openai_and_lorax_clients_in_one_burst_equal_in_process_generate(serve, reference):
+    prompts = ["Hello world", "The quick brown fox", "Paris is the capital of"]
+    jobs, want = [], []  # each job's coroutine, and (prompt ids, adapter) it must equal
+    with serve() as live:
+        oa = AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        lx = lorax.AsyncClient(live.url)
+        for k, adapter in enumerate([None, "a0", "a1"]):
+            model, prompt = adapter or BASE, prompts[k]
+            for stream in (False, True):
+                jobs += [completion(oa, model, prompt, stream), chat(oa, model, stream),
+                         lorax_generate(lx, adapter, prompt, stream)]
+                ids = reference.tokenizer.encode(prompt)
+                want += [(ids, adapter), (chat_prompt(reference, adapter), adapter),
+                         (ids, adapter)]
+        jobs.append(chat(oa, "chatty", False))
+        want.append((chat_prompt(reference, "chatty"), "chatty"))
+
+        async def burst():
+            return await asyncio.gather(*jobs)
+
+        got = asyncio.run(burst())
+    outs = reference.generate([ids for ids, _ in want],
+                              SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                              adapters=[a for _, a in want])
+    for (tokens, text), out, (_, adapter) in zip(got, outs, want):
+        assert tokens == out.token_ids, adapter
+        assert text == out.text, adapter
+    # the adapters change the output, so the comparison above tells them apart
+    assert len({tuple(o.token_ids) for o in outs[:18:6]}) == 3
+
+
+def test_n_choices_usage_and_models(serve, reference):
+    prompt = "The quick brown fox"
+    with serve() as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        res = client.completions.create(model="a1", prompt=prompt, n=2, max_tokens=5,
+                                        temperature=0)
+        models = client.models.list()
+    want = reference.generate(prompt, SamplingParams(max_tokens=5), adapters="a1")[0]
+    assert [c.text for c in res.choices] == [want.text] * 2
+    assert [c.index for c in res.choices] == [0, 1]
+    assert res.usage.prompt_tokens == len(want.prompt_token_ids)  # each prompt once
+    assert res.usage.completion_tokens == 2 * len(want.token_ids)
+    listed = {m.id: m for m in models.data}
+    assert set(listed) == {BASE, "a0", "a1", "chatty"}
+    assert listed["a0"].parent == BASE and listed[BASE].parent is None
+
+
+def test_stop_string_streamed_never_sends_text_it_cuts(serve, reference):
+    full = reference.generate("Hello world", SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2:][:3]
+    if not stop.strip():
+        pytest.skip("the tiny model's text has no usable stop string here")
+    want = reference.generate("Hello world", SamplingParams(max_tokens=12, ignore_eos=True,
+                                                            stop=[stop]))[0]
+    body = {"prompt": "Hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stop": stop}
+    with serve() as live:
+        plain = httpx.post(f"{live.url}/v1/completions", json=body).json()["choices"][0]
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        chunks = list(client.completions.create(model=BASE, stream=True, **{
+            k: v for k, v in body.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True}))
+        events = list(lorax.Client(live.url).generate_stream(
+            "Hello world", max_new_tokens=12, ignore_eos_token=True, stop_sequences=[stop]))
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert plain["text"] == streamed == want.text and stop not in streamed
+    assert plain["finish_reason"] == chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(e.token.text for e in events) == events[-1].generated_text == want.text
+    assert events[-1].details.finish_reason == "stop_sequence"
+
+
+def test_lorax_sync_client_details_and_alternatives(serve, reference):
+    with serve() as live:
+        client = lorax.Client(live.url)
+        res = client.generate("Hello world", adapter_id="a0", max_new_tokens=6,
+                              return_k_alternatives=2)
+        plain = httpx.post(f"{live.url}/generate", json={
+            "inputs": "Hello world", "parameters": {"adapter_id": "a0", "max_new_tokens": 6,
+                                                    "return_full_text": True}}).json()
+    want = reference.generate("Hello world", SamplingParams(max_tokens=6), adapters="a0")[0]
+    d = res.details
+    assert res.generated_text == want.text and [t.id for t in d.tokens] == want.token_ids
+    assert d.finish_reason == "length" and d.prompt_tokens == len(want.prompt_token_ids)
+    for token in d.tokens:  # the chosen token's log-prob, the top two alternatives
+        best = token.alternative_tokens[0]
+        assert len(token.alternative_tokens) == 2 and best.logprob >= token.logprob - 1e-6
+    assert plain == {"generated_text": "Hello world" + want.text}  # /generate: an object
