@@ -8,6 +8,8 @@ No torch import here: the simulator and the scheduler read these too.
 from __future__ import annotations
 
 import json
+import math
+from os import PathLike
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -22,6 +24,21 @@ LORA_ALIGN = 64
 # The seven linear modules LoRA may target, in the order adapters are laid out in their pages.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def _of_type(value, annotation: str) -> bool:
+    """Whether `value` fits a field annotation such as "int", "float | None" or "str": ints
+    are ints (not bools, not 2.5), floats are finite numbers, None only where it is allowed."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if value is None:
+        return "None" in kinds
+    if isinstance(value, bool):
+        return "bool" in kinds
+    if isinstance(value, int):
+        return "int" in kinds or "float" in kinds
+    if isinstance(value, float):
+        return "float" in kinds and math.isfinite(value)
+    return "str" in kinds and isinstance(value, str)
 
 
 class ConfigError(ValueError):
@@ -92,11 +109,19 @@ class EngineConfig:
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"
     seed: int = 0
+    # The most top log-probs a request may ask for (SamplingParams.logprobs), as vLLM's
+    # max_logprobs: each costs a top-k over the vocabulary per generated token.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
             if not ok:
                 raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: {why}")
+
+        if isinstance(self.model, PathLike):
+            object.__setattr__(self, "model", str(self.model))
+        for f in fields(self):  # types first: the range checks below compare numbers
+            need(_of_type(getattr(self, f.name), f.type), f.name, f"expected {f.type}")
 
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
              "device", "expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
@@ -121,6 +146,7 @@ class EngineConfig:
         need(self.load_format in ("auto", "dummy"), "load_format", "expected 'auto' or 'dummy'")
         need(self.mixed_graph_tokens >= 0, "mixed_graph_tokens", "must be >= 0 (0: eager)")
         need(self.gemm_max_rows >= 0, "gemm_max_rows", "must be >= 0 (0: cuBLAS always)")
+        need(self.max_logprobs >= 0, "max_logprobs", "must be >= 0")
 
     @property
     def host_cache_bytes(self) -> int:

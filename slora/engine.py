@@ -27,8 +27,8 @@ from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
 from slora.graphs import warmup_adapters, warmup_steps
 from slora.model.llama import GROUPS
-from slora.model.loader import PeftAdapter, synthetic_pack
-from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
+from slora.model.loader import AdapterError, PeftAdapter, synthetic_pack
+from slora.request import Request, RequestOutput, RequestStatus, SamplingParams, _is_int
 from slora.runner import ModelRunner, resolve_device
 from slora.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -62,10 +62,17 @@ class Engine:
         self._decoders: dict[str, IncrementalDecoder] = {}  # per running request
         self._synthetic: dict[tuple, object] = {}  # (rank, targets, seed) -> shared host buffer
         self._flight = None  # async scheduling: the launched step not yet collected
+        # the step being scheduled and run, and the launched steps being collected: the
+        # requests a step failure fails (`_fail_step`)
+        self._plan = None
+        self._open: list = []
 
     # -- adapters
     def add_adapter(self, name: str, path: str | Path) -> None:
-        """Register a PEFT LoRA directory under `name`: validated now, loaded when first used."""
+        """Register a PEFT LoRA directory under `name` (a non-empty str not registered yet):
+        validated now (AdapterError naming the adapter, the file and the reason), its weights
+        read when it is first loaded into the host tier and checked then (`PeftAdapter.pack`)."""
+        self.adapters.check_name(name)  # before any file is read
         peft = PeftAdapter(name, path, self.model_config)
         self._register(name, peft.layout, str(path), peft.pack)
 
@@ -77,25 +84,50 @@ class Engine:
         thousands of adapters cost the host one buffer per shape and the serving loop never
         waits to make one, while every load still copies the full adapter size to the device.
         Give adapters distinct seeds only when their outputs must differ: each seed is
-        another buffer (a rank-64 q/k/v/o adapter of a 7B is 134 MB, ~1 s to draw on a CPU)."""
+        another buffer (a rank-64 q/k/v/o adapter of a 7B is 134 MB, ~1 s to draw on a CPU).
+        A buffer lives while an adapter of its key is registered: `remove_adapter` of the last
+        one frees it."""
+        if isinstance(target_modules, str):
+            target_modules = (target_modules,)
         layout = AdapterLayout.uniform(self.model_config, rank, tuple(target_modules))
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"adapter {name!r}: seed must be an int, not {type(seed).__name__}")
+        if not -(1 << 63) <= seed < 1 << 64:
+            raise ValueError(f"adapter {name!r}: seed {seed} does not fit 64 bits")
         key = (rank, tuple(target_modules), seed)
+        # registered first (its name and size checked), so a refused adapter makes no buffer
+        self._register(name, layout, "synthetic", lambda page_size, dtype: self._synthetic[key],
+                       shared=key)
         if key not in self._synthetic:
-            buf = synthetic_pack(self.model_config, layout, self.runner.page_size,
-                                 self.runner.dtype, seed)
-            # pinned once here, so host-tier misses cost no re-pinning copy
-            self._synthetic[key] = buf.pin_memory() if self.runner.device.type == "cuda" else buf
-        self._register(name, layout, "synthetic", lambda page_size, dtype: self._synthetic[key])
+            try:
+                buf = synthetic_pack(self.model_config, layout, self.runner.page_size,
+                                     self.runner.dtype, seed)
+                # pinned once here, so host-tier misses cost no re-pinning copy
+                self._synthetic[key] = (buf.pin_memory() if self.runner.device.type == "cuda"
+                                        else buf)
+            except BaseException:
+                self.adapters.unregister(name)
+                raise
 
-    def _register(self, name, layout, source, pack) -> None:
+    def _register(self, name, layout, source, pack, shared=None) -> None:
         pages = layout.num_pages(self.runner.page_size)
         self.adapters.register(AdapterInfo(
             name=name, num_pages=pages, nbytes=pages * self.runner.page_bytes, source=source,
-            layout=layout, pack=pack))
+            layout=layout, pack=pack, shared=shared))
 
     def remove_adapter(self, name: str) -> None:
+        """Unregister an adapter at once. Its queued and running requests end with
+        finish_reason "error" (their outputs come with the next step); every other request
+        goes on. Its pages are free for the next step."""
+        info = self.adapters.get(name)  # a clear KeyError for unknown names
+        self._ended += self.scheduler.fail(
+            self.scheduler.requests_of(name),
+            f"adapter {name!r} was removed while the request was queued or running",
+            time.monotonic())
         self.allocator.free(self.adapters.unregister(name))
         self.runner.host_tier.drop(name)
+        if info.shared is not None and not self.adapters.sharing(info.shared):
+            self._synthetic.pop(info.shared, None)  # its last adapter is gone
 
     def list_adapters(self) -> list[str]:
         return sorted(self.adapters.adapters)
@@ -104,18 +136,35 @@ class Engine:
     def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
                     arrival_time: float | None = None) -> str:
-        """Queue one request; returns its id. Unknown adapters and empty prompts raise here;
-        a prompt too long for the model or the pool is returned as a failed output."""
-        sampling = sampling or SamplingParams()
+        """Queue one request; returns its id. Bad input raises here and queues nothing:
+        KeyError for an unknown adapter, ValueError for an empty prompt, token ids that are
+        not ints of the vocabulary, sampling the engine cannot serve, or a request id in use.
+        A prompt too long for the model or the pool is returned as a failed output."""
+        return self._queue(self._request(prompt, sampling, adapter, request_id, arrival_time))
+
+    def _request(self, prompt: Prompt, sampling: SamplingParams | None, adapter: str | None,
+                 request_id: str | None, arrival_time: float | None) -> Request:
+        """A validated request, not queued yet."""
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        if sampling.logprobs is not None and sampling.logprobs > self.config.max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs={sampling.logprobs}: at most "
+                             f"EngineConfig.max_logprobs={self.config.max_logprobs}")
         if adapter is not None:
             self.adapters.get(adapter)  # raises a clear KeyError for unknown names
         ids = self._encode(prompt)
         rid = request_id if request_id is not None else str(next(self._ids))
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"request_id={rid!r}: expected a non-empty string")
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, sampling, adapter,
-                      arrival_time if arrival_time is not None else time.monotonic(),
-                      eos_token_ids=self.eos_token_ids, max_len=self.max_model_len)
+        return Request(rid, ids, sampling, adapter,
+                       arrival_time if arrival_time is not None else time.monotonic(),
+                       eos_token_ids=self.eos_token_ids, max_len=self.max_model_len)
+
+    def _queue(self, req: Request) -> str:
+        rid, ids = req.request_id, req.prompt_token_ids
         self.requests[rid] = req
         if len(ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED
@@ -135,8 +184,14 @@ class Engine:
                 raise ValueError("this engine has no tokenizer (load_format='dummy' without "
                                  "tokenizer.json): pass token-id lists")
             ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
+            bad = [t for t in prompt if not _is_int(t)]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints; got {bad[:5]!r}")
             ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"prompt: expected a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
         vocab = self.model_config.vocab_size
@@ -147,7 +202,10 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its final output (finish_reason "abort") comes from the next step."""
-        req = self.requests[request_id]
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"abort: unknown request id {request_id!r} (a finished request is "
+                           "forgotten once its final output was returned)")
         if not req.finished:
             self.scheduler.abort(req, "abort", time.monotonic())
             self._ended.append(req)
@@ -159,13 +217,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step; outputs of the requests that progressed or ended.
         With `async_scheduling` the step is launched and the one before it collected: its
-        outputs are that step's."""
-        if self.config.async_scheduling:
-            touched = self._step_async()
-        else:
-            plan = self.scheduler.schedule(time.monotonic())
-            tokens, logprobs = self.runner.execute(plan, self.adapters)
-            touched = self.scheduler.update(plan, tokens, logprobs, time.monotonic())
+        outputs are that step's.
+
+        Faults stay with the requests they belong to: an adapter whose read fails fails its
+        own requests (`_stage`); a row whose logits are not finite, or whose sampling or
+        detokenising fails, fails alone; any other error while running a step fails that
+        step's requests (and those of the step still in flight). Each failed request ends
+        with finish_reason "error" and the reason in `error`, its pages freed; the next step
+        runs on consistent state."""
+        try:
+            touched = self._step_async() if self.config.async_scheduling else self._step_sync()
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine serves on
+            touched = self._fail_step(e)
         touched += self._ended
         self._ended = []
         texts = self._resolve_texts(touched)
@@ -173,13 +236,55 @@ class Engine:
         self._release(touched)
         return outputs
 
+    def _step_sync(self) -> list[Request]:
+        plan = self._plan = self.scheduler.schedule(time.monotonic())
+        self._stage(plan)
+        tokens, logprobs, errors = self.runner.execute(plan, self.adapters)
+        self._plan = None
+        return self.scheduler.update(plan, tokens, logprobs, time.monotonic(), errors)
+
+    def _stage(self, plan) -> None:
+        """Read the adapters the plan copies into the pool from disk into the host tier. An
+        adapter whose read fails (its file gone, changed, or holding NaN) fails its own
+        requests, waiting and in the plan, with the reason; it leaves the plan and the pool
+        (not resident: the next use reads again). No other row is touched."""
+        moves = plan.adapter_loads + plan.prefetch
+        if not moves:
+            return
+        failed = self.runner.host_tier.stage([name for name, _ in moves], self.adapters)
+        if not failed:
+            return
+        now = time.monotonic()
+        for name, err in failed.items():
+            why = str(err) if isinstance(err, AdapterError) else f"{type(err).__name__}: {err}"
+            plan.finished += self.scheduler.fail(
+                self.scheduler.requests_of(name),
+                f"adapter {name!r} could not be loaded: {why}", now)
+            self.allocator.free(self.adapters.unload(name))
+        plan.decode = [r for r in plan.decode if not r.finished]
+        plan.prefill = [r for r in plan.prefill if not r.finished]
+        plan.adapter_loads = [m for m in plan.adapter_loads if m[0] not in failed]
+        plan.prefetch = [m for m in plan.prefetch if m[0] not in failed]
+
+    def _fail_step(self, error: Exception) -> list[Request]:
+        """A step failed where no single request is to blame: its requests, and those of
+        the step still in flight, end with the error; the scheduler frees their pages."""
+        plans = [self._plan, *self._open, self._flight.plan if self._flight else None]
+        reqs = [r for plan in plans if plan is not None for r in plan.seqs]
+        self._plan, self._open, self._flight = None, [], None
+        self.runner.host_tier.staged = {}
+        return self.scheduler.fail(list(dict.fromkeys(reqs)),
+                                   f"the step failed: {type(error).__name__}: {error}",
+                                   time.monotonic())
+
     def _step_async(self) -> list[Request]:
         """Schedule and launch this step while the last one still runs on the device, then
         collect the last one: the host's work for a step overlaps the device's for the one
         before. The scheduler sees this step's tokens as PENDING until they are collected; a
         request found stopped meanwhile drops the token it got in the step that was already
         running. A step with a sampled (not greedy) row or logprobs is collected at once."""
-        plan = self.scheduler.schedule(time.monotonic())
+        plan = self._plan = self.scheduler.schedule(time.monotonic())
+        self._stage(plan)
         flight = self.runner.launch(plan, self.adapters, prev=self._flight)
         touched = []
         if flight is None:
@@ -187,11 +292,15 @@ class Engine:
         else:
             self.scheduler.advance(plan)
         keep = flight is not None and flight.tokens_only  # left running until the next call
-        for done in (self._flight, None if keep else flight):  # in launch order
+        prev, self._flight = self._flight, None
+        self._open = [f.plan for f in (prev, flight) if f is not None]  # launched, uncollected
+        for done in (prev, None if keep else flight):  # in launch order
             if done is not None:
-                tokens, logprobs = self.runner.collect(done)
-                touched += self.scheduler.resolve(done.plan, tokens, logprobs, time.monotonic())
+                tokens, logprobs, errors = self.runner.collect(done)
+                touched += self.scheduler.resolve(done.plan, tokens, logprobs,
+                                                  time.monotonic(), errors)
         self._flight = flight if keep else None
+        self._plan, self._open = None, []
         return touched
 
     def _resolve_texts(self, reqs: list[Request]) -> list[str]:
@@ -203,20 +312,28 @@ class Engine:
             return [""] * len(reqs)
         texts = []
         for req in reqs:
-            ids = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]
-            dec = self._decoders.get(req.request_id)
-            if dec is None:
-                dec = self._decoders[req.request_id] = IncrementalDecoder(self.tokenizer)
-            text = dec.update(ids)
-            cuts = [at for at in (text.find(s) for s in req.sampling.stop) if at >= 0]
-            if cuts:
-                text = text[:min(cuts)]
-                self.scheduler.abort(req, "stop", time.monotonic())
-                req.finish_reason = "stop"
-            elif req.finished:
-                text = self.tokenizer.decode(ids)
-            texts.append(text)
+            try:
+                texts.append(self._text(req))
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                self.scheduler.fail([req], f"request {req.request_id}: detokenising failed: "
+                                    f"{type(e).__name__}: {e}", time.monotonic())
+                texts.append("")
         return texts
+
+    def _text(self, req: Request) -> str:
+        ids = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]
+        dec = self._decoders.get(req.request_id)
+        if dec is None:
+            dec = self._decoders[req.request_id] = IncrementalDecoder(self.tokenizer)
+        text = dec.update(ids)
+        cuts = [at for at in (text.find(s) for s in req.sampling.stop) if at >= 0]
+        if cuts:
+            text = text[:min(cuts)]
+            self.scheduler.abort(req, "stop", time.monotonic())
+            req.finish_reason = "stop"
+        elif req.finished:
+            text = self.tokenizer.decode(ids)
+        return text
 
     @staticmethod
     def _output(req: Request, text: str) -> RequestOutput:
@@ -256,9 +373,13 @@ class Engine:
         if len(sps) != n or len(names) != n:
             raise ValueError(f"generate: {n} prompts but {len(sps)} sampling params and "
                              f"{len(names)} adapters")
-        for name in set(names) - {None}:
-            self.adapters.get(name)  # fail before anything is queued
-        ids = [self.add_request(p, sp, a) for p, sp, a in zip(prompts, sps, names)]
+        reqs = []  # every item is validated before any is queued
+        for i, (p, sp, a) in enumerate(zip(prompts, sps, names)):
+            try:
+                reqs.append(self._request(p, sp, a, None, None))
+            except (KeyError, ValueError) as e:
+                raise type(e)(f"generate: prompt {i}: {e.args[0] if e.args else e}") from None
+        ids = [self._queue(r) for r in reqs]
         mine = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = _progress(n) if use_tqdm else None
@@ -276,12 +397,18 @@ class Engine:
                adapter: str | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after every step in which it progressed."""
         rid = self.add_request(prompt, sampling, adapter)
-        while True:
-            for out in self.step():
-                if out.request_id == rid:
-                    yield out
-                    if out.finished:
-                        return
+        finished = False
+        try:
+            while not finished:
+                for out in self.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+                        if finished:
+                            return
+        finally:  # the consumer stopped early: the request ends, its pages are freed
+            if not finished and rid in self.requests:
+                self.abort(rid)
 
     def warmup(self, ranks: Sequence[int] = (), progress: bool = False,
                modules: Sequence[Sequence[str]] = ()) -> float:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from numbers import Integral
+from typing import Callable, Hashable
 
 from slora.config import LORA_ALIGN, LORA_MODULES, ModelConfig, cdiv, round_up
 from slora.core.pages import ADAPTER, PageAllocator
@@ -61,12 +62,19 @@ class AdapterLayout:
 
     @classmethod
     def uniform(cls, cfg: ModelConfig, rank: int, targets) -> "AdapterLayout":
-        """Every layer: `rank` on each module in `targets` (synthetic adapters, the simulator)."""
+        """Every layer: `rank` on each module in `targets` (synthetic adapters, the simulator).
+        `rank` is an integer >= 1 (TypeError / ValueError otherwise); `targets` a non-empty
+        collection of LORA_MODULES names (ValueError otherwise)."""
+        if isinstance(rank, bool) or not isinstance(rank, Integral):
+            raise TypeError(f"adapter: rank must be an integer, not {type(rank).__name__} "
+                            f"({rank!r})")
+        if isinstance(targets, str):
+            targets = (targets,)
         unknown = [t for t in targets if t not in LORA_MODULES]
-        if unknown or rank < 1:
-            raise ValueError(f"adapter: rank {rank} must be >= 1 and target modules {unknown} "
-                             f"must be among {LORA_MODULES}")
-        row = [rank if m in targets else 0 for m in LORA_MODULES]
+        if unknown or rank < 1 or not targets:
+            raise ValueError(f"adapter: rank {rank} must be >= 1 and target modules "
+                             f"{list(targets)} must be one or more of {LORA_MODULES}")
+        row = [int(rank) if m in targets else 0 for m in LORA_MODULES]
         return cls.build(cfg, [row] * cfg.num_layers)
 
 
@@ -80,6 +88,9 @@ class AdapterInfo:
     pack: Callable | None = None  # (page_size, dtype) -> its host copy; the runner calls it
     pages: list[int] | None = None  # device pages while resident
     refcount: int = 0  # running requests using it
+    # the key of a host buffer it shares with other adapters (a synthetic adapter's
+    # (rank, targets, seed)), or None; the manager counts the registered adapters of each key
+    shared: Hashable | None = None
 
     @property
     def resident(self) -> bool:
@@ -94,6 +105,7 @@ class AdapterManager:
         self._idle: OrderedDict[str, None] = OrderedDict()  # resident, refcount 0; LRU first
         self._host: OrderedDict[str, int] = OrderedDict()  # name -> bytes; LRU first
         self.resident: set[str] = set()  # names holding device pages (kept by load / _evict)
+        self._sharing: dict[Hashable, int] = {}  # AdapterInfo.shared -> registered adapters
         self.host_bytes = 0
         self.loads = 0
         self.evictions = 0
@@ -101,13 +113,30 @@ class AdapterManager:
         self.host_evictions = 0
 
     # -- registry
+    def check_name(self, name: object) -> None:
+        """A name a new adapter may take: a non-empty str (TypeError / ValueError otherwise)
+        that no registered adapter has (ValueError). `register` checks it; callers check it
+        first too when they would otherwise read files or make buffers for nothing."""
+        if not isinstance(name, str):
+            raise TypeError(f"adapter name must be a non-empty str, not {type(name).__name__} "
+                            f"({name!r})")
+        if not name:
+            raise ValueError("adapter name must be a non-empty str, not ''")
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already registered; remove_adapter first")
+
     def register(self, info: AdapterInfo) -> None:
-        if info.name in self.adapters:
-            raise ValueError(f"adapter {info.name!r} is already registered; remove_adapter first")
+        self.check_name(info.name)
         if info.num_pages > self.allocator.total:
             raise ValueError(f"adapter {info.name!r} needs {info.num_pages} pages but the pool has "
                              f"only {self.allocator.total}; raise num_pages or use a smaller rank")
         self.adapters[info.name] = info
+        if info.shared is not None:
+            self._sharing[info.shared] = self._sharing.get(info.shared, 0) + 1
+
+    def sharing(self, key: Hashable) -> int:
+        """How many registered adapters share the host buffer `key` (AdapterInfo.shared)."""
+        return self._sharing.get(key, 0)
 
     def unregister(self, name: str) -> list[int]:
         """Forget an adapter; returns its device pages (freed). Fails while requests use it."""
@@ -118,6 +147,10 @@ class AdapterManager:
         freed = self._evict(name) if info.resident else []
         self.drop_host(name)
         del self.adapters[name]
+        if info.shared is not None:
+            self._sharing[info.shared] -= 1
+            if not self._sharing[info.shared]:
+                del self._sharing[info.shared]
         return freed
 
     def get(self, name: str) -> AdapterInfo:
@@ -189,6 +222,13 @@ class AdapterManager:
         for name in victims:
             self.allocator.free(self._evict(name))
         return victims
+
+    def unload(self, name: str) -> list[int]:
+        """Make an idle resident adapter not resident, as a load that failed leaves it (not
+        counted as an eviction); returns its pages, for the caller to free."""
+        pages = self._evict(name)
+        self.evictions -= 1
+        return pages
 
     def _evict(self, name: str) -> list[int]:
         info = self.adapters[name]

@@ -87,6 +87,19 @@ class Scheduler:
         if not req.finished:
             self._finish(req, reason, now)
 
+    def fail(self, reqs: list[Request], error: str, now: float) -> list[Request]:
+        """End `reqs` with finish_reason "error" and the message `error`, freeing their pages;
+        returns those that were not finished yet. A request in a step still running drops the
+        token it gets there (see `resolve`)."""
+        failed = [r for r in reqs if not r.finished]
+        for req in failed:
+            self._finish(req, "error", now, error)
+        return failed
+
+    def requests_of(self, adapter: str) -> list[Request]:
+        """The waiting and running requests on `adapter`."""
+        return [r for r in (*self.waiting, *self.running) if r.adapter == adapter]
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -249,10 +262,11 @@ class Scheduler:
 
     # -- after the forward
     def update(self, plan: SchedulerPlan, tokens: list[int],
-               logprobs: list[dict[int, float] | None], now: float) -> list[Request]:
+               logprobs: list[dict[int, float] | None], now: float,
+               errors: dict[int, str] | None = None) -> list[Request]:
         """Append each sequence's sampled token; finish requests that stop. Returns them all."""
         self.advance(plan)
-        return self.resolve(plan, tokens, logprobs, now)
+        return self.resolve(plan, tokens, logprobs, now, errors)
 
     def advance(self, plan: SchedulerPlan) -> None:
         """The plan's step is running: its sequences' new tokens count as computed and each
@@ -265,14 +279,19 @@ class Scheduler:
             req.num_pending += 1
 
     def resolve(self, plan: SchedulerPlan, tokens: list[int],
-                logprobs: list[dict[int, float] | None], now: float) -> list[Request]:
+                logprobs: list[dict[int, float] | None], now: float,
+                errors: dict[int, str] | None = None) -> list[Request]:
         """The plan's tokens are known: put each in its place and finish the requests that
         stop. A request that ended while the step ran (a stop found in the step before, an
-        abort) drops its token. Returns the requests it changed and those that failed while
-        the plan was made."""
+        abort) drops its token; a row in `errors` ({row: message}) fails with that message.
+        Returns the requests it changed and those that failed while the plan was made."""
         touched = []
-        for req, tok, lp in zip(plan.seqs, tokens, logprobs):
+        for i, (req, tok, lp) in enumerate(zip(plan.seqs, tokens, logprobs)):
             if req.finished:
+                continue
+            if errors and i in errors:
+                self._finish(req, "error", now, errors[i])
+                touched.append(req)
                 continue
             req.output_token_ids[len(req.output_token_ids) - req.num_pending] = tok
             req.num_pending -= 1

@@ -10,6 +10,7 @@ same `Batch` / `LoraMeta` built by the runner; `make_backend` picks one by name.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -229,6 +230,10 @@ def make_backend(name: str, device: torch.device, gemm_max_rows: int):
 
         gemm.prepare(device)  # the GEMMs' tile counters, before any graph capture
     if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("EngineConfig.backend='triton' runs Triton kernels, which need a "
+                             "CUDA device (or Triton's interpreter, TRITON_INTERPRET=1, set "
+                             "before triton is imported); use backend='torch' or 'auto' on CPU")
         return TritonBackend(gemm_max_rows)
     if name == "cuda":
         if device.type != "cuda":

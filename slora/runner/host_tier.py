@@ -40,6 +40,7 @@ class HostAdapterTier:
         self.cuda = pool.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(pool.device) if self.cuda else None
         self.tensors: dict[str, torch.Tensor] = {}  # adapter name -> its packed pages
+        self.staged: dict[str, torch.Tensor] = {}  # the step's adapters, read by `stage`
 
     def host_copy(self, info: AdapterInfo, adapters: AdapterManager) -> torch.Tensor:
         """The adapter's packed weights from the host tier, reading them from disk on a miss;
@@ -53,6 +54,19 @@ class HostAdapterTier:
         for dropped in adapters.admit_host(info.name):
             self.tensors.pop(dropped, None)
         return host
+
+    def stage(self, names: list[str], adapters: AdapterManager) -> dict[str, Exception]:
+        """Bring the adapters a step copies into the pool into the host tier: the reads from
+        disk happen here, before the step is launched, so a read that fails touches no other
+        adapter's rows. Returns {name: error} of the reads that failed (the tier is left as
+        it was for those). `load` takes the staged copies even if the LRU dropped one since."""
+        self.staged, failed = {}, {}
+        for name in names:
+            try:
+                self.staged[name] = self.host_copy(adapters.adapters[name], adapters)
+            except Exception as e:  # noqa: BLE001 - the engine fails this adapter's requests
+                failed[name] = e
+        return failed
 
     def drop(self, name: str) -> None:
         """Forget an adapter's host copy (the adapter was removed)."""
@@ -70,7 +84,8 @@ class HostAdapterTier:
         adapter and piece keeps the launches few: the pool is too large for 32-bit indexing,
         so a copy through its [layers, pages, page] view splits into one kernel per layer."""
         L, P, ps = self.pool.shape
-        hosts = [self.host_copy(adapters.adapters[name], adapters).view(L, len(pages), ps)
+        hosts = [(self.staged.get(name) if name in self.staged
+                  else self.host_copy(adapters.adapters[name], adapters)).view(L, len(pages), ps)
                  for name, pages in loads]
         starts = self.piece_starts if on_piece is not None else [0]
         pieces = list(zip(starts, starts[1:] + [L]))

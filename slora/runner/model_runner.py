@@ -31,7 +31,7 @@ from slora.model.loader import load_weights, random_weights, strides
 from slora.runner.batch import BatchBuilder
 from slora.runner.device import resolve_device, resolve_dtype
 from slora.runner.host_tier import HostAdapterTier
-from slora.runner.sampling import Sampler
+from slora.runner.sampling import Sampler, nonfinite_error
 
 
 class Flight:
@@ -47,12 +47,17 @@ class Flight:
         tokens_only = all(r.sampling.greedy and r.sampling.logprobs is None for r in plan.seqs)
         # (collected at once unless pipelined: no later replay can overwrite the logits)
         self.logits = None if tokens_only else logits.clone() if pipelined else logits
-        self.host, self.done = self.tokens, None
-        if tokens_only and pipelined and self.tokens.is_cuda:
-            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-            self.host.copy_(self.tokens, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
+        self.host, self.done = None, None
+        if tokens_only:
+            # A row whose logits are not all finite comes back as -1 and fails alone. The
+            # next step's decode rows read `tokens` (a valid id) on the device, not this.
+            host = torch.where(torch.isfinite(logits).all(dim=-1), self.tokens, -1)
+            self.host = host
+            if pipelined and host.is_cuda:
+                self.host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+                self.host.copy_(host, non_blocking=True)
+                self.done = torch.cuda.Event()
+                self.done.record()
 
     @property
     def tokens_only(self) -> bool:
@@ -149,7 +154,7 @@ class ModelRunner:
 
     # -- the step
     def execute(self, plan: SchedulerPlan, adapters: AdapterManager):
-        """Run the plan's step and sample it: (tokens, logprobs), one per sequence."""
+        """Run the plan's step and sample it: (tokens, logprobs, errors), see `collect`."""
         return self.collect(self.launch(plan, adapters))
 
     def launch(self, plan: SchedulerPlan, adapters: AdapterManager,
@@ -220,11 +225,15 @@ class ModelRunner:
         return rows, prev.tokens[src]
 
     def collect(self, flight: Flight | None):
-        """The tokens and logprobs of a launched step (waits for it)."""
+        """(tokens, logprobs, errors) of a launched step (waits for it); `errors`: {row:
+        message} for the rows that failed alone (see `Sampler.sample`)."""
         if flight is None:
-            return [], []
+            return [], [], {}
         if flight.tokens_only:
             if flight.done is not None:
                 flight.done.synchronize()
-            return flight.host.tolist(), [None] * len(flight.plan.seqs)
+            tokens = flight.host.tolist()
+            seqs = flight.plan.seqs
+            errors = {i: nonfinite_error(seqs[i]) for i, t in enumerate(tokens) if t < 0}
+            return tokens, [None] * len(seqs), errors
         return self.sampler.sample(flight.logits, flight.plan.seqs, flight.tokens)

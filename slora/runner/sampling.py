@@ -17,28 +17,37 @@ class Sampler:
         self.rng = torch.Generator().manual_seed(seed)  # seeds requests without a seed
 
     def sample(self, logits: torch.Tensor, seqs: list[Request], greedy: torch.Tensor):
-        """(tokens, logprobs), one per sequence. `greedy`: the logits' argmax, for the greedy
-        rows. Logprobs are those of the raw distribution, for the rows that ask for them:
-        {token id: log-prob} holding the chosen token and the top N."""
+        """(tokens, logprobs, errors), one token and logprob entry per sequence. `greedy`:
+        the logits' argmax, for the greedy rows. Logprobs are those of the raw distribution,
+        for the rows that ask for them: {token id: log-prob} holding the chosen token and the
+        top N. `errors`: {row: message} for the rows that failed alone (logits not finite,
+        or a sampling error), whose token is meaningless."""
         tokens = greedy.tolist()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
         want_lp = any(r.sampling.logprobs is not None for r in seqs)
         logp = torch.log_softmax(logits, dim=-1) if want_lp else None
-        out_lp = []
+        out_lp, errors = [], {}
         for i, r in enumerate(seqs):
-            sp = r.sampling
-            if not sp.greedy:
-                tokens[i] = self._sample_row(logits[i], sp, r.request_id)
-            if sp.logprobs is None:
-                out_lp.append(None)
-                continue
-            row = logp[i]
-            entry = {}
-            if sp.logprobs:
-                top = torch.topk(row, sp.logprobs)
-                entry = dict(zip(top.indices.tolist(), top.values.tolist()))
-            entry[tokens[i]] = float(row[tokens[i]])
+            entry = None
+            try:
+                if not finite[i]:
+                    raise FloatingPointError(nonfinite_error(r))
+                sp = r.sampling
+                if not sp.greedy:
+                    tokens[i] = self._sample_row(logits[i], sp, r.request_id)
+                if sp.logprobs is not None:
+                    row = logp[i]
+                    entry = {}
+                    if sp.logprobs:
+                        top = torch.topk(row, min(sp.logprobs, row.shape[-1]))
+                        entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+                    entry[tokens[i]] = float(row[tokens[i]])
+            except FloatingPointError as e:
+                errors[i] = str(e)
+            except Exception as e:  # noqa: BLE001 - this row fails alone
+                errors[i] = f"request {r.request_id}: sampling failed: {type(e).__name__}: {e}"
             out_lp.append(entry)
-        return tokens, out_lp
+        return tokens, out_lp, errors
 
     def _sample_row(self, logits: torch.Tensor, sp: SamplingParams, request_id: str) -> int:
         """One token from `logits` with temperature, then top-k, then top-p applied."""
@@ -63,3 +72,11 @@ class Sampler:
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator."""
         self.generators.pop(request_id, None)
+
+
+def nonfinite_error(req: Request) -> str:
+    """The error of a row whose logits hold NaN or inf: it names the adapter, whose weights
+    are the likely cause (a base model that overflows would fail every row)."""
+    by = f"adapter {req.adapter!r}" if req.adapter else "the base model"
+    return (f"request {req.request_id}: the logits are not finite (NaN or inf) under {by}; "
+            "its weights may hold NaN or overflow the model's dtype")
