@@ -70,7 +70,7 @@ class Generation:
             gen.tasks = [asyncio.create_task(gen._pump(i, f"{base}-{i}", ids, sp))
                          for i, (ids, sp) in enumerate(zip(gen.prompts, params))]
         except BaseException:
-            await gen.close()
+            gen.close()
             raise
         return gen
 
@@ -162,16 +162,16 @@ class Generation:
             if out.finished and out.metrics.finish_time is not None:
                 m.e2e.observe(out.metrics.finish_time - out.metrics.arrival_time)
 
-    async def close(self) -> None:
-        """Abort the choices still running, wait for their tasks, release the adapter.
-        Idempotent."""
+    def close(self) -> None:
+        """Abort the choices still running, settle the counts, release the adapter.
+        Idempotent. Synchronous, so it completes inside a cancelled task or scope too: a
+        cancelled pump task aborts its engine request as it unwinds."""
         if self._closed:
             return
         self._closed = True
         for task in self.tasks:
-            task.cancel()  # a task inside engine.stream aborts its request
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for i in range(len(self.tasks)):  # the started choices that the consumer left
+            task.cancel()
+        for i in range(len(self.tasks)):  # the started choices the consumer left
             if i not in self._counted:
                 self._counted.add(i)
                 self.state.pending -= 1

@@ -84,13 +84,13 @@ async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_
         try:
             await gen.wait_started()
         except BaseException:
-            await gen.close()
+            gen.close()
             raise
         return EventStream(_events(state, body, p, gen))
     try:
         (out,) = await gen.finals()
     finally:
-        await gen.close()
+        gen.close()
     answer = {"generated_text": _full_text(body, p, out)}
     if p.details:
         answer["details"] = {**_details(state, p, out), "prefill": [], "best_of_sequences": None,
@@ -157,4 +157,4 @@ async def _events(state: ServerState, body: GenerateRequest, p: GenerateParamete
         state.metrics.rejected.labels(str(e.status)).inc()
         yield sse_error(e)
     finally:
-        await gen.close()
+        gen.close()

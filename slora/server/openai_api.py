@@ -63,7 +63,7 @@ async def _completions(state: ServerState, body: CompletionRequest):
     try:
         outs = await gen.finals()
     finally:
-        await gen.close()
+        gen.close()
     choices = [{"index": i, "text": out.text, "finish_reason": out.finish_reason,
                 "stop_reason": None,
                 "logprobs": _completion_logprobs(state, body, out, 0, 0)}
@@ -130,7 +130,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
     try:
         outs = await gen.finals()
     finally:
-        await gen.close()
+        gen.close()
     choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
                 "finish_reason": out.finish_reason, "stop_reason": None,
                 "logprobs": _chat_logprobs(state, body, out, 0)}
@@ -252,7 +252,7 @@ class _Reply:
         try:
             await gen.wait_started()
         except BaseException:
-            await gen.close()
+            gen.close()
             raise
         return EventStream(self._events(gen, chunk))
 
@@ -285,7 +285,7 @@ class _Reply:
             yield sse_error(e)
             yield DONE
         finally:
-            await gen.close()
+            gen.close()
 
 
 def _event(data: dict) -> str:
