@@ -4,13 +4,16 @@ Base model: config.json, model.safetensors or shards listed in model.safetensors
 Adapter: adapter_config.json + adapter_model.safetensors (or adapter_model.bin, read with
 torch.load(weights_only=True)). An adapter is validated against the base model when it is
 registered (config, every tensor present with the right shape, sizes against the
-safetensors header) and read again only when it is loaded into the host tier.
+safetensors header) and its weights read only when it is loaded into the host tier, where
+they are checked again (the file unchanged or of the same layout, every value finite).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -23,7 +26,12 @@ from slora.model.llama import LayerWeights, Weights
 
 
 class AdapterError(ValueError):
-    """A LoRA adapter that cannot be served; the message names adapter, file and reason."""
+    """A LoRA adapter that cannot be served; the message names adapter, file and reason.
+    `adapter`: the adapter's name."""
+
+    def __init__(self, message: str, adapter: str | None = None) -> None:
+        super().__init__(message)
+        self.adapter = adapter
 
 
 # ----------------------------------------------------------------------------- base model
@@ -137,13 +145,34 @@ def pack_adapter(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtype:
     return flat
 
 
-_UNSUPPORTED = {
-    "use_dora": (True,),
-    "fan_in_fan_out": (True,),
-}
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16}  # the weight dtypes an adapter file may hold
+_MAX_HEADER = 100 << 20  # safetensors' own bound on a header's JSON
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d{1,9})\.(?:self_attn|mlp)\."
                   r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")
+
+Stamp = tuple[int, int, int, int]  # a file's (device, inode, size, mtime_ns)
+
+
+def _stamp(st: os.stat_result) -> Stamp:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive(v) -> float | None:
+    """`v` as a finite float > 0, or None (a bool, a string, NaN, inf, <= 0, an int past
+    float's range)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) and f > 0 else None
 
 
 def _pattern(patterns: dict, module_path: str, default):
@@ -154,134 +183,356 @@ def _pattern(patterns: dict, module_path: str, default):
     return default
 
 
+def _read_whole(file: Path, tries: int = 3) -> tuple[bytearray, os.stat_result]:
+    """The file's bytes and its stat from one snapshot: the open file's size and mtime are the
+    same before and after the read, so a file rewritten meanwhile is read again (`tries` reads
+    at most, then OSError), never returned half old, half new. A file replaced by a rename
+    while it is read is read whole from the inode that was opened."""
+    for _ in range(tries):
+        with open(file, "rb") as fh:
+            before = os.fstat(fh.fileno())
+            buf, got = bytearray(before.st_size), 0
+            with memoryview(buf) as view:
+                while got < len(buf):
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            more = fh.read(1)
+            after = os.fstat(fh.fileno())
+        if got == len(buf) and not more and _stamp(before) == _stamp(after):
+            return buf, after
+    raise OSError(f"{file} kept changing while it was read ({tries} tries)")
+
+
+def _safetensors_entries(text: bytes) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], int]:
+    """A safetensors header's tensors, name -> (dtype, shape, offset of its data), and the
+    bytes of data it describes. ValueError names what is wrong: not a JSON object, an entry
+    without a supported dtype, a shape of integers >= 0 or two data offsets, offsets whose span
+    is not dtype x shape, data that overlaps or leaves gaps."""
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+    out, spans = {}, []
+    for key, v in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(v, dict):
+            raise ValueError(f"header entry {key!r} is a JSON {type(v).__name__}, not an object")
+        dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise ValueError(f"tensor {key!r}: dtype {dtype!r} is not supported "
+                             f"({', '.join(_DTYPES)})")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise ValueError(f"tensor {key!r}: shape {shape!r} is not a list of integers >= 0")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_int(o) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"tensor {key!r}: data_offsets {offsets!r} are not two integers "
+                             "0 <= begin <= end")
+        nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise ValueError(f"tensor {key!r}: dtype {dtype} and shape {shape} take {nbytes} "
+                             f"bytes but its data_offsets {offsets} span "
+                             f"{offsets[1] - offsets[0]}")
+        out[key] = (dtype, tuple(shape), offsets[0])
+        spans.append((offsets[0], offsets[1], key))
+    end = 0
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            raise ValueError(f"tensor {key!r}: its data starts at byte {begin} of the data, not "
+                             f"{end} (tensors overlap or leave a gap)")
+        end = stop
+    return out, end
+
+
 class PeftAdapter:
-    """A validated PEFT LoRA directory: its layout and how to read its weights."""
+    """A validated PEFT LoRA directory: its layout and how to read its weights.
+
+    Registration (the constructor) reads the config and the weights' header: every tensor a
+    LoRA A/B weight of a linear module, of a supported dtype, shaped for the base model. A
+    `.bin` file is read whole then, its tensors checked for non-finite values and dropped.
+    It records the weights file's stamp (device, inode, size, mtime_ns) and keeps no weights:
+    `pack` reads them at each host-tier miss, so `host_cache_gb` bounds every adapter's host
+    memory. Every failure, at registration or in `pack`, raises `AdapterError` naming the
+    adapter, the file and the reason."""
 
     def __init__(self, name: str, path: str | Path, cfg: ModelConfig) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"adapter {name!r}: path must be a str or os.PathLike, not "
+                            f"{type(path).__name__} ({path!r})")
         self.name, self.path, self.cfg = name, Path(path), cfg
-        conf_file = self.path / "adapter_config.json"
+        self.config_file = conf_file = self.path / "adapter_config.json"
         if not conf_file.is_file():
             self._fail(conf_file, "no adapter_config.json (expected a PEFT LoRA directory)")
         try:
-            conf = json.loads(conf_file.read_text())
-        except json.JSONDecodeError as e:
+            text = conf_file.read_bytes()
+        except OSError as e:
+            self._fail(conf_file, f"cannot be read ({e})")
+        try:
+            conf = json.loads(text)
+        except (ValueError, RecursionError) as e:
             self._fail(conf_file, f"not valid JSON ({e})")
         self._check_config(conf, conf_file)
-        self.weights_file, shapes = self._read_header()
-        self.scaling: dict[tuple[int, str], float] = {}
-        ranks = [[0] * len(LORA_MODULES) for _ in range(cfg.num_layers)]
-        self.keys: dict[tuple[int, str], tuple[str, str]] = {}
-        prefixes = {}
-        for key in shapes:
+        self.weights_file = self._find_weights()
+        try:
+            if self.weights_file.suffix == ".bin":
+                buf, st = _read_whole(self.weights_file)
+                tensors = self._bin_tensors(buf)
+                shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+            else:
+                with self.weights_file.open("rb") as fh:
+                    st = os.fstat(fh.fileno())
+                    head = fh.read(8)
+                    n = int.from_bytes(head, "little")
+                    if len(head) == 8 and 0 < n <= _MAX_HEADER:
+                        head += fh.read(n)
+                entries, _ = self._safetensors(head, st.st_size)
+                shapes = {k: shape for k, (_, shape, _) in entries.items()}
+        except OSError as e:
+            self._fail(self.weights_file, f"cannot be read ({e})")
+        self._shapes = shapes  # every tensor of the file: what `pack` finds there again
+        self._stamp = _stamp(st)
+        self._match(shapes)
+        if self.weights_file.suffix == ".bin":
+            self._check_finite(tensors)
+
+    def _fail(self, file: Path, why: str):
+        raise AdapterError(f"adapter {self.name!r}: {file}: {why}", adapter=self.name)
+
+    def _check_config(self, c, f: Path) -> None:
+        if not isinstance(c, dict):
+            self._fail(f, f"holds a JSON {type(c).__name__}, not an object")
+
+        def flag(key: str) -> bool:
+            v = c.get(key)
+            if v is not None and not isinstance(v, bool):
+                self._fail(f, f"{key}={v!r} must be true or false")
+            return bool(v)
+
+        if c.get("peft_type", "LORA") != "LORA":
+            self._fail(f, f"peft_type {c.get('peft_type')!r} is not supported (only LORA)")
+        for key in ("use_dora", "fan_in_fan_out"):
+            if flag(key):
+                self._fail(f, f"{key}=True is not supported")
+        if c.get("bias") not in (None, "none"):
+            self._fail(f, f"bias={c.get('bias')!r} is not supported (only 'none')")
+        if c.get("modules_to_save"):
+            self._fail(f, f"modules_to_save={c['modules_to_save']!r} is not supported "
+                       "(only LoRA weights are served)")
+        r = c.get("r")
+        if not _is_int(r) or r < 1:
+            self._fail(f, f"rank r={r!r} must be an integer >= 1")
+        self.r = r
+        self.alpha = _positive(c.get("lora_alpha", r))
+        if self.alpha is None:
+            self._fail(f, f"lora_alpha={c.get('lora_alpha')!r} must be a finite number > 0")
+        self.rslora = flag("use_rslora")
+        self.rank_pattern = self._patterns(c, "rank_pattern", f)
+        if any(not _is_int(v) or v < 1 for v in self.rank_pattern.values()):
+            self._fail(f, f"rank_pattern {self.rank_pattern} must map to integers >= 1")
+        self.alpha_pattern = self._patterns(c, "alpha_pattern", f)
+        if any(_positive(v) is None for v in self.alpha_pattern.values()):
+            self._fail(f, f"alpha_pattern {self.alpha_pattern} must map to finite numbers > 0")
+        targets = c.get("target_modules")
+        if targets is None:
+            self._fail(f, "target_modules is missing")
+        if isinstance(targets, str):
+            targets = [targets]
+        if (not isinstance(targets, list) or not targets
+                or not all(isinstance(t, str) for t in targets)):
+            self._fail(f, f"target_modules={c['target_modules']!r} must be a module name or a "
+                       "non-empty list of them")
+        bad = [t for t in targets if t in ("embed_tokens", "lm_head")]
+        if bad:
+            self._fail(f, f"target_modules {bad} is not supported (LoRA on linear layers only)")
+        if isinstance(c["target_modules"], list):  # names; a lone string is a regex
+            unknown = [t for t in targets if t.split(".")[-1] not in LORA_MODULES]
+            if unknown:
+                self._fail(f, f"target_modules {unknown} are not linear modules of a Llama-family "
+                           f"model ({', '.join(LORA_MODULES)})")
+
+    def _patterns(self, c: dict, key: str, f: Path) -> dict:
+        """rank_pattern / alpha_pattern: absent, null or a JSON object whose keys are regular
+        expressions over module paths."""
+        patterns = c.get(key)
+        if patterns is None:
+            return {}
+        if not isinstance(patterns, dict):
+            self._fail(f, f"{key}={patterns!r} must be a JSON object")
+        for k in patterns:
+            try:
+                re.compile(rf"(.*\.)?{k}$")
+            except (re.error, RecursionError, OverflowError) as e:
+                self._fail(f, f"{key} key {k!r} is not a valid regular expression ({e})")
+        return patterns
+
+    def _find_weights(self) -> Path:
+        for file in ("adapter_model.safetensors", "adapter_model.bin"):
+            if (self.path / file).is_file():
+                return self.path / file
+        self._fail(self.path, "no adapter_model.safetensors or adapter_model.bin")
+
+    def _safetensors(self, head, size: int) -> tuple[dict[str, tuple[str, tuple[int, ...], int]],
+                                                     int]:
+        """The tensors of a safetensors file of `size` bytes whose first bytes are `head` (at
+        least its 8-byte length and header), and where its data starts."""
+        file = self.weights_file
+        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+        if size < 8 or n == 0 or n > _MAX_HEADER or 8 + n > size:
+            self._fail(file, f"not a valid safetensors file (header length {n} in a file of "
+                       f"{size} bytes)")
+        try:
+            entries, data = _safetensors_entries(bytes(head[8:8 + n]))
+        except ValueError as e:
+            self._fail(file, f"not a valid safetensors file: {e}")
+        if 8 + n + data != size:
+            self._fail(file, f"file is {size} bytes but its header describes {8 + n + data} "
+                       "(truncated or corrupt)")
+        return entries, 8 + n
+
+    def _bin_tensors(self, buf: bytearray) -> dict[str, torch.Tensor]:
+        """The state dict a `.bin` file holds: str -> a dense tensor of a supported dtype."""
+        file = self.weights_file
+        try:
+            state = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+            self._fail(file, f"cannot be read with torch.load(weights_only=True): "
+                       f"{type(e).__name__}: {e}")
+        if not isinstance(state, dict):
+            self._fail(file, f"holds a {type(state).__name__}, not a state dict of tensors")
+        for key, t in state.items():
+            if not isinstance(key, str):
+                self._fail(file, f"key {key!r} is a {type(key).__name__}, not a tensor name")
+            if not isinstance(t, torch.Tensor):
+                self._fail(file, f"entry {key!r} is a {type(t).__name__}, not a tensor")
+            if t.dtype not in _DTYPES.values() or t.layout != torch.strided:
+                self._fail(file, f"tensor {key!r}: {t.dtype} ({t.layout}) is not supported "
+                           "(dense float64, float32, float16 or bfloat16)")
+        return state
+
+    def _match(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Map the file's tensors to (layer, module) A/B pairs shaped for the base model, with
+        their ranks and scalings: `keys`, `scaling`, `layout`."""
+        cfg, file = self.cfg, self.weights_file
+        prefixes: dict[tuple[int, str], dict[str, str]] = {}
+        for key, shape in shapes.items():
             m = _KEY.match(key)
             if m is None:
-                self._fail(self.weights_file, f"tensor {key!r} is not a LoRA A/B weight of a "
+                self._fail(file, f"tensor {key!r} is not a LoRA A/B weight of a "
                            "q/k/v/o/gate/up/down projection (embedding, lm_head, bias or "
                            "modules_to_save weights are not supported)")
             layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
             if layer >= cfg.num_layers:
-                self._fail(self.weights_file, f"tensor {key!r}: layer {layer} but the base "
-                           f"model has {cfg.num_layers} layers")
-            prefixes.setdefault((layer, module), {})[ab] = key
+                self._fail(file, f"tensor {key!r}: layer {layer} but the base model has "
+                           f"{cfg.num_layers} layers")
+            if len(shape) != 2:
+                self._fail(file, f"tensor {key!r}: shape {list(shape)} is not a matrix")
+            pair = prefixes.setdefault((layer, module), {})
+            if ab in pair:
+                self._fail(file, f"tensors {pair[ab]!r} and {key!r} are both layer {layer} "
+                           f"{module}'s lora_{ab}")
+            pair[ab] = key
+        self.scaling: dict[tuple[int, str], float] = {}
+        self.keys: dict[tuple[int, str], tuple[str, str]] = {}
+        ranks = [[0] * len(LORA_MODULES) for _ in range(cfg.num_layers)]
         for (layer, module), ab in sorted(prefixes.items()):
             if set(ab) != {"A", "B"}:
-                self._fail(self.weights_file, f"layer {layer} {module}: lora_A or lora_B missing")
+                self._fail(file, f"layer {layer} {module}: lora_A or lora_B missing")
             path_ = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
             r_a, d_in = shapes[ab["A"]]
             d_out, r_b = shapes[ab["B"]]
             want_in, want_out = cfg.module_dims(module)
             r = _pattern(self.rank_pattern, path_, self.r)
             if (d_in, d_out) != (want_in, want_out) or r_a != r_b or r_a != r:
-                self._fail(self.weights_file, f"layer {layer} {module}: lora_A {shapes[ab['A']]} "
-                           f"and lora_B {shapes[ab['B']]} do not fit the base model "
+                self._fail(file, f"layer {layer} {module}: lora_A {list(shapes[ab['A']])} "
+                           f"and lora_B {list(shapes[ab['B']])} do not fit the base model "
                            f"(expected A [{r}, {want_in}], B [{want_out}, {r}])")
-            alpha = _pattern(self.alpha_pattern, path_, self.alpha)
-            self.scaling[(layer, module)] = alpha / (math.sqrt(r) if self.rslora else r)
+            alpha = float(_pattern(self.alpha_pattern, path_, self.alpha))
+            scaling = alpha / (math.sqrt(r) if self.rslora else r)
+            if not (math.isfinite(scaling) and scaling > 0):
+                self._fail(self.config_file, f"layer {layer} {module}: scaling {scaling!r} "
+                           f"(lora_alpha {alpha!r}, rank {r}) is not a finite number > 0")
+            self.scaling[(layer, module)] = scaling
             ranks[layer][LORA_MODULES.index(module)] = r
             self.keys[(layer, module)] = (ab["A"], ab["B"])
         if not self.keys:
-            self._fail(self.weights_file, "holds no LoRA weights")
+            self._fail(file, "holds no LoRA weights")
         self.layout = AdapterLayout.build(cfg, ranks)
 
-    def _fail(self, file: Path, why: str):
-        raise AdapterError(f"adapter {self.name!r}: {file}: {why}")
+    def _check_finite(self, tensors: dict[str, torch.Tensor],
+                      dtype: torch.dtype | None = None) -> None:
+        """AdapterError naming the first LoRA tensor that holds NaN or inf, or (with `dtype`)
+        that does once scaled and cast to `dtype`."""
+        for (layer, module), (ka, kb) in self.keys.items():
+            for key in (ka, kb):
+                if not bool(torch.isfinite(tensors[key]).all()):
+                    self._fail(self.weights_file, f"tensor {key!r} holds non-finite values "
+                               "(NaN or inf)")
+        if dtype is None:
+            return
+        for (layer, module), (ka, kb) in self.keys.items():
+            s = self.scaling[(layer, module)]
+            for key, t in ((ka, tensors[ka].float()), (kb, tensors[kb].float() * s)):
+                if not bool(torch.isfinite(t.to(dtype)).all()):
+                    self._fail(self.weights_file, f"tensor {key!r} overflows {dtype} once "
+                               f"scaled by {s:g} (non-finite values)")
 
-    def _check_config(self, c: dict, f: Path) -> None:
-        if c.get("peft_type", "LORA") != "LORA":
-            self._fail(f, f"peft_type {c.get('peft_type')!r} is not supported (only LORA)")
-        for key, bad in _UNSUPPORTED.items():
-            if c.get(key) in bad:
-                self._fail(f, f"{key}={c.get(key)!r} is not supported")
-        if c.get("bias", "none") != "none":
-            self._fail(f, f"bias={c.get('bias')!r} is not supported (only 'none')")
-        if c.get("modules_to_save"):
-            self._fail(f, f"modules_to_save={c['modules_to_save']!r} is not supported "
-                       "(only LoRA weights are served)")
-        r = c.get("r")
-        if not isinstance(r, int) or r < 1:
-            self._fail(f, f"rank r={r!r} must be an integer >= 1")
-        self.r = r
-        self.alpha = c.get("lora_alpha", r)
-        self.rslora = bool(c.get("use_rslora", False))
-        self.rank_pattern = c.get("rank_pattern") or {}
-        self.alpha_pattern = c.get("alpha_pattern") or {}
-        if any(not isinstance(v, int) or v < 1 for v in self.rank_pattern.values()):
-            self._fail(f, f"rank_pattern {self.rank_pattern} must map to integers >= 1")
-        targets = c.get("target_modules")
-        if targets is None:
-            self._fail(f, "target_modules is missing")
-        bad = [t for t in ([targets] if isinstance(targets, str) else targets)
-               if t in ("embed_tokens", "lm_head")]
-        if bad:
-            self._fail(f, f"target_modules {bad} is not supported (LoRA on linear layers only)")
-        if isinstance(targets, list):
-            unknown = [t for t in targets if t.split(".")[-1] not in LORA_MODULES]
-            if unknown:
-                self._fail(f, f"target_modules {unknown} are not linear modules of a Llama-family "
-                           f"model ({', '.join(LORA_MODULES)})")
-
-    def _read_header(self) -> tuple[Path, dict[str, tuple[int, ...]]]:
-        st = self.path / "adapter_model.safetensors"
-        if st.is_file():
-            size = st.stat().st_size
-            try:
-                with st.open("rb") as fh:
-                    n = int.from_bytes(fh.read(8), "little")
-                    if n <= 0 or 8 + n > size:
-                        raise ValueError("header length beyond the file")
-                    header = json.loads(fh.read(n))
-            except ValueError as e:
-                self._fail(st, f"not a valid safetensors file ({e})")
-            header.pop("__metadata__", None)
-            end = max((v["data_offsets"][1] for v in header.values()), default=0)
-            if 8 + n + end != size:
-                self._fail(st, f"file is {size} bytes but its header describes {8 + n + end} "
-                           "(truncated or corrupt)")
-            return st, {k: tuple(v["shape"]) for k, v in header.items()}
-        binf = self.path / "adapter_model.bin"
-        if binf.is_file():
-            try:
-                self._bin = torch.load(binf, map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-                self._fail(binf, f"cannot be read with torch.load(weights_only=True): {e}")
-            return binf, {k: tuple(v.shape) for k, v in self._bin.items()}
-        self._fail(self.path, "no adapter_model.safetensors or adapter_model.bin")
+    def _read(self) -> tuple[dict[str, torch.Tensor], Stamp]:
+        """The weights file's tensors, read whole from one snapshot, and its stamp. A file
+        changed since registration is validated again and must hold the same tensors of the
+        same shapes; otherwise AdapterError: it changed, re-add the adapter."""
+        file = self.weights_file
+        try:
+            buf, st = _read_whole(file)
+        except OSError as e:
+            self._fail(file, f"cannot be read ({e})")
+        if file.suffix == ".bin":
+            tensors = self._bin_tensors(buf)
+        else:
+            entries, start = self._safetensors(buf, st.st_size)
+            tensors = {k: torch.frombuffer(buf, dtype=_DTYPES[dtype], count=math.prod(shape),
+                                           offset=start + offset).view(shape)
+                       if math.prod(shape) else torch.empty(shape, dtype=_DTYPES[dtype])
+                       for k, (dtype, shape, offset) in entries.items()}
+        shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+        if shapes != self._shapes:
+            key = sorted(set(shapes.items()) ^ set(self._shapes.items()))[0][0]
+            what = ("changed since add_adapter and no longer matches" if _stamp(st) != self._stamp
+                    else "no longer matches")
+            self._fail(file, f"{what} the layout registered (tensor {key!r}: "
+                       f"{self._shapes.get(key)} registered, {shapes.get(key)} now); "
+                       "remove_adapter and add_adapter it again")
+        return tensors, _stamp(st)
 
     def pack(self, page_size: int, dtype: torch.dtype) -> torch.Tensor:
-        """Read the weights and lay them out for the pool (the host-tier copy)."""
-        if self.weights_file.suffix == ".bin":
-            tensors = self._bin
-        else:
-            with safe_open(str(self.weights_file), framework="pt") as fh:
-                tensors = {k: fh.get_tensor(k) for pair in self.keys.values() for k in pair}
+        """Read the weights file whole and lay the adapter out for the pool: the host tier's
+        copy, [num_layers, num_pages * page_size] of `dtype`. Called at each host-tier miss,
+        possibly long after registration: a file changed since then is validated again (see
+        `_read`) and its new weights served if its layout is the same. Any failure (a file
+        gone, unreadable, rewritten to another layout, weights that are NaN or inf or overflow
+        `dtype`) raises AdapterError with `adapter` = this adapter's name; nothing changes on
+        failure."""
+        try:
+            tensors, stamp = self._read()
 
-        def get_ab(layer, module):
-            ka, kb = self.keys[(layer, module)]
-            A = tensors[ka].float()
-            B = tensors[kb].float() * self.scaling[(layer, module)]
-            return A, B
+            def get_ab(layer, module):
+                ka, kb = self.keys[(layer, module)]
+                return tensors[ka].float(), tensors[kb].float() * self.scaling[(layer, module)]
 
-        return pack_adapter(self.cfg, self.layout, page_size, dtype, get_ab)
+            flat = pack_adapter(self.cfg, self.layout, page_size, dtype, get_ab)
+            if not bool(torch.isfinite(flat).all()):
+                self._check_finite(tensors, dtype)
+                self._fail(self.weights_file, "its packed weights hold non-finite values")
+        except AdapterError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed read fails this adapter alone
+            raise AdapterError(f"adapter {self.name!r}: {self.weights_file}: cannot be read "
+                               f"({type(e).__name__}: {e})", adapter=self.name) from e
+        self._stamp = stamp
+        return flat
 
 
 def synthetic_pack(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtype: torch.dtype,
