@@ -249,7 +249,7 @@ def _add_replay(sub) -> None:
         "  # LoRAX's API: text prompts, no ignore_eos\n"
         "  slora replay trace.jsonl --url http://127.0.0.1:8080 --api lorax --label lorax \\\n"
         "      -o lorax.json\n"
-        "  slora plot result.json http.json lorax.json -o servers.png")
+        "  slora plot http.json lorax.json -o servers.png")
     p.add_argument("trace", help="JSONL trace (slora trace synth, or your own)")
     p.add_argument("--model", help="Hugging Face model directory (required in-process; with "
                    "--url, only its config.json's vocabulary size is read, for random prompt ids)")

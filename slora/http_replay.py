@@ -336,7 +336,8 @@ async def _send(client, target: HttpTarget, req: TraceRequest, body: dict, start
 
 
 async def replay_http_async(trace: Trace, target: HttpTarget, prompts: list, *,
-                            progress: bool = False, label: str = "replay") -> tuple[ReplayRun, str | None]:
+                            progress: bool = False,
+                            label: str = "replay") -> tuple[ReplayRun, str | None]:
     """Send every request of `trace` at its arrival time; (the run, the base model's name used)."""
     import httpx
 
@@ -414,6 +415,7 @@ def run_http_replay(trace: Trace, target: HttpTarget, *, vocab_size: int | None 
     for r in run.records:
         if r.failed:
             errors[r.error] = errors.get(r.error, 0) + 1
-    return result_dict(summary, source=source, records=run.records, stats={"errors": errors}, config={
-        "trace": trace_path, "workload": trace.params, "url": target.url, "api": target.api,
-        "model": base, "concurrency": target.concurrency, "seed": seed})
+    config = {"trace": trace_path, "workload": trace.params, "url": target.url, "api": target.api,
+              "model": base, "concurrency": target.concurrency, "seed": seed}
+    return result_dict(summary, source=source, records=run.records, stats={"errors": errors},
+                       config=config)

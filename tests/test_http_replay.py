@@ -123,8 +123,8 @@ def stub():
 
 
 def small_trace(adapters, output_len=4, gap=0.01) -> Trace:
-    return Trace([TraceRequest(arrival_time=i * gap, adapter=a, prompt_len=3 + i, output_len=output_len)
-                  for i, a in enumerate(adapters)])
+    return Trace([TraceRequest(arrival_time=i * gap, adapter=a, prompt_len=3 + i,
+                               output_len=output_len) for i, a in enumerate(adapters)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +161,8 @@ def test_stream_state_reads_openai_and_lorax_events():
 
 
 def test_served_base_model_is_the_entry_without_a_parent():
-    assert served_base_model({"data": [{"id": "a", "parent": "m"}, {"id": "m", "parent": None}]}) == "m"
+    models = {"data": [{"id": "a", "parent": "m"}, {"id": "m", "parent": None}]}
+    assert served_base_model(models) == "m"
     with pytest.raises(ValueError, match="no base model"):
         served_base_model({"data": [{"id": "a", "parent": "m"}]})
 
@@ -252,3 +253,80 @@ def test_cli_writes_the_replay_result_json(stub, tmp_path, capsys):
     assert result["stats"]["errors"] == {"HTTP 404: adapter 'missing' is not registered": 1}
     assert [len(v) for v in result["latencies"].values()] == [2, 2]
     assert "first-token latency" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# Against slora serve
+
+
+@pytest.fixture(scope="module")
+def slora_server(tiny_model_dir):
+    """`slora serve`'s app on 127.0.0.1 over a tiny CPU engine with the synthetic adapters of
+    `served_trace()`; (its URL, that trace)."""
+    pytest.importorskip("fastapi")
+    from slora import Engine, EngineConfig
+    from slora.async_engine import AsyncEngine
+    from slora.replay import register_adapters
+    from slora.server.app import build_app
+    from slora.server.settings import ServerSettings
+    from slora.server.testing import serve_in_thread
+
+    trace = served_trace()
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=256, max_num_seqs=8))
+    register_adapters(engine, trace, synthetic=True, adapter_dir=None)
+    served = AsyncEngine(engine=engine)
+    try:
+        with serve_in_thread(build_app(served, ServerSettings(model_name="tiny"))) as live:
+            yield live.url, trace
+    finally:
+        served.shutdown()
+
+
+def served_trace() -> Trace:
+    """16 requests over 3 synthetic adapters at 20 req/s, every fourth on the base model."""
+    from slora.workload import synthesize
+
+    t = synthesize(num_adapters=3, rate=20, cv=1, alpha=1, duration=0.8, input_len=(3, 12),
+                   output_len=(2, 8), ranks=(4, 8), seed=1)
+    reqs = [TraceRequest(r.arrival_time, None if i % 4 == 3 else r.adapter, r.output_len,
+                         prompt_len=r.prompt_len) for i, r in enumerate(t.requests)]
+    return Trace(reqs, t.adapters, t.params)
+
+
+def test_replay_against_slora_serve(slora_server, tiny_model_dir):
+    """Every request completes with exactly its output_len tokens, the base model's requests
+    named by the server's own listing."""
+    url, trace = slora_server
+    run, base = replay_http(trace, HttpTarget(url, concurrency=4), vocab_size=256, seed=5)
+    assert base == "tiny" and len(run.records) == len(trace) == 16
+    assert [r.error for r in run.records] == [None] * 16
+    assert [r.output_tokens for r in run.records] == [r.output_len for r in trace.requests]
+    assert [r.prompt_tokens for r in run.records] == [r.prompt_len for r in trace.requests]
+    assert [r.adapter for r in run.records] == [r.adapter for r in trace.requests]
+    assert all(r.arrival_time <= r.first_token_time <= r.finish_time for r in run.records)
+
+
+def test_cli_replays_slora_serve_over_both_apis_and_plots(slora_server, tiny_model_dir, tmp_path,
+                                                          capsys):
+    """`slora replay --url` over the OpenAI and the LoRAX API, then `slora plot` of both."""
+    url, trace = slora_server
+    path = tmp_path / "t.jsonl"
+    from slora.workload import write_trace
+
+    write_trace(trace, path)
+    paths = []
+    for api in ("openai", "lorax"):
+        paths.append(tmp_path / f"{api}.json")
+        assert main(["replay", str(path), "--url", url, "--api", api, "--label", api,
+                     "--model", str(tiny_model_dir), "--no-progress", "-o", str(paths[-1])]) == 0
+        result = json.loads(paths[-1].read_text())
+        assert (result["num_requests"], result["num_completed"]) == (16, 16), result["stats"]
+        assert result["source"] == api and result["config"]["api"] == api
+        tokens = round(result["throughput_tok_s"] * result["duration_s"])
+        want = sum(r.output_len for r in trace.requests)
+        # lorax has no ignore_eos: a request may end early at the end-of-sequence token
+        assert tokens == want if api == "openai" else 16 <= tokens <= want
+    assert read_trace(path).requests == trace.requests
+    assert main(["plot", *map(str, paths), "-o", str(tmp_path / "servers.png")]) == 0
+    assert (tmp_path / "servers.png").stat().st_size > 0
