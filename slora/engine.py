@@ -180,6 +180,8 @@ class Engine:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: a request needs a non-empty string or token ids")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (load_format='dummy' without "
                                  "tokenizer.json): pass token-id lists")
@@ -273,7 +275,7 @@ class Engine:
         reqs = [r for plan in plans if plan is not None for r in plan.seqs]
         self._plan, self._open, self._flight = None, [], None
         self.runner.host_tier.staged = {}
-        return self.scheduler.fail(list(dict.fromkeys(reqs)),
+        return self.scheduler.fail(reqs,
                                    f"the step failed: {type(error).__name__}: {error}",
                                    time.monotonic())
 

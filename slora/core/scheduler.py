@@ -91,9 +91,11 @@ class Scheduler:
         """End `reqs` with finish_reason "error" and the message `error`, freeing their pages;
         returns those that were not finished yet. A request in a step still running drops the
         token it gets there (see `resolve`)."""
-        failed = [r for r in reqs if not r.finished]
-        for req in failed:
-            self._finish(req, "error", now, error)
+        failed = []
+        for req in reqs:  # (a request listed twice fails once)
+            if not req.finished:
+                self._finish(req, "error", now, error)
+                failed.append(req)
         return failed
 
     def requests_of(self, adapter: str) -> list[Request]:
