@@ -2,7 +2,7 @@
 # The one GPU call: the CUDA tests, then the headline benchmarks, then one table of each figure
 # beside the ceiling or peer measured in the same run and their ratio (experiments/gpu_table.py).
 #
-#   bash experiments/gpu.sh [--tree DIR] [--label NAME] [--no-tests] [--compare NAME]
+#   bash experiments/gpu.sh [--tree DIR] [--label NAME] [--no-tests] [--bench LIST] [--compare NAME]
 #
 #   --tree DIR      test and benchmark another copy of the repository (default: this one): its
 #                   own tests and experiments/ run from DIR with PYTHONPATH=DIR, under the same
@@ -10,6 +10,8 @@
 #   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
 #                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
+#   --bench LIST    the benchmarks to run, of: engine s2 decode serve (default: engine s2
+#                   decode); serve (S2 through `slora serve`) needs fastapi and uvicorn
 #   --compare NAME  the table holds the run NAME too (an earlier $OUT/NAME.tar.gz), and this
 #                   run's figures over NAME's
 #
@@ -21,13 +23,14 @@
 # (default 4; 0: one process).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd -P)
-TREE=$HERE LABEL=new TESTS=1 COMPARE=
+TREE=$HERE LABEL=new TESTS=1 COMPARE= BENCH="engine s2 decode"
 usage() { sed -n 5p "$0" | sed 's/^#   //' >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --tree) TREE=$(cd "${2:?}" && pwd -P) || usage; shift 2 ;;
     --label) LABEL=${2:?}; shift 2 ;;
     --no-tests) TESTS=0; shift ;;
+    --bench) BENCH=${2?}; shift 2 ;;
     --compare) COMPARE=${2:?}; shift 2 ;;
     *) usage ;;
   esac
@@ -59,15 +62,21 @@ if [ "$TESTS" = 1 ]; then
   # every test file with a CUDA path; the rest of the suite is CPU-only and runs in CI
   step pytest 420 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/kernels \
     tests/engine/test_engine_triton.py tests/engine/test_engine.py \
-    tests/engine/test_async_scheduling.py tests/model/test_vs_hf.py tests/model/test_lora_vs_peft.py
+    tests/engine/test_async_scheduling.py tests/model/test_vs_hf.py tests/model/test_lora_vs_peft.py \
+    tests/engine/test_fault_injection.py tests/engine/test_fault_isolation.py
   [[ " ${failed[*]} " == *" pytest "* ]] || tail -n 1 "$D/pytest.log"
 fi
-step engine 240 python3 experiments/bench_engine.py --models llama-2-7b --batches 32 --race \
-  --skip-hf --out "$D/engine"
-step s2 300 python3 experiments/bench_scaling.py --part scaling --adapters 2000 \
+bench() { [[ " $BENCH " == *" $1 "* ]]; }
+bench engine && step engine 240 python3 experiments/bench_engine.py --models llama-2-7b \
+  --batches 32 --race --skip-hf --out "$D/engine"
+bench s2 && step s2 300 python3 experiments/bench_scaling.py --part scaling --adapters 2000 \
   --num-requests 400 --modules qkvo --out "$D/s2"
-step decode 240 python3 experiments/bench_scaling.py --part decode --batches 32 --breakdown '' \
-  --out "$D/decode"
+bench decode && step decode 240 python3 experiments/bench_scaling.py --part decode --batches 32 \
+  --breakdown '' --out "$D/decode"
+if bench serve; then
+  step serve 420 python3 experiments/bench_serve.py --out "$D/serve"
+  tail -n 12 "$D/serve.log"
+fi
 tar czf "$OUT/$LABEL.tar.gz" -C "$OUT" "$LABEL" && rm -rf "$D"
 runs=("$OUT/$LABEL.tar.gz")
 [ -n "$COMPARE" ] && runs=("$OUT/$COMPARE.tar.gz" "${runs[@]}")
