@@ -56,7 +56,8 @@ def _refuse_unsupported(p: GenerateParameters) -> None:
                            f"parameters.{field}")
     if p.adapter_source in ("s3", "pbase"):
         raise APIError(400, f"adapter_source {p.adapter_source!r} is not supported: serve "
-                       "adapters from --adapter-dir ('local' or 'hub')", "parameters.adapter_source")
+                       "adapters from --adapter-dir ('local' or 'hub')",
+                       "parameters.adapter_source")
 
 
 def _sampling(p: GenerateParameters, details: bool) -> dict:
@@ -93,8 +94,9 @@ async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_
         gen.close()
     answer = {"generated_text": _full_text(body, p, out)}
     if p.details:
-        answer["details"] = {**_details(state, p, out), "prefill": [], "best_of_sequences": None,
-                             "tokens": [_token(state, p, out, j) for j in range(len(out.token_ids))]}
+        tokens = [_token(state, p, out, j) for j in range(len(out.token_ids))]
+        answer["details"] = {**_details(state, p, out), "prefill": [], "tokens": tokens,
+                             "best_of_sequences": None}
     return JSONResponse([answer] if as_list else answer)
 
 
