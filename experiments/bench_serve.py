@@ -54,7 +54,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -253,7 +252,7 @@ def summary_row(name: str, r: dict) -> str:
 
     return (f"{name:<12}{r['throughput_tok_s']:>10.0f}{r['throughput_req_s']:>9.2f}"
             f"{ms(r['ttft_p50_s'])}{ms(r['ttft_p90_s'])}{r['duration_s']:>9.1f}"
-            f"{r['num_completed']:>6}/{r['num_requests']:<5}")
+            f"{str(r['num_completed']) + '/' + str(r['num_requests']):>12}")
 
 
 def main(argv=None) -> dict:

@@ -16,7 +16,8 @@ draws servers, and the in-process engine, side by side:
   ignore_eos: a request may stop early at an end-of-sequence token. A trace request given
   as a length becomes S-LoRA's dummy prompt, "hello " repeated prompt_len times.
 
-Open loop, as S-LoRA's and vLLM's benchmark clients: each request is sent at its arrival time
+Open loop, as S-LoRA's and vLLM's benchmark clients (aiohttp, as theirs: its C parser costs
+a few times less a streamed token than httpx's): each request is sent at its arrival time
 whether or not earlier ones have finished, through a pool of at most `concurrency` connections;
 a request that finds the pool full waits for a connection, and its latency still counts from
 its arrival time. Random prompt token ids are drawn as the in-process replay draws them (the
@@ -272,28 +273,28 @@ def served_base_model(models: dict) -> str:
                      f"{[e.get('id') for e in data][:5]}): give the served model's name")
 
 
-async def _preflight(client, target: HttpTarget, need_base: bool) -> str | None:
+async def _preflight(session, target: HttpTarget, need_base: bool) -> str | None:
     """Checks that the server answers; returns the base model's name for openai requests
     without an adapter (None when none is needed)."""
-    import httpx
+    import aiohttp
 
     path = "/v1/models" if target.api == "openai" else "/health"
     try:
-        resp = await client.get(target.url + path, headers=target.headers)
-    except httpx.HTTPError as e:
+        async with session.get(target.url + path, headers=target.headers) as resp:
+            status, text = resp.status, await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise OSError(f"cannot reach {target.url} ({type(e).__name__}: {e})") from None
-    if resp.status_code != 200:
-        raise OSError(f"{target.url}{path} answered HTTP {resp.status_code}: "
-                      f"{resp.text[:ERROR_CHARS]}")
+    if status != 200:
+        raise OSError(f"{target.url}{path} answered HTTP {status}: {text[:ERROR_CHARS]}")
     if target.api == "openai" and need_base:
-        return target.served_model or served_base_model(resp.json())
+        return target.served_model or served_base_model(json.loads(text))
     return target.served_model
 
 
-async def _send(client, target: HttpTarget, req: TraceRequest, body: dict, start: float,
+async def _send(session, target: HttpTarget, req: TraceRequest, body: dict, start: float,
                 gate: asyncio.Semaphore) -> RequestRecord:
     """One request, streamed; its record (times relative to `start`)."""
-    import httpx
+    import aiohttp
 
     path = "/v1/completions" if target.api == "openai" else "/generate_stream"
     state = StreamState(target.api)
@@ -303,24 +304,24 @@ async def _send(client, target: HttpTarget, req: TraceRequest, body: dict, start
     failure = None
     async with gate:
         try:
-            async with client.stream("POST", target.url + path, json=body,
-                                     headers=target.headers) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")
+            async with session.post(target.url + path, json=body,
+                                    headers=target.headers) as resp:
+                if resp.status != 200:
+                    text = (await resp.read()).decode(errors="replace")
                     try:
                         why = _error_message(json.loads(text))
                     except json.JSONDecodeError:
                         why = text[:ERROR_CHARS]
-                    failure = f"HTTP {resp.status_code}: {why}"
+                    failure = f"HTTP {resp.status}: {why}"
                 else:
                     parser = SseParser()
-                    async for chunk in resp.aiter_bytes():
+                    async for chunk in resp.content.iter_any():
                         now = time.monotonic() - start
                         for data in parser.feed(chunk):
                             state.on_event(data, now)
                     for data in parser.close():
                         state.on_event(data, time.monotonic() - start)
-        except httpx.HTTPError as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             failure = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         except Exception as e:  # noqa: BLE001 - the request is recorded, the replay goes on
             failure = f"{type(e).__name__}: {e}"
@@ -339,15 +340,14 @@ async def replay_http_async(trace: Trace, target: HttpTarget, prompts: list, *,
                             progress: bool = False,
                             label: str = "replay") -> tuple[ReplayRun, str | None]:
     """Send every request of `trace` at its arrival time; (the run, the base model's name used)."""
-    import httpx
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=target.concurrency,
-                          max_keepalive_connections=target.concurrency)
+    connector = aiohttp.TCPConnector(limit=target.concurrency)
     # No read timeout: a request may wait in the server's queue for long before its first byte.
-    timeout = httpx.Timeout(None, connect=target.connect_timeout_s)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=target.connect_timeout_s)
     need_base = any(r.adapter is None for r in trace.requests)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        base = await _preflight(client, target, need_base)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        base = await _preflight(session, target, need_base)
         bodies = [openai_body(r, p, r.adapter if r.adapter is not None else base)
                   if target.api == "openai" else lorax_body(r, p, target.adapter_source)
                   for r, p in zip(trace.requests, prompts)]
@@ -364,7 +364,7 @@ async def replay_http_async(trace: Trace, target: HttpTarget, prompts: list, *,
                 delay = start + req.arrival_time - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                task = asyncio.create_task(_send(client, target, req, body, start, gate))
+                task = asyncio.create_task(_send(session, target, req, body, start, gate))
                 task.add_done_callback(tick)
                 tasks.append(task)
             records = await asyncio.gather(*tasks)
