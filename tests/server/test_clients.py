@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
+from pathlib import Path
 
 import httpx
 import lorax
@@ -164,3 +166,18 @@ def test_lorax_sync_client_details_and_alternatives(serve, reference):
         best = token.alternative_tokens[0]
         assert len(token.alternative_tokens) == 2 and best.logprob >= token.logprob - 1e-6
     assert plain == {"generated_text": "Hello world" + want.text}  # /generate: an object
+
+
+def test_lorax_example_sends_its_multi_adapter_batch(serve, capsys):
+    path = Path(__file__).resolve().parents[2] / "examples" / "lorax_client.py"
+    spec = importlib.util.spec_from_file_location("lorax_client_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with serve() as live:
+        example.main(["--url", live.url, "--adapters", "a0,a1", "--question", "Hello world",
+                      "--template", "{}", "--max-new-tokens", "4"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["base", "a0", "a1", "a0, streamed"]
+    assert all("(length, 4 tokens)" in line for line in lines[:3])
+    answer = lines[1].split(": ", 1)[1].rsplit(" (", 1)[0]
+    assert lines[3] == f"a0, streamed: {answer}"  # the stream adds up to the same answer
