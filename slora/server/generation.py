@@ -66,7 +66,7 @@ class Generation:
                                f"{state.settings.max_waiting}); retry later",
                                headers=state.retry_after)
             state.pending += count
-            base = f"http-{next(state.ids)}"
+            base = f"{state.id_prefix}-{next(state.ids)}"
             gen.tasks = [asyncio.create_task(gen._pump(i, f"{base}-{i}", ids, sp))
                          for i, (ids, sp) in enumerate(zip(gen.prompts, params))]
         except BaseException:
@@ -79,9 +79,13 @@ class Generation:
         if kw.get("max_tokens") is None:
             kw["max_tokens"] = self.state.max_model_len - len(ids)
         try:
-            return SamplingParams(**kw)
+            sp = SamplingParams(**kw)
+            if sp.logprobs is not None and sp.logprobs > self.state.max_logprobs:
+                raise ValueError(f"SamplingParams.logprobs={sp.logprobs}: at most "
+                                 f"{self.state.max_logprobs} (--max-logprobs)")
         except ValueError as e:
             raise sampling_error(e, names) from None
+        return sp
 
     async def _pump(self, i: int, rid: str, ids: list[int], sp: SamplingParams) -> None:
         try:
@@ -102,7 +106,10 @@ class Generation:
             self._counted.add(i)
             self.state.pending -= 1
         if isinstance(item, Exception):
-            self._end(i, "error")
+            if i in self.last:  # it ran: an engine request that ended on an error
+                self._end(i, "error")
+            else:  # refused at submission (an adapter unloaded meanwhile): it never ran
+                self.ended.add(i)
             raise engine_error(item)
         self._observe(i, item, now)
         if item.finished:

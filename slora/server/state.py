@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import uuid
 
 from slora.async_engine import AsyncEngine, EngineDeadError
 from slora.server.adapters import LocalDirResolver, ServedAdapters
@@ -24,6 +25,7 @@ class ServerState:
         eng = engine.engine  # fixed at construction: safe to read from the server's thread
         self.tokenizer = eng.tokenizer
         self.max_model_len = eng.max_model_len
+        self.max_logprobs = eng.config.max_logprobs
         self.eos_token_ids = frozenset(eng.eos_token_ids)
         resolver = settings.resolver
         if resolver is None and settings.adapter_dir is not None:
@@ -35,6 +37,8 @@ class ServerState:
         self.inflight = 0
         self.ready = False
         self.draining = False
+        # engine request ids: unique per app, as several apps may share one engine
+        self.id_prefix = f"http-{uuid.uuid4().hex[:8]}"
         self.ids = itertools.count()
         self._token_texts: dict[int, str] = {}
 

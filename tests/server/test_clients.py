@@ -116,10 +116,12 @@ def test_n_choices_usage_and_models(serve, reference):
         client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
         res = client.completions.create(model="a1", prompt=prompt, n=2, max_tokens=5,
                                         temperature=0)
+        by_ids = client.completions.create(model="a1", prompt=reference.tokenizer.encode(prompt),
+                                           max_tokens=5, temperature=0)
         models = client.models.list()
     want = reference.generate(prompt, SamplingParams(max_tokens=5), adapters="a1")[0]
     assert [c.text for c in res.choices] == [want.text] * 2
-    assert [c.index for c in res.choices] == [0, 1]
+    assert [c.index for c in res.choices] == [0, 1] and by_ids.choices[0].text == want.text
     assert res.usage.prompt_tokens == len(want.prompt_token_ids)  # each prompt once
     assert res.usage.completion_tokens == 2 * len(want.token_ids)
     listed = {m.id: m for m in models.data}

@@ -58,6 +58,8 @@ def test_bad_sampling_values_are_400_naming_the_field(live):
              ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                        "top_k": -5}, "top_k"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                       "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
              ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 0}},
               "parameters.max_new_tokens")]
     for path, body, param in cases:
