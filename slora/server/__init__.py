@@ -12,8 +12,9 @@ The stable entry points (other tools build on them):
     engine.shutdown()
 
 Modules: app (the app, the front door, draining), openai_api and lorax_api (the routes),
-generation (one HTTP request's engine requests), adapters (resolver, confinement, runtime
-loads), metrics (Prometheus), settings (ServerSettings, the engine's flags), serve (the
-command), errors (OpenAI's error shape). This package's __init__ imports nothing, so
+protocol (their request bodies), generation (one HTTP request's engine requests), state
+(what the handlers share), adapters (resolver, confinement, runtime loads), metrics
+(Prometheus), settings (ServerSettings, the engine's flags), errors (OpenAI's error shape),
+serve (the command), testing (serve_in_thread). This package's __init__ imports nothing, so
 `slora --help` stays fast.
 """

@@ -207,3 +207,29 @@ def test_draining_answers_503_and_unknown_routes_are_json(live):
     assert res.status_code == 503 and res.headers["Retry-After"] == "1"
     res = post(live, "/v1/completions", {"prompt": "Hi"})
     assert "shutting down" in error_of(res, 503) and res.headers["Retry-After"] == "1"
+
+
+def test_engine_error_mid_stream_ends_it_with_an_error_event(live, monkeypatch):
+    from lorax.errors import GenerationError
+
+    from slora.tokenizer import IncrementalDecoder
+
+    real = IncrementalDecoder.update
+
+    def update(self, ids):  # detokenising fails at the fourth token of any request
+        if len(ids) == 4:
+            raise RuntimeError("injected detokenising fault")
+        return real(self, ids)
+
+    monkeypatch.setattr(IncrementalDecoder, "update", update)
+    body = {"prompt": "Hi", "max_tokens": 10, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body) as res:
+        events = [line[6:] for line in res.iter_lines() if line.startswith("data: ")]
+    assert res.status_code == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500 and "injected detokenising fault" in error["message"]
+    with pytest.raises(GenerationError, match="injected"):
+        list(lorax.Client(live.url).generate_stream("Hi", max_new_tokens=10))
+    monkeypatch.undo()
+    ok = post(live, "/v1/completions", {"prompt": "Hi", "max_tokens": 5, "ignore_eos": True})
+    assert ok.json()["usage"]["completion_tokens"] == 5
