@@ -429,7 +429,7 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("warmup: the engine is serving requests; warm up before adding any")
         t0 = time.perf_counter()
-        graphs, buffers = self.runner.graphs, set(self._synthetic)
+        graphs = self.runner.graphs
         names = []
         for r, groups in warmup_adapters([i.layout for i in self.adapters.adapters.values()],
                                          ranks, modules):
@@ -467,8 +467,6 @@ class Engine:
                 bar.close()
             for name in names:
                 self.remove_adapter(name)
-            for key in set(self._synthetic) - buffers:
-                del self._synthetic[key]
         # What exists now lives as long as the engine: move it out of the garbage collector's
         # view (as vLLM does after start-up), so a full collection while serving walks only
         # the objects made since, not thousands of registered adapters.
