@@ -10,17 +10,16 @@
 #   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
 #                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
-#   --bench LIST    the benchmarks to run, of: engine s2 decode serve (default: engine s2
-#                   decode); serve (S2 through `slora serve`) needs fastapi and uvicorn
+#   --bench LIST    of: engine s2 decode serve (default: engine s2 decode); serve: S2
+#                   through `slora serve` (needs fastapi, uvicorn)
 #   --compare NAME  the table holds the run NAME too (an earlier $OUT/NAME.tar.gz), and this
 #                   run's figures over NAME's
 #
 # Before / after in one call, an older tree copied to results/base (carried to the device):
 #   bash experiments/gpu.sh --tree results/base --label base --no-tests; \
 #   bash experiments/gpu.sh --label new --compare base
-# The tree's commit: $SLORA_COMMIT when set (a copy may have no .git, or a stale one), else its
-# `git rev-parse HEAD`. JOBS=N runs the tests in N pytest-xdist workers where it is installed
-# (default 4; 0: one process).
+# The tree's commit: $SLORA_COMMIT, else its `git rev-parse HEAD` (a copy's .git may be stale).
+# JOBS=N: the tests in N pytest-xdist workers where installed (default 4; 0: one process).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd -P)
 TREE=$HERE LABEL=new TESTS=1 COMPARE= BENCH="engine s2 decode"
@@ -48,8 +47,7 @@ head=$([ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$TREE" ] && git rev-p
 echo "${SLORA_COMMIT:-${head:-unknown}}" >"$D/commit.txt"
 failed=()
 step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME.log, under a time limit
-  local name=$1 limit=$2 t0=$SECONDS
-  shift 2
+  local name=$1 limit=$2 t0=$SECONDS; shift 2
   printf '== %s:' "$name"; printf ' %q' "$@"; echo
   timeout "$limit" "$@" >"$D/$name.log" 2>&1
   local rc=$?
@@ -73,10 +71,8 @@ bench s2 && step s2 300 python3 experiments/bench_scaling.py --part scaling --ad
   --num-requests 400 --modules qkvo --out "$D/s2"
 bench decode && step decode 240 python3 experiments/bench_scaling.py --part decode --batches 32 \
   --breakdown '' --out "$D/decode"
-if bench serve; then
-  step serve 420 python3 experiments/bench_serve.py --out "$D/serve"
+bench serve && step serve 420 python3 experiments/bench_serve.py --out "$D/serve" && \
   tail -n 12 "$D/serve.log"
-fi
 tar czf "$OUT/$LABEL.tar.gz" -C "$OUT" "$LABEL" && rm -rf "$D"
 runs=("$OUT/$LABEL.tar.gz")
 [ -n "$COMPARE" ] && runs=("$OUT/$COMPARE.tar.gz" "${runs[@]}")
