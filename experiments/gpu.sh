@@ -45,8 +45,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv >"
 # the tree's commit, for results whose JSON names none (a tree older than the harness)
 head=$([ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$TREE" ] && git rev-parse -q --verify HEAD)
 echo "${SLORA_COMMIT:-${head:-unknown}}" >"$D/commit.txt"
-failed=()
-step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME.log, under a time limit
+failed=(); step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME.log, under a time limit
   local name=$1 limit=$2 t0=$SECONDS; shift 2
   printf '== %s:' "$name"; printf ' %q' "$@"; echo
   timeout "$limit" "$@" >"$D/$name.log" 2>&1
