@@ -1,0 +1,78 @@
+"""FP8 (E4M3) base weights with one scale per output channel.
+
+A quantized linear weight is an `Fp8Weight`: `weight` [N, K] in float8_e4m3fn and `scale` [N]
+in float32, standing for W = weight * scale[:, None]. Only the base model's linear layers
+(q/k/v/o, gate/up/down) are quantized; embeddings, lm_head and norms stay in the model dtype,
+and adapters stay in the pool's dtype.
+
+The rule every path keeps (the torch twin is the specification): a linear layer over an
+`Fp8Weight` computes `F.linear(x, w.dequantize(x.dtype), bias)`, so a model served in FP8
+equals, token for token in fp32, the same model whose linear weights were replaced by their
+FP8 round trip (`dequantize(quantize_fp8(W))`). GPU kernels read `weight` and `scale` directly
+(no dequantized copy in memory) and may round differently within the dtype's tolerance.
+
+Per-channel scales make fusion free: the rows of q, k and v (or gate and up) keep their own
+scales when their weights are concatenated (`cat`), and a per-tensor scale (a pre-quantized
+checkpoint's) is the same scale repeated over its rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """W = weight * scale[:, None]: weight [N, K] float8_e4m3fn, scale [N] float32."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.weight.dtype == FP8_DTYPE and self.weight.dim() == 2, self.weight.dtype
+        assert self.scale.dtype == torch.float32 and self.scale.shape == self.weight.shape[:1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + self.scale.numel() * 4
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """W in `dtype`: each element's exact value weight * scale, rounded once to dtype."""
+        return (self.weight.float() * self.scale[:, None]).to(dtype)
+
+    def to(self, device: torch.device) -> "Fp8Weight":
+        return Fp8Weight(self.weight.to(device), self.scale.to(device))
+
+
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    """Per-output-channel E4M3: each row's largest magnitude maps to FP8's largest (448); an
+    all-zero row gets scale 1 (its values stay 0)."""
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return Fp8Weight(q, scale.contiguous())
+
+
+def cat(parts: list[Fp8Weight]) -> Fp8Weight:
+    """Fused rows (q|k|v, gate|up): each part keeps its rows' scales."""
+    return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def round_trip(w: torch.Tensor) -> torch.Tensor:
+    """W's FP8 round trip in its own dtype: what a reference model runs to equal slora's FP8
+    engine (tests replace HF's linear weights with this)."""
+    return quantize_fp8(w).dequantize(w.dtype)
