@@ -269,7 +269,9 @@ class _Reply:
             async for i, out in gen.outputs():
                 end = len(out.text) if out.finished else holdback(out.text, stops)
                 text = out.text[sent_text[i]:end]
-                if not text and not out.finished and out.logprobs is None:
+                # one event per new token, its text delta empty while the detokeniser holds
+                # it back (a partial character, a possible stop string), as vLLM streams
+                if not text and not out.finished and len(out.token_ids) == sent_tokens[i]:
                     continue
                 fields = chunk(state, body, out, text, sent_tokens[i])
                 sent_text[i], sent_tokens[i] = max(end, sent_text[i]), len(out.token_ids)
