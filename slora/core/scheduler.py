@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from slora.config import EngineConfig, cdiv
 from slora.core.adapters import AdapterManager
 from slora.core.pages import KV, PageAllocator
-from slora.core.policies import make_policy
+from slora.core.policies import Policy, make_policy
 from slora.request import PENDING, Request, RequestStatus
 
 
@@ -125,25 +126,34 @@ class Scheduler:
         a row's MBGMV expand programs take time in proportion to its rank, which an adapter's
         pages grow with: in this order the GPU starts the longest first
         (`slora.kernels.mbgmv.mbgmv_expand`)."""
+        if len(plan.decode) < 2:
+            return
         adapters = self.adapters.adapters
         plan.decode.sort(key=lambda r: adapters[r.adapter].num_pages if r.adapter else 0,
                          reverse=True)
 
     def _schedule_running(self, plan: SchedulerPlan, now: float) -> None:
+        # Runs once per step over every running request: kept lean (no call when no page is
+        # needed). A victim is the running list's last request, so it is `req` or behind it in
+        # `queue`; removing it from `queue` during the loop skips it.
+        block_size, decode = self.block_size, plan.decode
         queue = list(self.running)
-        while queue:
-            req = queue.pop(0)
+        for req in queue:
             if req.num_pending and req.at_length():
                 continue  # ends once its running step is collected: no room for another token
-            need = cdiv(req.num_tokens, self.block_size) - len(req.block_table)
-            while not self._grow(req, need, plan):
-                victim = self.running[-1]
-                self._preempt(victim, plan)
-                if victim is req:
-                    break
-                queue.remove(victim)
+            tokens = len(req.prompt_token_ids) + len(req.output_token_ids)  # req.num_tokens
+            need = cdiv(tokens, block_size) - len(req.block_table)
+            if need > 0:
+                while not self._grow(req, need, plan):
+                    victim = self.running[-1]
+                    self._preempt(victim, plan)
+                    if victim is req:
+                        break
+                    queue.remove(victim)
+                else:
+                    decode.append(req)
             else:
-                plan.decode.append(req)
+                decode.append(req)
 
     def _grow(self, req: Request, need: int, plan: SchedulerPlan) -> bool:
         if need <= 0:
@@ -169,6 +179,8 @@ class Scheduler:
         self.preemptions += 1
 
     def _admit(self, plan: SchedulerPlan, now: float) -> None:
+        if not self.waiting:
+            return  # (no policy's order has effects on an empty queue)
         cfg = self.config
         resident = self.adapters.resident | {None}
         budget = cfg.max_batch_tokens - len(plan.decode)
@@ -246,7 +258,7 @@ class Scheduler:
         from idle adapters (LRU) that no request in the window needs: a queued request's
         adapter is needed soon, an idle one only maybe. Taking free pages alone would stop
         prefetching for good once idle adapters fill the pool, as they do in steady serving."""
-        window = list(self.waiting)[: self.config.prefetch_window]
+        window = list(islice(self.waiting, self.config.prefetch_window))
         keep = {r.adapter for r in window if r.adapter}
         for req in window:
             name = req.adapter
@@ -274,11 +286,17 @@ class Scheduler:
         """The plan's step is running: its sequences' new tokens count as computed and each
         holds a place (PENDING) for the token it samples. With `async_scheduling` the engine
         schedules the next step here, before those tokens are known; `resolve` fills them."""
-        for req in plan.seqs:
-            self.policy.served(req, req.num_new)
-            req.num_computed = req.num_tokens
-            req.output_token_ids.append(PENDING)
-            req.num_pending += 1
+        # once per step over every row: the policy's `served` is called only if it counts
+        # service (the base policy's is a no-op), and num_tokens is taken inline
+        served = self.policy.served if type(self.policy).served is not Policy.served else None
+        for rows in (plan.decode, plan.prefill):
+            for req in rows:
+                out = req.output_token_ids
+                if served is not None:
+                    served(req, req.num_new)
+                req.num_computed = len(req.prompt_token_ids) + len(out)
+                out.append(PENDING)
+                req.num_pending += 1
 
     def resolve(self, plan: SchedulerPlan, tokens: list[int],
                 logprobs: list[dict[int, float] | None], now: float,
@@ -288,19 +306,22 @@ class Scheduler:
         abort) drops its token; a row in `errors` ({row: message}) fails with that message.
         Returns the requests it changed and those that failed while the plan was made."""
         touched = []
+        finished = RequestStatus.FINISHED
         for i, (req, tok, lp) in enumerate(zip(plan.seqs, tokens, logprobs)):
-            if req.finished:
+            if req.status is finished:  # req.finished
                 continue
             if errors and i in errors:
                 self._finish(req, "error", now, errors[i])
                 touched.append(req)
                 continue
-            req.output_token_ids[len(req.output_token_ids) - req.num_pending] = tok
+            out = req.output_token_ids
+            out[len(out) - req.num_pending] = tok
             req.num_pending -= 1
             if lp is not None:
                 req.logprobs.append(lp)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
+            metrics = req.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
             reason = req.check_stop()
             if reason:  # (it may be waiting: preempted while its step ran)
                 self._finish(req, reason, now)
