@@ -16,6 +16,7 @@ from pathlib import Path
 BACKENDS = ("auto", "torch", "triton", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICIES = ("fcfs", "cluster", "abort", "fair")
+QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization's values besides None
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 # Adapter rows in pool pages start at multiples of this many elements (see kernels/reference.py).
@@ -62,6 +63,10 @@ class EngineConfig:
     backend: kernels. "auto" is triton on CUDA and torch on CPU.
     host_cache_gb: bound of the host-memory LRU tier that holds adapters between disk and the pool.
     policy: queue order, one of `POLICIES` (see slora.core.policies).
+    quantization: None (the base model's weights in `dtype`) or "fp8": the base model's linear
+        layers (q/k/v/o, gate/up/down) in FP8 E4M3 with one scale per output channel
+        (slora.model.quant), quantized at load time; embeddings, lm_head, norms and adapters
+        stay in `dtype`.
     """
 
     model: str | None = None
@@ -112,6 +117,7 @@ class EngineConfig:
     # The most top log-probs a request may ask for (SamplingParams.logprobs), as vLLM's
     # max_logprobs: each costs a top-k over the vocabulary per generated token.
     max_logprobs: int = 20
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -147,6 +153,8 @@ class EngineConfig:
         need(self.mixed_graph_tokens >= 0, "mixed_graph_tokens", "must be >= 0 (0: eager)")
         need(self.gemm_max_rows >= 0, "gemm_max_rows", "must be >= 0 (0: cuBLAS always)")
         need(self.max_logprobs >= 0, "max_logprobs", "must be >= 0")
+        need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+             f"expected None or one of {QUANTIZATIONS}")
 
     @property
     def host_cache_bytes(self) -> int:
@@ -262,11 +270,17 @@ class ModelConfig:
         """Elements of one pool page in one layer: K and V of `block_size` tokens."""
         return block_size * 2 * self.kv_size
 
-    def weight_bytes(self, dtype_bytes: int) -> int:
+    def weight_bytes(self, dtype_bytes: int, quantization: str | None = None) -> int:
+        """Bytes of the base model's weights (biases left out). quantization "fp8": the linear
+        layers' weights take one byte each and a 4-byte scale per output channel."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        linear = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
+        rows = self.q_size + 2 * self.kv_size + h + 2 * i + h  # output channels of a layer
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return (L * per_layer + emb + h) * dtype_bytes
+        rest = (L * 2 * h + emb + h) * dtype_bytes  # norms, embedding, lm_head
+        if quantization == "fp8":
+            return rest + L * (linear + 4 * rows)
+        return rest + L * linear * dtype_bytes
 
 
 def round_up(x: int, to: int) -> int:

@@ -1,10 +1,14 @@
 """Kernel backends behind one small interface.
 
 `TorchBackend` runs the twins in `reference.py` (the CPU path, and the specification) and
-F.linear for the base GEMMs. `TritonBackend` runs the Triton kernels: MBGMV for decode rows,
-MBGMM for prefill segments, paged decode and prefill attention, the fused elementwise kernels,
-and the base GEMMs of a decode step's few rows (`gemm.linear`; cuBLAS past them). Both take the
-same `Batch` / `LoraMeta` built by the runner; `make_backend` picks one by name.
+F.linear for the base GEMMs (`quant.linear`: over an FP8 weight, dequantized first).
+`TritonBackend` runs the Triton kernels: MBGMV for decode rows, MBGMM for prefill segments,
+paged decode and prefill attention, the fused elementwise kernels, and the base GEMMs of a
+decode step's few rows (`gemm.linear`; cuBLAS past them; over FP8 weights `fp8.linear`: the
+few-rows kernel reading E4M3 weights, `torch._scaled_mm` past them). Both take the same
+`Batch` / `LoraMeta` built by the runner; `make_backend` picks one by name. A base weight is a
+tensor or an `Fp8Weight` wherever `linear` or `linear_lora` takes one; LoRA reads the pool's
+pages in the pool's dtype either way.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from slora.kernels import reference as ref
+from slora.model import quant
 
 
 @dataclass
@@ -59,7 +63,7 @@ class LoraMeta:
 class TorchBackend:
     name = "torch"
 
-    linear = staticmethod(F.linear)
+    linear = staticmethod(quant.linear)
     rms_norm = staticmethod(ref.rms_norm)
     add_rms_norm = staticmethod(ref.add_rms_norm)
     rope_write_kv = staticmethod(ref.rope_write_kv)
@@ -101,11 +105,11 @@ class TritonBackend(TorchBackend):
 
     def __init__(self, gemm_max_rows: int) -> None:
         # triton imported only for this backend
-        from slora.kernels import attention, fused, gemm, mbgmm, mbgmv
+        from slora.kernels import attention, fp8, fused, mbgmm, mbgmv
 
         self._attn, self._mbgmv, self._mbgmm = attention, mbgmv, mbgmm
         self._side: dict[torch.device, torch.cuda.Stream] = {}  # (linear_lora)
-        self.linear = functools.partial(gemm.linear, max_rows=gemm_max_rows)
+        self.linear = functools.partial(fp8.linear, max_rows=gemm_max_rows)
         self.rms_norm = fused.rms_norm
         self.add_rms_norm = fused.add_rms_norm
         self.rope_write_kv = fused.rope_write_kv

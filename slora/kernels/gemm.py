@@ -1,6 +1,7 @@
 """A decode step's base-model GEMMs with few rows (Triton): out = x @ W^T (+ bias).
 
-Twin: `torch.nn.functional.linear` (what `TorchBackend.linear` runs).
+Twin: `torch.nn.functional.linear` (what `TorchBackend.linear` runs); for FP8 weights
+(`slora.model.quant.Fp8Weight`: W = weight * scale[:, None]), `quant.linear`.
 
 At decode batch sizes a base GEMM is a weight stream: each of W's bytes is read once and used
 for a handful of rows, so its speed is the fraction of copy bandwidth it reaches. Each program
@@ -14,6 +15,11 @@ no separate reduce kernel (cuBLAS runs split-K as a GEMM and a reduce).
 `linear` takes this path for at most `max_rows` rows (`EngineConfig.gemm_max_rows`) of a
 16-bit x on CUDA and calls F.linear otherwise: up to that many rows the weight stream here
 beats cuBLAS's tiles, past it cuBLAS wins.
+
+FP8 weights (`skinny_linear(..., scale=...)`): the same kernel loads W's E4M3 tiles (half the
+bytes), converts them in registers to x's dtype (exact: every E4M3 value is a bf16 and an fp16
+value), accumulates in fp32 and multiplies each output feature by its scale once, after the K
+sum: no dequantized copy of W exists in memory. `slora.kernels.fp8` dispatches to it.
 """
 
 from __future__ import annotations
@@ -30,10 +36,10 @@ from .tuning import pow2
 
 
 @triton.jit(do_not_specialize=["split"])
-def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_split,
-                   split, stride_x, stride_w, stride_out, stride_part,
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                   k_split, split, stride_x, stride_w, stride_out, stride_part,
                    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                   DOT_F32: tl.constexpr, PDL: tl.constexpr,
+                   DOT_F32: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which K slice
@@ -60,6 +66,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
             xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         if DOT_F32:
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        elif W_SCALE:  # an FP8 W: its tile in x's dtype, in registers
+            acc += tl.dot(w.to(xt.dtype), xt)
         else:
             acc += tl.dot(w, xt)
         w_ptrs += BLOCK_K
@@ -79,6 +87,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K
         for i in range(split):
             acc += tl.load(part_ptr + i * stride_part + cell, cache_modifier=".cg")
         tl.atomic_xchg(count_ptr + tile, 0)
+    if W_SCALE:  # W = weight * scale[:, None]: each output feature's sum times its scale
+        acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     out = acc.to(out_ptr.dtype.element_ty)
@@ -106,18 +116,20 @@ def prepare(device: torch.device) -> torch.Tensor:
     return _COUNTS[device]
 
 
-def skinny_cfg(M: int, N: int, K: int, device: torch.device) -> dict:
-    """The kernel's tiles: table entry `gemm`, by `split` (the K slices the rule's tile gives).
+def skinny_cfg(M: int, N: int, K: int, device: torch.device, w_bytes: int = 2) -> dict:
+    """The kernel's tiles: table entry `gemm`, by `split` (the K slices the rule's tile gives)
+    and `w_bytes` (bytes of one element of W: 1 for FP8, so a table may give FP8 its own rule).
     BLOCK_M holds every row of x (a power of two, at least 16 on the GPU, where tl.dot needs
     it). K is cut so that output tiles x slices reach about one program per SM: SPLIT slices,
     each a whole number of BLOCK_K steps. The interpreter's tiles shrink to the data (its cost
     grows with a tile's elements); a GPU's stay as the table gives them."""
     return dict(_skinny_cfg(tuning.kind(device), device.type == "cuda", tuning.sms(device), M, N,
-                            K))
+                            K, w_bytes))
 
 
 @functools.lru_cache(maxsize=4096)
-def _skinny_cfg(table: str, cuda: bool, n_sm: int, M: int, N: int, K: int) -> dict:
+def _skinny_cfg(table: str, cuda: bool, n_sm: int, M: int, N: int, K: int,
+                w_bytes: int = 2) -> dict:
     def fit(cfg):
         if not cuda:
             cfg["BLOCK_N"] = min(cfg["BLOCK_N"], pow2(N))
@@ -127,23 +139,27 @@ def _skinny_cfg(table: str, cuda: bool, n_sm: int, M: int, N: int, K: int) -> di
     def split(cfg):
         return max(1, min(n_sm // triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(K, cfg["BLOCK_K"])))
 
-    cfg = tuning.choose(table, "gemm", fit, split=split)
+    cfg = tuning.choose(table, "gemm", fit, split=split, w_bytes=w_bytes)
     return dict(cfg, BLOCK_M=max(16 if cuda else 1, pow2(M)), SPLIT=split(cfg))
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  cfg: dict | None = None) -> torch.Tensor:
+                  cfg: dict | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, by the
     Triton kernel whatever M (see `linear` for when the engine uses it). `cfg` overrides the
-    tiles (the benchmark's sweep)."""
+    tiles (the benchmark's sweep). `scale` [N] float32: w is an FP8 weight (float8_e4m3fn)
+    standing for w * scale[:, None], read as is."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape == (N, K) and w.stride(1) == 1 and x.stride(1) == 1, \
         "x and w: unit column stride"
+    assert (scale is None) == (w.dtype != torch.float8_e4m3fn), "an FP8 w comes with its scale"
+    assert scale is None or (scale.shape == (N,) and scale.dtype == torch.float32
+                             and scale.stride(0) == 1)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    cfg = dict(cfg or skinny_cfg(M, N, K, x.device))
+    cfg = dict(cfg or skinny_cfg(M, N, K, x.device, w.element_size()))
     if cfg["BLOCK_M"] < M:
         raise ValueError(f"skinny_linear: {M} rows do not fit BLOCK_M={cfg['BLOCK_M']}")
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
@@ -161,10 +177,11 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                            device=x.device)
     dot_f32 = x.device.type != "cuda" or x.dtype == torch.float32
     _skinny_kernel[(tiles, split)](
-        x, w, bias if bias is not None else w, out, part, count, M, N, K, k_split, split,
+        x, w, scale if scale is not None else out, bias if bias is not None else w, out, part,
+        count, M, N, K, k_split, split,
         x.stride(0), w.stride(0), out.stride(0), tiles * cfg["BLOCK_N"] * cfg["BLOCK_M"],
         SPLIT_K=split > 1, HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0,
-        DOT_F32=dot_f32, **pdl.options(x.device), **cfg)
+        DOT_F32=dot_f32, W_SCALE=scale is not None, **pdl.options(x.device), **cfg)
     return out
 
 

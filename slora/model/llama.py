@@ -18,6 +18,7 @@ import torch
 
 from slora.config import LORA_MODULES, ModelConfig
 from slora.kernels import reference as ref
+from slora.model.quant import Fp8Weight
 
 # LoRA module groups: modules that share an input, as indices into LORA_MODULES.
 GROUPS = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
@@ -31,14 +32,19 @@ def groups_of(modules) -> tuple[str, ...]:
 
 @dataclass
 class LayerWeights:
+    """One decoder layer's weights. The linear weights (qkv, o, gate_up, down: [out, in]) are
+    tensors in the model dtype or `Fp8Weight`s (EngineConfig.quantization="fp8", or a
+    pre-quantized checkpoint); the backend's `linear` takes either. Norms and biases are
+    always in the model dtype."""
+
     ln1: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, hidden]
+    qkv: torch.Tensor | Fp8Weight  # [q + 2 kv, hidden]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | Fp8Weight
     o_bias: torch.Tensor | None
     ln2: torch.Tensor
-    gate_up: torch.Tensor  # [2 intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.Tensor | Fp8Weight  # [2 intermediate, hidden]
+    down: torch.Tensor | Fp8Weight
 
 
 @dataclass

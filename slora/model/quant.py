@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -70,6 +71,32 @@ def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
 def cat(parts: list[Fp8Weight]) -> Fp8Weight:
     """Fused rows (q|k|v, gate|up): each part keeps its rows' scales."""
     return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+LINEAR_FIELDS = ("qkv", "o", "gate_up", "down")  # the LayerWeights fields that may be FP8
+
+
+def linear(x: torch.Tensor, w: "torch.Tensor | Fp8Weight",
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over a weight in the model dtype or an `Fp8Weight` (the twin of every FP8
+    kernel: the weight dequantized to x's dtype, then the matmul)."""
+    if isinstance(w, Fp8Weight):
+        w = w.dequantize(x.dtype)
+    return F.linear(x, w, bias)
+
+
+def quantize_weights(weights):
+    """`weights` (a `slora.model.llama.Weights`) with every linear weight of every layer
+    (`LINEAR_FIELDS`) in FP8, in place and returned. Quantized on the weights' own device, one
+    layer at a time: a layer's 16- or 32-bit tensors are dropped as soon as its FP8 ones
+    exist, so memory peaks at the weights plus one layer's float32 copy. Weights that are
+    already `Fp8Weight` (a pre-quantized checkpoint's) stay as they are."""
+    for layer in weights.layers:
+        for name in LINEAR_FIELDS:
+            w = getattr(layer, name)
+            if isinstance(w, torch.Tensor):
+                setattr(layer, name, quantize_fp8(w))
+    return weights
 
 
 def round_trip(w: torch.Tensor) -> torch.Tensor:

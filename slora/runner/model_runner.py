@@ -28,6 +28,7 @@ from slora.kernels.reference import LORA_ALIGN
 from slora.kernels.tiles import tile_rows
 from slora.model.llama import GROUPS, Batch, LlamaModel
 from slora.model.loader import load_weights, random_weights, strides
+from slora.model.quant import LINEAR_FIELDS, Fp8Weight, quantize_weights
 from slora.runner.batch import BatchBuilder
 from slora.runner.device import resolve_device, resolve_dtype
 from slora.runner.host_tier import HostAdapterTier
@@ -85,6 +86,16 @@ class ModelRunner:
             weights = random_weights(model_config, self.dtype, self.device, config.seed)
         else:
             weights = load_weights(model_dir, model_config, self.dtype, self.device)
+        # FP8 base weights: quantized here, on the device, from what was loaded (a
+        # pre-quantized checkpoint's Fp8Weights stay as they are; its other linear weights are
+        # quantized too). The freed 16-bit weights leave the allocator's cache, so the pool
+        # sized below from the device's free memory takes their place.
+        prequantized = any(isinstance(getattr(lw, f), Fp8Weight)
+                           for lw in weights.layers for f in LINEAR_FIELDS)
+        if config.quantization == "fp8" or prequantized:
+            weights = quantize_weights(weights)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         self.backend = make_backend(config.backend, self.device, config.gemm_max_rows)
         self.model = LlamaModel(model_config, weights, self.backend, config.block_size)
         self.num_pages = self._pool_pages()

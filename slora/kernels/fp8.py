@@ -1,0 +1,110 @@
+"""Linear layers over FP8 weights (`slora.model.quant.Fp8Weight`) on CUDA.
+
+Twin and specification: `quant.linear`, F.linear over the weight dequantized to x's dtype.
+
+`linear(x, w, bias, max_rows=...)` is the GPU backends' base GEMM for any weight:
+- a tensor weight: `gemm.linear` (the few-rows kernel or cuBLAS);
+- an FP8 weight, at most `max_rows` rows of a 16-bit x (a decode step): the few-rows kernel
+  reading the E4M3 weight and its scales directly (`gemm.skinny_linear(..., scale=)`): the
+  weight's bytes are the step's floor, and they are half of bf16's;
+- an FP8 weight, more rows of a bf16 x (prefill, large decode batches): the FP8 tensor cores
+  (`torch._scaled_mm`, cuBLASLt) on x quantized per token: each row of x gets its own scale
+  (its largest magnitude maps to E4M3's 448, `quantize_rows`), W keeps its per-channel ones,
+  the product comes out in bf16, then the bias is added. The activations' rounding to E4M3
+  makes this path differ from the twin by about E4M3's precision (2^-4 relative per element,
+  averaged over K), which the weights' own rounding already costs: it is the dynamic
+  per-token W8A8 scheme vLLM serves FP8 checkpoints with;
+- anything else (fp32 or fp16 x past the few rows, dims that are not multiples of 16, which
+  `_scaled_mm` requires, a CPU tensor): the twin.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slora.model import quant
+from slora.model.quant import FP8_DTYPE, FP8_MAX, Fp8Weight
+
+from . import gemm
+from .tuning import pow2
+
+# A row whose largest magnitude is below this gets the scale of this magnitude (an all-zero
+# row, a graph's padding, quantizes to zeros instead of dividing by 0).
+MIN_AMAX = 1e-12
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
+                          MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per row: its largest magnitude (first pass), then the row over its scale,
+    rounded to E4M3 (second pass, from cache)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        ok = k0 + offs < K
+        v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] float8_e4m3fn, scale [M, 1] float32) with x ~ q * scale: each row's largest
+    magnitude maps to 448 (at least MIN_AMAX does). Twin: `quantize_rows_ref`."""
+    M, K = x.shape
+    assert x.stride(1) == 1, "x: unit column stride"
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M:
+        _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
+                                    MIN_AMAX=MIN_AMAX, BLOCK_K=min(1024, pow2(K)), num_warps=4)
+    return q, scale
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `quantize_rows`."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def uses_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether `linear` runs x @ w^T on the FP8 tensor cores: a bf16 x on CUDA (`_scaled_mm`
+    with per-row scales returns bf16) and both of W's dims multiples of 16 (its layout rule)."""
+    N, K = w.shape
+    return x.is_cuda and x.dtype == torch.bfloat16 and N % 16 == 0 and K % 16 == 0
+
+
+def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
+                     quantize=quantize_rows) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T (+ bias) -> [M, N] bf16 on the FP8 tensor cores: x quantized per
+    row (`quantize`), W's E4M3 weight read column-major ([N, K] row-major transposed, no
+    copy), fp32 accumulation, both scales applied to the fp32 sums."""
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if x.shape[0] == 0:
+        return x.new_empty(0, w.shape[0])
+    xq, xs = quantize(x)
+    out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale.view(1, -1),
+                           out_dtype=torch.bfloat16)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None, *,
+           max_rows: int) -> torch.Tensor:
+    """F.linear over a tensor or an FP8 weight, by the path the module docstring gives."""
+    if not isinstance(w, Fp8Weight):
+        return gemm.linear(x, w, bias, max_rows=max_rows)
+    if gemm.uses_kernel(x, w.weight, max_rows):
+        return gemm.skinny_linear(x, w.weight, bias, scale=w.scale)
+    if uses_scaled_mm(x, w):
+        return scaled_mm_linear(x, w, bias)
+    return quant.linear(x, w, bias)
