@@ -10,12 +10,17 @@ way HF's generate is timed), and slora's decode tok/s (tokens after the first / 
 the last first token). --race adds the PEFT race: Llama-2-7B at batch 32, 32 distinct
 rank-16 q/k/v/o adapters in one batch, slora beside HF PEFT (mixed-batch adapter_names;
 --skip-hf leaves PEFT out: the slora rows with and without adapters remain).
+--quantization fp8 builds slora's engines with FP8 base weights (EngineConfig.quantization;
+the HF baselines stay in --dtype); the rows keep their system names and carry the setting, so
+gpu_table.py sets an FP8 run beside a bf16 one row by row.
 
 Writes bench_engine.json under --out: the harness's header (GPU, commit, command, ceilings)
 and one row per system, model and batch (gen_tok_s; decode_tok_s for slora).
 
     python experiments/bench_engine.py --models smollm2-135m,llama-2-7b --batches 1,32
     python experiments/bench_engine.py --models llama-2-7b --batches 32 --race --skip-hf
+    python experiments/bench_engine.py --models llama-2-7b --batches 32 --race --skip-hf \
+        --quantization fp8
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, device=
     res = {"system": system + ("" if eng.config.async_scheduling else " sync"), "model": model,
            "batch": batch, "gen_tok_s": batch * gen_len / wall,
            "decode_tok_s": decode_toks / max(end - last_first, 1e-9), "wall_s": wall,
-           "stats": eng.stats()}
+           "quantization": eng.config.quantization, "stats": eng.stats()}
     eng.close()
     del eng
     free_memory(device)
@@ -138,11 +143,14 @@ def main(argv=None) -> dict:
                          "async_scheduling=False; the default on CUDA is with it)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", choices=("fp8",),
+                    help="slora's base weights: fp8 = FP8 E4M3 linear layers (default: --dtype)")
     add_out_arg(ap)
     args = ap.parse_args(argv)
 
     dev = torch.device(args.device)
     on = dict(device=args.device, dtype=args.dtype)
+    quant = dict(quantization=args.quantization)  # slora's engines only
     rows = []
     ceil = ceilings(dev)
     print("ceilings:", ceil, flush=True)
@@ -150,7 +158,7 @@ def main(argv=None) -> dict:
     for model in args.models.split(","):
         for b in map(int, args.batches.split(",")):
             for mode in modes:
-                rows.append(slora_run(model, b, args.prompt_len, args.gen_len, **on,
+                rows.append(slora_run(model, b, args.prompt_len, args.gen_len, **on, **quant,
                                       num_pages=args.num_pages, async_scheduling=mode))
                 print(rows[-1], flush=True)
         if args.skip_hf:
@@ -163,14 +171,17 @@ def main(argv=None) -> dict:
         free_memory(dev)
     if args.race:
         for mode in modes:
-            rows.append(slora_run("llama-2-7b", 32, 128, 128, adapters=32, **on,
+            rows.append(slora_run("llama-2-7b", 32, 128, 128, adapters=32, **on, **quant,
                                   num_pages=args.num_pages, async_scheduling=mode))
             print(rows[-1], flush=True)
         if not args.skip_hf:
             rows.append(peft_race("llama-2-7b", 32, 128, args.race_peft_gen, **on))
             print(rows[-1], flush=True)
-    result = {**header(__file__, dev, ceil, argv), "rows": rows}
+    result = {**header(__file__, dev, ceil, argv), "quantization": args.quantization,
+              "rows": rows}
     write_result(args.out, "bench_engine.json", result)
+    if args.quantization:
+        print(f"\nslora's base weights: {args.quantization}", end="")
     print(f"\n{'system':<28}{'model':<14}{'batch':>6}{'gen tok/s':>12}{'decode tok/s':>14}")
     for r in rows:
         dec = f"{r['decode_tok_s']:14.0f}" if "decode_tok_s" in r else f"{'':>14}"

@@ -18,6 +18,9 @@ decode: at batch B in --batches, B requests with --context-token prompts, each o
     weights (every linear layer and the lm_head; the embedding table is only gathered), the
     batch's KV (sum of context lengths x layers x 2 x kv_heads x head_dim x dtype bytes) and
     the distinct adapters' rows (rank x (d_in + d_out) per module per layer x dtype bytes).
+    With --quantization fp8 the linear layers' weights count one byte each plus a 4-byte scale
+    per output channel (`ModelConfig.weight_bytes`); the lm_head, KV and adapters stay in
+    --dtype.
 
 Synthetic adapters share one seed, so adapters of one (rank, modules) shape share one pinned
 host buffer (2000 distinct ones of rank 64 on seven modules would need 640 GB of host memory);
@@ -26,11 +29,14 @@ every adapter still has its own pool pages and every load copies its full size t
 Writes bench_scaling.json under --out: the harness's header (GPU, commit, command, ceilings),
 then the rows of each part ("scaling": output_tok_s and ratio; "decode": step_ms, floor_ms and
 ratio). The ceilings are measured for the decode part alone, before the engine sizes its pool:
-scaling's peer is its no-LoRA row.
+scaling's peer is its no-LoRA row. --quantization fp8: the engine's base weights in FP8
+(EngineConfig.quantization), recorded in the result; the rows keep their names, so gpu_table.py
+sets an FP8 run beside a bf16 one row by row.
 
     python experiments/bench_scaling.py --part all
     python experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown ''
+    python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' --quantization fp8
     python experiments/bench_scaling.py --part decode --batches 1,32 --model DIR --device cpu \
         --dtype float32
 """
@@ -68,10 +74,11 @@ def adapter_bytes(cfg: ModelConfig, rank: int, modules, dtype_bytes: int) -> int
     return cfg.num_layers * rank * sum(sum(cfg.module_dims(m)) for m in modules) * dtype_bytes
 
 
-def weight_read_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """Weights a decode step reads: all of them but an untied embedding table (gathered)."""
+def weight_read_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = None) -> int:
+    """Weights a decode step reads: all of them but an untied embedding table (gathered);
+    `quantization` "fp8": the linear layers' in FP8 with their scales."""
     emb = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype_bytes
-    return cfg.weight_bytes(dtype_bytes) - emb
+    return cfg.weight_bytes(dtype_bytes, quantization) - emb
 
 
 def add_adapters(eng: Engine, ranks: dict[str, int], modules) -> None:
@@ -315,7 +322,7 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
         raise RuntimeError(f"decode batch {batch}: no step decoded all {batch} requests at once "
                            "(raise --max-num-seqs or --decode-tokens)")
     kv_tokens = statistics.median(s["kv_tokens"] for s in timed)
-    weights = weight_read_bytes(cfg, nbytes)
+    weights = weight_read_bytes(cfg, nbytes, eng.config.quantization)
     kv = int(kv_tokens * cfg.num_layers * 2 * cfg.kv_size * nbytes)
     lora = len(ranks) * adapter_bytes(cfg, args.decode_rank, modules, nbytes) if modules else 0
     floor_ms = (weights + kv + lora) / (copy_GBps * 1e9) * 1e3
@@ -464,8 +471,9 @@ def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
             print(f"decode: batch {b}, modules {key}: {r['step_ms']:.2f} ms/step, floor "
                   f"{r['floor_ms']:.2f} ms ({time.perf_counter() - t0:.0f} s into the part)",
                   flush=True)
-    print(f"\ndecode step vs byte floor, context ~{args.context}, rank {args.decode_rank}, "
-          f"one adapter per request; copy {copy_GBps:.0f} GB/s")
+    weights = "FP8 base weights" if args.quantization == "fp8" else f"{args.dtype} weights"
+    print(f"\ndecode step vs byte floor, {weights}, context ~{args.context}, rank "
+          f"{args.decode_rank}, one adapter per request; copy {copy_GBps:.0f} GB/s")
     print(f"{'batch':>6}{'modules':>8}{'ms/step':>9}{'exec ms':>9}{'floor ms':>9}{'ratio':>7}"
           f"{'weights GB':>11}{'KV GB':>7}{'LoRA GB':>8}{'tok/s':>8}")
     for r in rows:
@@ -489,6 +497,9 @@ def parse_args(argv=None):
                     help="a model dir (config.json is enough)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", choices=("fp8",),
+                    help="EngineConfig.quantization: fp8 = the base model's linear layers in FP8 "
+                         "E4M3 (default: --dtype)")
     ap.add_argument("--num-pages", type=int, default=None,
                     help="default: gpu_memory_fraction of free memory")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -570,19 +581,20 @@ def main(argv=None) -> dict:
     if ceil:
         print("ceilings:", ceil, flush=True)
     eng = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device,
-                              dtype=args.dtype, num_pages=args.num_pages,
-                              max_num_seqs=args.max_num_seqs,
+                              dtype=args.dtype, quantization=args.quantization,
+                              num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
                               max_batch_tokens=args.max_batch_tokens,
                               async_scheduling=args.async_scheduling,
                               **({} if args.gemm_rows is None
                                  else {"gemm_max_rows": args.gemm_rows}),
                               **({} if args.mixed_graph_tokens is None
                                  else {"mixed_graph_tokens": args.mixed_graph_tokens})))
-    print(f"engine: {eng.runner.num_pages} pages of {eng.runner.page_bytes / 1e6:.1f} MB "
+    print(f"engine: {args.quantization or args.dtype} weights, {eng.runner.num_pages} pages of "
+          f"{eng.runner.page_bytes / 1e6:.1f} MB "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
     result = {**header(__file__, device, ceil, argv),
               "model": args.model, "device": args.device, "dtype": args.dtype,
-              "pages": eng.runner.num_pages, "page_bytes": eng.runner.page_bytes,
+              "quantization": args.quantization, "pages": eng.runner.num_pages, "page_bytes": eng.runner.page_bytes,
               "args": vars(args)}
     if args.part in ("scaling", "all"):
         result["scaling"] = part_scaling(eng, args)

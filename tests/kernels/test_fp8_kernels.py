@@ -1,0 +1,154 @@
+"""FP8-weight kernels against their twins (`quant.linear`: the weight dequantized, then F.linear):
+the few-rows GEMM reading E4M3 weights and their scales, the per-row activation quantizer, the
+`_scaled_mm` path and `fp8.linear`'s choice among them; and an FP8 engine on CUDA (graphs and
+async scheduling on) against the same engine on the twins. The kernels run under the Triton
+interpreter on CPU where it can run them (fp32), for real on a GPU; the rest needs CUDA."""
+
+import pytest
+import torch
+
+from slora.model import quant
+from slora.model.quant import quantize_fp8
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def weight(N, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * (1 + torch.rand(N, 1, generator=g) * 4)  # rows' scales differ
+    return quantize_fp8(w * 0.05).to(torch.device(DEV))
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 20, 40), (3, 64, 96), (5, 33, 130)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_gemm_reads_fp8_weights(M, N, K, bias):
+    """fp32 x (the interpreter's path on CPU; the DOT_F32 variant on a GPU): equal to the twin
+    to fp32 rounding, K and N not multiples of the tiles."""
+    from slora.kernels import gemm
+
+    w = weight(N, K)
+    x = torch.randn(M, K, device=DEV)
+    b = torch.randn(N, device=DEV) if bias else None
+    got = gemm.skinny_linear(x, w.weight, b, scale=w.scale)
+    torch.testing.assert_close(got, quant.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- CUDA only
+# (the interpreter's float32 -> E4M3 conversion rounds ties away from zero and flushes
+# subnormals, so the quantizer is tested on a GPU alone)
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,K", [(1, 40), (4, 130), (3, 1024), (64, 11008)])
+def test_quantize_rows_matches_its_twin(dtype, M, K):
+    from slora.kernels import fp8
+
+    x = torch.randn(M, K, device="cuda") * torch.logspace(-3, 2, M, device="cuda")[:, None]
+    x = x.to(dtype)
+    x[0, :] = 0  # an all-zero row (a graph's padding) quantizes to zeros
+    q, s = fp8.quantize_rows(x)
+    qr, sr = fp8.quantize_rows_ref(x)
+    torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
+    # one E4M3 step at most where the kernel's division rounds the other way
+    torch.testing.assert_close(q.float(), qr.float(), rtol=0.125, atol=2 ** -9)
+    assert (q.float() != qr.float()).float().mean() < 0.01
+    assert q[0].float().eq(0).all() and q.float().abs().amax(dim=1)[1:].eq(448).all()
+
+
+SHAPES = [(64, 128), (200, 72), (4096, 4096), (256, 4096), (4096, 11008)]  # (N, K): ragged, split K
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_few_rows_gemm_fp8_sweep(dtype, N, K):
+    """16-bit x, M 1..64, with and without bias: the fp32 twin rounded once to x's dtype."""
+    from slora.kernels import gemm
+
+    w = weight(N, K)
+    for M in (1, 2, 7, 16, 31, 32, 33, 64):
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        for b in (None, torch.randn(N, device="cuda", dtype=dtype)):
+            got = gemm.skinny_linear(x, w.weight, b, scale=w.scale)
+            want = quant.linear(x.float(), w, None if b is None else b.float())
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@cuda
+@pytest.mark.parametrize("N,K", [(64, 128), (4096, 4096), (12288, 4096), (4096, 11008)])
+def test_scaled_mm_path(N, K):
+    """bf16 x, M 1..64 and prefill sizes, with and without bias: the twin over x's per-row FP8
+    round trip (the same products) to bf16 rounding; the plain twin to E4M3's precision."""
+    from slora.kernels import fp8
+
+    w = weight(N, K)
+    for M in (1, 5, 16, 33, 64, 300, 2048):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        for b in (None, torch.randn(N, device="cuda", dtype=torch.bfloat16)):
+            got = fp8.scaled_mm_linear(x, w, b)
+            xq, xs = fp8.quantize_rows_ref(x)
+            bf = None if b is None else b.float()
+            want = quant.linear(xq.float() * xs, w, bf)
+            assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+            assert rel_err(got, quant.linear(x.float(), w, bf)) < 0.06
+
+
+@cuda
+def test_fp8_linear_dispatch():
+    """fp8.linear: the few-rows kernel up to max_rows of a 16-bit x, `_scaled_mm` past them
+    (bf16, dims multiples of 16), the twin otherwise; a tensor weight goes to gemm.linear."""
+    from slora.kernels import fp8, gemm
+
+    w, odd = weight(256, 512), weight(200, 72)
+    x = torch.randn(48, 512, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fp8.linear(x[:32], w, max_rows=32),
+                       gemm.skinny_linear(x[:32], w.weight, scale=w.scale))
+    assert torch.equal(fp8.linear(x, w, max_rows=32), fp8.scaled_mm_linear(x, w))
+    xo = torch.randn(48, 72, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fp8.linear(xo, odd, max_rows=32), quant.linear(xo, odd))
+    xf = x.float()
+    assert torch.equal(fp8.linear(xf, w, max_rows=32), quant.linear(xf, w))
+    dense = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(fp8.linear(x, dense, max_rows=32), gemm.linear(x, dense, max_rows=32))
+
+
+@cuda
+def test_fp8_engine_with_graphs_and_async_scheduling_agrees_with_the_twins(tiny_models):
+    """bf16 on CUDA, q/k/v and o biases: the Triton backend (CUDA graphs, async scheduling;
+    decode batches of 8 take the few-rows kernel, of 40 and prefill `_scaled_mm`) against the
+    torch backend over the same FP8 weights. The activations' E4M3 rounding moves log-probs by
+    hundredths of a nat; a wrong scale or layout moves them by nats and the tokens at random."""
+    from slora import Engine, EngineConfig, SamplingParams
+
+    model_dir = tiny_models("llama_headdim_linear")
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 250, (40, 12), generator=g).tolist()
+    res = {}
+    for backend in ("torch", "triton"):
+        e = Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16",
+                                num_pages=256, backend=backend, quantization="fp8",
+                                cuda_graphs=True, async_scheduling=True))
+        greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+        first = e.generate(prompts[:8], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=3))
+        res[backend] = dict(
+            first=[o.token_ids[0] for o in first],
+            top=[max(o.logprobs[0].values()) for o in first],
+            many=[o.token_ids for o in e.generate(prompts, greedy)],
+            few=[o.token_ids for o in e.generate(prompts[:8], greedy)])
+        e.close()
+    a, b = res["torch"], res["triton"]
+    assert sum(x == y for x, y in zip(a["first"], b["first"])) >= 6
+    assert max(abs(x - y) for x, y in zip(a["top"], b["top"])) < 0.25
+    for key in ("many", "few"):
+        same = [x[0] == y[0] for x, y in zip(a[key], b[key])]  # first tokens: before any drift
+        assert sum(same) >= 0.75 * len(same), key
+        agree = sum(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x))
+                    for x, y in zip(a[key], b[key]))
+        assert agree >= 0.5 * sum(len(x) for x in a[key]), key  # tokens before the first miss
