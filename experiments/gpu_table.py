@@ -91,7 +91,10 @@ def table(runs: list[dict]) -> str:
     lines = []
     for run in runs:
         d = next((run[k] for k in ("engine", "s2", "decode") if run[k]), {})
+        quant = next((run[k]["quantization"] for k in ("engine", "s2", "decode")
+                      if run[k] and run[k].get("quantization")), None)
         lines.append(f"{run['label']}: {d.get('gpu') or '-'}, commit {run['commit'][:12]}; "
+                     f"{quant + ' base weights; ' if quant else ''}"
                      f"tests: {run['tests'] or 'not run'}")
     per = [{what: (fig, peer, name) for what, fig, peer, name in rows(run)} for run in runs]
     names = {what: name for p in per for what, (_, _, name) in p.items()}
