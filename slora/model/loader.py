@@ -1,6 +1,9 @@
 """Loading from local Hugging Face directories: base models and PEFT LoRA adapters.
 
 Base model: config.json, model.safetensors or shards listed in model.safetensors.index.json.
+A checkpoint whose config.json carries an FP8 `quantization_config` (vLLM's `fp8` format or the
+`compressed-tensors` float8 format) loads as is: its linear layers become `Fp8Weight`s (see
+`Fp8Checkpoint`); any other quantization is refused with a ConfigError naming it.
 Adapter: adapter_config.json + adapter_model.safetensors (or adapter_model.bin, read with
 torch.load(weights_only=True)). An adapter is validated against the base model when it is
 registered (config, every tensor present with the right shape, sizes against the
@@ -15,14 +18,16 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from slora.config import LORA_ALIGN, LORA_MODULES, ModelConfig, round_up
+from slora.config import LORA_ALIGN, LORA_MODULES, ConfigError, ModelConfig, round_up
 from slora.core.adapters import AdapterLayout
 from slora.model.llama import LayerWeights, Weights
+from slora.model.quant import FP8_DTYPE, Fp8Weight, cat, quantize_fp8
 
 
 class AdapterError(ValueError):
@@ -54,25 +59,57 @@ def _safetensor_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
-                 device: torch.device) -> Weights:
-    path = Path(path)
-    if cfg.mlp_bias:
-        raise ValueError(f"{path}: mlp_bias=True is not supported")
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in _safetensor_files(path):
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():
                 tensors[key] = fh.get_tensor(key)
+    return tensors
+
+
+def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+                 device: torch.device) -> Weights:
+    """The model's weights on `device`: norms, embeddings, lm_head and biases in `dtype`; each
+    linear layer (q|k|v and gate|up fused) in `dtype`, or an `Fp8Weight` where the checkpoint
+    is a supported FP8 one (`Fp8Checkpoint`) and holds it in FP8. The FP8 parts keep the
+    checkpoint's own values and scales. A fused layer whose other parts the checkpoint leaves
+    unquantized (its `ignore` list) is FP8 whole, those parts quantized per output channel
+    (`quantize_fp8`, as EngineConfig.quantization="fp8" does); an unquantized layer on its own
+    stays in `dtype`."""
+    path = Path(path)
+    if cfg.mlp_bias:
+        raise ValueError(f"{path}: mlp_bias=True is not supported")
+    scheme = _quant_scheme(path)
+    tensors = _read_tensors(path)
+    _check_quantized_modules(tensors, cfg, path, fp8=scheme is not None)
 
     def get(name: str) -> torch.Tensor:
         t = tensors.get(name)
         if t is None:
             raise KeyError(f"model directory {path}: weight {name!r} not found")
+        if not t.is_floating_point() or t.dtype in _FP8_DTYPES:
+            raise ValueError(f"model directory {path}: weight {name!r} is {t.dtype}; slora keeps "
+                             "embeddings, lm_head, norms and biases in the model dtype (a "
+                             "checkpoint may hold them in float32, float16 or bfloat16)")
         return t.to(device=device, dtype=dtype)
 
     def maybe(name: str) -> torch.Tensor | None:
         return get(name) if name in tensors else None
+
+    def linear(module: str) -> Fp8Weight | torch.Tensor:
+        w = tensors.get(module + ".weight")
+        if w is None or w.dtype not in _FP8_DTYPES:
+            return get(module + ".weight")
+        return _fp8_linear(tensors, module, path).to(device)
+
+    def fused(modules: list[str]) -> Fp8Weight | torch.Tensor:
+        parts = [linear(m) for m in modules]
+        if len(parts) == 1:
+            return parts[0]
+        if not any(isinstance(p, Fp8Weight) for p in parts):
+            return torch.cat(parts)
+        return cat([p if isinstance(p, Fp8Weight) else quantize_fp8(p) for p in parts])
 
     layers = []
     for i in range(cfg.num_layers):
@@ -83,18 +120,238 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             qkv_bias = torch.cat([get(a + f"{m}_proj.bias") for m in "qkv"])
         layers.append(LayerWeights(
             ln1=get(p + "input_layernorm.weight"),
-            qkv=torch.cat([get(a + f"{m}_proj.weight") for m in "qkv"]),
+            qkv=fused([a + f"{m}_proj" for m in "qkv"]),
             qkv_bias=qkv_bias,
-            o=get(a + "o_proj.weight"),
+            o=fused([a + "o_proj"]),
             o_bias=maybe(a + "o_proj.bias") if cfg.o_bias else None,
             ln2=get(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-            down=get(p + "mlp.down_proj.weight"),
+            gate_up=fused([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+            down=fused([p + "mlp.down_proj"]),
         ))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in tensors \
         else get("lm_head.weight")
     return Weights(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head)
+
+
+# ----------------------------------------------------------------------------- FP8 checkpoints
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+               torch.float8_e5m2fnuz)
+SUPPORTED_QUANTIZATION = (
+    "slora loads FP8 E4M3 checkpoints in vLLM's 'fp8' format (quant_method 'fp8', per-tensor "
+    "weight_scale, activation_scheme 'dynamic' or 'static') and the compressed-tensors float8 "
+    "format (quant_method 'compressed-tensors', format 'float-quantized' or 'naive-quantized', "
+    "weights num_bits 8 type 'float' strategy 'tensor' or 'channel', input_activations null, "
+    "dynamic per 'token' or 'tensor', or static per 'tensor'), FP8 on the q/k/v/o/gate/up/down "
+    "projections only; a float32/float16/bfloat16 checkpoint is quantized at load with "
+    "EngineConfig(quantization='fp8')")
+# the module path of a linear layer FP8 may quantize, e.g. model.layers.3.mlp.down_proj
+_LINEAR_PATH = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(?:"
+                          + "|".join(LORA_MODULES) + r")$")
+# tensors beside a quantized weight: its scale, a static activation scale, a zero point
+_QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".weight_zero_point",
+                   ".input_zero_point")
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """A pre-quantized FP8 checkpoint as slora serves it, from its config.json's
+    `quantization_config` and its scale tensors.
+
+    method: "fp8" (vLLM's Fp8Config) or "compressed-tensors" (its float8 schemes).
+    activations: the checkpoint's activation scheme: "dynamic", "static" (per-tensor scales
+        calibrated offline, `input_scales`) or "none" (weight-only); "static" if any of its
+        config groups is static. slora quantizes activations dynamically, per token, whatever
+        this says: a static scale is recorded, not applied.
+    ignore: the modules the checkpoint leaves unquantized (`ignored_layers` / `ignore`).
+    input_scales: module path (model.layers.N.self_attn.q_proj) -> its static activation scale.
+
+    The weights: each linear weight stored as float8_e4m3fn comes with a `weight_scale` of one
+    element (per tensor, repeated over the rows) or one per output row ([N] or [N, 1], per
+    channel), in any float dtype, finite and > 0; W = weight * scale.
+    """
+
+    method: str
+    activations: str
+    ignore: tuple[str, ...] = ()
+    input_scales: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Fp8Checkpoint | None":
+        """The FP8 quantization of the model directory at `path`; None for an unquantized one.
+        ConfigError for a quantization slora does not serve."""
+        path = Path(path)
+        scheme = _quant_scheme(path)
+        if scheme is None:
+            return None
+        scales = {}
+        for f in _safetensor_files(path):
+            with safe_open(str(f), framework="pt") as fh:
+                scales.update({k: fh.get_tensor(k) for k in fh.keys()
+                               if k.endswith(".input_scale")})
+        return cls(*scheme, input_scales=_input_scales(scales, path))
+
+
+def _quant_scheme(path: Path) -> tuple[str, str, tuple[str, ...]] | None:
+    """(method, activations, ignore) of the directory's quantization_config; None without one."""
+    file = path / "config.json"
+    if not file.is_file():
+        return None
+    qc = json.loads(file.read_text()).get("quantization_config")
+    if qc is None:
+        return None
+    return parse_quantization_config(qc, str(file))
+
+
+def parse_quantization_config(qc, source: str = "config") -> tuple[str, str, tuple[str, ...]]:
+    """(method, activations, ignore) of a config.json's `quantization_config` (see
+    `Fp8Checkpoint`). ConfigError naming the format, and what slora supports, for anything
+    else: GPTQ, AWQ, bitsandbytes, int8/int4, block-wise FP8, FP4, asymmetric or sparse."""
+    def fail(why: str):
+        raise ConfigError(f"{source}: quantization_config {why}; {SUPPORTED_QUANTIZATION}")
+
+    if not isinstance(qc, dict):
+        fail(f"is a JSON {type(qc).__name__}, not an object")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        scheme = qc.get("activation_scheme")
+        if scheme not in ("dynamic", "static"):
+            fail(f"activation_scheme {scheme!r} is not 'dynamic' or 'static'")
+        if qc.get("weight_block_size") is not None:
+            fail(f"weight_block_size {qc['weight_block_size']!r}: block-wise FP8 "
+                 "(weight_scale_inv per block) is not supported, only one weight scale per "
+                 "tensor or per output channel")
+        return "fp8", scheme, _names(qc.get("ignored_layers"), "ignored_layers", fail)
+    if method != "compressed-tensors":
+        fail(f"quant_method {method!r} is not supported")
+    sparsity = qc.get("sparsity_config")
+    if sparsity and sparsity.get("format", "dense") != "dense":
+        fail(f"sparsity_config format {sparsity.get('format')!r}: sparse weights are not "
+             "supported")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        fail(f"config_groups {groups!r} is not a non-empty object")
+    schemes = []
+    for name, g in groups.items():
+        if not isinstance(g, dict):
+            fail(f"config_groups[{name!r}] is not an object")
+        fmt = g.get("format") or qc.get("format")
+        if fmt not in ("float-quantized", "naive-quantized"):
+            fail(f"format {fmt!r} (config group {name!r}) is not supported")
+        schemes.append(_ct_group(name, g, fail))
+    activations = next((s for s in ("static", "dynamic") if s in schemes), "none")
+    return "compressed-tensors", activations, _names(qc.get("ignore"), "ignore", fail)
+
+
+def _ct_group(name: str, g: dict, fail) -> str:
+    """A compressed-tensors config group's activation scheme, once its weights are checked to
+    be symmetric float8 per tensor or per channel."""
+    w = g.get("weights")
+    if not isinstance(w, dict):
+        fail(f"config group {name!r} has no weights scheme")
+    kind, bits = w.get("type", "int"), w.get("num_bits")
+    if kind != "float" or bits != 8:
+        fail(f"config group {name!r}: weights of type {kind!r} with num_bits {bits!r} "
+             f"({'int' + str(bits) if kind == 'int' else 'fp' + str(bits)}) are not supported")
+    if w.get("strategy") not in ("tensor", "channel") or w.get("block_structure"):
+        fail(f"config group {name!r}: weights strategy {w.get('strategy')!r} is not supported "
+             "(group- or block-wise scales)")
+    if w.get("dynamic") or not w.get("symmetric", True):
+        fail(f"config group {name!r}: dynamic or asymmetric weight scales are not supported")
+    if g.get("output_activations"):
+        fail(f"config group {name!r}: output_activations quantization is not supported")
+    a = g.get("input_activations")
+    if a is None:
+        return "none"
+    if not isinstance(a, dict) or a.get("type", "int") != "float" or a.get("num_bits") != 8:
+        fail(f"config group {name!r}: input_activations {a!r} are not float8")
+    if not a.get("symmetric", True):
+        fail(f"config group {name!r}: asymmetric input_activations are not supported")
+    dynamic, strategy = a.get("dynamic"), a.get("strategy")
+    if dynamic is True and strategy in ("token", "tensor"):
+        return "dynamic"
+    if dynamic is False and strategy == "tensor":
+        return "static"
+    fail(f"config group {name!r}: input_activations dynamic={dynamic!r} strategy={strategy!r} "
+         "are not supported")
+
+
+def _names(v, key: str, fail) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        fail(f"{key} {v!r} is not a list of module names")
+    return tuple(v)
+
+
+def _module_of(key: str) -> str:
+    """The module path a checkpoint tensor belongs to (its name without the last part)."""
+    return key.rsplit(".", 1)[0]
+
+
+def _check_quantized_modules(tensors: dict[str, torch.Tensor], cfg: ModelConfig, path: Path,
+                             fp8: bool) -> None:
+    """ValueError naming the first tensor that makes the checkpoint one slora does not serve
+    as FP8: a float8 tensor in a checkpoint without quantization_config, a quantized module
+    other than the linear projections (embeddings, lm_head, norms), an FP8 E5M2 weight."""
+    for key, t in tensors.items():
+        if key.endswith(_QUANT_SUFFIXES) or t.dtype in _FP8_DTYPES:
+            module = _module_of(key)
+            if not fp8:
+                raise ConfigError(f"model directory {path}: tensor {key!r} ({t.dtype}) is a "
+                                  "quantized weight but config.json has no quantization_config; "
+                                  f"{SUPPORTED_QUANTIZATION}")
+            if not _LINEAR_PATH.match(module):
+                raise ValueError(f"model directory {path}: tensor {key!r}: module {module!r} is "
+                                 "quantized, but only the linear projections (q/k/v/o/gate/up/"
+                                 "down_proj) may be FP8; embeddings, lm_head and norms stay in "
+                                 f"the model dtype. {SUPPORTED_QUANTIZATION}")
+            if t.dtype in _FP8_DTYPES and t.dtype != FP8_DTYPE:
+                raise ValueError(f"model directory {path}: tensor {key!r} is {t.dtype}; only "
+                                 f"float8_e4m3fn weights are supported. {SUPPORTED_QUANTIZATION}")
+    _input_scales(tensors, path)
+
+
+def _fp8_linear(tensors: dict[str, torch.Tensor], module: str, path: Path) -> Fp8Weight:
+    """A linear module's FP8 weight with its scale as one per output row: a per-tensor scale
+    repeated, a per-channel one ([N] or [N, 1]) as is."""
+    w = tensors[module + ".weight"]
+    where = f"model directory {path}: {module}"
+    if module + ".weight_scale_inv" in tensors:
+        raise ValueError(f"{where}: weight_scale_inv is block-wise FP8, which is not supported. "
+                         f"{SUPPORTED_QUANTIZATION}")
+    zero = tensors.get(module + ".weight_zero_point")
+    if zero is not None and bool((zero != 0).any()):
+        raise ValueError(f"{where}: a non-zero weight_zero_point (asymmetric FP8) is not "
+                         f"supported. {SUPPORTED_QUANTIZATION}")
+    s = tensors.get(module + ".weight_scale")
+    if s is None:
+        raise ValueError(f"{where}: float8 weight without a weight_scale")
+    n = w.shape[0]
+    if w.dim() != 2 or not s.is_floating_point() or s.dtype in _FP8_DTYPES \
+            or s.numel() not in (1, n) or (s.numel() == n and s.dim() > 1 and s.shape[1:] != (1,)):
+        raise ValueError(f"{where}: weight {list(w.shape)} with weight_scale {list(s.shape)} "
+                         f"({s.dtype}); expected one scale per tensor ([] or [1]) or per output "
+                         f"row ([{n}] or [{n}, 1]) in a float dtype (group- or block-wise scales "
+                         "are not supported)")
+    scale = s.float().reshape(-1).expand(n).contiguous()
+    if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(f"{where}: weight_scale holds values that are not finite numbers > 0")
+    return Fp8Weight(w, scale)
+
+
+def _input_scales(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, float]:
+    """module path -> its static activation scale (`.input_scale`): one finite number > 0."""
+    out = {}
+    for key, t in tensors.items():
+        if key.endswith(".input_scale"):
+            v = t.float().reshape(-1) if t.is_floating_point() else t.new_empty(0)
+            if v.numel() != 1 or not (math.isfinite(v.item()) and v.item() > 0):
+                raise ValueError(f"model directory {path}: {key} ({t.dtype}, shape "
+                                 f"{list(t.shape)}) is not one finite number > 0")
+            out[_module_of(key)] = v.item()
+    return out
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
