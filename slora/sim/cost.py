@@ -85,6 +85,7 @@ from __future__ import annotations
 import json
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from operator import mul
 from pathlib import Path
 
 from slora.config import TOKEN_BUCKETS, bucket, buckets_up_to
@@ -98,37 +99,63 @@ PROFILE_FORMAT = "slora-profile/1"
 MIN_STEP_S = 1e-6  # a step always advances the clock, so an idle-looking loop cannot spin
 
 
-def plan_features(plan, adapters, graph_tokens: int = 0) -> tuple[float, ...]:
+class AdapterPages(dict):
+    """Adapter name -> its pool pages (None, the base model: 0), filled from an
+    `AdapterManager`'s registry on first use. A registered adapter's page count never changes,
+    so one of these serves a simulated engine's whole run."""
+
+    def __init__(self, infos: dict) -> None:
+        super().__init__({None: 0})
+        self._infos = infos
+
+    def __missing__(self, name: str) -> int:
+        pages = self[name] = self._infos[name].num_pages
+        return pages
+
+
+def plan_features(plan, adapters, graph_tokens: int = 0,
+                  pages: AdapterPages | None = None) -> tuple[float, ...]:
     """The FEATURES of a `SchedulerPlan` (between schedule and update: `num_new` is this step's).
 
-    `adapters` is the `AdapterManager` (for each adapter's page count). `graph_tokens`: the
-    engine's `mixed_graph_tokens`; a step with prompts and at most that many tokens replays a
-    CUDA graph, so it is not `eager`.
+    `adapters` is the `AdapterManager` (for each adapter's page count; `pages`, when given, is
+    an `AdapterPages` of it, kept across steps: a simulation computes this for every step).
+    `graph_tokens`: the engine's `mixed_graph_tokens`; a step with prompts and at most that
+    many tokens replays a CUDA graph, so it is not `eager`.
     """
-    infos = adapters.adapters
+    if pages is None:
+        pages = AdapterPages(adapters.adapters)
+    names = set()
+    add = names.add
     prefill_tokens = prefill_attn = lora_prefill = 0
     for r in plan.prefill:
         new = r.num_new
         prefill_tokens += new
         prefill_attn += new * r.num_tokens
-        if r.adapter is not None:
-            lora_prefill += new * infos[r.adapter].num_pages
+        lora_prefill += new * pages[r.adapter]
+        add(r.adapter)
+    decode = plan.decode
     decode_ctx = lora_decode = 0
-    for r in plan.decode:
+    for r in decode:  # one pass: the decode rows are most of a step's rows
         decode_ctx += len(r.prompt_token_ids) + len(r.output_token_ids)
-        if r.adapter is not None:
-            lora_decode += infos[r.adapter].num_pages
-    names = {r.adapter for r in plan.decode}
-    names.update(r.adapter for r in plan.prefill)
+        name = r.adapter
+        lora_decode += pages[name]
+        add(name)
     names.discard(None)
-    tokens = prefill_tokens + len(plan.decode)
+    tokens = prefill_tokens + len(decode)
     eager = 1.0 if plan.prefill and tokens > graph_tokens else 0.0
     prompts = 1.0 if plan.prefill else 0.0
-    return (1.0, prefill_tokens, prefill_attn, len(plan.decode), decode_ctx, len(names),
+    return (1.0, prefill_tokens, prefill_attn, len(decode), decode_ctx, len(names),
             lora_prefill, lora_decode, eager, eager if names else 0.0,
             1.0 if names else 0.0, eager * len(names),
-            prompts if plan.decode else 0.0, prompts * len(names),
+            prompts if decode else 0.0, prompts * len(names),
             padding(tokens, graph_tokens) if prompts and not eager else 0.0)
+
+
+def decode_features(rows: int, ctx: int, adapters: int, lora_decode: int) -> tuple[float, ...]:
+    """`plan_features` of a plan of `rows` decode rows and no prefill: `ctx` context tokens in
+    all, `adapters` distinct adapters, `lora_decode` adapter pages summed over the rows."""
+    return (1.0, 0, 0, rows, ctx, adapters, 0, lora_decode, 0.0, 0.0, 1.0 if adapters else 0.0,
+            0.0, 0.0, 0.0, 0.0)
 
 
 def padding(tokens: int, graph_tokens: int) -> float:
@@ -171,7 +198,7 @@ class CostModel:
         self._h = tuple((FEATURES.index(k), v) for k, v in (self.host_coeffs or {}).items() if v)
 
     def forward_time(self, features: tuple[float, ...]) -> float:
-        device = sum(c * f for c, f in zip(self._c, features))
+        device = sum(map(mul, self._c, features))
         if not self._h:
             return device
         return max(device, sum(c * features[j] for j, c in self._h))

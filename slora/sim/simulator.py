@@ -27,19 +27,21 @@ No torch here.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
-from slora.config import DTYPE_BYTES, EngineConfig, ModelConfig
+from slora.config import DTYPE_BYTES, EngineConfig, ModelConfig, cdiv
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
-from slora.core.pages import PageAllocator
+from slora.core.pages import KV, PageAllocator
+from slora.core.policies import Policy
 from slora.core.scheduler import Scheduler, SchedulerPlan
 from slora.metrics import result_dict, summarize
 from slora.replay import replay
-from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
-from slora.sim.cost import CostModel, Profile, plan_features
+from slora.request import PENDING, Request, RequestOutput, RequestStatus, SamplingParams
+from slora.sim.cost import AdapterPages, CostModel, Profile, decode_features, plan_features
 from slora.workload import Trace
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Engine.add_synthetic_adapter's
@@ -105,9 +107,16 @@ class SimRunner:
     def __init__(self, cost: CostModel, graph_tokens: int = 0) -> None:
         self.cost = cost
         self.graph_tokens = graph_tokens  # EngineConfig.mixed_graph_tokens (see plan_features)
+        self._pages: AdapterPages | None = None  # of the AdapterManager it times steps for
         self.busy_s = 0.0
         self.copy_s = 0.0
         self.disk_s = 0.0
+
+    def adapter_pages(self, adapters: AdapterManager) -> AdapterPages:
+        """The page counts of `adapters`' registry (the one manager this runner times)."""
+        if self._pages is None:
+            self._pages = AdapterPages(adapters.adapters)
+        return self._pages
 
     def step_time(self, plan: SchedulerPlan, adapters: AdapterManager) -> float:
         cost, infos = self.cost, adapters.adapters
@@ -123,7 +132,7 @@ class SimRunner:
                 else:
                     blocking += cost.copy_time(nbytes)
         forward = 0.0 if plan.empty else cost.forward_time(
-            plan_features(plan, adapters, self.graph_tokens))
+            plan_features(plan, adapters, self.graph_tokens, self.adapter_pages(adapters)))
         dt = cost.step_time(forward, blocking, prefetch, disk)
         self.busy_s += dt
         self.copy_s += blocking + prefetch
@@ -173,11 +182,17 @@ class SimEngine:
         # when the device is free of the steps and copies launched so far
         self._flight: tuple[SchedulerPlan, float] | None = None
         self._device_free = 0.0
+        self._pages_of: dict[tuple, int] = {}  # (rank, targets) -> adapter pages
+        self.last_plan: SchedulerPlan | None = None  # of the last `step` (not fast_forward's)
 
     # -- adapters
     def add_synthetic_adapter(self, name: str, rank: int,
                               target_modules: Sequence[str] = DEFAULT_TARGETS, seed: int = 0) -> None:
-        pages = adapter_pages(self.model, rank, self.config.block_size, tuple(target_modules))
+        key = (rank, tuple(target_modules))
+        pages = self._pages_of.get(key)
+        if pages is None:  # one layout per shape: 100,000 adapters share a few
+            pages = self._pages_of[key] = adapter_pages(self.model, rank, self.config.block_size,
+                                                        key[1])
         self.adapters.register(AdapterInfo(name=name, num_pages=pages,
                                            nbytes=pages * self.page_bytes, source="synthetic"))
 
@@ -223,6 +238,7 @@ class SimEngine:
             n = len(plan.decode) + len(plan.prefill)
             touched = self.scheduler.update(plan, [FAKE_TOKEN] * n, [None] * n, self.clock.now)
         self.steps += 1
+        self.last_plan = plan
         if self.check:
             self.allocator.check()
         if self.on_step is not None:
@@ -253,6 +269,135 @@ class SimEngine:
             n = len(prev[0].seqs)
             touched += self.scheduler.resolve(prev[0], [FAKE_TOKEN] * n, [None] * n, self.clock.now)
         return touched
+
+    def fast_forward(self, limit: float) -> int:
+        """Take the next steps at once while they are quiet, and each starts before `limit`
+        (the driver's promise: no request is added before it). Returns how many it took; 0
+        when the next step is not quiet (call `step`).
+
+        A quiet step is one whose decisions are known without scheduling it: nothing waits
+        (so nothing is admitted, prefetched or aborted), every running request decodes one
+        token and none reaches its length (so none is skipped or finishes), and the pages its
+        rows' new blocks take are free (so nothing is evicted or preempted). Its effects are
+        then the scheduler's for such a step, applied here in the same order: each row gets
+        its token (`advance`, then `resolve` with the fake token; a first token's time is the
+        resolve's), new KV pages go to the rows in running order, step by step, from the
+        allocator, a policy that counts service (`served`) is told of each token, and the
+        clock, the device and the runner's busy time advance step by step by the cost model's
+        time of a decode-only plan. With async scheduling the last step stays in flight, its
+        plan the scheduler's (`_order_decode`). Step by step and at once give the same state
+        (tests/sim/test_cluster.py checks it against `step` alone); `on_step` and `check`
+        need every step, so with either this takes none.
+        """
+        sched = self.scheduler
+        running = sched.running
+        if (not running or sched.waiting or self._failed_now or self.on_step is not None
+                or self.check):
+            return 0
+        asynchronous = self.config.async_scheduling
+        if asynchronous:
+            if self._flight is None or len(self._flight[0].seqs) != len(running):
+                return 0
+            pending, finishing = 1, 0  # the flight's token, pending; a row ends at its resolve
+        else:
+            pending, finishing = 0, 1  # a row ends at the update of the step that reaches it
+        # the steps before any row reaches its length (Request.at_length), the decode sums,
+        # and the rows whose next KV block comes within them
+        steps = math.inf
+        ctx = lora = 0
+        names = set()
+        add = names.add
+        pages = self.runner.adapter_pages(self.adapters)
+        block_size, near = self.config.block_size, []
+        for row, req in enumerate(running):
+            if req.num_pending != pending:
+                return 0
+            out = len(req.output_token_ids)
+            prompt = len(req.prompt_token_ids)
+            room = req.sampling.max_tokens - out
+            if req.max_len - prompt - out < room:
+                room = req.max_len - prompt - out
+            if room < steps:
+                steps = room
+            tokens = prompt + out
+            ctx += tokens
+            name = req.adapter
+            lora += pages[name]
+            add(name)
+            first = block_size * len(req.block_table) + 1 - tokens  # the step needing a block
+            if first < steps:
+                near.append((first, row, tokens))
+        names.discard(None)
+        steps -= finishing
+        if steps < 1:
+            return 0
+        # the new KV blocks, (step, row, pages) in the scheduler's order, while pages are free
+        grows = []
+        for i, row, tokens in near:
+            blocks = len(running[row].block_table)
+            i = max(0, i)
+            while i < steps:
+                need = cdiv(tokens + i, block_size) - blocks
+                grows.append((i, row, need))
+                blocks += need
+                i = block_size * blocks + 1 - tokens
+        grows.sort()
+        free = self.allocator.num_free
+        for i, row, need in grows:
+            if need > free:
+                steps = i
+                break
+            free -= need
+        # the steps' times, each starting before `limit`
+        cost, runner = self.runner.cost, self.runner
+        rows, adapters, now = len(running), len(names), self.clock.now
+        device_free = self._device_free
+        flight_end = self._flight[1] if asynchronous else None
+        first_token = None
+        taken = 0
+        while taken < steps and now < limit:
+            feats = decode_features(rows, ctx + rows * taken, adapters, lora)
+            dt = cost.step_time(cost.forward_time(feats), 0.0, 0.0, 0.0)
+            runner.busy_s += dt
+            if asynchronous:
+                device_free = max(now, device_free) + dt
+                now = max(now, flight_end)  # the step before is collected
+                flight_end = device_free
+            else:
+                now += dt
+            if first_token is None:
+                first_token = now
+            taken += 1
+        if not taken:
+            return 0
+        # the state those steps leave
+        for i, row, need in grows:
+            if i >= taken:
+                break
+            req = running[row]
+            req.block_table += self.allocator.alloc(need, KV)
+        # each row's tokens: async, the flight's pending one resolved, `taken` more of which
+        # the last is pending; sync, `taken` resolved ones
+        tail = [FAKE_TOKEN] * taken + [PENDING] if asynchronous else [FAKE_TOKEN] * taken
+        cut = -1 if asynchronous else 1 << 62  # sync: past the end, an append
+        served = sched.policy.served if type(sched.policy).served is not Policy.served else None
+        for req in running:
+            out = req.output_token_ids
+            out[cut:] = tail
+            req.num_computed = len(req.prompt_token_ids) + len(out) - 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = first_token
+            if served is not None:
+                for _ in range(taken):
+                    served(req, 1)
+        self.clock.now = now
+        self.steps += taken
+        if asynchronous:
+            self._device_free = device_free
+            plan = SchedulerPlan(decode=list(running))
+            sched._order_decode(plan)
+            self._flight = (plan, device_free)
+        return taken
 
     def stats(self) -> dict:
         s = self.scheduler.stats()
@@ -336,20 +481,14 @@ class SimRun:
     engine: SimEngine
 
 
-def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
-             num_pages: int | None = None, gpu_memory_gb: float | None = None,
-             model: ModelConfig | None = None, default_rank: int | None = None,
-             trace_path: str | None = None, seed: int = 0, check: bool = False,
-             progress: bool = False, on_step=None, extra_config: dict | None = None) -> SimRun:
-    """Simulate `trace` with `profile`'s cost model.
+def engine_config(profile: Profile, engine_options: dict | None = None,
+                  num_pages: int | None = None, gpu_memory_gb: float | None = None,
+                  model: ModelConfig | None = None) -> tuple[EngineConfig, ModelConfig]:
+    """The EngineConfig a simulation of `profile` runs with, and the model's shapes.
 
-    engine_options: EngineConfig fields (policy, max_num_seqs, max_batch_tokens, slo_ttft_s,
-        host_cache_gb, prefetch_window, ...); dtype, block_size and mixed_graph_tokens default
-        to the profile's (the engine it measured).
-    num_pages / gpu_memory_gb: the pool (see `resolve_pages`).
-    model: the model's shapes; default: the profile's config.json.
-    seed: of the random prompt token ids (as replay's; they do not change the timing).
-    Warns (`ProfileOrderWarning`) when the engine's `async_scheduling` is not the profile's.
+    engine_options: EngineConfig fields; dtype, block_size and mixed_graph_tokens default to the
+    profile's, async_scheduling to the order the profile was timed in. The pool: see
+    `resolve_pages`. Warns (`ProfileOrderWarning`) when async_scheduling is not the profile's.
     """
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
     model = model or ModelConfig.from_dict(profile.model_config, source="profile model_config")
@@ -368,8 +507,39 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     config = EngineConfig(model=profile.model, num_pages=pages, **options)
     mismatch = order_warning(profile, config.async_scheduling)
     if mismatch:
-        warnings.warn(mismatch, ProfileOrderWarning, stacklevel=2)
-    sim = SimEngine(config, model, profile.cost, dtype, check=check, on_step=on_step)
+        warnings.warn(mismatch, ProfileOrderWarning, stacklevel=3)
+    return config, model
+
+
+def result_config(trace, profile: Profile, config: EngineConfig, *, trace_path: str | None,
+                  seed: int, gpu_memory_gb: float | None, extra: dict | None = None) -> dict:
+    """The "config" of a simulation's result: what was simulated, with what."""
+    return {"trace": trace_path, "workload": dict(trace.params), "engine": asdict(config),
+            "adapters": "synthetic", "seed": seed,
+            "profile": {"model": profile.model, "gpu": profile.gpu, "dtype": profile.dtype,
+                        "async_scheduling": profile.async_scheduling,
+                        "cost": profile.cost.to_dict()},
+            "gpu_memory_gb": gpu_memory_gb, **(extra or {})}
+
+
+def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
+             num_pages: int | None = None, gpu_memory_gb: float | None = None,
+             model: ModelConfig | None = None, default_rank: int | None = None,
+             trace_path: str | None = None, seed: int = 0, check: bool = False,
+             progress: bool = False, on_step=None, extra_config: dict | None = None) -> SimRun:
+    """Simulate `trace` with `profile`'s cost model on one engine.
+
+    engine_options: EngineConfig fields (policy, max_num_seqs, max_batch_tokens, slo_ttft_s,
+        host_cache_gb, prefetch_window, ...); dtype, block_size and mixed_graph_tokens default
+        to the profile's (the engine it measured).
+    num_pages / gpu_memory_gb: the pool (see `resolve_pages`).
+    model: the model's shapes; default: the profile's config.json.
+    seed: of the random prompt token ids (as replay's; they do not change the timing).
+    Warns (`ProfileOrderWarning`) when the engine's `async_scheduling` is not the profile's.
+    `slora.sim.cluster.simulate_cluster` runs replicas of this engine behind a router.
+    """
+    config, model = engine_config(profile, engine_options, num_pages, gpu_memory_gb, model)
+    sim = SimEngine(config, model, profile.cost, config.dtype, check=check, on_step=on_step)
     register_trace_adapters(sim, trace, default_rank)
     wall = time.perf_counter()
     run = replay(sim, trace, vocab_size=model.vocab_size, seed=seed, progress=progress,
@@ -377,12 +547,8 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     wall = time.perf_counter() - wall
     summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
     stats = {**sim.stats(), "sim_wall_s": wall}
-    config_out = {"trace": trace_path, "workload": dict(trace.params), "engine": asdict(config),
-                  "adapters": "synthetic", "seed": seed,
-                  "profile": {"model": profile.model, "gpu": profile.gpu, "dtype": profile.dtype,
-                              "async_scheduling": profile.async_scheduling,
-                              "cost": profile.cost.to_dict()},
-                  "gpu_memory_gb": gpu_memory_gb, **(extra_config or {})}
+    config_out = result_config(trace, profile, config, trace_path=trace_path, seed=seed,
+                               gpu_memory_gb=gpu_memory_gb, extra=extra_config)
     return SimRun(result_dict(summary, source="simulate", config=config_out, stats=stats,
                               records=run.records), run.records, sim)
 
@@ -390,13 +556,15 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
 # ---------------------------------------------------------------------------------------------
 # Sweeps
 
-# Swept keys besides EngineConfig fields: the trace's request rate, and the device's memory.
+# Swept keys besides EngineConfig fields: the trace's request rate, the device's memory, and
+# the cluster's replicas and router (`slora.sim.cluster`).
 SWEEP_KEYS = ("rate", "gpu_memory", "num_pages", "max_num_seqs", "max_batch_tokens", "policy",
               "slo_ttft_s", "host_cache_gb", "prefetch_window", "prefetch_reserve", "block_size",
-              "max_skips")
-_STR_KEYS = ("policy",)
+              "max_skips", "replicas", "router")
+_STR_KEYS = ("policy", "router")
 _INT_KEYS = ("num_pages", "max_num_seqs", "max_batch_tokens", "prefetch_window",
-             "prefetch_reserve", "block_size", "max_skips")
+             "prefetch_reserve", "block_size", "max_skips", "replicas")
+CLUSTER_KEYS = ("replicas", "router")  # swept keys that make a point a cluster simulation
 
 
 def parse_sweep(specs: Sequence[str]) -> list[dict]:
@@ -449,11 +617,16 @@ def point_name(point: dict) -> str:
 
 def simulate_point(trace, profile: Profile, point: dict, *, engine_options: dict | None = None,
                    num_pages: int | None = None, gpu_memory_gb: float | None = None,
-                   **kwargs) -> SimRun:
+                   run: Callable | None = None, **kwargs):
     """`simulate` at one sweep point: rate rescales the trace, gpu_memory / num_pages size the
-    pool, the other keys are EngineConfig fields."""
+    pool, the other keys are EngineConfig fields. replicas and router (CLUSTER_KEYS) go to `run`
+    (`slora.sim.cluster.simulate_point` passes `simulate_cluster`), which replaces `simulate`."""
     options = dict(engine_options or {})
     swept, point = dict(point), dict(point)
+    fleet = {k: point.pop(k) for k in CLUSTER_KEYS if k in point}
+    if fleet and run is None:
+        raise ValueError(f"{', '.join(fleet)} are settings of replicas: sweep them with "
+                         "slora.sim.cluster.simulate_point")
     if "rate" in point:
         trace = rescale_rate(trace, point["rate"])
     if "gpu_memory" in point:
@@ -462,8 +635,8 @@ def simulate_point(trace, profile: Profile, point: dict, *, engine_options: dict
         num_pages, gpu_memory_gb = point.pop("num_pages"), None
     options.update({k: v for k, v in point.items() if k != "rate"})
     extra = {**(kwargs.pop("extra_config", None) or {}), "sweep": swept}
-    return simulate(trace, profile, engine_options=options, num_pages=num_pages,
-                    gpu_memory_gb=gpu_memory_gb, extra_config=extra, **kwargs)
+    return (run or simulate)(trace, profile, engine_options=options, num_pages=num_pages,
+                             gpu_memory_gb=gpu_memory_gb, extra_config=extra, **fleet, **kwargs)
 
 
 def best_point(results: list[tuple[dict, dict]], slo_target: float, key: str = "rate"):
