@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(sub)
     _add_profile(sub)
     _add_simulate(sub)
+    _add_plan(sub)
     _add_plot(sub)
     return parser
 
@@ -193,7 +194,10 @@ def _add_trace(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars")
     p.add_argument("--seed", type=int, default=42, help="random seed (default 42, S-LoRA's)")
-    p.add_argument("-o", "--output", required=True, help="trace file to write (JSONL)")
+    p.add_argument("-o", "--output", required=True,
+                   help="trace file to write: JSONL, gzip-compressed when it ends in .gz (every "
+                   "command reads both; a million requests take a few seconds to draw and "
+                   "write, with a progress bar, and about 18 MB as .jsonl.gz)")
     p.set_defaults(handler=_trace_synth)
 
 
@@ -210,7 +214,7 @@ def _trace_synth(args) -> int:
         num_adapters=args.num_adapters, rate=args.rate, cv=args.cv, alpha=args.alpha,
         duration=args.duration, input_len=tuple(args.input_len), output_len=tuple(args.output_len),
         ranks=args.ranks, seed=args.seed, rank_assignment=args.rank_assignment, lengths=lengths)
-    workload.write_trace(trace, args.output)
+    workload.write_trace(trace, args.output, progress=args.progress)
     print(f"wrote {args.output}: {len(trace)} requests over {trace.duration:.1f} s "
           f"({len(trace) / trace.duration:.2f} req/s), {len(trace.adapter_names())} of "
           f"{args.num_adapters} adapters used")
@@ -425,7 +429,7 @@ def _fmt(value: float | None, unit: str, digits: int = 3) -> str:
 
 
 def _add_plot(sub) -> None:
-    from slora.plot import SERIES_KEYS, SWEEP_AXES  # (no matplotlib: it loads when drawing)
+    from slora.plot import KINDS, SERIES_KEYS, SWEEP_AXES  # (matplotlib loads when drawing)
 
     p = sub.add_parser(
         "plot", help="plot result JSONs: a sweep, or latency distributions",
@@ -441,7 +445,9 @@ def _add_plot(sub) -> None:
         epilog="examples:\n"
         "  slora plot replay.json sim.json -o latency.png             # distributions, 2 lines\n"
         "  slora plot results/table3-s1/*.json -o s1.png              # x guessed: num_adapters\n"
-        "  slora plot results/policies/*.json -o policies.png --x cv --series policy")
+        "  slora plot results/policies/*.json -o policies.png --x cv --series policy\n"
+        "  slora plot results/fleet/*.json -o fleet.png     # attainment against replicas, by router\n"
+        "  slora plot results/fleet/replicas=64_*.json --kind load -o load.png  # per replica")
     p.add_argument("results", nargs="+", help="result JSON files (slora replay / simulate)")
     p.add_argument("-o", "--output", required=True, help="figure to write (.png, .pdf, .svg)")
     p.add_argument("--x", help="setting on the x axis, e.g. num_adapters, alpha, cv, rate "
@@ -450,6 +456,10 @@ def _add_plot(sub) -> None:
                    help="settings that split lines (default: those of "
                    f"{', '.join(SERIES_KEYS[:3])}, ... that vary)")
     p.add_argument("--title", help="figure title")
+    p.add_argument("--kind", choices=KINDS, default="auto",
+                   help="sweep, latency (distributions), or load: each replica's requests, "
+                   "adapter loads and attainment, ranked, for results of slora simulate "
+                   "--replicas (default auto: a sweep when a setting varies, else latency)")
     p.set_defaults(handler=_plot)
 
 
@@ -457,7 +467,7 @@ def _plot(args) -> int:
     from slora.plot import load_results, plot_results
 
     out = plot_results(load_results(args.results), args.output, x=args.x, series=args.series,
-                       title=args.title)
+                       title=args.title, kind=args.kind)
     print(f"wrote {out}")
     return 0
 
@@ -476,12 +486,22 @@ def _add_simulate(sub) -> None:
         "10,000 requests over 2,000 adapters (20 minutes of 7B serving, 86,000 steps) "
         "simulate in about ten seconds on one CPU core, with a progress bar over the "
         "requests. Device, backend and load format are recorded in the result but change no "
-        "simulated time: the profile's measurements hold them.",
+        "simulated time: the profile's measurements hold them. With --replicas (or a sweep of "
+        "replicas or router): that many engines, each on its own clock, behind a router that "
+        "sees what a router in front of real servers sees (each server's queue lengths and "
+        "resident adapters as its /metrics reports them, scraped every --router-poll "
+        "seconds, and the requests it sent since); the result adds each replica's requests, "
+        "adapter loads and attainment (per_replica).",
         epilog="examples:\n"
         "  slora simulate trace.jsonl --profile experiments/profiles/h200-llama2-7b.json -o sim.json\n"
         "  # capacity planning: which request rate keeps 90% of first tokens within the SLO?\n"
         "  slora simulate trace.jsonl --profile p.json --gpu-memory 80 --sweep rate=2,4,8,16 \\\n"
-        "      --slo-target 0.9 -o results/capacity/")
+        "      --slo-target 0.9 -o results/capacity/\n"
+        "  # a fleet: 64 replicas behind adapter-affinity routing\n"
+        "  slora simulate t.jsonl.gz --profile p.json --replicas 64 --router adapter-affinity -o c.json\n"
+        "  # every router at 8..64 replicas (slora plot draws attainment against replicas)\n"
+        "  slora simulate t.jsonl.gz --profile p.json --sweep replicas=8,16,32,64 \\\n"
+        "      --sweep router=round-robin,least-loaded,adapter-affinity -o results/fleet/")
     p.add_argument("trace", help="JSONL trace (slora trace synth, or your own)")
     p.add_argument("--profile", required=True, help="profile JSON (slora profile) of the model and GPU")
     p.add_argument("--model", help="take the model's shapes from DIR/config.json (default: the profile's)")
@@ -501,21 +521,62 @@ def _add_simulate(sub) -> None:
                    "directory that gets one result per point")
     g.add_argument("--slo-target", type=float, metavar="FRACTION",
                    help="with --sweep rate=...: report the highest rate whose SLO attainment reaches this")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    _add_cluster_args(p)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random prompt token ids (one engine) or of the router's "
+                   "random choices (replicas)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (with --sweep: none either way; a line per point)")
     p.add_argument("-o", "--output", required=True, help="result JSON (with --sweep: a directory)")
     p.set_defaults(handler=_simulate)
 
 
+def _add_cluster_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
+    """The fleet's knobs, shared by simulate and plan."""
+    from slora.sim.router import DEFAULT_POLL_S, ROUTERS
+
+    g = p.add_argument_group("replicas (slora/sim/cluster.py, slora/sim/router.py)")
+    if replicas:
+        g.add_argument("--replicas", type=int, metavar="N",
+                       help="simulate N engines behind a router (default: one engine, no router)")
+        g.add_argument("--router", choices=ROUTERS,
+                       help="how requests are spread over the replicas (default round-robin): "
+                       "uniformly at random, in turn, to the least loaded, to the less loaded "
+                       "of two drawn at random, or by consistent hashing of the adapter with "
+                       "bounded loads (an adapter stays on its home replica and the next ones "
+                       "on the ring, spilling over when they are full)")
+    g.add_argument("--router-poll", type=float, metavar="S", default=DEFAULT_POLL_S,
+                   help="seconds between the router's scrapes of the replicas' /metrics "
+                   f"(default {DEFAULT_POLL_S:g}); between scrapes it adds the requests it sent")
+    g.add_argument("--affinity-load-factor", type=float, metavar="C", default=1.25,
+                   help="adapter-affinity: no replica takes more than C times the mean load "
+                   "(default 1.25)")
+    g.add_argument("--workers", type=int, default=1,
+                   help="processes simulating the replicas (default 1; the result is the same "
+                   "for any number: replicas meet only at the router's scrapes)")
+
+
+def _cluster_options(args) -> dict:
+    """simulate_cluster's arguments from _add_cluster_args' flags (replicas, router when set)."""
+    out = {"poll_s": args.router_poll, "workers": args.workers,
+           "router_options": {"load_factor": args.affinity_load_factor}}
+    for key in ("replicas", "router"):
+        if getattr(args, key, None) is not None:
+            out[key] = getattr(args, key)
+    return out
+
+
 def _simulate(args) -> int:
     from slora.config import ModelConfig
     from slora.sim import Profile
+    from functools import partial
+
+    from slora.sim import cluster as fleet
     from slora.sim.simulator import (ProfileOrderWarning, best_point, order_warning, parse_sweep,
                                      point_name, simulate_point)
     from slora.workload import read_trace
 
-    trace, profile = read_trace(args.trace), Profile.load(args.profile)
+    trace, profile = read_trace(args.trace, progress=args.progress), Profile.load(args.profile)
     options = _engine_options(args)
     mismatch = (order_warning(profile, options["async_scheduling"])
                 if options.get("async_scheduling") is not None else None)
@@ -526,19 +587,26 @@ def _simulate(args) -> int:
     num_pages = options.pop("num_pages", None)
     model = ModelConfig.from_dir(args.model) if args.model else None
     points = parse_sweep(args.sweep) if args.sweep else [{}]
+    cluster = _cluster_options(args)
+    if not ({"replicas", "router"} & (set(cluster) | {k for pt in points for k in pt})):
+        cluster = None  # one engine, as `slora replay` runs it
     results = []
     with warnings.catch_warnings():
         if mismatch:  # warned once above, not once per sweep point
             warnings.simplefilter("ignore", ProfileOrderWarning)
         for point in points:
-            run = simulate_point(trace, profile, point, engine_options=options, num_pages=num_pages,
-                                 gpu_memory_gb=args.gpu_memory, model=model,
-                                 default_rank=args.adapter_rank, trace_path=args.trace, seed=args.seed,
-                                 progress=args.progress and not args.sweep)
+            simulate = (partial(fleet.simulate_point, cluster=cluster) if cluster else
+                        simulate_point)
+            run = simulate(trace, profile, point, engine_options=options, num_pages=num_pages,
+                           gpu_memory_gb=args.gpu_memory, model=model,
+                           default_rank=args.adapter_rank, trace_path=args.trace, seed=args.seed,
+                           progress=args.progress and not args.sweep)
             stats = run.result["stats"]
             print(f"{point_name(point) + ': ' if args.sweep else ''}simulated {len(trace)} requests, "
                   f"{run.result['duration_s']:.1f} s of serving, in {stats['sim_wall_s']:.1f} s "
                   f"({stats['sim_steps']} steps, pool {stats['pages_total']} pages)")
+            if "per_replica" in run.result:
+                print(_fleet_line(run.result))
             out = Path(args.output) / f"{point_name(point)}.json" if args.sweep else Path(args.output)
             _finish_result(run.result, str(out))
             results.append((point, run.result))
@@ -546,6 +614,117 @@ def _simulate(args) -> int:
         best = best_point(results, args.slo_target)
         answer = "none of those swept" if best is None else f"{best[0]['rate']:g} req/s"
         print(f"highest rate with SLO attainment >= {args.slo_target:g}: {answer}")
+    return 0
+
+
+def _fleet_line(result: dict) -> str:
+    """One line on a cluster result's replicas: its router, and the spread of their load."""
+    per = result["per_replica"]
+    config = result["config"]
+
+    def spread(key: str) -> str:
+        values = [r[key] for r in per]
+        return f"{min(values)} / {sum(values) / len(values):.0f} / {max(values)}"
+
+    return (f"  {config['replicas']} replicas, {config['router']} router: requests per replica "
+            f"(min / mean / max) {spread('requests')}, adapter loads {spread('adapter_loads')}")
+
+
+def _add_plan(sub) -> None:
+    from slora.sim.router import ROUTERS
+
+    p = sub.add_parser(
+        "plan", help="capacity planning: the fewest replicas (and the router) meeting an SLO",
+        formatter_class=HelpFormatter,
+        description="Search, with the simulator (slora simulate --replicas), the fewest replicas "
+        "of the profile's engine that serve the trace with the given share of first tokens "
+        "within the SLO, for each router: doubling the count from 1 until one meets it, then "
+        "bisecting between the last that failed and the first that met it (more replicas are "
+        "assumed never to do worse). A count certain to fail stops as soon as its misses "
+        "exceed what the target allows. Prints every candidate with its margin (attainment "
+        "less the target) and the answer: the fewest replicas over the routers, ties going to "
+        "the largest margin.",
+        epilog="examples:\n"
+        "  slora plan --trace t.jsonl.gz --profile experiments/profiles/h200-llama2-7b.json \\\n"
+        "      --slo-ttft 2 --slo-attainment 0.99 -o plan.json\n"
+        "  slora plan --trace t.jsonl --profile p.json --slo-ttft 1 --slo-attainment 0.9 \\\n"
+        "      --routers adapter-affinity,least-loaded --max-replicas 128")
+    p.add_argument("--trace", required=True, help="JSONL trace (.jsonl or .jsonl.gz)")
+    p.add_argument("--profile", required=True, help="profile JSON (slora profile)")
+    p.add_argument("--slo-ttft", type=float, required=True, metavar="S",
+                   help="first-token latency bound, seconds")
+    p.add_argument("--slo-attainment", type=float, required=True, metavar="FRACTION",
+                   help="share of requests whose first token must come within --slo-ttft")
+    p.add_argument("--routers", type=_router_list, default=ROUTERS, metavar="R1,R2,...",
+                   help=f"routers to try (default all: {','.join(ROUTERS)})")
+    p.add_argument("--max-replicas", type=int, default=1024,
+                   help="give up on a router beyond this many replicas (default 1024)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="simulate every count from 1 to --max-replicas instead of searching "
+                   "(a check of the search on a small trace)")
+    p.add_argument("--model", help="take the model's shapes from DIR/config.json (default: the profile's)")
+    p.add_argument("--gpu-memory", type=float, metavar="GB",
+                   help="size each replica's pool for a device of GB GiB (default: the profiled pool)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--num-pages", type=int, help="pages in each replica's pool")
+    g.add_argument("--policy", choices=POLICIES, help="queue order (default fcfs)")
+    g.add_argument("--max-num-seqs", type=int, help="most sequences in a batch")
+    g.add_argument("--max-batch-tokens", type=int, help="most tokens computed in a step")
+    g.add_argument("--host-cache-gb", type=float, help="host-memory adapter cache (default 8)")
+    g.add_argument("--adapter-rank", type=int, metavar="R",
+                   help="rank of adapters the requests use but the trace header does not list")
+    _add_cluster_args(p, replicas=False)
+    p.add_argument("--seed", type=int, default=0, help="seed of the routers' random choices")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar over each candidate's requests")
+    p.add_argument("-o", "--output", help="JSON to write: the answer and every candidate")
+    p.set_defaults(handler=_plan)
+
+
+def _router_list(text: str) -> tuple[str, ...]:
+    from slora.sim.router import ROUTERS
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in ROUTERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown router(s) {unknown or text!r}; choose among "
+                                         f"{','.join(ROUTERS)}")
+    return names
+
+
+def _plan(args) -> int:
+    from slora.config import ModelConfig
+    from slora.sim import Profile
+    from slora.sim.plan import plan_capacity
+    from slora.workload import read_trace
+
+    trace, profile = read_trace(args.trace, progress=args.progress), Profile.load(args.profile)
+    options = {k: getattr(args, k) for k in ("policy", "max_num_seqs", "max_batch_tokens",
+                                             "host_cache_gb") if getattr(args, k) is not None}
+    cluster = _cluster_options(args)
+    print(f"plan: {len(trace)} requests over {trace.duration:.0f} s, {len(trace.adapter_names())} "
+          f"adapters; SLO: {100 * args.slo_attainment:g}% of first tokens within "
+          f"{args.slo_ttft:g} s")
+
+    def report(c) -> None:
+        attained = f"<= {c.attainment:.4f} (stopped)" if c.stopped else f"{c.attainment:.4f}"
+        print(f"  {c.router} x {c.replicas}: attainment {attained}, "
+              f"{'meets' if c.meets else 'misses'} ({c.wall_s:.1f} s)", flush=True)
+
+    plan = plan_capacity(trace, profile, slo_ttft_s=args.slo_ttft, target=args.slo_attainment,
+                         routers=args.routers, max_replicas=args.max_replicas,
+                         exhaustive=args.exhaustive, engine_options=options, on_candidate=report,
+                         num_pages=args.num_pages, gpu_memory_gb=args.gpu_memory,
+                         model=ModelConfig.from_dir(args.model) if args.model else None,
+                         default_rank=args.adapter_rank, seed=args.seed, progress=args.progress,
+                         **cluster)
+    print()
+    print(plan.table())
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps({"trace": args.trace, "profile": args.profile,
+                                                 **plan.to_dict()}, indent=2) + "\n")
+        print(f"wrote {args.output}")
     return 0
 
 

@@ -1,11 +1,16 @@
-"""Figures from result JSONs (`slora replay`, `slora simulate`), in one of two shapes:
+"""Figures from result JSONs (`slora replay`, `slora simulate`), in one of three shapes:
 
 - a sweep, when a setting of `SWEEP_AXES` varies across the results (or `x` names one):
   throughput, average latency, first-token latency p90 and SLO attainment against that
-  setting, one line per series, as in S-LoRA's figures;
+  setting, one line per series, as in S-LoRA's figures; results of simulated replicas
+  (`slora simulate --replicas`) add adapter loads per replica. Replicas against attainment,
+  a line per router, is the sweep of `slora simulate --sweep replicas=... --sweep router=...`;
 - latency distributions, when none varies (one result, or a replay and its simulation):
   the CDFs of first-token and end-to-end latency side by side, one line per result, drawn
-  from the per-request latencies a result stores (`slora.metrics.latencies`).
+  from the per-request latencies a result stores (`slora.metrics.latencies`);
+- per-replica load (`kind="load"`, results of simulated replicas): each replica's requests,
+  adapter loads and SLO attainment, replicas ranked from the most loaded, a line per result,
+  so routers' balance and adapter traffic compare at a glance.
 
 Series: results split into lines by the keys of `SERIES_KEYS` that vary, except a key whose
 values the keys before it already determine. So a replay and a simulation differ by `source`
@@ -23,16 +28,25 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-# The axes S-LoRA sweeps, in the order the x axis is chosen when not given.
-SWEEP_AXES = ("num_adapters", "alpha", "cv", "rate", "policy", "duration")
+# The axes S-LoRA sweeps (and a fleet's replicas), in the order the x axis is chosen when not
+# given.
+SWEEP_AXES = ("replicas", "num_adapters", "alpha", "cv", "rate", "policy", "duration")
 # Keys that split results into separate lines when they differ, in order of precedence.
-SERIES_KEYS = ("source", "policy", "ranks", "generator", "backend", "dtype", "model")
+SERIES_KEYS = ("source", "router", "policy", "ranks", "generator", "backend", "dtype", "model")
 PANELS = (
     ("throughput_req_s", "throughput (req/s)"),
     ("avg_latency_s", "average latency (s)"),
     ("ttft_p90_s", "first-token latency p90 (s)"),
     ("slo_attainment", "SLO attainment"),
 )
+# a sweep of simulated replicas adds this panel (see `metric`)
+FLEET_PANELS = (("adapter_loads_per_replica", "adapter loads per replica"),)
+LOAD_PANELS = (
+    ("requests", "requests"),
+    ("adapter_loads", "adapter loads"),
+    ("slo_attainment", "SLO attainment"),
+)
+KINDS = ("auto", "sweep", "latency", "load")
 DISTRIBUTIONS = (
     ("ttft_s", "first-token latency (s)"),
     ("e2e_s", "end-to-end latency (s)"),
@@ -60,6 +74,16 @@ def lookup(result: dict, key: str):
             value = scope[key]
             return ",".join(map(str, value)) if isinstance(value, list) else value
     return None
+
+
+def metric(result: dict, key: str):
+    """A result's metric `key`; "adapter_loads_per_replica" is derived (adapter loads over
+    the replicas, for a result of simulated replicas)."""
+    if key == "adapter_loads_per_replica":
+        replicas = result.get("config", {}).get("replicas")
+        loads = result.get("stats", {}).get("adapter_loads")
+        return None if not replicas or loads is None else loads / replicas
+    return result.get(key)
 
 
 def choose_x(results: list[dict]) -> str | None:
@@ -99,12 +123,23 @@ def _group(results: list[dict], keys: list[str]) -> dict[str, list[dict]]:
 
 
 def figure(results: list[dict], x: str | None = None, series: list[str] | None = None,
-           title: str | None = None):
-    """The matplotlib Figure for `results`: a sweep against `x` (default: the first of
-    SWEEP_AXES that varies), or, when none varies and `x` is not given, latency distributions."""
+           title: str | None = None, kind: str = "auto"):
+    """The matplotlib Figure for `results`. kind "auto": a sweep against `x` (default: the first
+    of SWEEP_AXES that varies), or, when none varies and `x` is not given, latency
+    distributions; "sweep", "latency" or "load" (per-replica load) ask for one."""
     if not results:
         raise ValueError("plot: no results to draw")
-    x = x or choose_x(results)
+    if kind not in KINDS:
+        raise ValueError(f"plot: kind {kind!r} is not one of {', '.join(KINDS)}")
+    if kind == "load":
+        x = None
+    else:
+        x = x or choose_x(results)
+        if kind == "sweep" and x is None:
+            raise ValueError(f"plot: no setting of {', '.join(SWEEP_AXES)} varies across these "
+                             "results; name the x axis with --x")
+        if kind == "latency":
+            x = None
     keys = series if series is not None else series_keys(results, x)
     lines = _group(results, keys)
 
@@ -113,7 +148,9 @@ def figure(results: list[dict], x: str | None = None, series: list[str] | None =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if x is None:
+    if kind == "load":
+        fig = _loads(plt, lines)
+    elif x is None:
         fig = _distributions(plt, lines)
     else:
         fig = _sweep(plt, lines, x)
@@ -132,18 +169,24 @@ def _sweep(plt, lines: dict[str, list[dict]], x: str):
         raise ValueError(f"plot: {len(missing)} result(s) have no value for x axis {x!r}")
     categorical = any(isinstance(lookup(r, x), str) for r in results)
     ticks = sorted({lookup(r, x) for r in results}, key=str) if categorical else None
+    panels = PANELS + (FLEET_PANELS if any("per_replica" in r for r in results) else ())
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 4.0),
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.0),
                              layout="constrained")
-    for ax, (metric, ylabel) in zip(axes, PANELS):
+    for ax, (key, ylabel) in zip(axes, panels):
         for label, rs in lines.items():
-            pts = sorted(((lookup(r, x), r.get(metric)) for r in rs), key=lambda p: str(p[0])
+            pts = sorted(((lookup(r, x), metric(r, key)) for r in rs), key=lambda p: str(p[0])
                          if categorical else p[0])
             xs = [ticks.index(p[0]) for p in pts] if categorical else [p[0] for p in pts]
             ys = [float("nan") if p[1] is None else p[1] for p in pts]
             ax.plot(xs, ys, marker="o", label=label)
         if categorical:
             ax.set_xticks(range(len(ticks)), [str(t) for t in ticks])
+        elif x == "replicas":  # counts that double: equal steps, each count a tick
+            counts = sorted({lookup(r, x) for r in results})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(counts, [str(c) for c in counts])
+            ax.minorticks_off()
         ax.set_xlabel(x)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -181,10 +224,39 @@ def _distributions(plt, lines: dict[str, list[dict]]):
     return fig
 
 
+def _loads(plt, lines: dict[str, list[dict]]):
+    """Per-replica load: each result's replicas ranked from the most loaded, one panel per
+    quantity of `LOAD_PANELS` (each ranked on its own), a line per result."""
+    curves = []  # (label, result)
+    for label, rs in lines.items():
+        for r in rs:
+            replicas = r.get("config", {}).get("replicas")
+            curves.append((label if len(rs) == 1 else f"{label}, {replicas} replicas", r))
+    bare = [i for i, (_, r) in enumerate(curves) if not r.get("per_replica")]
+    if bare:
+        raise ValueError(f"plot: {len(bare)} of these results hold no per-replica load (the "
+                         "\"per_replica\" key of `slora simulate --replicas`)")
+    fig, axes = plt.subplots(1, len(LOAD_PANELS), figsize=(4.6 * len(LOAD_PANELS), 4.0),
+                             layout="constrained")
+    for ax, (key, ylabel) in zip(axes, LOAD_PANELS):
+        for label, r in curves:
+            values = sorted((p[key] for p in r["per_replica"] if p[key] is not None),
+                            reverse=key != "slo_attainment")
+            ax.plot(range(1, len(values) + 1), values, marker="." if len(values) > 16 else "o",
+                    label=label)
+        ax.set_xlabel("replica, ranked" + (" (worst first)" if key == "slo_attainment" else
+                                           " (most first)"))
+        ax.set_ylabel(f"{ylabel} per replica")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    return fig
+
+
 def plot_results(results: list[dict], out: str | Path, x: str | None = None,
-                 series: list[str] | None = None, title: str | None = None) -> Path:
+                 series: list[str] | None = None, title: str | None = None,
+                 kind: str = "auto") -> Path:
     """Draw `results` (see `figure`) into `out` (PNG, PDF or SVG by extension); its path."""
-    fig = figure(results, x=x, series=series, title=title)
+    fig = figure(results, x=x, series=series, title=title, kind=kind)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

@@ -37,9 +37,12 @@ JSONL format (one JSON object per line, blank lines ignored):
 
 from __future__ import annotations
 
+import gc
+import gzip
 import json
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -54,9 +57,10 @@ class TraceError(ValueError):
     """A trace that cannot be replayed; the message names the file, the line and the reason."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request of a trace. Exactly one of `prompt_len` and `prompt` is set."""
+    """One request of a trace. Exactly one of `prompt_len` and `prompt` is set. (Slots: a trace
+    of a million requests holds a million of these.)"""
 
     arrival_time: float
     adapter: str | None
@@ -75,6 +79,18 @@ class TraceRequest:
         if self.prompt_len is not None:
             return self.prompt_len
         return len(self.prompt) if isinstance(self.prompt, list) else None
+
+    @classmethod
+    def unchecked(cls, arrival_time: float, adapter: str | None, output_len: int,
+                  prompt_len: int | None = None, prompt=None) -> "TraceRequest":
+        """A request built without `__post_init__`'s checks, for values already known valid
+        (`synthesize`'s draws, `read_trace` after `_request_problem`): a third of the time."""
+        r = object.__new__(cls)
+        for name, value in (("arrival_time", arrival_time), ("adapter", adapter),
+                            ("output_len", output_len), ("prompt_len", prompt_len),
+                            ("prompt", prompt)):
+            object.__setattr__(r, name, value)
+        return r
 
     def to_json(self) -> dict:
         out = {"arrival_time": self.arrival_time, "adapter": self.adapter}
@@ -167,12 +183,14 @@ def synthesize(
     else:
         # A separate stream, so the requests stay S-LoRA's draw for draw either way.
         adapter_ranks = [int(r) for r in np.random.RandomState(seed + 1).choice(ranks, num_adapters)]
-    requests = [
-        TraceRequest(arrival_time=float(arrivals[i]),
-                     adapter=names[index[i]] if num_adapters else None,
-                     prompt_len=int(prompt_lens[i]), output_len=int(output_lens[i]))
-        for i in range(num)
-    ]
+    # every draw is valid (positive lengths, finite increasing arrivals): built unchecked, from
+    # Python scalars (tolist), a million requests in a couple of seconds
+    adapters = [names[j] for j in index.tolist()] if num_adapters else [None] * num
+    unchecked = TraceRequest.unchecked
+    with _no_gc():
+        requests = [unchecked(t, a, o, p) for t, a, o, p in
+                    zip(arrivals.tolist(), adapters, np.asarray(output_lens).tolist(),
+                        np.asarray(prompt_lens).tolist())]
     params = {"generator": "sharegpt" if lengths is not None else "synthetic",
               "num_adapters": num_adapters, "rate": rate, "cv": cv, "alpha": alpha,
               "duration": duration, "input_len": list(input_len), "output_len": list(output_len),
@@ -285,43 +303,101 @@ def tokenizer_counter(path: str | Path) -> Callable[[list[str]], list[int]]:
 # JSONL
 
 
-def write_trace(trace: Trace, path: str | Path) -> None:
-    """Write `trace` as JSONL with a header line (format, adapter ranks, params)."""
-    with open(path, "w") as f:
+def open_trace(path: str | Path, mode: str = "r"):
+    """A trace file opened as text: gzip-compressed when its name ends in .gz ("r" or "w")."""
+    if str(path).endswith(".gz"):
+        # level 6: a million requests compress to about a sixth in a second or two
+        return gzip.open(path, mode + "t", encoding="utf-8", compresslevel=6)
+    return open(path, mode, encoding="utf-8")
+
+
+def write_trace(trace: Trace, path: str | Path, progress: bool = False) -> None:
+    """Write `trace` as JSONL with a header line (format, adapter ranks, params); gzipped when
+    `path` ends in .gz. Each line is `TraceRequest.to_json` as `json.dumps` writes it (keys in
+    that order, floats as repr); lines of token-count prompts are formatted directly, each
+    adapter name's JSON made once. progress: a bar over the requests."""
+    names: dict[str | None, str] = {}
+    with open_trace(path, "w") as f, _bar(len(trace), f"write {Path(path).name}", "req",
+                                           progress, unit_scale=True) as bar:
         f.write(json.dumps({"format": FORMAT, "adapters": trace.adapters, "params": trace.params}))
         f.write("\n")
+        lines = []
         for r in trace.requests:
-            f.write(json.dumps(r.to_json()))
-            f.write("\n")
+            if r.prompt_len is None:
+                lines.append(json.dumps(r.to_json()))
+            else:
+                name = names.get(r.adapter)
+                if name is None:
+                    name = names[r.adapter] = json.dumps(r.adapter)
+                lines.append(f'{{"arrival_time": {float(r.arrival_time)!r}, "adapter": {name}, '
+                             f'"prompt_len": {r.prompt_len}, "output_len": {r.output_len}}}')
+            if len(lines) == WRITE_BATCH:
+                f.write("\n".join(lines) + "\n")
+                bar.update(len(lines))
+                lines = []
+        if lines:
+            f.write("\n".join(lines) + "\n")
+            bar.update(len(lines))
 
 
-def read_trace(path: str | Path) -> Trace:
-    """Read a JSONL trace; a malformed line raises TraceError naming the file, line and reason."""
+WRITE_BATCH = 65536  # requests a write (and a progress bar tick)
+
+
+def read_trace(path: str | Path, progress: bool = False) -> Trace:
+    """Read a JSONL trace (gzipped when the name ends in .gz); a malformed line raises
+    TraceError naming the file, line and reason. progress: a bar over the file's bytes (of the
+    compressed file for .gz)."""
     adapters: dict[str, int] = {}
     params: dict = {}
     requests: list[TraceRequest] = []
     seen_line = False
-    with open(path) as f:
+    loads = json.loads
+    with _bar(Path(path).stat().st_size, f"read {Path(path).name}", "B", progress,
+              unit_scale=True) as bar, open_trace(path) as f, _no_gc():
         for lineno, line in enumerate(f, 1):
+            if lineno % WRITE_BATCH == 0 and progress:
+                bar.update(_position(f) - bar.n)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
+                obj = loads(line)
             except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise TraceError(f"{path}:{lineno}: not valid JSON ({e.msg} at column "
+                                 f"{e.colno})") from None
             if not isinstance(obj, dict):
-                raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+                raise TraceError(f"{path}:{lineno}: expected a JSON object, got "
+                                 f"{type(obj).__name__}")
             if "format" in obj:
                 if seen_line:
-                    raise TraceError(f"{where}: a header line (with 'format') must be the first line")
-                adapters, params = _parse_header(obj, where)
+                    raise TraceError(f"{path}:{lineno}: a header line (with 'format') must be "
+                                     "the first line")
+                adapters, params = _parse_header(obj, f"{path}:{lineno}")
             else:
-                requests.append(_parse_request(obj, where))
+                requests.append(_parse_request(obj, path, lineno))
             seen_line = True
+        bar.update(bar.total - bar.n)
     if not requests:
         raise TraceError(f"{path}: the trace holds no requests")
     return Trace(requests, adapters, params)
+
+
+@contextmanager
+def _no_gc():
+    """The cyclic garbage collector off while a million acyclic objects are made: each of its
+    full passes would walk all those made so far, for nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _position(f) -> int:
+    """Bytes of the file read so far (of the compressed file for .gz; read ahead: approximate)."""
+    buffer = f.buffer
+    return (buffer.fileobj if isinstance(buffer, gzip.GzipFile) else buffer).tell()
 
 
 def _parse_header(obj: dict, where: str) -> tuple[dict[str, int], dict]:
@@ -337,16 +413,18 @@ def _parse_header(obj: dict, where: str) -> tuple[dict[str, int], dict]:
     return adapters, params
 
 
-def _parse_request(obj: dict, where: str) -> TraceRequest:
-    missing = [k for k in ("arrival_time", "adapter", "output_len") if k not in obj]
-    if missing:
-        raise TraceError(f"{where}: missing {', '.join(map(repr, missing))} "
-                         f"(a request line needs arrival_time, adapter, prompt_len or prompt, output_len)")
-    try:
-        return TraceRequest(**{k: obj.get(k) for k in
-                               ("arrival_time", "adapter", "output_len", "prompt_len", "prompt")})
-    except TraceError as e:
-        raise TraceError(f"{where}: {e}") from None
+def _parse_request(obj: dict, path, lineno: int) -> TraceRequest:
+    get = obj.get
+    r = TraceRequest.unchecked(get("arrival_time"), get("adapter"), get("output_len"),
+                               get("prompt_len"), get("prompt"))
+    if "arrival_time" not in obj or "adapter" not in obj or "output_len" not in obj:
+        missing = [k for k in ("arrival_time", "adapter", "output_len") if k not in obj]
+        raise TraceError(f"{path}:{lineno}: missing {', '.join(map(repr, missing))} (a request "
+                         "line needs arrival_time, adapter, prompt_len or prompt, output_len)")
+    problem = _request_problem(r)
+    if problem:
+        raise TraceError(f"{path}:{lineno}: {problem}")
+    return r
 
 
 def _request_problem(r: TraceRequest) -> str | None:

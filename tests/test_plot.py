@@ -115,6 +115,47 @@ def test_a_categorical_axis_with_explicit_series():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["abort", "cluster", "fcfs"]
 
 
+def fleet(router, replicas, attainment, loads):
+    """A result of simulated replicas (`slora simulate --replicas`), its per-replica load."""
+    r = result(latencies=False)
+    r["config"].update(replicas=replicas, router=router)
+    r["slo_attainment"] = attainment
+    r["stats"] = {"adapter_loads": sum(loads)}
+    r["per_replica"] = [{"replica": i, "requests": 10 + i, "adapter_loads": n,
+                         "slo_attainment": 1 - i / 100} for i, n in enumerate(loads)]
+    return r
+
+
+def test_replicas_against_attainment_a_line_per_router_and_loads_per_replica():
+    rs = [fleet(router, n, a, [k * n] * n)
+          for router, k in (("random", 5), ("adapter-affinity", 2))
+          for n, a in ((2, 0.5), (8, 0.99), (4, 0.9))]
+    fig = figure(rs)
+    assert [ax.get_xlabel() for ax in fig.axes] == ["replicas"] * 5
+    assert fig.axes[3].get_ylabel() == "SLO attainment"
+    assert fig.axes[4].get_ylabel() == "adapter loads per replica"
+    for ax in fig.axes:
+        assert labels(ax) == ["router=random", "router=adapter-affinity"]
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["2", "4", "8"]
+    assert list(fig.axes[3].lines[0].get_ydata()) == [0.5, 0.9, 0.99]
+    assert list(fig.axes[4].lines[1].get_ydata()) == [4.0, 8.0, 16.0]  # loads / replicas
+    assert_legend_clear_of_labels(fig)
+
+
+def test_per_replica_load_ranks_each_results_replicas(tmp_path):
+    rs = [fleet("random", 4, 0.9, [3, 9, 1, 5]), fleet("adapter-affinity", 4, 0.95, [2, 2, 4, 1])]
+    fig = figure(rs, kind="load")
+    assert [ax.get_ylabel() for ax in fig.axes] == [
+        "requests per replica", "adapter loads per replica", "SLO attainment per replica"]
+    loads = fig.axes[1]
+    assert labels(loads) == ["router=random", "router=adapter-affinity"]
+    assert [list(line.get_ydata()) for line in loads.lines] == [[9, 5, 3, 1], [4, 2, 2, 1]]
+    assert list(fig.axes[2].lines[0].get_ydata()) == [0.97, 0.98, 0.99, 1.0]
+    with pytest.raises(ValueError, match="per-replica"):
+        figure([result()], kind="load")
+    assert plot_results(rs, tmp_path / "load.png", kind="load").stat().st_size > 0
+
+
 def assert_legend_clear_of_labels(fig):
     """The legend overlaps no axes and no label; no two tick labels of an axis overlap."""
     fig.canvas.draw()

@@ -1,6 +1,7 @@
 """Synthetic traces match their requested statistics; the JSONL format round-trips and rejects
 malformed lines with the file, line and reason."""
 
+import gzip
 import json
 import re
 
@@ -139,6 +140,31 @@ def test_jsonl_round_trip(tmp_path):
     back = read_trace(path)
     assert back.requests == trace.requests
     assert back.adapters == trace.adapters and back.params == trace.params
+
+
+def test_gzipped_traces_round_trip_and_lines_are_json_dumps(tmp_path):
+    """A .gz name writes and reads gzip; the fast line formatting writes what json.dumps of
+    `to_json` writes; a bad line of a gzipped trace names its line; a synthesized request is
+    what the checked constructor makes of the same values."""
+    trace = synthesize(num_adapters=50, rate=40, cv=1, alpha=0.7, duration=20, ranks=(8, 64))
+    trace.requests.append(TraceRequest(trace.duration + 1, 'odd "name"', 3, prompt_len=7))
+    plain, packed = tmp_path / "t.jsonl", tmp_path / "t.jsonl.gz"
+    write_trace(trace, plain)
+    write_trace(trace, packed, progress=True)
+    with gzip.open(packed, "rt") as f:
+        assert f.read() == plain.read_text()
+    lines = plain.read_text().splitlines()[1:]
+    assert lines == [json.dumps(r.to_json()) for r in trace.requests]
+    back = read_trace(packed, progress=True)
+    assert back.requests == trace.requests and back.adapters == trace.adapters
+    assert packed.stat().st_size < plain.stat().st_size / 3
+    for r in trace.requests[:50]:
+        assert r == TraceRequest(r.arrival_time, r.adapter, r.output_len, prompt_len=r.prompt_len)
+    with gzip.open(tmp_path / "bad.jsonl.gz", "wt") as f:
+        f.write(lines[0] + "\n" + '{"arrival_time": -1, "adapter": null, "prompt_len": 3, '
+                '"output_len": 2}\n')
+    with pytest.raises(TraceError, match=r"bad.jsonl.gz:2: arrival_time=-1"):
+        read_trace(tmp_path / "bad.jsonl.gz")
 
 
 def test_reads_headerless_unsorted_trace(tmp_path):
