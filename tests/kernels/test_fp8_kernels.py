@@ -97,7 +97,7 @@ def test_scaled_mm_path(N, K):
             want = quant.linear(xq.float() * xs, w, bf)
             assert got.dtype == torch.bfloat16 and got.shape == (M, N)
             torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
-            assert rel_err(got, quant.linear(x.float(), w, bf)) < 0.06
+            assert rel_err(got, quant.linear(x.float(), w, bf)) < 0.04  # (E4M3 rounding: ~0.026)
 
 
 @cuda
