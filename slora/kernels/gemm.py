@@ -39,8 +39,11 @@ from .tuning import pow2
 def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                    k_split, split, stride_x, stride_w, stride_out, stride_part,
                    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                   DOT_F32: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
+                   DOT_F32: tl.constexpr, PDL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # An FP8 W (float8_e4m3fn) comes with its scales: W = w * scale[:, None]. The pointer's
+    # type decides at compile time; scale_ptr is unused otherwise.
+    W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which K slice
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,7 +69,7 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_p
             xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         if DOT_F32:
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        elif W_SCALE:  # an FP8 W: its tile in x's dtype, in registers
+        elif W_FP8:  # its tile in x's dtype, in registers
             acc += tl.dot(w.to(xt.dtype), xt)
         else:
             acc += tl.dot(w, xt)
@@ -87,7 +90,7 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_p
         for i in range(split):
             acc += tl.load(part_ptr + i * stride_part + cell, cache_modifier=".cg")
         tl.atomic_xchg(count_ptr + tile, 0)
-    if W_SCALE:  # W = weight * scale[:, None]: each output feature's sum times its scale
+    if W_FP8:  # each output feature's sum times its scale
         acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -181,7 +184,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         count, M, N, K, k_split, split,
         x.stride(0), w.stride(0), out.stride(0), tiles * cfg["BLOCK_N"] * cfg["BLOCK_M"],
         SPLIT_K=split > 1, HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0,
-        DOT_F32=dot_f32, W_SCALE=scale is not None, **pdl.options(x.device), **cfg)
+        DOT_F32=dot_f32, **pdl.options(x.device), **cfg)
     return out
 
 
