@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import add_out_arg, bench_graph, ceilings, free_memory, header, write_result  # noqa: E402
+from harness import (add_out_arg, bench_graph, ceilings, free_memory, header,  # noqa: E402
+                     write_result)
 from slora.model import quant  # noqa: E402
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008)}
@@ -84,7 +85,8 @@ def main(argv=None) -> dict:
                                  weight_GBps=wbytes / ms / 1e6, TFLOPs=2 * M * N * K / ms / 1e9,
                                  err=err))
                 r = rows[-1]
-                print(f"{module:8s} M={M:5d} {path:22s} {r['us']:9.1f} us {r['weight_GBps']:6.0f} GB/s "
+                print(f"{module:8s} M={M:5d} {path:22s} {r['us']:9.1f} us "
+                      f"{r['weight_GBps']:6.0f} GB/s "
                       f"({100 * r['weight_GBps'] / ceil['copy_GBps']:3.0f}% of copy) "
                       f"{r['TFLOPs']:6.1f} TFLOP/s err {err:.1e}", flush=True)
         del ws, qs

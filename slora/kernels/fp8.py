@@ -7,15 +7,16 @@ Twin and specification: `quant.linear`, F.linear over the weight dequantized to 
 - an FP8 weight, at most `max_rows` rows of a 16-bit x (a decode step): the few-rows kernel
   reading the E4M3 weight and its scales directly (`gemm.skinny_linear(..., scale=)`): the
   weight's bytes are the step's floor, and they are half of bf16's;
-- an FP8 weight, more rows of a bf16 x (prefill, large decode batches): the FP8 tensor cores
-  (`torch._scaled_mm`, cuBLASLt) on x quantized per token: each row of x gets its own scale
-  (its largest magnitude maps to E4M3's 448, `quantize_rows`), W keeps its per-channel ones,
-  the product comes out in bf16, then the bias is added. The activations' rounding to E4M3
-  makes this path differ from the twin by about E4M3's precision (2^-4 relative per element,
-  averaged over K), which the weights' own rounding already costs: it is the dynamic
+- an FP8 weight, more rows of a 16-bit x (prefill, large decode batches): the FP8 tensor
+  cores (`torch._scaled_mm`) on x quantized per token: each row of x gets its own scale (its
+  largest magnitude maps to E4M3's 448, `quantize_rows`), W keeps its per-channel ones, the
+  product comes out in bf16 (the one output type of per-row scaling; an fp16 x gets it
+  converted, a rounding far below E4M3's), then the bias is added. Rounding the activations
+  to E4M3 (at most 2^-4 relative an element) puts this path about 2.6% of the output's norm
+  from the twin, as far as the weights' own rounding puts the twin from bf16: the dynamic
   per-token W8A8 scheme vLLM serves FP8 checkpoints with;
-- anything else (fp32 or fp16 x past the few rows, dims that are not multiples of 16, which
-  `_scaled_mm` requires, a CPU tensor): the twin.
+- anything else (an fp32 x, dims that are not multiples of 16, which `_scaled_mm` requires,
+  a CPU tensor): the twin.
 """
 
 from __future__ import annotations
@@ -76,23 +77,25 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def uses_scaled_mm(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Whether `linear` runs x @ w^T on the FP8 tensor cores: a bf16 x on CUDA (`_scaled_mm`
-    with per-row scales returns bf16) and both of W's dims multiples of 16 (its layout rule)."""
+    """Whether `linear` runs x @ w^T on the FP8 tensor cores: a 16-bit x on CUDA and both of
+    W's dims multiples of 16 (`_scaled_mm`'s layout rule)."""
     N, K = w.shape
-    return x.is_cuda and x.dtype == torch.bfloat16 and N % 16 == 0 and K % 16 == 0
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and N % 16 == 0 and K % 16 == 0)
 
 
 def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
                      quantize=quantize_rows) -> torch.Tensor:
-    """x [M, K] bf16 @ W^T (+ bias) -> [M, N] bf16 on the FP8 tensor cores: x quantized per
-    row (`quantize`), W's E4M3 weight read column-major ([N, K] row-major transposed, no
-    copy), fp32 accumulation, both scales applied to the fp32 sums."""
+    """x [M, K] (16-bit) @ W^T (+ bias) -> [M, N] in x's dtype on the FP8 tensor cores: x
+    quantized per row (`quantize`), W's E4M3 weight read column-major ([N, K] row-major
+    transposed, no copy), fp32 accumulation, both scales applied to the fp32 sums, out in
+    bf16 (then x's dtype)."""
     x = x if x.stride(1) == 1 else x.contiguous()
     if x.shape[0] == 0:
         return x.new_empty(0, w.shape[0])
     xq, xs = quantize(x)
     out = torch._scaled_mm(xq, w.weight.t(), scale_a=xs, scale_b=w.scale.view(1, -1),
-                           out_dtype=torch.bfloat16)
+                           out_dtype=torch.bfloat16).to(x.dtype)
     if bias is not None:
         out += bias
     return out

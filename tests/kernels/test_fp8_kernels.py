@@ -16,7 +16,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 def weight(N, K, seed=0):
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=g) * (1 + torch.rand(N, 1, generator=g) * 4)  # rows' scales differ
+    # rows of different magnitudes: their scales differ
+    w = torch.randn(N, K, generator=g) * (1 + torch.rand(N, 1, generator=g) * 4)
     return quantize_fp8(w * 0.05).to(torch.device(DEV))
 
 
@@ -77,33 +78,36 @@ def test_few_rows_gemm_fp8_sweep(dtype, N, K):
             got = gemm.skinny_linear(x, w.weight, b, scale=w.scale)
             want = quant.linear(x.float(), w, None if b is None else b.float())
             assert got.dtype == dtype
-            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+            torch.testing.assert_close(got.float(), want, rtol=1e-2,
+                                       atol=1e-2 * want.abs().max().item())
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,K", [(64, 128), (4096, 4096), (12288, 4096), (4096, 11008)])
-def test_scaled_mm_path(N, K):
-    """bf16 x, M 1..64 and prefill sizes, with and without bias: the twin over x's per-row FP8
-    round trip (the same products) to bf16 rounding; the plain twin to E4M3's precision."""
+def test_scaled_mm_path(dtype, N, K):
+    """16-bit x, M 1..64 and prefill sizes, with and without bias: the twin over x's per-row
+    FP8 round trip (the same products) to bf16 rounding; the plain twin to E4M3's precision."""
     from slora.kernels import fp8
 
     w = weight(N, K)
     for M in (1, 5, 16, 33, 64, 300, 2048):
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        for b in (None, torch.randn(N, device="cuda", dtype=torch.bfloat16)):
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        for b in (None, torch.randn(N, device="cuda", dtype=dtype)):
             got = fp8.scaled_mm_linear(x, w, b)
             xq, xs = fp8.quantize_rows_ref(x)
             bf = None if b is None else b.float()
             want = quant.linear(xq.float() * xs, w, bf)
-            assert got.dtype == torch.bfloat16 and got.shape == (M, N)
-            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+            assert got.dtype == dtype and got.shape == (M, N)
+            torch.testing.assert_close(got.float(), want, rtol=1e-2,
+                                       atol=1e-2 * want.abs().max().item())
             assert rel_err(got, quant.linear(x.float(), w, bf)) < 0.04  # (E4M3 rounding: ~0.026)
 
 
 @cuda
 def test_fp8_linear_dispatch():
     """fp8.linear: the few-rows kernel up to max_rows of a 16-bit x, `_scaled_mm` past them
-    (bf16, dims multiples of 16), the twin otherwise; a tensor weight goes to gemm.linear."""
+    (dims multiples of 16), the twin otherwise; a tensor weight goes to gemm.linear."""
     from slora.kernels import fp8, gemm
 
     w, odd = weight(256, 512), weight(200, 72)
@@ -111,6 +115,7 @@ def test_fp8_linear_dispatch():
     assert torch.equal(fp8.linear(x[:32], w, max_rows=32),
                        gemm.skinny_linear(x[:32], w.weight, scale=w.scale))
     assert torch.equal(fp8.linear(x, w, max_rows=32), fp8.scaled_mm_linear(x, w))
+    assert torch.equal(fp8.linear(x.half(), w, max_rows=32), fp8.scaled_mm_linear(x.half(), w))
     xo = torch.randn(48, 72, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(fp8.linear(xo, odd, max_rows=32), quant.linear(xo, odd))
     xf = x.float()
