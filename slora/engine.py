@@ -271,13 +271,20 @@ class Engine:
     def _fail_step(self, error: Exception) -> list[Request]:
         """A step failed where no single request is to blame: its requests, and those of
         the step still in flight, end with the error; the scheduler frees their pages."""
-        plans = [self._plan, *self._open, self._flight.plan if self._flight else None]
-        reqs = [r for plan in plans if plan is not None for r in plan.seqs]
+        plans = [p for p in (self._plan, *self._open, self._flight and self._flight.plan) if p]
         self._plan, self._open, self._flight = None, [], None
         self.runner.host_tier.staged = {}
-        return self.scheduler.fail(reqs,
-                                   f"the step failed: {type(error).__name__}: {error}",
-                                   time.monotonic())
+        failed = self.scheduler.fail([r for plan in plans for r in plan.seqs],
+                                     f"the step failed: {type(error).__name__}: {error}",
+                                     time.monotonic())
+        # The adapters these steps were copying into the pool may hold pages never written:
+        # they leave the pool, so the next use reads and copies them again.
+        for plan in plans:
+            for name, _ in plan.adapter_loads + plan.prefetch:
+                info = self.adapters.adapters.get(name)
+                if info is not None and info.resident and not info.refcount:
+                    self.allocator.free(self.adapters.unload(name))
+        return failed
 
     def _step_async(self) -> list[Request]:
         """Schedule and launch this step while the last one still runs on the device, then
@@ -317,8 +324,12 @@ class Engine:
             try:
                 texts.append(self._text(req))
             except Exception as e:  # noqa: BLE001 - this request fails alone
-                self.scheduler.fail([req], f"request {req.request_id}: detokenising failed: "
-                                    f"{type(e).__name__}: {e}", time.monotonic())
+                why = f"request {req.request_id}: detokenising failed: {type(e).__name__}: {e}"
+                if req.finished:  # (its last step: only its outcome changes)
+                    req.finish_reason, req.error = "error", why
+                    self.scheduler.failed += 1
+                else:
+                    self.scheduler.fail([req], why, time.monotonic())
                 texts.append("")
         return texts
 

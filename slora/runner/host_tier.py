@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from slora.core.adapters import AdapterInfo, AdapterManager
+from slora.model.loader import AdapterError
 
 Loads = list[tuple[str, list[int]]]  # (adapter name, its pool pages)
 
@@ -48,6 +49,11 @@ class HostAdapterTier:
         host = self.tensors.get(info.name)
         if host is None:
             host = info.pack(self.pool.shape[2], self.dtype)
+            # A read holding NaN or inf never reaches the pool. (Buffers shared by synthetic
+            # adapters are drawn by slora, finite, and large: they are not scanned per read.)
+            if info.shared is None and not bool(torch.isfinite(host).all()):
+                raise AdapterError(f"adapter {info.name!r}: its weights hold NaN or inf",
+                                   adapter=info.name)
             if self.cuda and not host.is_pinned():
                 host = host.pin_memory()
             self.tensors[info.name] = host
