@@ -6,7 +6,9 @@ For each linear module of Llama-2-7B (qkv, o, gate_up, down) and each row count 
 - fp8 few-rows: `gemm.skinny_linear` over the E4M3 weight and its scales, at the tiles
   `skinny_cfg` picks, and at twice their BLOCK_K (a stage then holds as many W bytes as
   bf16's), M <= 64;
-- fp8 _scaled_mm: per-row activation quantization (`fp8.quantize_rows`) + `torch._scaled_mm`.
+- fp8 _scaled_mm: per-row activation quantization (`fp8.quantize_rows`) + `torch._scaled_mm`;
+- fp8 dequant + cuBLAS, M >= 64: the weight dequantized to bf16 for the call, then F.linear
+  (the twin's way: exact weights, bf16 tensor cores, the weight's bytes read three times).
 Each op runs over enough layers' distinct weights (--weight-mb, 256 MB) that L2 holds none,
 replayed from a CUDA graph (harness.bench_graph). Reported per layer: microseconds, the weight
 bytes' GB/s and share of the measured copy bandwidth, TFLOP/s, and the error relative to the
@@ -51,6 +53,8 @@ def variants(M: int, N: int, K: int, device) -> list:
                 (f"fp8 few-rows BK{wide['BLOCK_K']}",
                  lambda x, w, q: gemm.skinny_linear(x, q.weight, scale=q.scale, cfg=wide))]
     out.append(("fp8 _scaled_mm", lambda x, w, q: fp8.scaled_mm_linear(x, q)))
+    if M >= 64:
+        out.append(("fp8 dequant + cuBLAS", lambda x, w, q: quant.linear(x, q)))
     return out
 
 
@@ -80,7 +84,7 @@ def main(argv=None) -> dict:
                 err = ((fn(x, ws[0], qs[0]).float() - want).norm() / want.norm()).item()
                 ms = bench_graph(lambda: [fn(x, w, q) for w, q in zip(ws, qs)], device,
                                  warmup_ms=5, rep_ms=20) / layers
-                wbytes = N * K * (2 if path == "bf16" else 1)
+                wbytes = N * K * (2 if path == "bf16" else 1)  # (the bytes the weight holds)
                 rows.append(dict(module=module, M=M, path=path, us=ms * 1e3,
                                  weight_GBps=wbytes / ms / 1e6, TFLOPs=2 * M * N * K / ms / 1e9,
                                  err=err))
