@@ -167,7 +167,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, plan: SchedulerPlan) -> None:
         """Free a running request's KV and requeue it at the front; it is recomputed later."""
-        self.running.remove(req)
+        _remove(self.running, req)
         self.allocator.free(req.block_table)
         req.block_table, req.num_computed = [], 0
         if req.adapter:
@@ -213,7 +213,7 @@ class Scheduler:
                 if self.policy.blocking or req.skipped >= cfg.max_skips:
                     break
         for req in admitted:
-            self.waiting.remove(req)
+            _remove(self.waiting, req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.metrics.scheduled_time is None:
@@ -332,10 +332,10 @@ class Scheduler:
         if req.num_pending:  # tokens of steps still running: never to be known
             del req.output_token_ids[-req.num_pending:]
             req.num_pending = 0
-        if req.status is RequestStatus.WAITING and req in self.waiting:
-            self.waiting.remove(req)
+        if req.status is RequestStatus.WAITING and any(r is req for r in self.waiting):
+            _remove(self.waiting, req)
         elif req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            _remove(self.running, req)
             self.allocator.free(req.block_table)
             req.block_table = []
             if req.adapter:
@@ -367,3 +367,14 @@ class Scheduler:
             "policy": self.policy.name,
             **self.policy.stats(),
         }
+
+
+def _remove(items, item) -> None:
+    """Remove `item` from a list or deque by identity. (`list.remove` compares by ==, and a
+    Request's dataclass __eq__ builds and compares tuples of all its fields for every request
+    before the one sought: costly over a batch of hundreds, once a step.)"""
+    for i, x in enumerate(items):
+        if x is item:
+            del items[i]
+            return
+    raise ValueError(f"{item!r} is not in the list")
