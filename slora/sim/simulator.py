@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import Counter
 import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
@@ -41,7 +42,8 @@ from slora.core.scheduler import Scheduler, SchedulerPlan
 from slora.metrics import result_dict, summarize
 from slora.replay import replay
 from slora.request import PENDING, Request, RequestOutput, RequestStatus, SamplingParams
-from slora.sim.cost import AdapterPages, CostModel, Profile, decode_features, plan_features
+from slora.sim.cost import (MIN_STEP_S, AdapterPages, CostModel, Profile, decode_features,
+                            plan_features)
 from slora.workload import Trace
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Engine.add_synthetic_adapter's
@@ -184,6 +186,7 @@ class SimEngine:
         self._device_free = 0.0
         self._pages_of: dict[tuple, int] = {}  # (rank, targets) -> adapter pages
         self.last_plan: SchedulerPlan | None = None  # of the last `step` (not fast_forward's)
+        self._quiet: _QuietRun | None = None  # a run of quiet steps not yet settled
 
     # -- adapters
     def add_synthetic_adapter(self, name: str, rank: int,
@@ -228,6 +231,8 @@ class SimEngine:
 
     # -- the loop
     def step(self) -> list[RequestOutput]:
+        if self._quiet is not None:
+            self._settle()
         start = self.clock.now
         plan = self.scheduler.schedule(start)
         dt = self.runner.step_time(plan, self.adapters)
@@ -270,136 +275,101 @@ class SimEngine:
             touched += self.scheduler.resolve(prev[0], [FAKE_TOKEN] * n, [None] * n, self.clock.now)
         return touched
 
-    def fast_forward(self, limit: float) -> int:
-        """Take the next steps at once while they are quiet, and each starts before `limit`
-        (the driver's promise: no request is added before it). Returns how many it took; 0
-        when the next step is not quiet (call `step`).
+    def fast_forward(self, limit: float) -> list[RequestOutput] | None:
+        """Take the next steps at once while they are quiet and each starts before `limit` (the
+        driver's promise: no request is added before it). Returns the outputs of the requests
+        that finished in them, as `step` would have; None when the next step is not quiet
+        (call `step`).
 
         A quiet step is one whose decisions are known without scheduling it: nothing waits
-        (so nothing is admitted, prefetched or aborted), every running request decodes one
-        token and none reaches its length (so none is skipped or finishes), and the pages its
-        rows' new blocks take are free (so nothing is evicted or preempted). Its effects are
-        then the scheduler's for such a step, applied here in the same order: each row gets
-        its token (`advance`, then `resolve` with the fake token; a first token's time is the
-        resolve's), new KV pages go to the rows in running order, step by step, from the
-        allocator, a policy that counts service (`served`) is told of each token, and the
-        clock, the device and the runner's busy time advance step by step by the cost model's
-        time of a decode-only plan. With async scheduling the last step stays in flight, its
-        plan the scheduler's (`_order_decode`). Step by step and at once give the same state
-        (tests/sim/test_cluster.py checks it against `step` alone); `on_step` and `check`
-        need every step, so with either this takes none.
+        (so nothing is admitted, prefetched or aborted); every running request decodes one
+        token, or, at its length (a request of the simulator stops only there: ignore_eos,
+        no stop tokens), is left out and finishes where its last token resolves; the pages
+        its rows' new blocks take are free (nothing is evicted or preempted); and some row
+        decodes. Its effects are the scheduler's, in the scheduler's order: each step's new
+        blocks go to its rows in running order (`PageAllocator.alloc`), then the requests
+        reaching their length finish (`Scheduler._finish`: pages freed, adapter released) in
+        the order of the step's rows (`_order_decode`'s: largest adapter first, running order
+        among equals); each row gets its tokens as `advance` and `resolve` leave them, its
+        first token the time of its first resolve; a policy that counts service (`served`) is
+        told of each token; the clock, the device and the runner's busy time advance step by
+        step by the cost model's time of the step's decode-only plan. With async scheduling
+        the last step stays in flight with the scheduler's plan.
+
+        A run of quiet steps that `limit` cuts resumes at the next call if nothing happened in
+        between; the running requests' tokens and the flight's plan are brought up to date
+        (`_settle`) before anything reads them: `step`, `stats`. Step by step and at once give
+        the same state (tests/sim/test_cluster.py checks it against `step` alone); `on_step`
+        and `check` need every step, so with either this takes none.
         """
+        run = self._quiet
+        if run is None or run.steps_at != self.steps or self.scheduler.waiting:
+            self._settle()
+            run = self._quiet_run()
+            if run is None:
+                return None
+        before = run.taken
+        done = run.advance(self, limit)
+        if run.taken == before:  # not a step: the next one is not quiet
+            if run is self._quiet:
+                self._settle()
+            return None
+        self._quiet = run
+        run.steps_at = self.steps
+        return done
+
+    def _quiet_run(self) -> "_QuietRun | None":
+        """A run of quiet steps from now (see `fast_forward`), or None if the next step's rows
+        are not all steady decodes of requests that stop only at their length."""
         sched = self.scheduler
         running = sched.running
         if (not running or sched.waiting or self._failed_now or self.on_step is not None
                 or self.check):
-            return 0
+            return None
         asynchronous = self.config.async_scheduling
-        if asynchronous:
-            if self._flight is None or len(self._flight[0].seqs) != len(running):
-                return 0
-            pending, finishing = 1, 0  # the flight's token, pending; a row ends at its resolve
-        else:
-            pending, finishing = 0, 1  # a row ends at the update of the step that reaches it
-        # the steps before any row reaches its length (Request.at_length), the decode sums,
-        # and the rows whose next KV block comes within them
-        steps = math.inf
-        ctx = lora = 0
-        names = set()
-        add = names.add
-        pages = self.runner.adapter_pages(self.adapters)
-        block_size, near = self.config.block_size, []
+        if asynchronous and (self._flight is None or self._flight[0] is None
+                             or len(self._flight[0].seqs) != len(running)):
+            return None
+        # async: the flight's token is pending, and a row decodes in steps 0 .. end-1 and
+        # finishes at step end's resolve (a row at its length is left out of the plan);
+        # sync: a row decodes in steps 0 .. end and finishes at step end's update
+        pending, last = (1, 0) if asynchronous else (0, 1)
+        block_size = self.config.block_size
+        tokens0, end_of, fresh = [], [], []
+        by_phase: list[list[int]] = [[] for _ in range(block_size)]  # rows by block phase
+        first_of = []
         for row, req in enumerate(running):
             if req.num_pending != pending:
-                return 0
+                return None
+            sampling = req.sampling
+            if sampling.stop_token_ids or not (sampling.ignore_eos or not req.eos_token_ids):
+                return None
             out = len(req.output_token_ids)
-            prompt = len(req.prompt_token_ids)
-            room = req.sampling.max_tokens - out
-            if req.max_len - prompt - out < room:
-                room = req.max_len - prompt - out
-            if room < steps:
-                steps = room
-            tokens = prompt + out
-            ctx += tokens
-            name = req.adapter
-            lora += pages[name]
-            add(name)
+            tokens = len(req.prompt_token_ids) + out
             first = block_size * len(req.block_table) + 1 - tokens  # the step needing a block
-            if first < steps:
-                near.append((first, row, tokens))
-        names.discard(None)
-        steps -= finishing
-        if steps < 1:
-            return 0
-        # the new KV blocks, (step, row, pages) in the scheduler's order, while pages are free
-        grows = []
-        for i, row, tokens in near:
-            blocks = len(running[row].block_table)
-            i = max(0, i)
-            while i < steps:
-                need = cdiv(tokens + i, block_size) - blocks
-                grows.append((i, row, need))
-                blocks += need
-                i = block_size * blocks + 1 - tokens
-        grows.sort()
-        free = self.allocator.num_free
-        for i, row, need in grows:
-            if need > free:
-                steps = i
-                break
-            free -= need
-        # the steps' times, each starting before `limit`
-        cost, runner = self.runner.cost, self.runner
-        rows, adapters, now = len(running), len(names), self.clock.now
-        device_free = self._device_free
-        flight_end = self._flight[1] if asynchronous else None
-        first_token = None
-        taken = 0
-        while taken < steps and now < limit:
-            feats = decode_features(rows, ctx + rows * taken, adapters, lora)
-            dt = cost.step_time(cost.forward_time(feats), 0.0, 0.0, 0.0)
-            runner.busy_s += dt
-            if asynchronous:
-                device_free = max(now, device_free) + dt
-                now = max(now, flight_end)  # the step before is collected
-                flight_end = device_free
-            else:
-                now += dt
-            if first_token is None:
-                first_token = now
-            taken += 1
-        if not taken:
-            return 0
-        # the state those steps leave
-        for i, row, need in grows:
-            if i >= taken:
-                break
-            req = running[row]
-            req.block_table += self.allocator.alloc(need, KV)
-        # each row's tokens: async, the flight's pending one resolved, `taken` more of which
-        # the last is pending; sync, `taken` resolved ones
-        tail = [FAKE_TOKEN] * taken + [PENDING] if asynchronous else [FAKE_TOKEN] * taken
-        cut = -1 if asynchronous else 1 << 62  # sync: past the end, an append
-        served = sched.policy.served if type(sched.policy).served is not Policy.served else None
-        for req in running:
-            out = req.output_token_ids
-            out[cut:] = tail
-            req.num_computed = len(req.prompt_token_ids) + len(out) - 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = first_token
-            if served is not None:
-                for _ in range(taken):
-                    served(req, 1)
-        self.clock.now = now
-        self.steps += taken
-        if asynchronous:
-            self._device_free = device_free
-            plan = SchedulerPlan(decode=list(running))
-            sched._order_decode(plan)
-            self._flight = (plan, device_free)
-        return taken
+            if first < 0:
+                return None  # (more than one block due: no steady decode)
+            end = sampling.max_tokens - out
+            if req.max_len - tokens < end:
+                end = req.max_len - tokens
+            tokens0.append(tokens)
+            end_of.append(end - last)
+            first_of.append(first)
+            by_phase[first % block_size].append(row)
+            if out == pending:
+                fresh.append(req)  # its first token resolves in step 0
+        return _QuietRun(self, tokens0, end_of, first_of, by_phase, fresh, asynchronous, last)
+
+    def _settle(self) -> None:
+        """Bring the requests of a quiet run (`fast_forward`) up to date: each running row's
+        tokens, its computed count and the policy's service, and the flight's plan."""
+        run, self._quiet = self._quiet, None
+        if run is None or run.taken == run.settled:
+            return
+        run.settle(self)
 
     def stats(self) -> dict:
+        self._settle()
         s = self.scheduler.stats()
         s["page_bytes"] = self.page_bytes
         s["block_size"] = self.config.block_size
@@ -408,6 +378,177 @@ class SimEngine:
         s["sim_copy_s"] = self.runner.copy_s
         s["sim_disk_s"] = self.runner.disk_s
         return s
+
+
+class _QuietRun:
+    """The bookkeeping of a run of quiet steps (`SimEngine.fast_forward`), per row by its index
+    in the running list when the run began: context tokens then, the step it ends at, the step
+    it first needs a new block; rows by their block phase (a row needs a block at the steps
+    first, first + block_size, ...); and the sums of the next step's decode rows."""
+
+    def __init__(self, sim: SimEngine, tokens0, end_of, first_of, by_phase, fresh,
+                 asynchronous: bool, last: int) -> None:
+        self.reqs = list(sim.scheduler.running)
+        self.tokens0, self.end_of, self.first_of, self.by_phase = tokens0, end_of, first_of, by_phase
+        self.fresh = fresh
+        self.asynchronous, self.last = asynchronous, last
+        pages = sim.runner.adapter_pages(sim.adapters)
+        self.adapter_of = [req.adapter for req in self.reqs]
+        self.page_of = list(map(pages.__getitem__, self.adapter_of))
+        # the rows by the step they end at (a pointer walks them as steps go)
+        self.by_end = sorted(range(len(self.reqs)), key=end_of.__getitem__)
+        self.next_end = 0
+        self.names = Counter(self.adapter_of)
+        self.ctx, self.lora, self.rows = sum(tokens0), sum(self.page_of), len(self.reqs)
+        self.taken = self.settled = 0
+        self.steps_at = sim.steps
+        self.device_free = sim._device_free
+        self.flight_end = sim._flight[1] if asynchronous else None
+        self.flight_rows = sim._flight[0].seqs if asynchronous else None
+        if asynchronous:  # rows already at their length are not in step 0's plan
+            self._leave(0)
+
+    def _ending(self, i: int) -> list[int]:
+        """The rows whose end is step i (ascending i only; each row once)."""
+        by_end, end_of, k = self.by_end, self.end_of, self.next_end
+        start = k
+        while k < len(by_end) and end_of[by_end[k]] <= i:
+            k += 1
+        self.next_end = k
+        return by_end[start:k]
+
+    def _leave(self, i: int) -> list[int]:
+        """Take the rows that end at step i out of the decode sums; returns them."""
+        rows = self._ending(i)
+        names, tokens0, page_of, adapter_of = self.names, self.tokens0, self.page_of, self.adapter_of
+        for r in rows:
+            self.rows -= 1
+            self.ctx -= tokens0[r]
+            self.lora -= page_of[r]
+            name = adapter_of[r]
+            names[name] -= 1
+            if not names[name]:
+                del names[name]
+        return rows
+
+    def advance(self, sim: SimEngine, limit: float) -> list[RequestOutput]:
+        """Take quiet steps while each starts before `limit` (and the next is quiet); returns
+        the outputs of the requests that finished."""
+        sched, allocator, runner = sim.scheduler, sim.allocator, sim.runner
+        cost, block_size = runner.cost, sim.config.block_size
+        asynchronous, last = self.asynchronous, self.last
+        end_of, first_of, reqs, page_of = self.end_of, self.first_of, self.reqs, self.page_of
+        now, device_free, flight_end = sim.clock.now, self.device_free, self.flight_end
+        done: list[RequestOutput] = []
+        before = self.taken
+        while now < limit and self.rows:
+            i = self.taken
+            # schedule: new blocks, in running order, from free pages alone
+            grow = [r for r in self.by_phase[i % block_size]
+                    if first_of[r] <= i and end_of[r] > i - last]
+            if grow:
+                if len(grow) > allocator.num_free:
+                    break
+                for r in grow:
+                    reqs[r].block_table += allocator.alloc(1, KV)
+            names = self.names
+            feats = decode_features(self.rows, self.ctx + self.rows * i,
+                                    len(names) - (None in names), self.lora)
+            dt = cost.step_time(cost.forward_time(feats), 0.0, 0.0, 0.0)
+            runner.busy_s += dt
+            if asynchronous:
+                device_free = max(now, device_free) + dt
+                now = max(now, flight_end)  # the step before is collected
+                flight_end = device_free
+            else:
+                now += dt
+            self.taken += 1
+            sim.steps += 1
+            if i == 0:  # the first resolve: first tokens
+                for req in self.fresh:
+                    if req.metrics.first_token_time is None:
+                        req.metrics.first_token_time = now
+            # the rows whose last token resolves now finish, in the order of their step's rows
+            if asynchronous:
+                ending, self._finishing = self._finishing_async(i), None
+            else:
+                ending = self._leave(i)  # in step i, ended by its update
+            if ending:
+                if asynchronous and i == 0:  # the flight's order
+                    at = {id(req): r for r, req in enumerate(reqs)}
+                    order = [at[id(req)] for req in self.flight_rows if at[id(req)] in ending]
+                else:
+                    order = sorted(ending, key=lambda r: (-page_of[r], r))
+                for r in order:
+                    req = reqs[r]
+                    decoded = end_of[r] + last  # the tokens it decoded in this run
+                    _settle_tokens(req, decoded, asynchronous, final=True)
+                    _serve(sched.policy, req, decoded)
+                    sched._finish(req, "length", now)
+                    done.append(_output(req))
+            if asynchronous:  # the next step's plan leaves out the rows at their length
+                self._finishing = self._leave(i + 1)
+        if self.taken > before:
+            sim.clock.now = now
+            self.device_free, self.flight_end = device_free, flight_end
+            if asynchronous:
+                sim._device_free = device_free
+                sim._flight = (None, device_free)  # its plan: made by `settle`
+        return done
+
+    _finishing: list[int] | None = None
+
+    def _finishing_async(self, i: int) -> list[int]:
+        """Async: the rows that end at step i (left out of its plan at the step before)."""
+        if i == 0:
+            return [r for r in self.by_end[:self.next_end] if self.end_of[r] == 0]
+        return self._finishing or []
+
+    def settle(self, sim: SimEngine) -> None:
+        """The running rows' tokens, computed counts and service after the steps taken, and,
+        async, the flight's plan (the last step's rows: every row still running)."""
+        taken = self.taken
+        asynchronous = self.asynchronous
+        tail = [FAKE_TOKEN] * taken + [PENDING] if asynchronous else [FAKE_TOKEN] * taken
+        cut = -1 if asynchronous else 1 << 62  # async: the flight's pending token; sync: none
+        policy = sim.scheduler.policy
+        counts = type(policy).served is not Policy.served
+        running = sim.scheduler.running
+        for req in running:
+            out = req.output_token_ids
+            out[cut:] = tail
+            req.num_computed = len(req.prompt_token_ids) + len(out) - 1
+            if counts:
+                _serve(policy, req, taken)
+        self.settled = taken
+        if asynchronous:
+            # the last step's rows (every row still running) in `Scheduler._order_decode`'s
+            # order: by adapter pages, largest first, a stable sort of the running order
+            reqs, end_of = self.reqs, self.end_of
+            rows = sorted((r for r in range(len(reqs)) if end_of[r] >= taken),
+                          key=self.page_of.__getitem__, reverse=True)
+            sim._flight = (SchedulerPlan(decode=[reqs[r] for r in rows]), self.device_free)
+
+
+def _settle_tokens(req: Request, decoded: int, asynchronous: bool, final: bool) -> None:
+    """A row's tokens after `decoded` quiet steps: async, the flight's pending token resolved
+    and `decoded` more, the last pending unless the row finished; sync, `decoded` resolved."""
+    out = req.output_token_ids
+    if asynchronous:
+        out[-1:] = [FAKE_TOKEN] * (decoded + 1) if final else [FAKE_TOKEN] * decoded + [PENDING]
+        if final:
+            req.num_pending = 0
+    else:
+        out += [FAKE_TOKEN] * decoded
+    req.num_computed = len(req.prompt_token_ids) + len(out) - 1
+
+
+def _serve(policy, req: Request, tokens: int) -> None:
+    """Tell a policy that counts service (`Policy.served`) of `tokens` decode tokens, one a
+    step, as `Scheduler.advance` does."""
+    if type(policy).served is not Policy.served:
+        for _ in range(tokens):
+            policy.served(req, 1)
 
 
 def _output(req: Request) -> RequestOutput:
