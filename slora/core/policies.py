@@ -27,6 +27,7 @@ from slora.request import Request
 class Policy:
     name = "fcfs"
     blocking = True
+    reads_resident = False  # `order` reads its `resident` set (the scheduler makes it only then)
 
     def __init__(self, max_skips: int = 64, slo_ttft_s: float = 6.0) -> None:
         self.max_skips = max_skips
@@ -50,6 +51,7 @@ class Policy:
 class ClusterPolicy(Policy):
     name = "cluster"
     blocking = False
+    reads_resident = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

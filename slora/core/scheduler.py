@@ -182,7 +182,8 @@ class Scheduler:
         if not self.waiting:
             return  # (no policy's order has effects on an empty queue)
         cfg = self.config
-        resident = self.adapters.resident | {None}
+        # a copy of the resident set (hundreds of names) only for a policy that reads it
+        resident = self.adapters.resident | {None} if self.policy.reads_resident else frozenset()
         budget = cfg.max_batch_tokens - len(plan.decode)
         admitted = []
         passed_over = []
