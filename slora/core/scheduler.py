@@ -126,11 +126,14 @@ class Scheduler:
         a row's MBGMV expand programs take time in proportion to its rank, which an adapter's
         pages grow with: in this order the GPU starts the longest first
         (`slora.kernels.mbgmv.mbgmv_expand`)."""
-        if len(plan.decode) < 2:
+        decode = plan.decode
+        if len(decode) < 2:
             return
         adapters = self.adapters.adapters
-        plan.decode.sort(key=lambda r: adapters[r.adapter].num_pages if r.adapter else 0,
-                         reverse=True)
+        # the keys made in one pass and the rows sorted by index on them (no call per row)
+        pages = [adapters[r.adapter].num_pages if r.adapter else 0 for r in decode]
+        order = sorted(range(len(decode)), key=pages.__getitem__, reverse=True)
+        decode[:] = [decode[i] for i in order]
 
     def _schedule_running(self, plan: SchedulerPlan, now: float) -> None:
         # Runs once per step over every running request: kept lean (no call when no page is
@@ -142,14 +145,14 @@ class Scheduler:
             if req.num_pending and req.at_length():
                 continue  # ends once its running step is collected: no room for another token
             tokens = len(req.prompt_token_ids) + len(req.output_token_ids)  # req.num_tokens
-            need = cdiv(tokens, block_size) - len(req.block_table)
-            if need > 0:
+            if tokens > block_size * len(req.block_table):  # a page is needed
+                need = cdiv(tokens, block_size) - len(req.block_table)
                 while not self._grow(req, need, plan):
                     victim = self.running[-1]
                     self._preempt(victim, plan)
                     if victim is req:
                         break
-                    queue.remove(victim)
+                    _remove(queue, victim)
                 else:
                     decode.append(req)
             else:
