@@ -42,8 +42,7 @@ from slora.core.scheduler import Scheduler, SchedulerPlan
 from slora.metrics import result_dict, summarize
 from slora.replay import replay
 from slora.request import PENDING, Request, RequestOutput, RequestStatus, SamplingParams
-from slora.sim.cost import (MIN_STEP_S, AdapterPages, CostModel, Profile, decode_features,
-                            plan_features)
+from slora.sim.cost import MIN_STEP_S, AdapterPages, CostModel, Profile, plan_features
 from slora.workload import Trace
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Engine.add_synthetic_adapter's
@@ -384,7 +383,8 @@ class _QuietRun:
     """The bookkeeping of a run of quiet steps (`SimEngine.fast_forward`), per row by its index
     in the running list when the run began: context tokens then, the step it ends at, the step
     it first needs a new block; rows by their block phase (a row needs a block at the steps
-    first, first + block_size, ...); and the sums of the next step's decode rows."""
+    first, first + block_size, ...); rows by the step they end at, walked by a pointer as steps
+    go; and the sums of the next step's decode rows."""
 
     def __init__(self, sim: SimEngine, tokens0, end_of, first_of, by_phase, fresh,
                  asynchronous: bool, last: int) -> None:
@@ -395,9 +395,8 @@ class _QuietRun:
         pages = sim.runner.adapter_pages(sim.adapters)
         self.adapter_of = [req.adapter for req in self.reqs]
         self.page_of = list(map(pages.__getitem__, self.adapter_of))
-        # the rows by the step they end at (a pointer walks them as steps go)
         self.by_end = sorted(range(len(self.reqs)), key=end_of.__getitem__)
-        self.next_end = 0
+        self.next_end = 0  # by_end[:next_end]: the rows out of the sums
         self.names = Counter(self.adapter_of)
         self.ctx, self.lora, self.rows = sum(tokens0), sum(self.page_of), len(self.reqs)
         self.taken = self.settled = 0
@@ -405,23 +404,22 @@ class _QuietRun:
         self.device_free = sim._device_free
         self.flight_end = sim._flight[1] if asynchronous else None
         self.flight_rows = sim._flight[0].seqs if asynchronous else None
-        if asynchronous:  # rows already at their length are not in step 0's plan
-            self._leave(0)
+        # async: the rows at their length at step 0 are left out of its plan and finish at its
+        # resolve; later, those leaving each step's plan finish at that step's resolve
+        self.finishing = self._leave(0) if asynchronous else []
 
-    def _ending(self, i: int) -> list[int]:
-        """The rows whose end is step i (ascending i only; each row once)."""
+    def _leave(self, step: int) -> list[int]:
+        """Take the rows that end at `step` out of the decode sums (steps ascending, each row
+        once); returns them."""
         by_end, end_of, k = self.by_end, self.end_of, self.next_end
-        start = k
-        while k < len(by_end) and end_of[by_end[k]] <= i:
-            k += 1
-        self.next_end = k
-        return by_end[start:k]
-
-    def _leave(self, i: int) -> list[int]:
-        """Take the rows that end at step i out of the decode sums; returns them."""
-        rows = self._ending(i)
+        j = k
+        while j < len(by_end) and end_of[by_end[j]] <= step:
+            j += 1
+        if j == k:
+            return []
+        self.next_end = j
         names, tokens0, page_of, adapter_of = self.names, self.tokens0, self.page_of, self.adapter_of
-        for r in rows:
+        for r in by_end[k:j]:
             self.rows -= 1
             self.ctx -= tokens0[r]
             self.lora -= page_of[r]
@@ -429,66 +427,58 @@ class _QuietRun:
             names[name] -= 1
             if not names[name]:
                 del names[name]
-        return rows
+        return by_end[k:j]
 
     def advance(self, sim: SimEngine, limit: float) -> list[RequestOutput]:
         """Take quiet steps while each starts before `limit` (and the next is quiet); returns
         the outputs of the requests that finished."""
         sched, allocator, runner = sim.scheduler, sim.allocator, sim.runner
-        cost, block_size = runner.cost, sim.config.block_size
+        decode_time, alloc, block_size = runner.cost.decode_time, allocator.alloc, sim.config.block_size
         asynchronous, last = self.asynchronous, self.last
-        end_of, first_of, reqs, page_of = self.end_of, self.first_of, self.reqs, self.page_of
+        end_of, first_of, reqs, by_phase = self.end_of, self.first_of, self.reqs, self.by_phase
+        by_end, names = self.by_end, self.names
         now, device_free, flight_end = sim.clock.now, self.device_free, self.flight_end
+        busy = runner.busy_s
         done: list[RequestOutput] = []
-        before = self.taken
+        before = i = self.taken
         while now < limit and self.rows:
-            i = self.taken
-            # schedule: new blocks, in running order, from free pages alone
-            grow = [r for r in self.by_phase[i % block_size]
-                    if first_of[r] <= i and end_of[r] > i - last]
-            if grow:
+            # schedule step i: new blocks, in running order, from free pages alone
+            bucket = by_phase[i % block_size]
+            if bucket:
+                grow = [r for r in bucket if first_of[r] <= i and end_of[r] > i - last]
                 if len(grow) > allocator.num_free:
                     break
                 for r in grow:
-                    reqs[r].block_table += allocator.alloc(1, KV)
-            names = self.names
-            feats = decode_features(self.rows, self.ctx + self.rows * i,
-                                    len(names) - (None in names), self.lora)
-            dt = cost.step_time(cost.forward_time(feats), 0.0, 0.0, 0.0)
-            runner.busy_s += dt
+                    reqs[r].block_table += alloc(1, KV)
+            rows = self.rows
+            dt = decode_time(rows, self.ctx + rows * i, len(names) - (None in names), self.lora)
+            busy += dt
             if asynchronous:
                 device_free = max(now, device_free) + dt
                 now = max(now, flight_end)  # the step before is collected
                 flight_end = device_free
             else:
                 now += dt
-            self.taken += 1
-            sim.steps += 1
             if i == 0:  # the first resolve: first tokens
                 for req in self.fresh:
                     if req.metrics.first_token_time is None:
                         req.metrics.first_token_time = now
             # the rows whose last token resolves now finish, in the order of their step's rows
-            if asynchronous:
-                ending, self._finishing = self._finishing_async(i), None
-            else:
-                ending = self._leave(i)  # in step i, ended by its update
+            # (async: those left out of step i; sync: those in it reaching their length)
+            ending = self.finishing if asynchronous else (
+                self._leave(i) if self.next_end < len(by_end) and end_of[by_end[self.next_end]] <= i
+                else ())
             if ending:
-                if asynchronous and i == 0:  # the flight's order
-                    at = {id(req): r for r, req in enumerate(reqs)}
-                    order = [at[id(req)] for req in self.flight_rows if at[id(req)] in ending]
-                else:
-                    order = sorted(ending, key=lambda r: (-page_of[r], r))
-                for r in order:
-                    req = reqs[r]
-                    decoded = end_of[r] + last  # the tokens it decoded in this run
-                    _settle_tokens(req, decoded, asynchronous, final=True)
-                    _serve(sched.policy, req, decoded)
-                    sched._finish(req, "length", now)
-                    done.append(_output(req))
-            if asynchronous:  # the next step's plan leaves out the rows at their length
-                self._finishing = self._leave(i + 1)
-        if self.taken > before:
+                self._finish(sim, ending, i, now, done)
+            i += 1
+            if asynchronous:  # the next step's plan leaves out the rows at its length
+                k = self.next_end
+                self.finishing = (self._leave(i) if k < len(by_end) and end_of[by_end[k]] <= i
+                                  else [])
+        self.taken = i
+        if i > before:
+            runner.busy_s = busy
+            sim.steps += i - before
             sim.clock.now = now
             self.device_free, self.flight_end = device_free, flight_end
             if asynchronous:
@@ -496,13 +486,26 @@ class _QuietRun:
                 sim._flight = (None, device_free)  # its plan: made by `settle`
         return done
 
-    _finishing: list[int] | None = None
-
-    def _finishing_async(self, i: int) -> list[int]:
-        """Async: the rows that end at step i (left out of its plan at the step before)."""
-        if i == 0:
-            return [r for r in self.by_end[:self.next_end] if self.end_of[r] == 0]
-        return self._finishing or []
+    def _finish(self, sim: SimEngine, ending: list[int], step: int, now: float,
+                done: list[RequestOutput]) -> None:
+        """Finish the rows `ending` at `step` (their last token resolved at `now`) in the order
+        of the rows of their last step: the flight's for step 0 with async scheduling, else
+        `_order_decode`'s (adapter pages, largest first; running order among equals)."""
+        reqs, end_of, last, asynchronous = self.reqs, self.end_of, self.last, self.asynchronous
+        if asynchronous and step == 0:
+            at = {id(req): r for r, req in enumerate(reqs)}
+            order = [at[id(req)] for req in self.flight_rows if at[id(req)] in ending]
+        else:
+            page_of = self.page_of
+            order = sorted(ending, key=lambda r: (-page_of[r], r))
+        sched = sim.scheduler
+        for r in order:
+            req = reqs[r]
+            decoded = end_of[r] + last  # the tokens it decoded in this run
+            _settle_tokens(req, decoded, asynchronous, final=True)
+            _serve(sched.policy, req, decoded)
+            sched._finish(req, "length", now)
+            done.append(_output(req))
 
     def settle(self, sim: SimEngine) -> None:
         """The running rows' tokens, computed counts and service after the steps taken, and,

@@ -139,3 +139,33 @@ def test_step_loads_in_pieces_wait_for_the_first_piece_only():
     assert Profile.from_dict(old).cost.load_pieces == 1
     with pytest.raises(ValueError, match="load_pieces=0"):
         CostModel(load_pieces=0)
+
+
+def test_decode_time_is_the_step_time_of_a_decode_only_plan():
+    """`CostModel.decode_time` (the fast-forward's step time) is, to the last bit, the step time
+    of `plan_features` for a plan of decode rows alone, with and without a host piece."""
+    from slora.core.scheduler import SchedulerPlan
+    from slora.request import Request, SamplingParams
+    from slora.sim.cost import decode_features
+
+    rng = random.Random(0)
+    pages = {f"a{i}": 1 + i % 7 for i in range(9)}
+    manager = SimpleNamespace(adapters={n: SimpleNamespace(num_pages=k) for n, k in pages.items()})
+    for _ in range(200):
+        reqs = [Request(str(i), [0] * rng.randrange(1, 90), SamplingParams(), rng.choice(
+            [None, *pages]), 0.0) for i in range(rng.randrange(1, 30))]
+        for r in reqs:
+            r.output_token_ids += [0] * rng.randrange(0, 50)
+        names = {r.adapter for r in reqs} - {None}
+        assert plan_features(SchedulerPlan(decode=reqs), manager, 512) == decode_features(
+            len(reqs), sum(r.num_tokens for r in reqs), len(names),
+            sum(pages[r.adapter] for r in reqs if r.adapter))
+    for host in (None, {"const": 3.6e-3, "decode_seqs": 2.2e-5, "adapters": 1e-6, "eager": 0.01}):
+        coeffs = {k: rng.choice((0.0, rng.uniform(0, 1e-3), rng.uniform(0, 1e-7))) for k in FEATURES}
+        cost = CostModel(coeffs=coeffs, host_coeffs=host, prefetch_overlap=0.7, load_pieces=4)
+        for _ in range(2000):
+            rows, adapters = rng.randrange(1, 300), rng.randrange(0, 60)
+            ctx, lora = rows * rng.randrange(1, 2000), adapters * rng.randrange(1, 40)
+            want = cost.step_time(cost.forward_time(decode_features(rows, ctx, adapters, lora)),
+                                  0.0, 0.0, 0.0)
+            assert cost.decode_time(rows, ctx, adapters, lora) == want
