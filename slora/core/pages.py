@@ -31,21 +31,24 @@ class PageAllocator:
 
     def alloc(self, n: int, kind: str) -> list[int] | None:
         """n pages for `kind` (KV or ADAPTER), or None (and nothing taken) if fewer are free."""
-        if n > len(self._free):
+        free = self._free
+        if n > len(free):
             return None
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self._owner[p] = kind
+        cut = len(free) - n
+        pages = free[cut:][::-1]  # popped from the end, one at a time
+        del free[cut:]
+        self._owner.update(dict.fromkeys(pages, kind))
         self.used[kind] += n
         return pages
 
     def free(self, pages: list[int]) -> None:
+        owner, used, free = self._owner, self.used, self._free  # (once a finish, per page)
         for p in pages:
-            kind = self._owner.pop(p, None)
+            kind = owner.pop(p, None)
             if kind is None:
                 raise ValueError(f"PageAllocator.free: page {p} is not allocated (double free?)")
-            self.used[kind] -= 1
-            self._free.append(p)
+            used[kind] -= 1
+            free.append(p)
 
     def check(self) -> None:
         assert len(self._free) + self.used[KV] + self.used[ADAPTER] == self.total, (
