@@ -187,7 +187,7 @@ def synthesize(
     # Python scalars (tolist), a million requests in a couple of seconds
     adapters = [names[j] for j in index.tolist()] if num_adapters else [None] * num
     unchecked = TraceRequest.unchecked
-    with _no_gc():
+    with paused_gc():
         requests = [unchecked(t, a, o, p) for t, a, o, p in
                     zip(arrivals.tolist(), adapters, np.asarray(output_lens).tolist(),
                         np.asarray(prompt_lens).tolist())]
@@ -353,7 +353,7 @@ def read_trace(path: str | Path, progress: bool = False) -> Trace:
     seen_line = False
     loads = json.loads
     with _bar(Path(path).stat().st_size, f"read {Path(path).name}", "B", progress,
-              unit_scale=True) as bar, open_trace(path) as f, _no_gc():
+              unit_scale=True) as bar, open_trace(path) as f, paused_gc():
         for lineno, line in enumerate(f, 1):
             if lineno % WRITE_BATCH == 0 and progress:
                 bar.update(_position(f) - bar.n)
@@ -382,9 +382,10 @@ def read_trace(path: str | Path, progress: bool = False) -> Trace:
 
 
 @contextmanager
-def _no_gc():
-    """The cyclic garbage collector off while a million acyclic objects are made: each of its
-    full passes would walk all those made so far, for nothing."""
+def paused_gc():
+    """The cyclic garbage collector off while millions of acyclic objects are made and kept
+    (a trace's requests, a simulation's records and requests): each of its passes over the
+    old generation would walk all of them, for nothing. Restored on exit."""
     enabled = gc.isenabled()
     gc.disable()
     try:

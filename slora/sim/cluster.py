@@ -42,7 +42,7 @@ from slora.sim.router import DEFAULT_POLL_S, ReplicaMetrics, Router, make_router
 from slora.sim import simulator
 from slora.sim.simulator import (CLUSTER_KEYS, DEFAULT_TARGETS, FAKE_TOKEN, SimEngine,
                                  engine_config, result_config)
-from slora.workload import Trace, TraceRequest
+from slora.workload import Trace, TraceRequest, paused_gc
 
 STOP_CHECK_S = 1.0  # with stop_below: simulated seconds between counts of certain misses
 # stats of one replica that hold for each (not summed over the fleet)
@@ -108,15 +108,16 @@ class Replica:
             while inbox and inbox[0].arrival_time <= now:
                 self._add(inbox.popleft())
             if eng.has_unfinished():
-                if self.fast_forward and eng.fast_forward(
-                        min(t, inbox[0].arrival_time) if inbox else t):
-                    continue
-                for out in eng.step():
+                outs = eng.fast_forward(min(t, inbox[0].arrival_time) if inbox else t) \
+                    if self.fast_forward else None
+                for out in eng.step() if outs is None else outs:
                     if out.finished:
                         rec = self.records[out.request_id] = _record(out, 0.0)
                         del self.submitted[out.request_id]
                         if rec.failed or rec.ttft > self.slo:
                             self.missed += 1
+                if outs is not None:
+                    continue  # quiet steps load and evict nothing
                 plan = eng.last_plan
                 if plan.adapter_loads or plan.prefetch or plan.evicted:
                     changed = self.changed
@@ -339,9 +340,21 @@ def simulate_cluster(trace: Trace, profile: Profile, *, replicas: int, router: s
                          "or give a default rank (--adapter-rank)")
     options = dict(router_options or {}) if router == "adapter-affinity" else {}
     chooser = make_router(router, replicas, seed, **options)
-    slo = config.slo_ttft_s
     allowed = None if stop_below is None else len(trace) - math.ceil(stop_below * len(trace) - 1e-9)
 
+    with paused_gc():  # the workers, forked inside, inherit it
+        return _run(trace, profile, config, model, chooser, replicas=replicas, router=router,
+                    poll_s=poll_s, options=options, workers=workers, default_rank=default_rank,
+                    check=check, fast_forward=fast_forward, progress=progress, allowed=allowed,
+                    trace_path=trace_path, seed=seed, gpu_memory_gb=gpu_memory_gb,
+                    extra_config=extra_config)
+
+
+def _run(trace, profile, config, model, chooser, *, replicas, router, poll_s, options, workers,
+         default_rank, check, fast_forward, progress, allowed, trace_path, seed, gpu_memory_gb,
+         extra_config) -> ClusterRun:
+    """`simulate_cluster`'s loop (see the module), its arguments checked."""
+    slo = config.slo_ttft_s
     wall = time.perf_counter()
     groups = [list(range(w, replicas, workers)) for w in range(workers)]
     context = multiprocessing.get_context("fork") if workers > 1 else None
