@@ -1,7 +1,7 @@
 """Configuration: one frozen `EngineConfig`, validated once, passed through constructors.
 
 `ModelConfig` is read from a Hugging Face `config.json` and describes the Llama-family
-architecture (Llama 2/3, Mistral, Qwen2) that `slora.model.llama` implements.
+architecture (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) that `slora.model.llama` implements.
 No torch import here: the simulator and the scheduler read these too.
 """
 
@@ -24,7 +24,13 @@ LORA_ALIGN = 64
 
 # The seven linear modules LoRA may target, in the order adapters are laid out in their pages.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM")
+# Checkpoint modules that stack several of LORA_MODULES by output rows, in this order (Phi-3's
+# qkv_proj and gate_up_proj). A LoRA on one is the LoRAs of its parts with its A shared and its
+# B split by the same rows.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                 "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _of_type(value, annotation: str) -> bool:
@@ -188,6 +194,12 @@ class ModelConfig:
     mlp_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Qwen3: an RMSNorm over each head's head_dim elements of q and of k (weights q_norm,
+    # k_norm [head_dim]) after the projection, before rotary.
+    qk_norm: bool = False
+    # Phi-3: the checkpoint holds q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj`
+    # (FUSED_MODULES), and PEFT adapters target those names.
+    fused_checkpoint: bool = False
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -208,20 +220,41 @@ class ModelConfig:
         heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         head_dim = c.get("head_dim") or hidden // heads
-        qwen = arch == "Qwen2ForCausalLM"
+        qwen2 = arch == "Qwen2ForCausalLM"
         llama_bias = bool(c.get("attention_bias", False))
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (slora's MLP is "
+                              "SwiGLU: silu(gate) * up)")
         # transformers >= 5 writes rope_parameters {rope_theta, rope_type, factor, ...};
         # older configs have rope_theta and rope_scaling.
         rope = c.get("rope_parameters") or {}
         theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+        partial = c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        if partial != 1:
+            raise ConfigError(f"{source}: partial_rotary_factor={partial!r} is not supported "
+                              "(slora rotates every element of a head: 1.0 only)")
         scaling = c.get("rope_scaling") or (rope or None)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
+            if kind in ("longrope", "su", "yarn") and arch == "Phi3ForCausalLM":
+                raise ConfigError(f"{source}: rope_scaling type {kind!r} (Phi-3's LongRoPE, "
+                                  "factors switched by sequence length) is not supported; "
+                                  "Phi-3 checkpoints without rope_scaling (e.g. the 4k-context "
+                                  "ones) are served (supported types: linear, llama3)")
             if kind not in ("default", "linear", "llama3"):
                 raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported "
                                   "(supported: linear, llama3)")
             if kind == "default":
                 scaling = None
+        max_pos = c.get("max_position_embeddings", 4096)
+        window = c.get("sliding_window")
+        if arch.startswith("Qwen"):
+            window = window if c.get("use_sliding_window") else None
+        if window is not None and arch in ("Qwen3ForCausalLM", "Phi3ForCausalLM"):
+            # Attention over a window of `window` tokens (the token itself included) equals
+            # full causal attention while a sequence holds at most `window` tokens: serve that.
+            max_pos = min(max_pos, window)
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -236,13 +269,15 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=qwen or llama_bias,
-            o_bias=llama_bias and not qwen,
+            attention_bias=qwen2 or llama_bias,
+            o_bias=llama_bias and not qwen2,
             mlp_bias=bool(c.get("mlp_bias", False)),
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            fused_checkpoint=arch == "Phi3ForCausalLM",
         )
 
     @property
@@ -253,10 +288,19 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def checkpoint_modules(self) -> tuple[str, ...]:
+        """The linear modules' names in the checkpoint (and in PEFT adapters' keys)."""
+        if self.fused_checkpoint:
+            return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return LORA_MODULES
+
     def module_dims(self, module: str) -> tuple[int, int]:
-        """(d_in, d_out) of one LoRA-targetable linear module."""
+        """(d_in, d_out) of one LoRA-targetable linear module (or of a FUSED_MODULES one)."""
         h, i = self.hidden_size, self.intermediate_size
         return {
+            "qkv_proj": (h, self.q_size + 2 * self.kv_size),
+            "gate_up_proj": (h, 2 * i),
             "q_proj": (h, self.q_size),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
@@ -277,7 +321,8 @@ class ModelConfig:
         linear = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
         rows = self.q_size + 2 * self.kv_size + h + 2 * i + h  # output channels of a layer
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        rest = (L * 2 * h + emb + h) * dtype_bytes  # norms, embedding, lm_head
+        norms = L * (2 * h + (2 * self.head_dim if self.qk_norm else 0)) + h
+        rest = (norms + emb) * dtype_bytes  # norms, embedding, lm_head
         if quantization == "fp8":
             return rest + L * (linear + 4 * rows)
         return rest + L * linear * dtype_bytes

@@ -31,7 +31,9 @@ CORPUS = [
 ] * 20
 
 # name -> kwargs of the HF config. Small, but covering GQA/MQA, tied embeddings, head_dim that
-# differs from hidden/heads, q/k/v bias (Qwen2), attention_bias (Llama), rope scaling.
+# differs from hidden/heads, q/k/v bias (Qwen2), attention_bias (Llama), rope scaling, per-head
+# q/k RMSNorm (Qwen3), fused qkv_proj / gate_up_proj (Phi-3). `random_norms` draws every RMSNorm
+# weight around 1 instead of HF's ones, so that a norm applied wrongly shows.
 TINY = {
     "llama": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2),
     "llama_tied_llama3": dict(arch="llama", num_attention_heads=4, num_key_value_heads=1,
@@ -45,6 +47,10 @@ TINY = {
     "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2),
     "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2,
                   tie_word_embeddings=True),
+    "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  random_norms=True),
+    "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2, pad_token_id=None,
+                 random_norms=True),
 }
 
 
@@ -71,16 +77,24 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
 
     spec = dict(TINY[kind])
     arch = spec.pop("arch")
+    random_norms = spec.pop("random_norms", False)
     path.mkdir(parents=True, exist_ok=True)
     vocab = _tokenizer(path)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, max_position_embeddings=256, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)
     torch.manual_seed(seed)
     model = cls[1](cfg).eval()
+    if random_norms:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(1.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -1,11 +1,12 @@
-"""One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2.
+"""One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3.
 
 They differ only by configuration (`ModelConfig`): GQA/MQA head counts, head_dim, q/k/v (and
-o) biases, tied embeddings, rope theta and scaling (linear, llama3). The model runs on a flat
-batch of tokens from many sequences (decode rows first, then prefill segments), reads and
-writes KV in the shared page pool, and adds each token's LoRA delta through the backend's
-MBGMV/MBGMM kernels. Weights of modules that share an input are fused (q|k|v, gate|up) so
-each is one GEMM; the LoRA groups follow the same fusion.
+o) biases, tied embeddings, rope theta and scaling (linear, llama3), Qwen3's per-head RMSNorm
+on q and k (`qk_norm`); Phi-3 differs only in its checkpoint's names (q|k|v and gate|up stored
+fused, see the loader). The model runs on a flat batch of tokens from many sequences (decode
+rows first, then prefill segments), reads and writes KV in the shared page pool, and adds each
+token's LoRA delta through the backend's MBGMV/MBGMM kernels. Weights of modules that share
+an input are fused (q|k|v, gate|up) so each is one GEMM; the LoRA groups follow the same fusion.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class LayerWeights:
     ln2: torch.Tensor
     gate_up: torch.Tensor | Fp8Weight  # [2 intermediate, hidden]
     down: torch.Tensor | Fp8Weight
+    q_norm: torch.Tensor | None = None  # [head_dim], ModelConfig.qk_norm only
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -194,6 +197,8 @@ class LlamaModel:
             else:
                 x, h = be.add_rms_norm(x, down, lw.ln1, cfg.rms_norm_eps)
             qkv = be.linear_lora(h, lw.qkv, lw.qkv_bias, pool[layer], b.lora, layer, "qkv")
+            if lw.q_norm is not None:
+                qkv = self._qk_norm(qkv, lw)
             attn = be.rope_attention(qkv, self.inv_freq, kc, vc, b, self.scale, cfg.num_heads,
                                      cfg.num_kv_heads).reshape(-1, cfg.q_size)
             o = be.linear_lora(attn, lw.o, lw.o_bias, pool[layer], b.lora, layer, "o")
@@ -202,6 +207,18 @@ class LlamaModel:
             act = be.silu_mul(gate_up)
             down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down")
         return Hidden(x, down)
+
+    def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        """q|k|v [T, q + 2 kv] with each head of q and of k RMS-normalised over its head_dim
+        elements (Qwen3's q_norm, k_norm), after the projection and its LoRA, before rotary.
+        Runs in torch on every backend (no fused kernel folds it into the rope kernels): a
+        new tensor of plain torch ops, so a CUDA graph captures it like the rest of the step."""
+        cfg = self.cfg
+        T, d = qkv.shape[0], cfg.head_dim
+        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        q = ref.rms_norm(q.reshape(T, cfg.num_heads, d), lw.q_norm, cfg.rms_norm_eps)
+        k = ref.rms_norm(k.reshape(T, cfg.num_kv_heads, d), lw.k_norm, cfg.rms_norm_eps)
+        return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v), dim=-1)
 
     @torch.inference_mode()
     def head(self, b: Batch, h: Hidden) -> torch.Tensor:

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from slora.config import LORA_ALIGN, LORA_MODULES, ConfigError, ModelConfig, round_up
+from slora.config import (FUSED_MODULES, LORA_ALIGN, LORA_MODULES, ConfigError, ModelConfig,
+                           round_up)
 from slora.core.adapters import AdapterLayout
 from slora.model.llama import LayerWeights, Weights
 from slora.model.quant import FP8_DTYPE, Fp8Weight, cat, quantize_fp8
@@ -118,15 +119,21 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = torch.cat([get(a + f"{m}_proj.bias") for m in "qkv"])
+        # Phi-3 stores q|k|v and gate|up already fused, in the rows' order slora uses.
+        qkv = [a + "qkv_proj"] if cfg.fused_checkpoint else [a + f"{m}_proj" for m in "qkv"]
+        gate_up = [p + "mlp.gate_up_proj"] if cfg.fused_checkpoint \
+            else [p + "mlp.gate_proj", p + "mlp.up_proj"]
         layers.append(LayerWeights(
             ln1=get(p + "input_layernorm.weight"),
-            qkv=fused([a + f"{m}_proj" for m in "qkv"]),
+            qkv=fused(qkv),
             qkv_bias=qkv_bias,
             o=fused([a + "o_proj"]),
             o_bias=maybe(a + "o_proj.bias") if cfg.o_bias else None,
             ln2=get(p + "post_attention_layernorm.weight"),
-            gate_up=fused([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+            gate_up=fused(gate_up),
             down=fused([p + "mlp.down_proj"]),
+            q_norm=get(a + "q_norm.weight") if cfg.qk_norm else None,
+            k_norm=get(a + "k_norm.weight") if cfg.qk_norm else None,
         ))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in tensors \
@@ -148,7 +155,7 @@ SUPPORTED_QUANTIZATION = (
     "EngineConfig(quantization='fp8')")
 # the module path of a linear layer FP8 may quantize, e.g. model.layers.3.mlp.down_proj
 _LINEAR_PATH = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(?:"
-                          + "|".join(LORA_MODULES) + r")$")
+                          + "|".join((*LORA_MODULES, *FUSED_MODULES)) + r")$")
 # tensors beside a quantized weight: its scale, a static activation scale, a zero point
 _QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".weight_zero_point",
                    ".input_zero_point")
@@ -365,10 +372,12 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     ones = torch.ones(h, device=device, dtype=dtype)
+    head_ones = torch.ones(cfg.head_dim, device=device, dtype=dtype) if cfg.qk_norm else None
     layers = [LayerWeights(ln1=ones, qkv=rnd(cfg.q_size + 2 * cfg.kv_size, h),
                            qkv_bias=rnd(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None,
                            o=rnd(h, cfg.q_size), o_bias=None, ln2=ones, gate_up=rnd(2 * i, h),
-                           down=rnd(h, i)) for _ in range(cfg.num_layers)]
+                           down=rnd(h, i), q_norm=head_ones, k_norm=head_ones)
+              for _ in range(cfg.num_layers)]
     embed = rnd(cfg.vocab_size, h)
     return Weights(embed=embed, layers=layers, norm=ones,
                    lm_head=embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, h))
@@ -406,7 +415,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16}  # the weight dtypes an adapter file may hold
 _MAX_HEADER = 100 << 20  # safetensors' own bound on a header's JSON
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d{1,9})\.(?:self_attn|mlp)\."
-                  r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])"
+                  r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|"
+                  r"gate_up_proj)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")
 
 Stamp = tuple[int, int, int, int]  # a file's (device, inode, size, mtime_ns)
@@ -606,10 +616,11 @@ class PeftAdapter:
         if bad:
             self._fail(f, f"target_modules {bad} is not supported (LoRA on linear layers only)")
         if isinstance(c["target_modules"], list):  # names; a lone string is a regex
-            unknown = [t for t in targets if t.split(".")[-1] not in LORA_MODULES]
+            names = self.cfg.checkpoint_modules
+            unknown = [t for t in targets if t.split(".")[-1] not in names]
             if unknown:
-                self._fail(f, f"target_modules {unknown} are not linear modules of a Llama-family "
-                           f"model ({', '.join(LORA_MODULES)})")
+                self._fail(f, f"target_modules {unknown} are not linear modules of this "
+                           f"{self.cfg.architecture} model ({', '.join(names)})")
 
     def _patterns(self, c: dict, key: str, f: Path) -> dict:
         """rank_pattern / alpha_pattern: absent, null or a JSON object whose keys are regular
@@ -682,6 +693,9 @@ class PeftAdapter:
                            "q/k/v/o/gate/up/down projection (embedding, lm_head, bias or "
                            "modules_to_save weights are not supported)")
             layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+            if module not in cfg.checkpoint_modules:
+                self._fail(file, f"tensor {key!r}: this {cfg.architecture} model has no "
+                           f"{module} (its linear modules: {', '.join(cfg.checkpoint_modules)})")
             if layer >= cfg.num_layers:
                 self._fail(file, f"tensor {key!r}: layer {layer} but the base model has "
                            f"{cfg.num_layers} layers")
@@ -694,6 +708,9 @@ class PeftAdapter:
             pair[ab] = key
         self.scaling: dict[tuple[int, str], float] = {}
         self.keys: dict[tuple[int, str], tuple[str, str]] = {}
+        # (layer, module) -> B's rows [start, end) that are this module's, where the file's
+        # LoRA is on a FUSED_MODULES module: its parts share A and take B's rows in order.
+        self.rows: dict[tuple[int, str], tuple[int, int]] = {}
         ranks = [[0] * len(LORA_MODULES) for _ in range(cfg.num_layers)]
         for (layer, module), ab in sorted(prefixes.items()):
             if set(ab) != {"A", "B"}:
@@ -712,9 +729,15 @@ class PeftAdapter:
             if not (math.isfinite(scaling) and scaling > 0):
                 self._fail(self.config_file, f"layer {layer} {module}: scaling {scaling!r} "
                            f"(lora_alpha {alpha!r}, rank {r}) is not a finite number > 0")
-            self.scaling[(layer, module)] = scaling
-            ranks[layer][LORA_MODULES.index(module)] = r
-            self.keys[(layer, module)] = (ab["A"], ab["B"])
+            start = 0
+            for part in FUSED_MODULES.get(module, (module,)):
+                end = start + cfg.module_dims(part)[1]
+                if module in FUSED_MODULES:
+                    self.rows[(layer, part)] = (start, end)
+                self.scaling[(layer, part)] = scaling
+                ranks[layer][LORA_MODULES.index(part)] = r
+                self.keys[(layer, part)] = (ab["A"], ab["B"])
+                start = end
         if not self.keys:
             self._fail(file, "holds no LoRA weights")
         self.layout = AdapterLayout.build(cfg, ranks)
@@ -777,7 +800,9 @@ class PeftAdapter:
 
             def get_ab(layer, module):
                 ka, kb = self.keys[(layer, module)]
-                return tensors[ka].float(), tensors[kb].float() * self.scaling[(layer, module)]
+                start, end = self.rows.get((layer, module), (0, None))
+                B = tensors[kb][start:end].float()
+                return tensors[ka].float(), B * self.scaling[(layer, module)]
 
             flat = pack_adapter(self.cfg, self.layout, page_size, dtype, get_ab)
             if not bool(torch.isfinite(flat).all()):
