@@ -15,6 +15,9 @@ from slora import Engine, EngineConfig, SamplingParams
 from slora.config import LORA_MODULES, ConfigError, ModelConfig
 from slora.model.loader import AdapterError, PeftAdapter, strides
 
+# On a GPU the batch runs on CUDA (Triton kernels, CUDA graphs), in fp32 on both sides.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 NEW = 12
 PROMPTS = ["The quick brown fox", "Serving many LoRA adapters", "Paris is the capital of"]
 ADAPTERS = {
@@ -43,8 +46,8 @@ def peft_greedy(model_dir, adapter_path, ids, n):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter_path is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_path)
-    model.eval()
-    x = torch.tensor([ids])
+    model = model.to(DEVICE).eval()
+    x = torch.tensor([ids], device=DEVICE)
     out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
                          return_dict_in_generate=True)
@@ -58,7 +61,7 @@ def test_adapters_in_one_batch_match_peft(tiny_models, adapter_factory, kind):
     model_dir = tiny_models(kind)
     paths = {name: adapter_factory(model_dir, seed=i, **kw)
              for i, (name, kw) in enumerate(ADAPTERS[kind].items())}
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+    engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
                                  num_pages=128))
     for name, path in paths.items():
         engine.add_adapter(name, path)
