@@ -20,6 +20,12 @@ each server's queue length, running requests and resident adapters as of the las
 the requests it sent since. Each replica registers an adapter when its first request is routed
 there (its `adapters_registered` counts those), with the rank the trace header gives.
 
+Each replica takes its quiet steps at once (`SimEngine.fast_forward`: the same result, most
+of the steps of a fleet at moderate load); `workers` processes (forked, so they share the
+trace) simulate the replicas between scrapes, the router and the scrapes staying in this one.
+The cyclic garbage collector is paused while a fleet runs: it makes no reference cycles, and
+each full pass would walk its millions of requests and records.
+
 Prompt token ids are a shared list of FAKE_TOKEN per length: the simulator reads only their
 count (`simulate` draws random ids, as a replay does; the timing is the same).
 """
@@ -37,9 +43,9 @@ from slora.config import ModelConfig
 from slora.metrics import RequestRecord, result_dict, summarize
 from slora.replay import _failed, _progress_bar, _record
 from slora.request import SamplingParams
+from slora.sim import simulator
 from slora.sim.cost import Profile
 from slora.sim.router import DEFAULT_POLL_S, ReplicaMetrics, Router, make_router
-from slora.sim import simulator
 from slora.sim.simulator import (CLUSTER_KEYS, DEFAULT_TARGETS, FAKE_TOKEN, SimEngine,
                                  engine_config, result_config)
 from slora.workload import Trace, TraceRequest, paused_gc
