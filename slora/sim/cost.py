@@ -85,6 +85,7 @@ from __future__ import annotations
 import json
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from operator import mul
 from pathlib import Path
 
@@ -162,7 +163,13 @@ def decode_features(rows: int, ctx: int, adapters: int, lora_decode: int) -> tup
 
 def padding(tokens: int, graph_tokens: int) -> float:
     """The padded rows of a graphed step with prompts of `tokens` tokens in all."""
-    return float(bucket(tokens, buckets_up_to(TOKEN_BUCKETS, graph_tokens)) - tokens)
+    return float(bucket(tokens, _graph_buckets(graph_tokens)) - tokens)
+
+
+@lru_cache(maxsize=None)
+def _graph_buckets(graph_tokens: int) -> tuple[int, ...]:
+    """The token buckets of mixed-step graphs up to `graph_tokens` (made once per setting)."""
+    return buckets_up_to(TOKEN_BUCKETS, graph_tokens)
 
 
 @dataclass
