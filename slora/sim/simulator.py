@@ -27,14 +27,13 @@ No torch here.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import Counter
 import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
-from slora.config import DTYPE_BYTES, EngineConfig, ModelConfig, cdiv
+from slora.config import DTYPE_BYTES, EngineConfig, ModelConfig
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import KV, PageAllocator
 from slora.core.policies import Policy
@@ -42,7 +41,7 @@ from slora.core.scheduler import Scheduler, SchedulerPlan
 from slora.metrics import result_dict, summarize
 from slora.replay import replay
 from slora.request import PENDING, Request, RequestOutput, RequestStatus, SamplingParams
-from slora.sim.cost import MIN_STEP_S, AdapterPages, CostModel, Profile, plan_features
+from slora.sim.cost import AdapterPages, CostModel, Profile, plan_features
 from slora.workload import Trace
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Engine.add_synthetic_adapter's

@@ -18,7 +18,7 @@ from slora.cli import main
 from slora.sim import Profile, simulate
 from slora.sim.cluster import simulate_cluster
 from slora.sim.plan import fewest_replicas, plan_capacity
-from slora.sim.router import (AdapterAffinityRouter, ReplicaMetrics, make_router)
+from slora.sim.router import AdapterAffinityRouter, ReplicaMetrics, make_router
 from slora.sim.simulator import SimEngine
 from slora.workload import synthesize, write_trace
 
