@@ -18,7 +18,8 @@ one request and counts it. The cluster simulator (`slora.sim.cluster`) scrapes e
 - power-of-two:     two distinct replicas at random, the less loaded (the first drawn among
                     equals): near least-loaded balance from two looks.
 - adapter-affinity: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam):
-                    replicas own `vnodes` points each on a hash ring, an adapter hashes to a
+                    replicas own `vnodes` points each on a hash ring (256: a replica's share
+                    of the ring then varies by about 1/16 = sqrt(1/256)), an adapter hashes to a
                     point and its requests go to the first replica clockwise whose load stays
                     within `ceil(load_factor * (total load + 1) / N)`, spilling to the next
                     ones under load. Among the first `probes` replicas within the bound, one
@@ -133,7 +134,7 @@ class AdapterAffinityRouter(Router):
     name = "adapter-affinity"
 
     def __init__(self, num_replicas: int, seed: int = 0, load_factor: float = 1.25,
-                 vnodes: int = 64, probes: int = 2) -> None:
+                 vnodes: int = 256, probes: int = 2) -> None:
         super().__init__(num_replicas, seed)
         if load_factor < 1:
             raise ValueError(f"adapter-affinity: load_factor={load_factor} must be >= 1 (at 1 "
