@@ -301,7 +301,8 @@ class SimEngine:
         and `check` need every step, so with either this takes none.
         """
         run = self._quiet
-        if run is None or run.steps_at != self.steps or self.scheduler.waiting:
+        if (run is None or run.steps_at != self.steps or self.scheduler.waiting
+                or self._failed_now):
             self._settle()
             run = self._quiet_run()
             if run is None:

@@ -20,7 +20,7 @@ from slora.sim.cluster import simulate_cluster
 from slora.sim.plan import fewest_replicas, plan_capacity
 from slora.sim.router import AdapterAffinityRouter, ReplicaMetrics, make_router
 from slora.sim.simulator import SimEngine
-from slora.workload import synthesize, write_trace
+from slora.workload import Trace, TraceRequest, synthesize, write_trace
 
 H200 = Path(__file__).resolve().parents[2] / "experiments" / "profiles" / "h200-llama2-7b.json"
 
@@ -52,12 +52,16 @@ def test_one_replica_equals_the_single_engine_simulation(h200, options):
     """`simulate` (the replay loop, every step through the scheduler, random prompt ids) and
     one replica behind a router (the scrape-split loop, quiet steps at once, fake prompt ids)
     give the same metrics, per-request latencies and counters. The replica registers the
-    adapters its requests use (`adapters_registered`), the single engine all of the header's."""
+    adapters its requests use (`adapters_registered`), the single engine all of the header's.
+    Requests too long for the model fail, reported at the next step, in both."""
     trace = _trace()
+    too_long = [TraceRequest(t, None, 5, prompt_len=4096) for t in (3.01, 7.5, 7.5)]
+    trace = Trace(trace.requests + too_long, trace.adapters, trace.params)
     single = simulate(trace, h200, engine_options=options, num_pages=1200).result
     fleet = simulate_cluster(trace, h200, replicas=1, router="adapter-affinity",
                              engine_options=options, num_pages=1200).result
     _same(single, fleet)
+    assert single["num_failed"] >= 3
     assert fleet["stats"]["adapters_registered"] == len(trace.adapter_names())
     assert single["stats"]["adapter_evictions"] > 0 and single["stats"]["preemptions"] > 0
     assert fleet["per_replica"][0]["requests"] == len(trace)
