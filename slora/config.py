@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from os import PathLike
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -31,6 +32,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # B split by the same rows.
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                  "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def is_int(x) -> bool:
+    """An integer value, not a bool: 2.5 and True are not counts, ids or seeds."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_seed(x) -> bool:
+    """An integer that fits 64 bits, signed or not (what torch.Generator.manual_seed takes)."""
+    return is_int(x) and -(1 << 63) <= x < (1 << 64)
 
 
 def _of_type(value, annotation: str) -> bool:

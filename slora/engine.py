@@ -21,14 +21,14 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv
+from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv, is_int, is_seed
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
 from slora.graphs import warmup_adapters, warmup_steps
 from slora.model.llama import GROUPS
 from slora.model.loader import AdapterError, PeftAdapter, synthetic_pack
-from slora.request import Request, RequestOutput, RequestStatus, SamplingParams, _is_int
+from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.runner import ModelRunner, resolve_device
 from slora.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -90,9 +90,9 @@ class Engine:
         if isinstance(target_modules, str):
             target_modules = (target_modules,)
         layout = AdapterLayout.uniform(self.model_config, rank, tuple(target_modules))
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if not is_int(seed):
             raise TypeError(f"adapter {name!r}: seed must be an int, not {type(seed).__name__}")
-        if not -(1 << 63) <= seed < 1 << 64:
+        if not is_seed(seed):
             raise ValueError(f"adapter {name!r}: seed {seed} does not fit 64 bits")
         key = (rank, tuple(target_modules), seed)
         # registered first (its name and size checked), so a refused adapter makes no buffer
@@ -187,7 +187,7 @@ class Engine:
                                  "tokenizer.json): pass token-id lists")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            bad = [t for t in prompt if not _is_int(t)]
+            bad = [t for t in prompt if not is_int(t)]
             if bad:
                 raise ValueError(f"prompt token ids must be ints; got {bad[:5]!r}")
             ids = [int(t) for t in prompt]

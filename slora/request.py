@@ -7,10 +7,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-
-def _is_int(x) -> bool:
-    """An integer value, not a bool: 2.5 and True are not token counts."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+from slora.config import is_int, is_seed
 
 
 def _is_real(x) -> bool:
@@ -49,21 +46,21 @@ class SamplingParams:
             object.__setattr__(self, name, tuple(value))
         seed = self.seed
         checks = [
-            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+            (is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
              "must be an integer of at least 1"),
             (_is_real(self.temperature) and self.temperature >= 0, "temperature",
              "must be a finite number >= 0"),
-            (_is_int(self.top_k) and self.top_k >= 0, "top_k",
+            (is_int(self.top_k) and self.top_k >= 0, "top_k",
              "must be an integer >= 0 (0 disables)"),
             (_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be a number in (0, 1]"),
-            (seed is None or (_is_int(seed) and -(1 << 63) <= seed < (1 << 64)), "seed",
+            (seed is None or is_seed(seed), "seed",
              "must be None or an integer that fits 64 bits"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "stop strings must be non-empty strings"),
-            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+            (all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be True or False"),
-            (self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
+            (self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
              "must be None or an integer >= 0"),
         ]
         for ok, name, why in checks:

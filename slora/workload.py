@@ -49,6 +49,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from slora.config import is_int
+
 FORMAT = "slora-trace/1"
 RANK_ASSIGNMENTS = ("round-robin", "random")
 
@@ -406,7 +408,7 @@ def _parse_header(obj: dict, where: str) -> tuple[dict[str, int], dict]:
         raise TraceError(f"{where}: format {obj['format']!r} is not supported (expected {FORMAT!r})")
     adapters = obj.get("adapters", {})
     if not isinstance(adapters, dict) or not all(
-            isinstance(k, str) and _is_int(v) and v >= 1 for k, v in adapters.items()):
+            isinstance(k, str) and is_int(v) and v >= 1 for k, v in adapters.items()):
         raise TraceError(f"{where}: 'adapters' must map adapter names to positive integer ranks")
     params = obj.get("params", {})
     if not isinstance(params, dict):
@@ -435,20 +437,18 @@ def _request_problem(r: TraceRequest) -> str | None:
         return f"arrival_time={t!r} must be a finite number of seconds >= 0"
     if r.adapter is not None and (not isinstance(r.adapter, str) or not r.adapter):
         return f"adapter={r.adapter!r} must be a non-empty name or null (base model)"
-    if not _is_int(r.output_len) or r.output_len < 1:
+    if not is_int(r.output_len) or r.output_len < 1:
         return f"output_len={r.output_len!r} must be a positive integer"
     if (r.prompt_len is None) == (r.prompt is None):
         return "needs exactly one of prompt_len (a token count) and prompt (text or token ids)"
-    if r.prompt_len is not None and (not _is_int(r.prompt_len) or r.prompt_len < 1):
+    if r.prompt_len is not None and (not is_int(r.prompt_len) or r.prompt_len < 1):
         return f"prompt_len={r.prompt_len!r} must be a positive integer"
     if r.prompt is not None:
         ok_text = isinstance(r.prompt, str) and r.prompt != ""
         ok_ids = (isinstance(r.prompt, list) and len(r.prompt) > 0
-                  and all(_is_int(i) and i >= 0 for i in r.prompt))
+                  and all(is_int(i) and i >= 0 for i in r.prompt))
         if not (ok_text or ok_ids):
             return "prompt must be non-empty text or a non-empty list of token ids >= 0"
     return None
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

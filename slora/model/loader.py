@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from slora.config import (FUSED_MODULES, LORA_ALIGN, LORA_MODULES, ConfigError, ModelConfig,
-                           round_up)
+                           is_int, round_up)
 from slora.core.adapters import AdapterLayout
 from slora.model.llama import LayerWeights, Weights
 from slora.model.quant import FP8_DTYPE, Fp8Weight, cat, quantize_fp8
@@ -426,10 +426,6 @@ def _stamp(st: os.stat_result) -> Stamp:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _positive(v) -> float | None:
     """`v` as a finite float > 0, or None (a bool, a string, NaN, inf, <= 0, an int past
     float's range)."""
@@ -493,10 +489,10 @@ def _safetensors_entries(text: bytes) -> tuple[dict[str, tuple[str, tuple[int, .
         if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise ValueError(f"tensor {key!r}: dtype {dtype!r} is not supported "
                              f"({', '.join(_DTYPES)})")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise ValueError(f"tensor {key!r}: shape {shape!r} is not a list of integers >= 0")
         if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(_is_int(o) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+                or not all(is_int(o) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
             raise ValueError(f"tensor {key!r}: data_offsets {offsets!r} are not two integers "
                              "0 <= begin <= end")
         nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
@@ -590,7 +586,7 @@ class PeftAdapter:
             self._fail(f, f"modules_to_save={c['modules_to_save']!r} is not supported "
                        "(only LoRA weights are served)")
         r = c.get("r")
-        if not _is_int(r) or r < 1:
+        if not is_int(r) or r < 1:
             self._fail(f, f"rank r={r!r} must be an integer >= 1")
         self.r = r
         self.alpha = _positive(c.get("lora_alpha", r))
@@ -598,7 +594,7 @@ class PeftAdapter:
             self._fail(f, f"lora_alpha={c.get('lora_alpha')!r} must be a finite number > 0")
         self.rslora = flag("use_rslora")
         self.rank_pattern = self._patterns(c, "rank_pattern", f)
-        if any(not _is_int(v) or v < 1 for v in self.rank_pattern.values()):
+        if any(not is_int(v) or v < 1 for v in self.rank_pattern.values()):
             self._fail(f, f"rank_pattern {self.rank_pattern} must map to integers >= 1")
         self.alpha_pattern = self._patterns(c, "alpha_pattern", f)
         if any(_positive(v) is None for v in self.alpha_pattern.values()):
