@@ -58,17 +58,8 @@ async def _completions(state: ServerState, body: CompletionRequest):
     sampling = _sampling(body, body.max_tokens, body.logprobs)
     gen = await Generation.open(state, body.model, lambda _: prompts, sampling, body.n)
     reply = _Reply(state, body, "cmpl", "text_completion")
-    if body.stream:
-        return await reply.stream(gen, _completion_chunk)
-    try:
-        outs = await gen.finals()
-    finally:
-        gen.close()
-    choices = [{"index": i, "text": out.text, "finish_reason": out.finish_reason,
-                "stop_reason": None,
-                "logprobs": _completion_logprobs(state, body, out, 0, 0)}
-               for i, out in enumerate(outs)]
-    return JSONResponse(reply.answer(choices, outs, gen))
+    return await reply.respond(gen, _completion_chunk, lambda out: {
+        "text": out.text, "logprobs": _completion_logprobs(state, body, out, 0, 0)})
 
 
 def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
@@ -125,17 +116,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
     gen = await Generation.open(state, body.model, prompts, sampling, body.n,
                                 names={"logprobs": "top_logprobs"})
     reply = _Reply(state, body, "chatcmpl", "chat.completion")
-    if body.stream:
-        return await reply.stream(gen, _chat_chunk)
-    try:
-        outs = await gen.finals()
-    finally:
-        gen.close()
-    choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                "finish_reason": out.finish_reason, "stop_reason": None,
-                "logprobs": _chat_logprobs(state, body, out, 0)}
-               for i, out in enumerate(outs)]
-    return JSONResponse(reply.answer(choices, outs, gen))
+    return await reply.respond(gen, _chat_chunk, lambda out: {
+        "message": {"role": "assistant", "content": out.text},
+        "logprobs": _chat_logprobs(state, body, out, 0)})
 
 
 def _content(content, index: int) -> str:
@@ -245,6 +228,19 @@ class _Reply:
 
     def answer(self, choices: list[dict], outs: list[RequestOutput], gen: Generation) -> dict:
         return {**self.envelope(self.obj, choices), "usage": self.usage(outs, gen)}
+
+    async def respond(self, gen: Generation, chunk, choice):
+        """The answer: streamed when the body asks (`chunk`, see `stream`), else whole once
+        every choice finished, `choice(out)` making a finished choice's own fields."""
+        if self.body.stream:
+            return await self.stream(gen, chunk)
+        try:
+            outs = await gen.finals()
+        finally:
+            gen.close()
+        choices = [{"index": i, **choice(out), "finish_reason": out.finish_reason,
+                    "stop_reason": None} for i, out in enumerate(outs)]
+        return JSONResponse(self.answer(choices, outs, gen))
 
     async def stream(self, gen: Generation, chunk) -> EventStream:
         """Wait for every choice's first output (an error until then is an error status),
