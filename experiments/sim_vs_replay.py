@@ -7,8 +7,8 @@ For each trace (three by default: different rates, alphas and adapter counts), t
 replays it on the wall clock (random weights for a config.json-only model), then the simulator
 runs it with the profile on a pool of exactly the replay's page count. Results go to
 results/sim-vs-replay/<trace>-{replay,simulate}.json (a trace whose results exist is skipped,
-so a run cut short resumes); the table of throughput, average latency and first-token p90,
-with the simulator's relative error, is printed at the end and written as table.md. Each
+so a run cut short resumes); the table of throughput, average latency, mean and p90 first-token
+latency, with the simulator's relative error, is printed at the end and written as table.md. Each
 replay also logs its steps (<trace>-steps.jsonl), and a table of measured step times beside the
 cost model's, by step kind, shows where the two clocks part.
 """
@@ -32,7 +32,7 @@ TRACES = {
     "n2000-a1-r10": dict(num_adapters=2000, rate=10, cv=1, alpha=1),
 }
 METRICS = (("throughput_req_s", "req/s"), ("avg_latency_s", "avg latency s"),
-           ("ttft_p90_s", "ttft p90 s"))
+           ("avg_ttft_s", "avg ttft s"), ("ttft_p90_s", "ttft p90 s"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -411,6 +411,7 @@ def format_summary(result: dict) -> str:
         ("throughput", f"{result['throughput_req_s']:.3f} req/s, {result['throughput_tok_s']:.1f} tok/s"),
         ("avg latency", _fmt(result["avg_latency_s"], "s")),
         ("avg time per output token", _fmt(result["avg_tpot_s"], "s", 4)),
+        ("first-token latency mean", _fmt(result.get("avg_ttft_s"), "s")),
         ("first-token latency p50/p90/p99", " / ".join(
             _fmt(result[k], "s") for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))),
         (f"SLO attainment (first token <= {result['slo_ttft_s']:g} s)",

@@ -11,6 +11,7 @@ Definitions (S-LoRA's, except where noted):
 - avg_tpot_s: mean time per output token after the first, (finish - first token) / (output - 1),
   over completed requests with more than one output token (vLLM's TPOT; S-LoRA divides the
   whole latency by the output length, which mixes queueing and prefill into it).
+- avg_ttft_s: mean first-token latency (first token - arrival) over completed requests.
 - ttft_p50_s / p90_s / p99_s: first-token latency (first token - arrival) percentiles over
   completed requests, numpy's linear interpolation.
 - slo_attainment: the fraction of all requests whose first token came within `slo_ttft_s`
@@ -60,6 +61,7 @@ class Summary:
     throughput_tok_s: float
     avg_latency_s: float | None
     avg_tpot_s: float | None
+    avg_ttft_s: float | None
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     ttft_p99_s: float | None
@@ -97,6 +99,7 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float = DEFAULT_SLO_TTFT
         throughput_tok_s=sum(r.output_tokens for r in done) / duration_s,
         avg_latency_s=_mean([r.finish_time - r.arrival_time for r in done]),
         avg_tpot_s=_mean(tpots),
+        avg_ttft_s=float(ttfts.mean()) if len(ttfts) else None,
         ttft_p50_s=pct(50),
         ttft_p90_s=pct(90),
         ttft_p99_s=pct(99),

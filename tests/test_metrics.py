@@ -26,6 +26,7 @@ def test_summary_by_hand():
     assert s.throughput_tok_s == pytest.approx((5 + 6 + 1) / 10)
     assert s.avg_latency_s == pytest.approx((3 + 5 + 8) / 3)
     assert s.avg_tpot_s == pytest.approx((0.5 + 0.7) / 2)
+    assert s.avg_ttft_s == pytest.approx((1 + 1.5 + 7) / 3)
     # ttfts sorted [1, 1.5, 7]; linear interpolation at rank q/100 * 2
     assert s.ttft_p50_s == pytest.approx(1.5)
     assert s.ttft_p90_s == pytest.approx(1.5 + 0.8 * 5.5)
