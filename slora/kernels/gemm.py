@@ -35,45 +35,102 @@ from . import pdl, tuning
 from .tuning import pow2
 
 
+@triton.jit
+def _unpack_fp8(q, WT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The E4M3 weights of the 32-bit words q [BLOCK_N, BLOCK_K // 4] (4 a word, little-endian)
+    as a [BLOCK_N, BLOCK_K] tile in WT (bf16 or fp16), exact for every finite value, by bit
+    operations instead of conversion instructions. Each E4M3 byte's sign goes to bit 15 and
+    its exponent and mantissa bits just below it: the WT value of those bits is the weight
+    times 2^-(WT's exponent bias - 7), for zeros, subnormals and normals alike, undone by one
+    multiply. Bytes 0 and 2 of a word fill the two 16-bit halves of one word together (1 and 3
+    another), so the tile's K order within each word is "pair order": bytes 0, 2, 1, 3
+    (`_pair_order` puts x's K in the same order)."""
+    MANT: tl.constexpr = 7 if WT == tl.bfloat16 else 10  # WT's mantissa bits (E4M3's: 3)
+    BIAS: tl.constexpr = 2.0 ** 120 if WT == tl.bfloat16 else 2.0 ** 8
+    e02 = ((q & 0x00800080) << 8) | ((q & 0x007F007F) << (MANT - 3))
+    e13 = (q & 0x80008000) | ((q & 0x7F007F00) >> (11 - MANT))
+    bias = tl.full((1, 1), BIAS, tl.float32).to(WT)  # (exact: a power of two)
+    w0 = e02.to(tl.uint16).to(WT, bitcast=True) * bias
+    w1 = e13.to(tl.uint16).to(WT, bitcast=True) * bias
+    w2 = (e02 >> 16).to(tl.uint16).to(WT, bitcast=True) * bias
+    w3 = (e13 >> 16).to(tl.uint16).to(WT, bitcast=True) * bias
+    # [n, i, c, a] = byte c + 2a of word i: the halves of e02 (then e13) side by side
+    return tl.reshape(tl.join(tl.join(w0, w1), tl.join(w2, w3)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _pair_order(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] transposed to [BLOCK_K, BLOCK_M] with each four K positions in
+    `_unpack_fp8`'s pair order (0, 2, 1, 3)."""
+    x4 = tl.reshape(x, (BLOCK_M, BLOCK_K // 4, 2, 2))  # [m, i, a, c] = x[m, 4i + 2a + c]
+    return tl.trans(tl.reshape(tl.permute(x4, (0, 1, 3, 2)), (BLOCK_M, BLOCK_K)))
+
+
+@triton.jit
+def _dot(acc, w, xt, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(w.to(xt.dtype), xt)
+
+
 @triton.jit(do_not_specialize=["split"])
 def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
                    k_split, split, stride_x, stride_w, stride_out, stride_part,
                    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   UNPACK: tl.constexpr = False):
     # An FP8 W (float8_e4m3fn) comes with its scales: W = w * scale[:, None]. The pointer's
-    # type decides at compile time; scale_ptr is unused otherwise.
+    # type decides at compile time; scale_ptr is unused otherwise. UNPACK (FP8 W, K and
+    # stride_w multiples of 4): W read as 32-bit words, in 16-byte loads, and unpacked by bit
+    # operations (`_unpack_fp8`); otherwise its E4M3 tile is converted by cvt instructions.
     W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
+    WORDS: tl.constexpr = W_FP8 and UNPACK
+    # the 16-bit type FP8 weights unpack to: x's, or fp16 (exact) under an fp32 x
+    WT: tl.constexpr = x_ptr.dtype.element_ty if x_ptr.dtype.element_ty != tl.float32 \
+        else tl.float16
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which K slice
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
+    offs_q = tl.arange(0, BLOCK_K // 4)  # (WORDS) 32-bit words of a W row's BLOCK_K bytes
     n_ok = offs_n < N
     m_ok = offs_m < M
     # The hint keeps the slices' loads 16-byte cp.async, pipelined: k_split is a multiple of
     # BLOCK_K, but the compiler cannot see a divisor of s * k_split, and without the hint it
     # emits neither vector loads nor the pipeline.
     k_lo = tl.multiple_of(s * k_split, BLOCK_K)
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + (k_lo + offs_k)[:, None]  # x^T
+    if WORDS:
+        w_ptrs = (w_ptr.to(tl.pointer_type(tl.uint32)) + offs_n.to(tl.int64)[:, None]
+                  * (stride_w // 4) + (k_lo // 4 + offs_q)[None, :])
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + (k_lo + offs_k)[None, :]
+    else:
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + (k_lo + offs_k)[:, None]  # x^T
     pdl.wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        if WORDS:
+            if EVEN_K:
+                q = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                q = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + 4 * offs_q < K)[None, :], other=0)
+                x = tl.load(x_ptrs, mask=m_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+            acc = _dot(acc, _unpack_fp8(q, WT, BLOCK_N, BLOCK_K),
+                       _pair_order(x, BLOCK_M, BLOCK_K), DOT_F32)
+            w_ptrs += BLOCK_K // 4
         else:
-            k_ok = k0 + offs_k < K
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        elif W_FP8:  # its tile in x's dtype, in registers
-            acc += tl.dot(w.to(xt.dtype), xt)
-        else:
-            acc += tl.dot(w, xt)
-        w_ptrs += BLOCK_K
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+                xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            else:
+                k_ok = k0 + offs_k < K
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = _dot(acc, w, xt, DOT_F32)  # an FP8 tile converted to x's dtype in registers
+            w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     pdl.launch_next(PDL)
     if SPLIT_K:
@@ -146,12 +203,19 @@ def _skinny_cfg(table: str, cuda: bool, n_sm: int, M: int, N: int, K: int,
     return dict(cfg, BLOCK_M=max(16 if cuda else 1, pow2(M)), SPLIT=split(cfg))
 
 
+def words(w: torch.Tensor) -> bool:
+    """Whether the kernel may read an FP8 w [N, K] as 32-bit words (`UNPACK`): K, its row
+    stride and its address all multiples of 4 bytes."""
+    return (w.dtype == torch.float8_e4m3fn and w.shape[1] % 4 == 0 and w.stride(0) % 4 == 0
+            and w.data_ptr() % 4 == 0)
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                   cfg: dict | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, by the
     Triton kernel whatever M (see `linear` for when the engine uses it). `cfg` overrides the
-    tiles (the benchmark's sweep). `scale` [N] float32: w is an FP8 weight (float8_e4m3fn)
-    standing for w * scale[:, None], read as is."""
+    tiles (the benchmark's sweep; its `UNPACK` holds only where `words(w)`). `scale` [N]
+    float32: w is an FP8 weight (float8_e4m3fn) standing for w * scale[:, None], read as is."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape == (N, K) and w.stride(1) == 1 and x.stride(1) == 1, \
@@ -163,6 +227,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     if M == 0:
         return out
     cfg = dict(cfg or skinny_cfg(M, N, K, x.device, w.element_size()))
+    cfg["UNPACK"] = bool(cfg.get("UNPACK")) and words(w)
     if cfg["BLOCK_M"] < M:
         raise ValueError(f"skinny_linear: {M} rows do not fit BLOCK_M={cfg['BLOCK_M']}")
     tiles = triton.cdiv(N, cfg["BLOCK_N"])

@@ -25,18 +25,64 @@ def rel_err(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 20, 40), (3, 64, 96), (5, 33, 130)])
+@pytest.mark.parametrize("M,N,K", [(1, 20, 40), (3, 64, 96), (5, 33, 132), (2, 16, 300)])
+@pytest.mark.parametrize("unpack", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_gemm_reads_fp8_weights(M, N, K, bias):
-    """fp32 x (the interpreter's path on CPU; the DOT_F32 variant on a GPU): equal to the twin
-    to fp32 rounding, K and N not multiples of the tiles."""
+def test_few_rows_gemm_reads_fp8_weights(M, N, K, unpack, bias):
+    """fp32 x (the interpreter's path on CPU; the DOT_F32 variant on a GPU), W read as 32-bit
+    words and unpacked (`UNPACK`) or converted tile by tile: equal to the twin to fp32
+    rounding, K and N not multiples of the tiles, K split in slices."""
     from slora.kernels import gemm
 
     w = weight(N, K)
     x = torch.randn(M, K, device=DEV)
     b = torch.randn(N, device=DEV) if bias else None
-    got = gemm.skinny_linear(x, w.weight, b, scale=w.scale)
+    cfg = dict(gemm.skinny_cfg(M, N, K, x.device, 1), UNPACK=unpack)
+    if K == 300:  # three K slices, the last one short
+        cfg.update(BLOCK_K=64, SPLIT=3)
+    got = gemm.skinny_linear(x, w.weight, b, cfg=cfg, scale=w.scale)
     torch.testing.assert_close(got, quant.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def every_e4m3(N, K):
+    """An FP8 weight [N, K] (N * K >= 256) holding each finite E4M3 value (zeros, subnormals,
+    normals, both signs) once, the rest zeros, scale 1."""
+    bits = torch.arange(256, dtype=torch.int32)
+    bits = torch.where((bits & 0x7F) == 0x7F, 0, bits)  # the two NaNs -> 0
+    flat = torch.zeros(N * K, dtype=torch.uint8)
+    flat[:256] = bits.to(torch.uint8)
+    return quant.Fp8Weight(flat.view(N, K).view(quant.FP8_DTYPE).to(DEV),
+                           torch.ones(N, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_few_rows_gemm_unpacks_every_e4m3_value_exactly(dtype):
+    """x = the identity picks W's columns one at a time: the output is W itself, bit for bit
+    (every E4M3 value is exact in fp16 and bf16), so the unpacking by bit operations gives each
+    of the 254 finite values, subnormals included, exactly. Both cfg paths; the default one on
+    this device unpacks."""
+    from slora.kernels import gemm
+
+    w = every_e4m3(16, 16)
+    x = torch.eye(16, device=DEV, dtype=dtype)
+    want = w.weight.float().t()
+    assert gemm.skinny_cfg(16, 16, 16, x.device, 1).get("UNPACK")
+    for unpack in (True, False):
+        cfg = dict(gemm.skinny_cfg(16, 16, 16, x.device, 1), UNPACK=unpack)
+        got = gemm.skinny_linear(x, w.weight, cfg=cfg, scale=w.scale)
+        assert torch.equal(got.float(), want), unpack
+
+
+def test_few_rows_gemm_unpacks_words_only():
+    """`words`: the 32-bit view needs K, the row stride and the address in multiples of 4
+    bytes; a 16-bit weight is never unpacked."""
+    from slora.kernels import gemm
+
+    w = weight(8, 64).weight
+    assert gemm.words(w)
+    assert not gemm.words(weight(8, 66).weight)  # K
+    assert not gemm.words(w[:, 2:62])  # address
+    assert not gemm.words(torch.zeros(8, 64, dtype=torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------- CUDA only
@@ -68,18 +114,36 @@ SHAPES = [(64, 128), (200, 72), (4096, 4096), (256, 4096), (4096, 11008)]  # (N,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,K", SHAPES)
 def test_few_rows_gemm_fp8_sweep(dtype, N, K):
-    """16-bit x, M 1..64, with and without bias: the fp32 twin rounded once to x's dtype."""
+    """16-bit x, M 1..64, with and without bias, W unpacked from words (the default) and
+    converted: the fp32 twin rounded once to x's dtype."""
     from slora.kernels import gemm
 
     w = weight(N, K)
     for M in (1, 2, 7, 16, 31, 32, 33, 64):
         x = torch.randn(M, K, device="cuda", dtype=dtype)
         for b in (None, torch.randn(N, device="cuda", dtype=dtype)):
-            got = gemm.skinny_linear(x, w.weight, b, scale=w.scale)
             want = quant.linear(x.float(), w, None if b is None else b.float())
-            assert got.dtype == dtype
-            torch.testing.assert_close(got.float(), want, rtol=1e-2,
-                                       atol=1e-2 * want.abs().max().item())
+            for unpack in (True, False):
+                cfg = dict(gemm.skinny_cfg(M, N, K, x.device, 1), UNPACK=unpack)
+                got = gemm.skinny_linear(x, w.weight, b, cfg=cfg, scale=w.scale)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got.float(), want, rtol=1e-2,
+                                           atol=1e-2 * want.abs().max().item())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_few_rows_gemm_unpacks_every_e4m3_value_exactly_on_the_gpu(dtype):
+    """The GPU's 16-bit paths (bf16's exponent bias differs from fp16's): W itself, bit for
+    bit, through the identity."""
+    from slora.kernels import gemm
+
+    w = every_e4m3(64, 64)
+    x = torch.eye(64, device="cuda", dtype=dtype)
+    for unpack in (True, False):
+        cfg = dict(gemm.skinny_cfg(64, 64, 64, x.device, 1), UNPACK=unpack)
+        got = gemm.skinny_linear(x, w.weight, cfg=cfg, scale=w.scale)
+        assert torch.equal(got.float(), w.weight.float().t()), unpack
 
 
 @cuda
