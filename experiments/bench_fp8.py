@@ -3,9 +3,14 @@ should take, and how close each comes to the device's ceilings.
 
 For each linear module of Llama-2-7B (qkv, o, gate_up, down) and each row count M in --rows:
 - bf16: `gemm.linear` as the engine runs it (the few-rows kernel up to 32 rows, cuBLAS past);
-- fp8 few-rows: `gemm.skinny_linear` over the E4M3 weight and its scales, at the tiles
-  `skinny_cfg` picks, and at twice their BLOCK_K (a stage then holds as many W bytes as
-  bf16's), M <= 64;
+- fp8 unpacked, M <= 64: `gemm.skinny_linear` over the E4M3 weight and its scales at the tiles
+  `skinny_cfg` picks (configs' w_bytes 1 rule): W read as 32-bit words and unpacked by bit
+  operations (`UNPACK`);
+- fp8 converted, M <= 64: the same kernel with UNPACK off at the tiles of a bf16 W: float8
+  tiles converted by cvt instructions (the path before the word reads), so one call compares
+  the two;
+- with --sweep, M <= 64: the unpacked kernel at every BLOCK_K x num_stages x BLOCK_N of the
+  sweep ("fp8 unpacked N64 K256 s3"), variants that do not fit the device skipped;
 - fp8 _scaled_mm: per-row activation quantization (`fp8.quantize_rows`) + `torch._scaled_mm`;
 - fp8 dequant + cuBLAS, M >= 64: the weight dequantized to bf16 for the call, then F.linear
   (the twin's way: exact weights, bf16 tensor cores, the weight's bytes read three times).
@@ -13,21 +18,24 @@ Each op runs over enough layers' distinct weights (--weight-mb, 256 MB) that L2 
 replayed from a CUDA graph (harness.bench_graph). Reported per layer: microseconds, the weight
 bytes' GB/s and share of the measured copy bandwidth, TFLOP/s, and the error relative to the
 norm of the fp32 twin over the FP8 weight (`quant.linear`): bf16's is the weight's own E4M3
-rounding, _scaled_mm's adds the activations'.
+rounding, _scaled_mm's adds the activations'. Last, a table per (module, M): bf16, unpacked
+and converted, unpacked over converted, and the sweep's fastest.
 
 Writes bench_fp8.json under --out: the harness's header, then one row per (module, M, path).
 
-    python experiments/bench_fp8.py
-    python experiments/bench_fp8.py --rows 1,32,64,128
+    python experiments/bench_fp8.py --rows 1,32,64,256
+    python experiments/bench_fp8.py --rows 1,32,64 --sweep
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,22 +48,62 @@ SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "do
 GEMM_ROWS = 32  # EngineConfig.gemm_max_rows' default
 
 
-def variants(M: int, N: int, K: int, device) -> list:
+SWEEP = dict(BLOCK_K=(128, 256, 512), num_stages=(2, 3, 4), BLOCK_N=(64, 128))
+
+
+def few_rows_tiles(M: int, N: int, K: int, device, sweep: bool = False) -> list[tuple[str, dict]]:
+    """(path, cfg) of the few-rows kernel over an FP8 W at M <= 64 rows: the table's pick
+    (unpacked), the converted path at a bf16 W's tiles, and with `sweep` the unpacked kernel
+    at SWEEP's tiles (K slices as `skinny_cfg` cuts them: about one program per SM)."""
+    from slora.kernels import gemm, tuning
+
+    if M > 64:
+        return []
+    pick = gemm.skinny_cfg(M, N, K, device, 1)
+    out = [("fp8 unpacked", pick),
+           ("fp8 converted", dict(gemm.skinny_cfg(M, N, K, device, 2), UNPACK=False))]
+    for bk, stages, bn in itertools.product(*SWEEP.values()) if sweep else ():
+        split = max(1, min(tuning.sms(device) // -(-N // bn), -(-K // bk)))
+        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4 if bn == 64 else 8, num_stages=stages,
+                   UNPACK=True, BLOCK_M=pick["BLOCK_M"], SPLIT=split)
+        if cfg != dict(pick, UNPACK=True):
+            out.append((f"fp8 unpacked N{bn} K{bk} s{stages}", cfg))
+    return out
+
+
+def variants(M: int, N: int, K: int, device, sweep: bool = False) -> list:
     """(path, fn(x, w bf16, w fp8)) of each path that takes M rows."""
     from slora.kernels import fp8, gemm
 
+    def few_rows(cfg):
+        return lambda x, w, q: gemm.skinny_linear(x, q.weight, cfg=cfg, scale=q.scale)
+
     out = [("bf16", lambda x, w, q: gemm.linear(x, w, max_rows=GEMM_ROWS))]
-    if M <= 64:
-        pick = gemm.skinny_cfg(M, N, K, device, 1)
-        wide = dict(pick, BLOCK_K=2 * pick["BLOCK_K"])
-        wide["SPLIT"] = max(1, min(pick["SPLIT"], -(-K // wide["BLOCK_K"])))
-        out += [("fp8 few-rows", lambda x, w, q: gemm.skinny_linear(x, q.weight, scale=q.scale)),
-                (f"fp8 few-rows BK{wide['BLOCK_K']}",
-                 lambda x, w, q: gemm.skinny_linear(x, q.weight, scale=q.scale, cfg=wide))]
+    out += [(path, few_rows(cfg)) for path, cfg in few_rows_tiles(M, N, K, device, sweep)]
     out.append(("fp8 _scaled_mm", lambda x, w, q: fp8.scaled_mm_linear(x, q)))
     if M >= 64:
         out.append(("fp8 dequant + cuBLAS", lambda x, w, q: quant.linear(x, q)))
     return out
+
+
+def summary(rows: list[dict], copy_gbps: float) -> str:
+    """A line per (module, M): bf16, fp8 unpacked and converted (us and % of copy), unpacked
+    over converted, and the fastest variant of all (the sweep's included)."""
+    def cell(r):
+        return f"{r['us']:7.1f} ({100 * r['weight_GBps'] / copy_gbps:3.0f}%)" if r else f"{'-':>13}"
+
+    lines = [f"{'module':8s}{'M':>5}  {'bf16':>13}  {'fp8 unpacked':>13}  {'fp8 converted':>13}"
+             f"  {'conv/unp':>8}  fastest fp8"]
+    keys = dict.fromkeys((r["module"], r["M"]) for r in rows)
+    for module, M in keys:
+        by = {r["path"]: r for r in rows if (r["module"], r["M"]) == (module, M)}
+        new, old = by.get("fp8 unpacked"), by.get("fp8 converted")
+        fp8s = [r for p, r in by.items() if p.startswith("fp8")]
+        best = min(fp8s, key=lambda r: r["us"]) if fp8s else None
+        gain = f"{old['us'] / new['us']:8.2f}" if new and old else f"{'-':>8}"
+        lines.append(f"{module:8s}{M:5d}  {cell(by.get('bf16'))}  {cell(new)}  {cell(old)}  {gain}"
+                     f"  {best['path'] + ' ' + format(best['us'], '.1f') + ' us' if best else '-'}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
@@ -65,6 +113,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--weight-mb", type=int, default=256,
                     help="FP8 weight MB each op streams, over distinct layers (L2 holds none)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the unpacked FP8 kernel at SWEEP's tiles (M <= 64)")
     add_out_arg(ap)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -80,10 +130,14 @@ def main(argv=None) -> dict:
         for M in map(int, args.rows.split(",")):
             x = torch.randn(M, K, generator=gen).to(device, torch.bfloat16)
             want = quant.linear(x.float(), qs[0])
-            for path, fn in variants(M, N, K, device):
-                err = ((fn(x, ws[0], qs[0]).float() - want).norm() / want.norm()).item()
-                ms = bench_graph(lambda: [fn(x, w, q) for w, q in zip(ws, qs)], device,
-                                 warmup_ms=5, rep_ms=20) / layers
+            for path, fn in variants(M, N, K, device, args.sweep):
+                try:
+                    err = ((fn(x, ws[0], qs[0]).float() - want).norm() / want.norm()).item()
+                    ms = bench_graph(lambda: [fn(x, w, q) for w, q in zip(ws, qs)], device,
+                                     warmup_ms=5, rep_ms=20) / layers
+                except triton.runtime.errors.OutOfResources as e:  # a sweep tile too big
+                    print(f"{module:8s} M={M:5d} {path:22s} skipped: {e}", flush=True)
+                    continue
                 wbytes = N * K * (2 if path == "bf16" else 1)  # (the bytes the weight holds)
                 rows.append(dict(module=module, M=M, path=path, us=ms * 1e3,
                                  weight_GBps=wbytes / ms / 1e6, TFLOPs=2 * M * N * K / ms / 1e9,
@@ -97,7 +151,8 @@ def main(argv=None) -> dict:
         free_memory(device)
     result = {**header(__file__, device, ceil, argv), "rows": rows}
     path = write_result(args.out, "bench_fp8.json", result)
-    print(f"wrote {path}")
+    print(f"wrote {path}\n\nus per layer (% of the copy rate, {ceil['copy_GBps']:.0f} GB/s, "
+          f"the weight's bytes)\n{summary(rows, ceil['copy_GBps'])}")
     return result
 
 

@@ -51,6 +51,7 @@ FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16
          "eps": "fp32"}
 GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "part_ptr": "*fp32", "count_ptr": "*i32"}
+GEMM_FP8 = dict(GEMM, w_ptr="*fp8e4nv", scale_ptr="*fp32")
 # integer arguments that are multiples of 16 when a 7B's step launches the kernels (hidden 4096,
 # head_dim 128, 32 heads, pages of 16 tokens, LoRA rows and offsets aligned to 64 elements)
 DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3", "s0", "s1",
@@ -100,6 +101,13 @@ def variants():
         ("silu_mul", fused._silu_mul_kernel, FUSED, dict(BLOCK=1024), opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False,
+              BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
+        # FP8 W (configs' w_bytes 1 rule): read as words and unpacked, and converted (UNPACK off)
+        ("fp8 gemm, words unpacked, K split", gemm._skinny_kernel, GEMM_FP8,
+         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=True,
+              BLOCK_M=32, BLOCK_N=64, BLOCK_K=256), dict(opts, num_stages=3)),
+        ("fp8 gemm, tiles converted, K split", gemm._skinny_kernel, GEMM_FP8,
+         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=False,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
     ]
     # a decode step's kernels take a PDL constexpr (slora.kernels.pdl): each compiles without

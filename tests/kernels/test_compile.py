@@ -22,8 +22,8 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     assert "FAILED" not in res.stdout
     # every variant of the 11 kernels (`compile_check.variants`), those of a decode or mixed
     # step's kernels also with PDL (every kernel but prefill attention)
-    assert len(compiled) == 31, res.stdout
-    assert sum(", PDL " in l for l in compiled) == 15, res.stdout
+    assert len(compiled) == 35, res.stdout
+    assert sum(", PDL " in l for l in compiled) == 17, res.stdout
 
 
 def test_pdl_order_flags_what_the_kernel_before_may_still_touch():
@@ -47,7 +47,8 @@ def test_pdl_order_flags_what_the_kernel_before_may_still_touch():
 
 def test_lora_kernels_read_adapter_tiles_in_16_byte_accesses(tmp_path):
     """No MBGMV or MBGMM variant loads a bf16 tile element by element (`ld.global.b16`): the
-    adapter rows are 64-element aligned chunks, and the kernels tell the compiler so."""
+    adapter rows are 64-element aligned chunks, and the kernels tell the compiler so. The FP8
+    few-rows GEMM's word path copies W in 16-byte pieces."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     res = subprocess.run([sys.executable, str(ROOT / "experiments" / "compile_check.py"),
@@ -56,3 +57,8 @@ def test_lora_kernels_read_adapter_tiles_in_16_byte_accesses(tmp_path):
     lora_rows = [l for l in res.stdout.splitlines() if l.startswith(("mbgmv", "mbgmm"))]
     assert len(lora_rows) == 12, res.stdout
     assert not [l for l in lora_rows if "ld.global.b16" in l], "\n".join(lora_rows)
+    # the FP8 GEMM reading words copies its W tiles in 16-byte cp.async.cg alone (the float8
+    # tiles it replaces go in 8-byte cp.async.ca)
+    fp8 = [l for l in res.stdout.splitlines() if l.startswith("fp8 gemm")]
+    assert len(fp8) == 4, res.stdout
+    assert all(("cp.async.ca" in l) == ("converted" in l) for l in fp8), "\n".join(fp8)
