@@ -4,26 +4,19 @@
 #
 #   bash experiments/gpu.sh [--tree DIR] [--label NAME] [--no-tests] [--bench LIST] [--compare NAME] [--quantization fp8]
 #
-#   --tree DIR      test and benchmark another copy of the repository (default: this one): its
-#                   own tests and experiments/ run from DIR with PYTHONPATH=DIR, under the same
-#                   command lines; the table reads fields that old and new results both carry
+#   --tree DIR      test and benchmark another copy of the repository (default: this one) from DIR,
+#                   PYTHONPATH=DIR, same command lines; the table reads fields both results carry
 #   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
 #                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
-#   --bench LIST    of: engine s2 decode serve fp8 (default: engine s2 decode); serve: S2
-#                   through `slora serve` (needs fastapi, uvicorn); fp8: bench_fp8.py's FP8
-#                   GEMMs (word-unpacking and converting few-rows kernels, _scaled_mm) beside
-#                   bf16 at rows 1, 32, 64, 256, its table printed
+#   --bench LIST    of: engine s2 decode serve fp8 (default: engine s2 decode); serve: S2 through
+#                   `slora serve` (needs fastapi, uvicorn); fp8: bench_fp8.py's GEMMs, rows 1-256
 #   --quantization fp8  engine, s2 and decode with FP8 base weights (the table names them)
-#   --compare NAME  the table holds the run NAME too (an earlier $OUT/NAME.tar.gz), and this
-#                   run's figures over NAME's
+#   --compare NAME  the table also holds run NAME (an earlier $OUT/NAME.tar.gz), and this one over it
 #
 # Before / after in one call, an older tree copied to results/base (carried to the device):
 #   bash experiments/gpu.sh --tree results/base --label base --no-tests; \
 #   bash experiments/gpu.sh --label new --compare base
-# FP8 beside bf16, every figure over bf16's (two calls on a warm machine):
-#   bash experiments/gpu.sh --no-tests --label bf16; \
-#   bash experiments/gpu.sh --no-tests --label fp8 --quantization fp8 --bench "fp8 engine s2 decode" --compare bf16
 # The tree's commit: $SLORA_COMMIT, else its `git rev-parse HEAD` (a copy's .git may be stale).
 # JOBS=N: the tests in N pytest-xdist workers where installed (default 4; 0: one process).
 set -uo pipefail
@@ -71,8 +64,7 @@ if [ "$TESTS" = 1 ]; then
   [[ " ${failed[*]} " == *" pytest "* ]] || tail -n 1 "$D/pytest.log"
 fi
 bench() { [[ " $BENCH " == *" $1 "* ]]; }
-bench fp8 && step fp8 240 python3 experiments/bench_fp8.py --rows 1,32,64,256 --out "$D/fp8" && \
-  sed -n '/^us per layer/,$p' "$D/fp8.log"
+bench fp8 && step fp8 240 python3 experiments/bench_fp8.py --rows 1,32,64,256 --out "$D/fp8"
 bench engine && step engine 240 python3 experiments/bench_engine.py --models llama-2-7b \
   --batches 32 --race --skip-hf "${QUANT[@]}" --out "$D/engine"
 bench s2 && step s2 300 python3 experiments/bench_scaling.py --part scaling --adapters 2000 \
@@ -82,8 +74,7 @@ bench decode && step decode 240 python3 experiments/bench_scaling.py --part deco
 bench serve && step serve 420 python3 experiments/bench_serve.py --out "$D/serve" && \
   tail -n 12 "$D/serve.log"
 tar czf "$OUT/$LABEL.tar.gz" -C "$OUT" "$LABEL" && rm -rf "$D"
-runs=("$OUT/$LABEL.tar.gz")
-[ -n "$COMPARE" ] && runs=("$OUT/$COMPARE.tar.gz" "${runs[@]}")
+runs=(${COMPARE:+"$OUT/$COMPARE.tar.gz"} "$OUT/$LABEL.tar.gz")
 echo
 python3 "$HERE/experiments/gpu_table.py" "${runs[@]}" | tee "$OUT/$LABEL.txt"
 [ ${#failed[@]} = 0 ] || { echo "failed: ${failed[*]} (logs in $OUT/$LABEL.tar.gz)"; exit 1; }

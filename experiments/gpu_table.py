@@ -6,7 +6,7 @@ per run, then the last run's figure over the first's.
     python3 experiments/gpu_table.py results/gpu/base.tar.gz results/gpu/new.tar.gz
 
 A run holds engine/bench_engine.json, s2/bench_scaling.json, decode/bench_scaling.json,
-pytest.log and commit.txt, any of them missing. Only fields that these files have always carried are read
+fp8/bench_fp8.json, pytest.log and commit.txt, any of them missing. Only fields that these files have always carried are read
 (the rows' gen_tok_s and decode_tok_s; scaling rows' output_tok_s; decode rows' step_ms and
 floor_ms; ceilings), so that a run of an older tree compares with a current one.
 """
@@ -22,11 +22,13 @@ from pathlib import Path
 # the datasheet's HBM GB/s and dense bf16 TFLOP/s: the peers of the measured ceilings
 DATASHEET = {"H200": (4800, 989), "H100": (3350, 989)}
 FILES = {"engine": "engine/bench_engine.json", "s2": "s2/bench_scaling.json",
-         "decode": "decode/bench_scaling.json", "tests": "pytest.log", "commit": "commit.txt"}
+         "decode": "decode/bench_scaling.json", "fp8": "fp8/bench_fp8.json",
+         "tests": "pytest.log", "commit": "commit.txt"}
+BENCHES = ("engine", "s2", "decode", "fp8")
 
 
 def load(src: str) -> dict:
-    """{"label", "engine", "s2", "decode": parsed JSON or None, "tests": pytest's last line,
+    """{"label", "engine", "s2", "decode", "fp8": parsed JSON or None, "tests": pytest's last line,
     "commit": the JSON header's, else commit.txt's}."""
     path, texts = Path(src), {}
     if path.is_dir():
@@ -40,11 +42,11 @@ def load(src: str) -> dict:
                     if m.isfile() and (m.name == f or m.name.endswith("/" + f)):
                         texts[k] = tar.extractfile(m).read().decode()
     run = {"label": label, **{k: json.loads(texts[k]) if k in texts else None
-                              for k in ("engine", "s2", "decode")}}
+                              for k in BENCHES}}
     lines = [ln for ln in texts.get("tests", "").splitlines()
              if re.search(r"\d+ (passed|failed|error)", ln)]
     run["tests"] = lines[-1].strip("= ") if lines else None
-    heads = [run[k]["commit"] for k in ("engine", "s2", "decode") if run[k] and "commit" in run[k]]
+    heads = [run[k]["commit"] for k in BENCHES if run[k] and "commit" in run[k]]
     run["commit"] = heads[0] if heads else texts.get("commit", "-").strip() or "-"
     return run
 
@@ -72,7 +74,14 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
     for r in (run["decode"] or {}).get("decode") or []:
         out.append((f"decode batch {r['batch']}, {r['modules']}: ms/step", r["step_ms"],
                     r["floor_ms"], "byte floor"))
-    src = next((d for d in (run["decode"], eng) if d and d.get("ceilings")), None)
+    # the FP8 few-rows GEMM reading words against the converting one, weight GB/s
+    fp8 = {(r["module"], r["M"], r["path"]): r for r in (run.get("fp8") or {}).get("rows", [])}
+    for (module, M, path), r in fp8.items():
+        old = fp8.get((module, M, "fp8 converted"))
+        if path == "fp8 unpacked" and old:
+            out.append((f"FP8 GEMM {module} x{M}: GB/s", r["weight_GBps"], old["weight_GBps"],
+                        "converted"))
+    src = next((d for d in (run["decode"], eng, run.get("fp8")) if d and d.get("ceilings")), None)
     if src:
         c = src["ceilings"]
         sheet = next((v for k, v in DATASHEET.items() if k in (src.get("gpu") or "")), None)
@@ -90,7 +99,7 @@ def num(x: float) -> str:
 def table(runs: list[dict]) -> str:
     lines = []
     for run in runs:
-        d = next((run[k] for k in ("engine", "s2", "decode") if run[k]), {})
+        d = next((run[k] for k in BENCHES if run[k]), {})
         quant = next((run[k]["quantization"] for k in ("engine", "s2", "decode")
                       if run[k] and run[k].get("quantization")), None)
         lines.append(f"{run['label']}: {d.get('gpu') or '-'}, commit {run['commit'][:12]}; "

@@ -82,3 +82,19 @@ def test_gpu_sh_parses_and_refuses_unknown_options():
     res = subprocess.run(["bash", str(script), "--colour"], capture_output=True, text=True)
     assert res.returncode == 2 and "--tree DIR" in res.stderr
     assert len(script.read_text().splitlines()) <= 80
+
+
+def test_fp8_gemm_rows_set_the_word_path_beside_the_converting_one(gpu_table, tmp_path):
+    """bench_fp8.json (gpu.sh --bench fp8): a row per (module, M) the few-rows kernels ran,
+    its figure the unpacking kernel's weight GB/s, its peer the converting kernel's."""
+    run = write_run(tmp_path / "fp8")
+    (run / "fp8").mkdir()
+    (run / "fp8" / "bench_fp8.json").write_text(json.dumps({"rows": [
+        {"module": "o", "M": 32, "path": p, "us": us, "weight_GBps": gbps}
+        for p, us, gbps in (("bf16", 14.0, 2400.0), ("fp8 unpacked", 8.0, 2100.0),
+                            ("fp8 converted", 20.0, 840.0), ("fp8 _scaled_mm", 16.6, 1010.0))] + [
+        {"module": "o", "M": 256, "path": "fp8 _scaled_mm", "us": 20.0, "weight_GBps": 840.0}]}))
+    got = {what: (fig, peer, name) for what, fig, peer, name in
+           gpu_table.rows(gpu_table.load(str(run)))}
+    assert got["FP8 GEMM o x32: GB/s"] == (2100.0, 840.0, "converted")
+    assert not [w for w in got if "x256" in w]
