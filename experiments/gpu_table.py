@@ -6,9 +6,10 @@ per run, then the last run's figure over the first's.
     python3 experiments/gpu_table.py results/gpu/base.tar.gz results/gpu/new.tar.gz
 
 A run holds engine/bench_engine.json, s2/bench_scaling.json, decode/bench_scaling.json,
-fp8/bench_fp8.json, pytest.log and commit.txt, any of them missing. Only fields that these files have always carried are read
-(the rows' gen_tok_s and decode_tok_s; scaling rows' output_tok_s; decode rows' step_ms and
-floor_ms; ceilings), so that a run of an older tree compares with a current one.
+fp8/bench_fp8.json, pytest.log and commit.txt, any of them missing. Only fields that these
+files have always carried are read (the rows' gen_tok_s and decode_tok_s; scaling rows'
+output_tok_s; decode rows' step_ms and floor_ms; ceilings; bench_fp8's rows), so that a run
+of an older tree compares with a current one.
 """
 
 from __future__ import annotations
