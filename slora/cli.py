@@ -23,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from slora.config import BACKENDS, DTYPES, POLICIES
+from slora.config import BACKENDS, DTYPES, POLICIES, QUANTIZATIONS
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Wraps a one-paragraph description to the terminal's width; keeps text with line breaks
@@ -316,6 +316,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and pool (default auto: bfloat16 on CUDA, float32 "
                    "on CPU; simulate: the profile's)")
     g.add_argument("--num-pages", type=int, help="pages in the unified pool (default: sized to memory)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="fp8: the base model's linear layers in FP8 E4M3 with per-channel scales, "
+                   "quantized at load (default: the checkpoint's format; simulate: the "
+                   "profile's, and the pool sized for the FP8 weights' bytes)")
     g.add_argument("--max-num-seqs", type=int, help="most sequences in a batch")
     g.add_argument("--max-batch-tokens", type=int, help="most tokens computed in a step")
     g.add_argument("--policy", choices=POLICIES, help="queue order (default fcfs)")
@@ -335,9 +339,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(args) -> dict:
-    keys = ("device", "dtype", "num_pages", "max_num_seqs", "max_batch_tokens", "policy", "backend",
-            "load_format", "slo_ttft_s", "mixed_graph_tokens", "async_scheduling",
-            "gemm_max_rows")
+    keys = ("device", "dtype", "quantization", "num_pages", "max_num_seqs", "max_batch_tokens",
+            "policy", "backend", "load_format", "slo_ttft_s", "mixed_graph_tokens",
+            "async_scheduling", "gemm_max_rows")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -763,6 +767,9 @@ def _add_profile(sub) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="fp8: profile the engine with FP8 base linear weights (the profile "
+                   "records it; simulate follows it)")
     g.add_argument("--backend", choices=BACKENDS)
     g.add_argument("--num-pages", type=int, help="pool pages (default: sized to memory)")
     g.add_argument("--block-size", type=int, help="tokens per KV page (default 16)")
@@ -796,7 +803,7 @@ def _profile(args) -> int:
         return 0
     if not args.model:
         raise ValueError("--model DIR is required (or --refit PROFILE to refit a stored profile)")
-    keys = ("load_format", "device", "dtype", "backend", "num_pages", "block_size",
+    keys = ("load_format", "device", "dtype", "quantization", "backend", "num_pages", "block_size",
             "mixed_graph_tokens", "async_scheduling")
     options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     grid = {"gpu": GPU_GRID, "cpu": CPU_GRID, None: None}[args.grid]

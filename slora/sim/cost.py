@@ -405,6 +405,8 @@ class Profile:
 
     model: a name or path; model_config: the model's config.json (the simulator reads shapes
     from it: page size, adapter pages, weight bytes); dtype and block_size the engine ran with;
+    quantization: "fp8" when its base linear weights were FP8 (`EngineConfig.quantization` or a
+    pre-quantized checkpoint), else None;
     num_pages: the pool the engine sized on that device (the simulator's default);
     gpu_memory_gb: the device's total memory; async_scheduling: whether the engine ran with
     `EngineConfig.async_scheduling`, its steps then timed between collections (see
@@ -417,6 +419,7 @@ class Profile:
     cost: CostModel
     model_config: dict
     dtype: str = "bfloat16"
+    quantization: str | None = None
     block_size: int = 16
     num_pages: int | None = None
     gpu_memory_gb: float | None = None
@@ -429,7 +432,8 @@ class Profile:
     def to_dict(self) -> dict:
         c = self.cost
         return {"format": PROFILE_FORMAT, "model": self.model, "gpu": self.gpu,
-                "dtype": self.dtype, "block_size": self.block_size, "num_pages": self.num_pages,
+                "dtype": self.dtype, "quantization": self.quantization,
+                "block_size": self.block_size, "num_pages": self.num_pages,
                 "gpu_memory_gb": self.gpu_memory_gb, "mixed_graph_tokens": self.mixed_graph_tokens,
                 "async_scheduling": self.async_scheduling, "coeffs": c.coeffs,
                 "host_coeffs": c.host_coeffs, "h2d_gbps": c.h2d_gbps,
@@ -451,6 +455,7 @@ class Profile:
                          load_pieces=d.get("load_pieces", 1))
         return cls(model=d["model"], gpu=d.get("gpu", "unknown"), cost=cost,
                    model_config=d["model_config"], dtype=d.get("dtype", "bfloat16"),
+                   quantization=d.get("quantization"),
                    block_size=d.get("block_size", 16), num_pages=d.get("num_pages"),
                    gpu_memory_gb=d.get("gpu_memory_gb"),
                    mixed_graph_tokens=d.get("mixed_graph_tokens", 0),

@@ -402,11 +402,21 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
         f"{stats['max_rel_err']:.1%}; h2d {cost.h2d_gbps:.1f} GB/s, host miss "
         f"{'free' if cost.disk_gbps is None else f'{cost.disk_gbps:.1f} GB/s'}")
     return Profile(model=model_name or str(engine.config.model), gpu=device_name(engine), cost=cost,
-                   model_config=model_config, dtype=dtype, block_size=engine.config.block_size,
+                   model_config=model_config, dtype=dtype, quantization=weights_format(engine),
+                   block_size=engine.config.block_size,
                    num_pages=engine.runner.num_pages, gpu_memory_gb=device_memory_gb(engine),
                    mixed_graph_tokens=engine.runner.mixed_graph_tokens,
                    async_scheduling=engine.config.async_scheduling, fit_stats=stats, samples=samples,
                    transfer_samples={"h2d": transfers["h2d"], "disk": transfers["disk"]})
+
+
+def weights_format(engine) -> str | None:
+    """"fp8" when the engine's base linear weights are FP8 (`EngineConfig.quantization`, or a
+    pre-quantized checkpoint, which loads as FP8 without it), else None."""
+    from slora.model.quant import LINEAR_FIELDS, Fp8Weight
+
+    layer = engine.runner.model.w.layers[0]
+    return "fp8" if any(isinstance(getattr(layer, f), Fp8Weight) for f in LINEAR_FIELDS) else None
 
 
 def run_profile(model: str, output: str | Path | None = None, *, engine_options: dict | None = None,

@@ -65,16 +65,18 @@ def page_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
 
 
 def pages_for_memory(model: ModelConfig, block_size: int, dtype: str, gpu_memory_gb: float,
-                     gpu_memory_fraction: float = 0.85) -> int:
+                     gpu_memory_fraction: float = 0.85, quantization: str | None = None) -> int:
     """Pool pages on a device of `gpu_memory_gb` GiB, sized as the runner sizes it: a fraction of
-    the memory left after the weights, less 1 GiB for activations. Approximate (the CUDA context
-    and allocator slack are not counted): a replay's `stats.pages_total` is the exact figure."""
-    free = gpu_memory_gb * (1 << 30) - model.weight_bytes(DTYPE_BYTES[dtype])
-    budget = free * gpu_memory_fraction - ACTIVATION_RESERVE_BYTES
+    the memory left after the weights (in `dtype`, or FP8 linear layers with `quantization`
+    "fp8": `ModelConfig.weight_bytes`), less 1 GiB for activations. Approximate (the CUDA
+    context and allocator slack are not counted): a replay's `stats.pages_total` is the exact
+    figure."""
+    weights = model.weight_bytes(DTYPE_BYTES[dtype], quantization)
+    budget = (gpu_memory_gb * (1 << 30) - weights) * gpu_memory_fraction - ACTIVATION_RESERVE_BYTES
     pages = int(budget // page_bytes(model, block_size, dtype))
     if pages < 2:
         raise ValueError(f"--gpu-memory {gpu_memory_gb:g} GiB leaves no room for a pool after "
-                         f"{model.weight_bytes(DTYPE_BYTES[dtype]) / (1 << 30):.1f} GiB of weights")
+                         f"{weights / (1 << 30):.1f} GiB of weights")
     return pages
 
 
@@ -569,6 +571,10 @@ class ProfileOrderWarning(UserWarning):
     """The simulation runs in another order of events than the profile's steps were timed in."""
 
 
+class ProfileWeightsWarning(UserWarning):
+    """The simulated base weights are in another format than the profiled engine's."""
+
+
 def order_warning(profile: Profile, async_scheduling: bool) -> str | None:
     """Why `profile`'s step times do not fit a simulation with(out) async scheduling, or None."""
     if bool(profile.async_scheduling) == bool(async_scheduling):
@@ -584,20 +590,25 @@ def order_warning(profile: Profile, async_scheduling: bool) -> str | None:
 
 def resolve_pages(profile: Profile, model: ModelConfig, block_size: int, dtype: str,
                   num_pages: int | None, gpu_memory_gb: float | None,
-                  gpu_memory_fraction: float = 0.85) -> int:
+                  gpu_memory_fraction: float = 0.85, quantization: str | None = None) -> int:
     """The simulated pool: `num_pages` if given, else sized for `gpu_memory_gb`, else the pool the
-    engine sized on the profiled device (rescaled if the page size differs)."""
+    engine sized on the profiled device, rescaled if the page size differs and grown (shrunk)
+    by the runner's share of the weight bytes the simulated base weights save (take) against
+    the profiled ones (FP8 against bf16: about 6 GiB more pool for a 7B)."""
     if num_pages is not None and gpu_memory_gb is not None:
         raise ValueError("give the pool as num_pages or as gpu memory, not both")
     if num_pages is not None:
         return num_pages
     if gpu_memory_gb is not None:
-        return pages_for_memory(model, block_size, dtype, gpu_memory_gb, gpu_memory_fraction)
+        return pages_for_memory(model, block_size, dtype, gpu_memory_gb, gpu_memory_fraction,
+                                quantization)
     if profile.num_pages is None:
         raise ValueError("the profile records no pool size: give --num-pages or --gpu-memory")
     profiled = ModelConfig.from_dict(profile.model_config)
     pool = profile.num_pages * page_bytes(profiled, profile.block_size, profile.dtype)
-    return max(2, pool // page_bytes(model, block_size, dtype))
+    saved = (profiled.weight_bytes(DTYPE_BYTES[profile.dtype], profile.quantization)
+             - model.weight_bytes(DTYPE_BYTES[dtype], quantization))
+    return max(2, int(pool + saved * gpu_memory_fraction) // page_bytes(model, block_size, dtype))
 
 
 def register_trace_adapters(sim: SimEngine, trace, default_rank: int | None = None,
@@ -630,22 +641,31 @@ def engine_config(profile: Profile, engine_options: dict | None = None,
                   model: ModelConfig | None = None) -> tuple[EngineConfig, ModelConfig]:
     """The EngineConfig a simulation of `profile` runs with, and the model's shapes.
 
-    engine_options: EngineConfig fields; dtype, block_size and mixed_graph_tokens default to the
-    profile's, async_scheduling to the order the profile was timed in. The pool: see
-    `resolve_pages`. Warns (`ProfileOrderWarning`) when async_scheduling is not the profile's.
+    engine_options: EngineConfig fields; dtype, quantization, block_size and mixed_graph_tokens
+    default to the profile's, async_scheduling to the order the profile was timed in. The pool:
+    see `resolve_pages`. Warns (`ProfileOrderWarning`) when async_scheduling is not the
+    profile's, and (`ProfileWeightsWarning`) when quantization is not.
     """
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
     model = model or ModelConfig.from_dict(profile.model_config, source="profile model_config")
     dtype = options.get("dtype") or "auto"
     dtype = profile.dtype if dtype == "auto" else dtype
     options["dtype"] = dtype
+    options.setdefault("quantization", profile.quantization)
+    if options["quantization"] != profile.quantization:
+        warnings.warn(f"the profile of {profile.model} on {profile.gpu} timed its steps with "
+                      f"{profile.quantization or profile.dtype} base weights, this simulation "
+                      f"runs {options['quantization'] or dtype} ones: its pool is sized for them, "
+                      "its step times are the profile's; profile the engine with "
+                      f"`slora profile --quantization {options['quantization']}` for theirs",
+                      ProfileWeightsWarning, stacklevel=3)
     options.setdefault("block_size", profile.block_size)
     options.setdefault("mixed_graph_tokens", profile.mixed_graph_tokens)
     options.pop("num_pages", None)
     options.pop("model", None)
     fraction = options.get("gpu_memory_fraction", 0.85)
     pages = resolve_pages(profile, model, options["block_size"], dtype, num_pages, gpu_memory_gb,
-                          fraction)
+                          fraction, options["quantization"])
     if options.get("async_scheduling") is None:  # auto: the order the profile was timed in
         options["async_scheduling"] = profile.async_scheduling
     config = EngineConfig(model=profile.model, num_pages=pages, **options)
@@ -661,6 +681,7 @@ def result_config(trace, profile: Profile, config: EngineConfig, *, trace_path: 
     return {"trace": trace_path, "workload": dict(trace.params), "engine": asdict(config),
             "adapters": "synthetic", "seed": seed,
             "profile": {"model": profile.model, "gpu": profile.gpu, "dtype": profile.dtype,
+                        "quantization": profile.quantization,
                         "async_scheduling": profile.async_scheduling,
                         "cost": profile.cost.to_dict()},
             "gpu_memory_gb": gpu_memory_gb, **(extra or {})}
