@@ -100,7 +100,7 @@ def variants():
          dict(BLOCK=64, TB=16), opts),
         ("silu_mul", fused._silu_mul_kernel, FUSED, dict(BLOCK=1024), opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
-         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False,
+         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=False,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
         # FP8 W (configs' w_bytes 1 rule): read as words and unpacked, and converted (UNPACK off)
         ("fp8 gemm, words unpacked, K split", gemm._skinny_kernel, GEMM_FP8,
