@@ -9,8 +9,9 @@ For each linear module of Llama-2-7B (qkv, o, gate_up, down) and each row count 
 - fp8 converted, M <= 64: the same kernel with UNPACK off at the tiles of a bf16 W: float8
   tiles converted by cvt instructions (the path before the word reads), so one call compares
   the two;
-- with --sweep, M <= 64: the unpacked kernel at every BLOCK_K x num_stages x BLOCK_N of the
-  sweep ("fp8 unpacked N64 K256 s3"), variants that do not fit the device skipped;
+- with --sweep, M <= 64: the unpacked kernel at every BLOCK_K x num_stages x BLOCK_N x
+  programs_per_sm of the sweep ("fp8 unpacked N64 K256 s3 x2": K cut for 2 programs per SM),
+  each distinct launch once, variants that do not fit the device skipped;
 - fp8 _scaled_mm: per-row activation quantization (`fp8.quantize_rows`) + `torch._scaled_mm`;
 - fp8 dequant + cuBLAS, M >= 64: the weight dequantized to bf16 for the call, then F.linear
   (the twin's way: exact weights, bf16 tensor cores, the weight's bytes read three times).
@@ -48,13 +49,15 @@ SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "do
 GEMM_ROWS = 32  # EngineConfig.gemm_max_rows' default
 
 
-SWEEP = dict(BLOCK_K=(128, 256, 512), num_stages=(2, 3, 4), BLOCK_N=(64, 128))
+SWEEP = dict(BLOCK_K=(128, 256, 512), num_stages=(2, 3, 4), BLOCK_N=(64, 128),
+             programs_per_sm=(1, 2))
 
 
 def few_rows_tiles(M: int, N: int, K: int, device, sweep: bool = False) -> list[tuple[str, dict]]:
     """(path, cfg) of the few-rows kernel over an FP8 W at M <= 64 rows: the table's pick
     (unpacked), the converted path at a bf16 W's tiles, and with `sweep` the unpacked kernel
-    at SWEEP's tiles (K slices as `skinny_cfg` cuts them: about one program per SM)."""
+    at SWEEP's tiles, K cut as `skinny_cfg` cuts it for a rule of that `programs_per_sm`
+    (each distinct launch once)."""
     from slora.kernels import gemm, tuning
 
     if M > 64:
@@ -62,12 +65,14 @@ def few_rows_tiles(M: int, N: int, K: int, device, sweep: bool = False) -> list[
     pick = gemm.skinny_cfg(M, N, K, device, 1)
     out = [("fp8 unpacked", pick),
            ("fp8 converted", dict(gemm.skinny_cfg(M, N, K, device, 2), UNPACK=False))]
-    for bk, stages, bn in itertools.product(*SWEEP.values()) if sweep else ():
-        split = max(1, min(tuning.sms(device) // -(-N // bn), -(-K // bk)))
+    seen = [dict(pick, UNPACK=True)]
+    for bk, stages, bn, per_sm in itertools.product(*SWEEP.values()) if sweep else ():
         cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4 if bn == 64 else 8, num_stages=stages,
-                   UNPACK=True, BLOCK_M=pick["BLOCK_M"], SPLIT=split)
-        if cfg != dict(pick, UNPACK=True):
-            out.append((f"fp8 unpacked N{bn} K{bk} s{stages}", cfg))
+                   UNPACK=True, BLOCK_M=pick["BLOCK_M"],
+                   SPLIT=gemm.k_slices(N, K, bn, bk, per_sm * tuning.sms(device)))
+        if cfg not in seen:
+            seen.append(cfg)
+            out.append((f"fp8 unpacked N{bn} K{bk} s{stages} x{per_sm}", cfg))
     return out
 
 

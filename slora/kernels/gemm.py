@@ -180,9 +180,10 @@ def skinny_cfg(M: int, N: int, K: int, device: torch.device, w_bytes: int = 2) -
     """The kernel's tiles: table entry `gemm`, by `split` (the K slices the rule's tile gives)
     and `w_bytes` (bytes of one element of W: 1 for FP8, so a table may give FP8 its own rule).
     BLOCK_M holds every row of x (a power of two, at least 16 on the GPU, where tl.dot needs
-    it). K is cut so that output tiles x slices reach about one program per SM: SPLIT slices,
-    each a whole number of BLOCK_K steps. The interpreter's tiles shrink to the data (its cost
-    grows with a tile's elements); a GPU's stay as the table gives them."""
+    it). K is cut so that output tiles x slices reach about the rule's `programs_per_sm` (1
+    unless it says) programs per SM: SPLIT slices (`k_slices`), each a whole number of BLOCK_K
+    steps. The interpreter's tiles shrink to the data (its cost grows with a tile's elements);
+    a GPU's stay as the table gives them."""
     return dict(_skinny_cfg(tuning.kind(device), device.type == "cuda", tuning.sms(device), M, N,
                             K, w_bytes))
 
@@ -197,10 +198,18 @@ def _skinny_cfg(table: str, cuda: bool, n_sm: int, M: int, N: int, K: int,
         return cfg
 
     def split(cfg):
-        return max(1, min(n_sm // triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(K, cfg["BLOCK_K"])))
+        return k_slices(N, K, cfg["BLOCK_N"], cfg["BLOCK_K"], n_sm * cfg.get("programs_per_sm", 1))
 
     cfg = tuning.choose(table, "gemm", fit, split=split, w_bytes=w_bytes)
-    return dict(cfg, BLOCK_M=max(16 if cuda else 1, pow2(M)), SPLIT=split(cfg))
+    slices = split(cfg)
+    cfg.pop("programs_per_sm", None)  # (the launch's grid, not a kernel argument)
+    return dict(cfg, BLOCK_M=max(16 if cuda else 1, pow2(M)), SPLIT=slices)
+
+
+def k_slices(N: int, K: int, block_n: int, block_k: int, programs: int) -> int:
+    """The K slices that bring N / block_n output tiles to about `programs` programs: at least
+    one, at most one BLOCK_K step each."""
+    return max(1, min(programs // triton.cdiv(N, block_n), triton.cdiv(K, block_k)))
 
 
 def words(w: torch.Tensor) -> bool:

@@ -15,7 +15,9 @@ def test_one_call_times_unpacked_and_converted_fp8_kernels(experiment):
     assert tiles["fp8 unpacked"]["UNPACK"] and not tiles["fp8 converted"]["UNPACK"]
     assert bench.few_rows_tiles(65, 48, 256, cpu) == []  # past 64 rows: cuBLAS or _scaled_mm
     swept = bench.few_rows_tiles(3, 48, 256, cpu, sweep=True)
-    assert len(swept) > len(tiles) and all(c["UNPACK"] for p, c in swept if "N" in p.split()[-1])
+    grid = [c for p, c in swept if p.startswith("fp8 unpacked N")]
+    assert len(grid) > 10 and all(c["UNPACK"] for c in grid)
+    assert all(a != b for i, a in enumerate(grid) for b in grid[i + 1:])  # each launch once
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 256, generator=g) / 16
@@ -31,7 +33,7 @@ def test_summary_sets_unpacked_beside_converted(experiment):
     bench = experiment("bench_fp8")
     rows = [dict(module="o", M=32, path=p, us=us, weight_GBps=gbps) for p, us, gbps in
             (("bf16", 14.0, 2400.0), ("fp8 unpacked", 8.0, 2100.0), ("fp8 converted", 20.0, 840.0),
-             ("fp8 unpacked N128 K256 s3", 7.5, 2240.0))]
+             ("fp8 unpacked N128 K256 s3 x1", 7.5, 2240.0))]
     line = bench.summary(rows, 4200.0).splitlines()[1]
     assert line.split()[:2] == ["o", "32"]
-    assert "( 50%)" in line and "2.50" in line and "N128 K256 s3 7.5 us" in line
+    assert "( 50%)" in line and "2.50" in line and "N128 K256 s3 x1 7.5 us" in line

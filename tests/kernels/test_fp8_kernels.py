@@ -85,6 +85,23 @@ def test_few_rows_gemm_unpacks_words_only():
     assert not gemm.words(torch.zeros(8, 64, dtype=torch.bfloat16))
 
 
+def test_a_gemm_rule_may_ask_for_more_programs_per_sm(monkeypatch):
+    """`programs_per_sm` in a rule cuts K for that many programs an SM (the H200's o: 64 output
+    tiles, 2 slices at one program per SM, 4 at two); it is the grid's, not a kernel argument."""
+    from slora.kernels import gemm, tuning
+
+    rule = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, UNPACK=True)
+    try:
+        for per_sm, slices in ((1, 2), (2, 4)):
+            fake = dict(tuning.table("h200"), gemm=[{"cfg": dict(rule, programs_per_sm=per_sm)}])
+            monkeypatch.setattr(tuning, "table", lambda name, fake=fake: fake)
+            gemm._skinny_cfg.cache_clear()
+            cfg = gemm._skinny_cfg("h200", True, 132, 32, 4096, 4096, 1)
+            assert cfg == dict(rule, BLOCK_M=32, SPLIT=slices)
+    finally:
+        gemm._skinny_cfg.cache_clear()  # (no choice made from the fake tables outlives it)
+
+
 # ----------------------------------------------------------------------------- CUDA only
 # (the interpreter's float32 -> E4M3 conversion rounds ties away from zero and flushes
 # subnormals, so the quantizer is tested on a GPU alone)
