@@ -52,13 +52,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale,
-            m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            block_size, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr):
+def _tanh(x):
+    """tanh through exp2 (the interpreter has no libdevice.tanh): 1 - 2 / (e^2x + 1), which
+    saturates to +-1 where e^2x overflows or vanishes."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale, window,
+            cap_scale, m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+            stride_vh, block_size, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+            DOT_F32: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     """Keys lo..hi-1 of one KV head, read through the block table row BLOCK_N at a time,
     folded into the online softmax state (m_i, l_i, acc) of the q rows; returns the state.
     CAUSAL (prefill): row i sees keys at positions <= qpos[i], so a row may have no valid key
-    yet (its max stays -inf) and the exponentials are taken against 0 there."""
+    yet (its max stays -inf) and the exponentials are taken against 0 there; with SLIDING
+    also only keys at positions > qpos[i] - window. Scores: q.k * qk_scale (log2 domain), or
+    with SOFTCAP tanh(q.k * qk_scale) * cap_scale (the caller folds 1 / softcap into qk_scale
+    and softcap * log2(e) into cap_scale)."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -75,9 +86,15 @@ def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale,
             sc = tl.dot(q, tl.trans(k))
         if CAUSAL:
             ok = n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
+            if SLIDING:
+                ok = ok & (offs_n[None, :] > qpos[:, None] - window)
         else:
             ok = n_ok[None, :]
-        sc = tl.where(ok, sc * qk_scale, float("-inf"))  # log2 domain
+        if SOFTCAP:
+            sc = _tanh(sc * qk_scale) * cap_scale
+        else:
+            sc = sc * qk_scale
+        sc = tl.where(ok, sc, float("-inf"))  # log2 domain
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         if CAUSAL:
             m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -110,7 +127,7 @@ def _rotary(ptr, offs_d, mask, half, c, s):
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
     pos_ptr, inv_ptr, slot_ptr,
-    qk_scale,
+    qk_scale, window, cap_scale,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -119,6 +136,7 @@ def _decode_kernel(
     D, num_splits,
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -126,9 +144,13 @@ def _decode_kernel(
     # (the step's metadata, which no kernel writes, is read before the wait: the context
     # length, and with ROPE the position's cos / sin)
     ctx = tl.load(ctx_ptr + b)
-    # This split's share of the sequence, in whole BLOCK_N tiles.
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    lo = sp * per_split
+    # The keys the new token sees: all of them, or with SLIDING the last `window`.
+    start = 0
+    if SLIDING:
+        start = tl.maximum(ctx - window, 0)
+    # This split's share of them, in whole BLOCK_N tiles.
+    per_split = tl.cdiv(tl.cdiv(ctx - start, num_splits), BLOCK_N) * BLOCK_N
+    lo = start + sp * per_split
     hi = tl.minimum(lo + per_split, ctx)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -173,8 +195,9 @@ def _decode_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_row, lo, hi, None, offs_d, d_ok, kvh, qk_scale,
-                            m_i, l_i, acc, stride_kp, stride_ks, stride_kh, stride_vp,
-                            stride_vs, stride_vh, block_size, BLOCK_N, False, DOT_F32)
+                            window, cap_scale, m_i, l_i, acc, stride_kp, stride_ks, stride_kh,
+                            stride_vp, stride_vs, stride_vh, block_size, BLOCK_N, False,
+                            DOT_F32, False, SOFTCAP)
     pdl.launch_next(PDL)
 
     omask = qmask
@@ -246,9 +269,18 @@ def _prefill_config(table: str, D: int, itemsize: int) -> dict:
     return tuning.choose(table, "prefill_attention", head_dim=D, itemsize=itemsize)
 
 
+def _scales(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, cap_scale) of `_attend`: the log2-domain score is q.k * scale * log2(e), or
+    with a softcap tanh(q.k * scale / softcap) * softcap * log2(e)."""
+    if softcap > 0:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 1.0
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, cfg: dict | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, cfg: dict | None = None,
+                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode attention: one new token per sequence over its paged KV (twin:
     `reference.paged_decode_attention`).
 
@@ -257,9 +289,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     >= 1, the new token's K/V already written. Query head h reads KV head h // (H / KVH).
     Returns [B, H, D] in q's dtype. `num_splits` (optional) overrides the split-K heuristic;
     the heuristic bounds the context by block_tables' width, so it needs no device sync.
-    `cfg` (optional, for benchmarks' sweeps) overrides `decode_config`'s keys.
+    `cfg` (optional, for benchmarks' sweeps) overrides `decode_config`'s keys. `window` > 0:
+    the token sees only the last `window` keys (a sliding-window layer); `softcap` > 0: scores
+    soft-capped to softcap * tanh(score / softcap). Both are compile-time switches of the
+    kernel, so a layer without them runs the plain kernel.
     """
-    return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg)
+    return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
+                   window=window, softcap=softcap)
 
 
 def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
@@ -268,20 +304,23 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
                                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
                                 num_heads: int, num_kv_heads: int,
                                 num_splits: int | None = None, cfg: dict | None = None,
-                                fold: bool | None = None) -> torch.Tensor:
+                                fold: bool | None = None, window: int = 0,
+                                softcap: float = 0.0) -> torch.Tensor:
     """`fused.rope_write_kv` and `paged_decode_attention`, in one launch where that is faster
     (twin: `reference.rope_write_kv`, then `reference.paged_decode_attention`): qkv [B, (H + 2
     KVH) * D] is each sequence's new token, unrotated; its K and V are stored at slot_mapping,
     the position ctx_lens - 1 of its sequence. Returns [B, H, D]; qkv's q heads may be left
     rotated (in two launches `rope_write_kv` rotates them in place). `fold` (optional, for
-    tests and benchmarks) overrides `fold_rope`'s choice of one launch or two."""
+    tests and benchmarks) overrides `fold_rope`'s choice of one launch or two. `window`,
+    `softcap`: as `paged_decode_attention`'s."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D
     assert k_cache.shape[2] == num_kv_heads and D % 2 == 0 and inv_freq.dtype == torch.float32
     q = qkv[:, : num_heads * D].view(B, num_heads, D)
     return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
-                   rope=(qkv, positions, inv_freq, slot_mapping), fold=fold)
+                   rope=(qkv, positions, inv_freq, slot_mapping), fold=fold, window=window,
+                   softcap=softcap)
 
 
 def fold_rope(programs: int, device: torch.device) -> bool:
@@ -295,7 +334,7 @@ def fold_rope(programs: int, device: torch.device) -> bool:
 
 
 def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg, rope=None,
-            fold=None):
+            fold=None, window=0, softcap=0.0):
     B, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
     assert Dk == D and H % kvh == 0 and q.stride(2) == 1
@@ -308,8 +347,9 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
     block_h = max(16 if q.device.type == "cuda" else 1, pow2(qh))
     block_d = pow2(D)
     if num_splits is None:
-        num_splits = _default_splits(B, kvh, block_tables.shape[1] * block_size, cfg["BLOCK_N"],
-                                     q.device)
+        max_ctx = block_tables.shape[1] * block_size
+        num_splits = _default_splits(B, kvh, min(max_ctx, window) if window > 0 else max_ctx,
+                                     cfg["BLOCK_N"], q.device)
     if rope is not None and fold is None:
         fold = fold_rope(B * kvh * num_splits, q.device)
     if rope is not None and not fold:  # two launches: rotate and store, then attend
@@ -323,10 +363,11 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
     else:
         part = ml = out  # unused
     _, positions, inv_freq, slot_mapping = rope if rope is not None else (ctx_lens,) * 4
+    qk_scale, cap_scale = _scales(scale, softcap)
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, out, part, ml,
         positions, inv_freq, slot_mapping,
-        scale * LOG2E,
+        qk_scale, window, cap_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -334,7 +375,8 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
         out.stride(0), out.stride(1),
         D, num_splits,
         QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32,
-        ROPE=rope is not None, **pdl.options(q.device), **cfg)
+        ROPE=rope is not None, SLIDING=window > 0, SOFTCAP=softcap > 0,
+        **pdl.options(q.device), **cfg)
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,
                               BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
@@ -347,7 +389,7 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, tiles_ptr, out_ptr,
-    qk_scale,
+    qk_scale, window, cap_scale,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -355,7 +397,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     D,
     QH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     h = tl.program_id(1)
     for i in range(tl.program_id(0), tl.load(tiles_ptr), tl.num_programs(0)):
@@ -379,12 +421,16 @@ def _prefill_kernel(
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-        # Causal: this tile's last token sees positions <= its own, so keys stop there.
+        # Causal: this tile's last token sees positions <= its own, so keys stop there; with
+        # SLIDING its first token (row m0) sees none before its position - window + 1.
         hi = tl.minimum(ctx, tl.max(tl.where(m_ok, qpos, 0), axis=0) + 1)
-        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_row, 0, hi, qpos, offs_d, d_ok, kvh,
-                                qk_scale, m_i, l_i, acc, stride_kp, stride_ks, stride_kh,
-                                stride_vp, stride_vs, stride_vh, block_size, BLOCK_N, True,
-                                DOT_F32)
+        lo = 0
+        if SLIDING:
+            lo = tl.maximum(ctx - (q_hi - q_lo) + (m0 - q_lo) - window + 1, 0)
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh,
+                                qk_scale, window, cap_scale, m_i, l_i, acc, stride_kp,
+                                stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                                block_size, BLOCK_N, True, DOT_F32, SLIDING, SOFTCAP)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + h * stride_oh
                  + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -395,7 +441,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, q_start: torch.Tensor,
                             ctx_lens: torch.Tensor, scale: float,
                             tiles: torch.Tensor | None = None, programs: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None, window: int = 0,
+                            softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of new tokens over paged KV: prefill, chunked prefill with a cached
     prefix, decode rows, or a mix (twin: `reference.paged_attention`).
 
@@ -406,6 +453,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     here from q_start, a host round trip. Only the tiles' rows of `out` (optional, like q)
     are written. Grid: (`programs`, default one per tile slot, query head); each program
     walks the list with stride `programs`, KV read through the page table per token.
+    `window`, `softcap`: as `paged_decode_attention`'s (a tile's keys start at its first
+    token's window).
     """
     T, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
@@ -423,9 +472,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     programs = programs or (tiles.shape[0] - 1) // 2
     if programs == 0:
         return out
+    qk_scale, cap_scale = _scales(scale, softcap)
     _prefill_kernel[(programs, H)](
         q, k_cache, v_cache, block_tables, q_start, ctx_lens, tiles, out,
-        scale * LOG2E,
+        qk_scale, window, cap_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -433,5 +483,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1),
         D,
         QH=H // kvh, BLOCK_M=block_m, BLOCK_D=pow2(D),
-        DOT_F32=not cuda or q.dtype == torch.float32, **cfg)
+        DOT_F32=not cuda or q.dtype == torch.float32, SLIDING=window > 0, SOFTCAP=softcap > 0,
+        **cfg)
     return out

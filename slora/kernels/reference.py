@@ -58,14 +58,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_start: list[int], ctx_lens: list[int],
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of new tokens over paged KV (prefill, decode, or a mix).
 
     q [T, H, D]: the new tokens of S sequences, sequence s at rows q_start[s]:q_start[s+1].
     Sequence s has ctx_lens[s] tokens in the cache (its new tokens included, already written),
     in pages block_tables[s, :]. New token i of s sits at position ctx_lens[s] - n_new + i and
-    attends to every cached position <= its own. GQA: query head h reads KV head h // (H / KVH).
-    Softmax in float32. Returns [T, H, D] in q's dtype.
+    attends to every cached position <= its own; with `window` > 0 (a sliding-window layer)
+    only to the `window` positions ending at its own (key position > its position - window,
+    HF's sliding_window). GQA: query head h reads KV head h // (H / KVH). Scores are
+    q.k * scale, then with `softcap` > 0 softcap * tanh(score / softcap) (Gemma 2's
+    attn_logit_softcapping). Softmax in float32. Returns [T, H, D] in q's dtype.
     """
     T, H, D = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -81,20 +84,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = v.repeat_interleave(H // kvh, dim=1).transpose(0, 1).float()
         qs = q[lo:hi].transpose(0, 1).float()  # [H, n_new, D]
         scores = qs @ k.transpose(1, 2) * scale  # [H, n_new, ctx]
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         qpos = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
         kpos = torch.arange(ctx, device=q.device)[None, :]
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        hidden = kpos > qpos
+        if window > 0:
+            hidden |= kpos <= qpos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[lo:hi] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode: one new token per sequence (q [B, H, D]); the twin of the Triton decode kernel."""
     B = q.shape[0]
     return paged_attention(q, k_cache, v_cache, block_tables, list(range(B + 1)),
-                           [int(c) for c in ctx_lens], scale)
+                           [int(c) for c in ctx_lens], scale, window, softcap)
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -175,6 +183,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up over the concatenated [gate | up] output."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate) * up with gelu's tanh approximation (HF's gelu_pytorch_tanh)
+    over the concatenated [gate | up] output."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), in x's dtype, as HF soft-caps Gemma's final logits."""
+    return torch.tanh(x / cap) * cap
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
