@@ -44,18 +44,11 @@ import triton
 import triton.language as tl
 
 from . import pdl, tuning
-from .fused import rope_write_kv
+from .fused import rope_write_kv, tanh
 from .tiles import as_tiles, tile_rows
 from .tuning import pow2
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _tanh(x):
-    """tanh through exp2 (the interpreter has no libdevice.tanh): 1 - 2 / (e^2x + 1), which
-    saturates to +-1 where e^2x overflows or vanishes."""
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
 @triton.jit
@@ -91,7 +84,7 @@ def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale, 
         else:
             ok = n_ok[None, :]
         if SOFTCAP:
-            sc = _tanh(sc * qk_scale) * cap_scale
+            sc = tanh(sc * qk_scale) * cap_scale
         else:
             sc = sc * qk_scale
         sc = tl.where(ok, sc, float("-inf"))  # log2 domain

@@ -6,7 +6,8 @@ costs a few microseconds however little it does; these fold the chains into one 
 - `rope_write_kv`: rotary on q and k of the fused qkv output (cos/sin computed in the kernel
   from positions) + K/V store into their pool pages (about 16 launches -> 1), twin
   `reference.rope_write_kv`. q is rotated in place inside qkv and returned as a view.
-- `silu_mul`: SwiGLU over [gate | up] (2 launches -> 1), twin `reference.silu_mul`.
+- `silu_mul`: SwiGLU over [gate | up] (2 launches -> 1), twin `reference.silu_mul`;
+  `gelu_tanh_mul`: GeGLU with gelu's tanh approximation (Gemma), twin `reference.gelu_tanh_mul`.
 
 Numerics follow the twins: statistics in float32, results rounded to the input dtype where
 HF rounds (the residual sum, the normalised value before the weight, cos/sin).
@@ -141,7 +142,15 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def tanh(x):
+    """tanh through exp2 (the interpreter has no libdevice.tanh): 1 - 2 / (e^2x + 1), which
+    saturates to +-1 where e^2x overflows or vanishes."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _act_mul_kernel(gu_ptr, out_ptr, N, stride_gu, BLOCK: tl.constexpr, GELU: tl.constexpr,
+                    PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -150,17 +159,29 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_gu, BLOCK: tl.constexpr, PDL: tl
     g = tl.load(gu_ptr + row * stride_gu + offs, mask=m, other=0.0)
     u = tl.load(gu_ptr + row * stride_gu + N + offs, mask=m, other=0.0)
     gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+        act = (0.5 * gf * (1.0 + tanh(0.7978845608028654 * (gf + 0.044715 * gf * gf * gf))))
+        act = act.to(g.dtype)
+    else:
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
     tl.store(out_ptr + row * N + offs, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _act_mul(gate_up, gelu=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _act_mul(gate_up, gelu=True)
+
+
+def _act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     T, N2 = gate_up.shape
     N = N2 // 2
     out = torch.empty(T, N, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         block = min(1024, pow2(N))
-        _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, N, gate_up.stride(0),
-                                                    BLOCK=block, num_warps=4,
-                                                    **pdl.options(gate_up.device))
+        _act_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, N, gate_up.stride(0),
+                                                   BLOCK=block, GELU=gelu, num_warps=4,
+                                                   **pdl.options(gate_up.device))
     return out
