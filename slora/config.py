@@ -1,7 +1,8 @@
 """Configuration: one frozen `EngineConfig`, validated once, passed through constructors.
 
 `ModelConfig` is read from a Hugging Face `config.json` and describes the Llama-family
-architecture (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) that `slora.model.llama` implements.
+architecture (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text) that
+`slora.model.llama` implements.
 No torch import here: the simulator and the scheduler read these too.
 """
 
@@ -26,7 +27,11 @@ LORA_ALIGN = 64
 # The seven linear modules LoRA may target, in the order adapters are laid out in their pages.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Phi3ForCausalLM")
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Checkpoint modules that stack several of LORA_MODULES by output rows, in this order (Phi-3's
 # qkv_proj and gate_up_proj). A LoRA on one is the LoRAs of its parts with its A shared and its
 # B split by the same rows.
@@ -211,6 +216,29 @@ class ModelConfig:
     # Phi-3: the checkpoint holds q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj`
     # (FUSED_MODULES), and PEFT adapters target those names.
     fused_checkpoint: bool = False
+    # The MLP's activation, one of ACTIVATIONS (Gemma: GeGLU, "gelu_pytorch_tanh").
+    hidden_act: str = "silu"
+    # Gemma: each RMSNorm scales by (1 + w); the loader folds the 1 in (see loader.load_weights).
+    norm_plus_one: bool = False
+    # Gemma: token embeddings multiplied by this (sqrt(hidden_size)), rounded to the model
+    # dtype first as HF does; None: not scaled.
+    embed_scale: float | None = None
+    # Gemma 2/3: an RMSNorm on the attention output (post_attention_layernorm) and one on the
+    # MLP output (post_feedforward_layernorm) before each residual add: four norms a layer.
+    sandwich_norms: bool = False
+    # Attention scores are q.k / sqrt(this) (Gemma's query_pre_attn_scalar); None: head_dim.
+    query_pre_attn_scalar: float | None = None
+    # Soft-capping, cap * tanh(x / cap), of the attention scores (Gemma 2's
+    # attn_logit_softcapping) and of the final logits (final_logit_softcapping); None: off.
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # Sliding-window attention: the layers in `sliding_layers` attend to the last
+    # `sliding_window` positions (their own included), the others to all of them.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    # Gemma 3: the rope base of the sliding layers (rope_local_base_freq), unscaled; None: the
+    # sliding layers use rope_theta and rope_scaling like the others.
+    rope_local_theta: float | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -232,15 +260,33 @@ class ModelConfig:
         hidden = c["hidden_size"]
         head_dim = c.get("head_dim") or hidden // heads
         qwen2 = arch == "Qwen2ForCausalLM"
+        gemma = arch in GEMMA
         llama_bias = bool(c.get("attention_bias", False))
-        act = c.get("hidden_act", "silu")
-        if act != "silu":
+        # Gemma's MLP reads hidden_activation (its configs may carry a stale hidden_act too)
+        act = (c.get("hidden_activation") if gemma else None) or c.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (slora's MLP is "
-                              "SwiGLU: silu(gate) * up)")
-        # transformers >= 5 writes rope_parameters {rope_theta, rope_type, factor, ...};
-        # older configs have rope_theta and rope_scaling.
+                              "SwiGLU, silu(gate) * up, or GeGLU, gelu_pytorch_tanh(gate) * up)")
+        if c.get("use_bidirectional_attention"):
+            raise ConfigError(f"{source}: use_bidirectional_attention=True is not supported "
+                              "(slora serves causal decoders)")
+        # transformers >= 5 writes rope_parameters {rope_theta, rope_type, factor, ...}, Gemma
+        # 3's per layer type ({"full_attention": {...}, "sliding_attention": {...}}); older
+        # configs have rope_theta, rope_scaling and Gemma 3's rope_local_base_freq.
         rope = c.get("rope_parameters") or {}
-        theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+        local_rope = None
+        if "full_attention" in rope or "sliding_attention" in rope:
+            local_rope = rope.get("sliding_attention") or {}
+            rope = rope.get("full_attention") or {}
+        gemma3 = arch == "Gemma3ForCausalLM"
+        theta = c.get("rope_theta", rope.get("rope_theta", 1e6 if gemma3 else 10000.0))
+        local_theta = None
+        if gemma3:
+            local_rope = local_rope or {}
+            if local_rope.get("rope_type", "default") != "default":
+                raise ConfigError(f"{source}: rope type {local_rope['rope_type']!r} on the "
+                                  "sliding-window layers is not supported (default only)")
+            local_theta = c.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0))
         partial = c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         if partial != 1:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} is not supported "
@@ -259,13 +305,7 @@ class ModelConfig:
             if kind == "default":
                 scaling = None
         max_pos = c.get("max_position_embeddings", 4096)
-        window = c.get("sliding_window")
-        if arch.startswith("Qwen"):
-            window = window if c.get("use_sliding_window") else None
-        if window is not None and arch in ("Qwen3ForCausalLM", "Phi3ForCausalLM"):
-            # Attention over a window of `window` tokens (the token itself included) equals
-            # full causal attention while a sequence holds at most `window` tokens: serve that.
-            max_pos = min(max_pos, window)
+        window, sliding = _sliding_layers(c, arch, source)
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -287,9 +327,28 @@ class ModelConfig:
             mlp_bias=bool(c.get("mlp_bias", False)),
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             fused_checkpoint=arch == "Phi3ForCausalLM",
+            hidden_act=act,
+            norm_plus_one=gemma,
+            embed_scale=hidden ** 0.5 if gemma else None,
+            sandwich_norms=gemma,
+            query_pre_attn_scalar=c.get("query_pre_attn_scalar") if gemma else None,
+            attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=c.get("final_logit_softcapping") if gemma else None,
+            sliding_window=window,
+            sliding_layers=sliding,
+            rope_local_theta=local_theta,
         )
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention scores' scale: 1 / sqrt(query_pre_attn_scalar or head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in positions; 0 where it attends to all of them."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     @property
     def q_size(self) -> int:
@@ -332,11 +391,44 @@ class ModelConfig:
         linear = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
         rows = self.q_size + 2 * self.kv_size + h + 2 * i + h  # output channels of a layer
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        norms = L * (2 * h + (2 * self.head_dim if self.qk_norm else 0)) + h
+        per_layer = (4 if self.sandwich_norms else 2) * h
+        norms = L * (per_layer + (2 * self.head_dim if self.qk_norm else 0)) + h
         rest = (norms + emb) * dtype_bytes  # norms, embedding, lm_head
         if quantization == "fp8":
             return rest + L * (linear + 4 * rows)
         return rest + L * linear * dtype_bytes
+
+
+def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding_window, the layers it applies to) as HF reads a config: its `layer_types`
+    where it lists them, else the family's rule: Mistral and Phi-3 every layer, Qwen2/3
+    (with use_sliding_window) the layers from max_window_layers on, Gemma 2 every other layer
+    from layer 0, Gemma 3 all but every sliding_window_pattern-th. Llama has none."""
+    window = c.get("sliding_window")
+    if arch.startswith("Qwen") and not c.get("use_sliding_window"):
+        window = None
+    if window is None or arch == "LlamaForCausalLM":
+        return None, ()
+    if not is_int(window) or window < 1:
+        raise ConfigError(f"{source}: sliding_window={window!r} must be an integer >= 1")
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if types is not None:
+        if (not isinstance(types, list) or len(types) != n
+                or not set(types) <= {"sliding_attention", "full_attention"}):
+            raise ConfigError(f"{source}: layer_types must list 'sliding_attention' or "
+                              f"'full_attention' for each of the {n} layers")
+        layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    elif arch == "Gemma2ForCausalLM":
+        layers = list(range(0, n, 2))
+    elif arch == "Gemma3ForCausalLM":
+        pattern = c.get("sliding_window_pattern", 6)
+        layers = [i for i in range(n) if (i + 1) % pattern]
+    elif arch.startswith("Qwen"):
+        layers = list(range(c.get("max_window_layers", 28), n))
+    else:
+        layers = list(range(n))
+    return (window, tuple(layers)) if layers else (None, ())
 
 
 def round_up(x: int, to: int) -> int:

@@ -32,8 +32,12 @@ CORPUS = [
 
 # name -> kwargs of the HF config. Small, but covering GQA/MQA, tied embeddings, head_dim that
 # differs from hidden/heads, q/k/v bias (Qwen2), attention_bias (Llama), rope scaling, per-head
-# q/k RMSNorm (Qwen3), fused qkv_proj / gate_up_proj (Phi-3). `random_norms` draws every RMSNorm
-# weight around 1 instead of HF's ones, so that a norm applied wrongly shows.
+# q/k RMSNorm (Qwen3), fused qkv_proj / gate_up_proj (Phi-3), Gemma 2 / 3 ((1 + w) norms, scaled
+# embeddings, GeGLU, four norms a layer, query_pre_attn_scalar, soft-capping, a rope base of
+# its own on Gemma 3's sliding layers). Sliding windows of 8 tokens, shorter than the tests'
+# prompts plus outputs: on every layer (Phi-3), on layer 1 (Qwen3), on layer 0 (Gemma).
+# `random_norms` draws every RMSNorm weight around its initial value (HF's ones, or Gemma's
+# zeros) instead of leaving it there, so that a norm applied wrongly shows.
 TINY = {
     "llama": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2),
     "llama_tied_llama3": dict(arch="llama", num_attention_heads=4, num_key_value_heads=1,
@@ -48,9 +52,16 @@ TINY = {
     "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2,
                   tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  random_norms=True),
+                  random_norms=True, use_sliding_window=True, sliding_window=8,
+                  max_window_layers=1),
     "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2, pad_token_id=None,
-                 random_norms=True),
+                 random_norms=True, sliding_window=8),
+    "gemma2": dict(arch="gemma2", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, random_norms=True),
+    "gemma3": dict(arch="gemma3", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                   query_pre_attn_scalar=48, sliding_window=8, sliding_window_pattern=2,
+                   rope_theta=10000.0, rope_local_base_freq=100.0, random_norms=True),
 }
 
 
@@ -84,7 +95,9 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[arch]
+           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+           "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, max_position_embeddings=256, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)
@@ -94,7 +107,7 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    p.normal_(1.0, 0.2)
+                    p.normal_(float(p.mean()), 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -68,18 +68,21 @@ class TorchBackend:
     add_rms_norm = staticmethod(ref.add_rms_norm)
     rope_write_kv = staticmethod(ref.rope_write_kv)
     silu_mul = staticmethod(ref.silu_mul)
+    gelu_tanh_mul = staticmethod(ref.gelu_tanh_mul)
 
-    def attention(self, q, k_cache, v_cache, b, scale):
+    def attention(self, q, k_cache, v_cache, b, scale, window=0, softcap=0.0):
+        """Paged attention of the batch's new tokens; `window` > 0: a sliding-window layer's,
+        `softcap` > 0: scores soft-capped (reference.paged_attention)."""
         return ref.paged_attention(q, k_cache, v_cache, b.block_tables, b.q_start_list,
-                                   b.ctx_lens_list, scale)
+                                   b.ctx_lens_list, scale, window, softcap)
 
     def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
-                       num_kv_heads):
+                       num_kv_heads, window=0, softcap=0.0):
         """Rotary on q and k of the fused qkv output, K/V stored at the tokens' slots, then
         attention: [T, H, D]."""
         q = self.rope_write_kv(qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping,
                                num_heads, num_kv_heads)
-        return self.attention(q, k_cache, v_cache, b, scale)
+        return self.attention(q, k_cache, v_cache, b, scale, window, softcap)
 
     def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
         """A base linear layer of module group `group` with its batch's LoRA deltas added:
@@ -114,30 +117,33 @@ class TritonBackend(TorchBackend):
         self.add_rms_norm = fused.add_rms_norm
         self.rope_write_kv = fused.rope_write_kv
         self.silu_mul = fused.silu_mul
+        self.gelu_tanh_mul = fused.gelu_tanh_mul
 
     def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
-                       num_kv_heads):
+                       num_kv_heads, window=0, softcap=0.0):
         if b.num_decode == len(b.q_start_list) - 1:  # decode only: rotary and K/V store folded in
             return self._attn.rope_paged_decode_attention(
                 qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping, b.block_tables,
-                b.ctx_lens, scale, num_heads, num_kv_heads)
+                b.ctx_lens, scale, num_heads, num_kv_heads, window=window, softcap=softcap)
         return super().rope_attention(qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
-                                      num_kv_heads)
+                                      num_kv_heads, window, softcap)
 
-    def attention(self, q, k_cache, v_cache, b, scale):
+    def attention(self, q, k_cache, v_cache, b, scale, window=0, softcap=0.0):
+        mask = dict(window=window, softcap=softcap)
         if b.num_decode == len(b.q_start_list) - 1:  # decode only: the split-K decode kernel
             return self._attn.paged_decode_attention(q, k_cache, v_cache, b.block_tables,
-                                                     b.ctx_lens, scale)
+                                                     b.ctx_lens, scale, **mask)
         out = torch.empty_like(q)
         if b.dec_ctx_lens is not None:  # the decode rows: the decode kernel
             n = b.dec_ctx_lens.shape[0]
             out[:n] = self._attn.paged_decode_attention(q[:n], k_cache, v_cache,
-                                                        b.block_tables[:n], b.dec_ctx_lens, scale)
+                                                        b.block_tables[:n], b.dec_ctx_lens, scale,
+                                                        **mask)
         # the prompts (whole, or chunks over a cached prefix): the flash-style prefill kernel
         # over their work tiles, writing only their rows of `out`
         return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
                                                   b.q_start_tensor, b.ctx_lens, scale, b.tiles,
-                                                  b.tile_programs, out=out)
+                                                  b.tile_programs, out=out, **mask)
 
     def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
         """A decode-only step on a GPU runs the shrink on a side stream beside the base GEMM

@@ -42,7 +42,8 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, eps, stride_x, st
     var = tl.sum(xf * xf, axis=0) / N
     y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=m, other=0.0)
-    tl.store(out_ptr + row * N + offs, (w.to(tl.float32) * y.to(tl.float32)).to(w.dtype), mask=m)
+    out = (w.to(tl.float32) * y.to(tl.float32)).to(x_ptr.dtype.element_ty)  # w may be fp32
+    tl.store(out_ptr + row * N + offs, out, mask=m)
 
 
 def _norm(x, delta, weight, eps):

@@ -173,10 +173,11 @@ def lora_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages
 # ----------------------------------------------------------------------------- model pieces
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm as HF computes it: normalise in float32, scale in the input dtype."""
+    """Llama RMSNorm as HF computes it: normalise in float32, scale in the input dtype. A
+    float32 weight (Gemma's folded 1 + w) scales in float32; the result takes x's dtype."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return (weight * xf.to(x.dtype)).to(x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,13 @@
-"""One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3.
+"""One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 2, Gemma 3 (text).
 
 They differ only by configuration (`ModelConfig`): GQA/MQA head counts, head_dim, q/k/v (and
-o) biases, tied embeddings, rope theta and scaling (linear, llama3), Qwen3's per-head RMSNorm
-on q and k (`qk_norm`); Phi-3 differs only in its checkpoint's names (q|k|v and gate|up stored
-fused, see the loader). The model runs on a flat batch of tokens from many sequences (decode
+o) biases, tied embeddings, rope theta and scaling (linear, llama3), Qwen3's and Gemma 3's
+per-head RMSNorm on q and k (`qk_norm`), sliding-window layers (Mistral, Qwen, Phi-3, Gemma);
+Phi-3 differs only in its checkpoint's names (q|k|v and gate|up stored fused, see the loader).
+Gemma adds scaled embeddings, GeGLU, an RMSNorm after attention and after the MLP
+(`sandwich_norms`), query_pre_attn_scalar as the attention scale, soft-capped attention scores
+and logits, and (Gemma 3) a rope base of its own on the sliding layers. The model runs on a flat batch of tokens from many sequences (decode
 rows first, then prefill segments), reads and writes KV in the shared page pool, and adds each
 token's LoRA delta through the backend's MBGMV/MBGMM kernels. Weights of modules that share
 an input are fused (q|k|v, gate|up) so each is one GEMM; the LoRA groups follow the same fusion.
@@ -35,8 +39,8 @@ def groups_of(modules) -> tuple[str, ...]:
 class LayerWeights:
     """One decoder layer's weights. The linear weights (qkv, o, gate_up, down: [out, in]) are
     tensors in the model dtype or `Fp8Weight`s (EngineConfig.quantization="fp8", or a
-    pre-quantized checkpoint); the backend's `linear` takes either. Norms and biases are
-    always in the model dtype."""
+    pre-quantized checkpoint); the backend's `linear` takes either. Biases are in the model
+    dtype; norms too, or in float32 (Gemma's folded 1 + w, see the loader)."""
 
     ln1: torch.Tensor
     qkv: torch.Tensor | Fp8Weight  # [q + 2 kv, hidden]
@@ -48,6 +52,10 @@ class LayerWeights:
     down: torch.Tensor | Fp8Weight
     q_norm: torch.Tensor | None = None  # [head_dim], ModelConfig.qk_norm only
     k_norm: torch.Tensor | None = None
+    # ModelConfig.sandwich_norms only: the norms of the attention output and of the MLP
+    # output, before each is added to the residual stream (ln2 is then the MLP's input norm).
+    post_attn: torch.Tensor | None = None
+    post_mlp: torch.Tensor | None = None
 
 
 @dataclass
@@ -168,7 +176,15 @@ class LlamaModel:
         self.backend = backend
         self.block_size = block_size
         self.inv_freq = rope_inv_freq(cfg).to(weights.embed.device)
-        self.scale = cfg.head_dim ** -0.5
+        # Gemma 3's sliding layers: their own rope base, unscaled
+        self.inv_freq_local = self.inv_freq if cfg.rope_local_theta is None else rope_inv_freq(
+            replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)).to(
+                weights.embed.device)
+        self.scale = cfg.attn_scale
+        self.embed_scale = None if cfg.embed_scale is None else float(
+            torch.tensor(cfg.embed_scale, dtype=weights.embed.dtype))
+        self.act_mul = backend.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" \
+            else backend.silu_mul
 
     @property
     def num_layers(self) -> int:
@@ -181,8 +197,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def embed(self, b: Batch) -> Hidden:
-        """The token embeddings: the residual stream before layer 0."""
-        return Hidden(self.w.embed[b.input_ids], None)
+        """The token embeddings (Gemma: times embed_scale rounded to their dtype, as HF
+        does): the residual stream before layer 0."""
+        x = self.w.embed[b.input_ids]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        return Hidden(x, None)
 
     @torch.inference_mode()
     def layers(self, b: Batch, pool: torch.Tensor, hidden: Hidden, start: int, end: int) -> Hidden:
@@ -199,13 +219,20 @@ class LlamaModel:
             qkv = be.linear_lora(h, lw.qkv, lw.qkv_bias, pool[layer], b.lora, layer, "qkv")
             if lw.q_norm is not None:
                 qkv = self._qk_norm(qkv, lw)
-            attn = be.rope_attention(qkv, self.inv_freq, kc, vc, b, self.scale, cfg.num_heads,
-                                     cfg.num_kv_heads).reshape(-1, cfg.q_size)
-            o = be.linear_lora(attn, lw.o, lw.o_bias, pool[layer], b.lora, layer, "o")
+            window = cfg.window(layer)
+            attn = be.rope_attention(qkv, self.inv_freq_local if window else self.inv_freq, kc,
+                                     vc, b, self.scale, cfg.num_heads, cfg.num_kv_heads,
+                                     window=window, softcap=cfg.attn_softcap or 0.0)
+            o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
+                               b.lora, layer, "o")
+            if lw.post_attn is not None:
+                o = be.rms_norm(o, lw.post_attn, cfg.rms_norm_eps)
             x, h = be.add_rms_norm(x, o, lw.ln2, cfg.rms_norm_eps)
             gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up")
-            act = be.silu_mul(gate_up)
+            act = self.act_mul(gate_up)
             down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down")
+            if lw.post_mlp is not None:
+                down = be.rms_norm(down, lw.post_mlp, cfg.rms_norm_eps)
         return Hidden(x, down)
 
     def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
@@ -226,4 +253,7 @@ class LlamaModel:
         residual stream."""
         x = (h.x + h.down)[b.logits_index]
         x = self.backend.rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
-        return self.backend.linear(x, self.w.lm_head).float()
+        logits = self.backend.linear(x, self.w.lm_head)
+        if self.cfg.final_softcap:
+            logits = ref.softcap(logits, self.cfg.final_softcap)
+        return logits.float()

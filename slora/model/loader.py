@@ -98,6 +98,16 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     def maybe(name: str) -> torch.Tensor | None:
         return get(name) if name in tensors else None
 
+    def norm(name: str) -> torch.Tensor:
+        """An RMSNorm's weight. Gemma's scale by (1 + w): the 1 is folded in here, as float32
+        w + 1, the value HF computes at every call (1.0 + w.float()), so the fold is exact;
+        the weight stays float32 (in a 16-bit dtype 1 + w would lose w's low bits) and the
+        norm's output takes its input's dtype."""
+        if not cfg.norm_plus_one:
+            return get(name)
+        get(name)  # the same checks as any weight
+        return tensors[name].to(device=device, dtype=torch.float32) + 1.0
+
     def linear(module: str) -> Fp8Weight | torch.Tensor:
         w = tensors.get(module + ".weight")
         if w is None or w.dtype not in _FP8_DTYPES:
@@ -123,22 +133,29 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         qkv = [a + "qkv_proj"] if cfg.fused_checkpoint else [a + f"{m}_proj" for m in "qkv"]
         gate_up = [p + "mlp.gate_up_proj"] if cfg.fused_checkpoint \
             else [p + "mlp.gate_proj", p + "mlp.up_proj"]
+        # With sandwich norms (Gemma 2/3), post_attention_layernorm normalises the attention
+        # output and pre_feedforward_layernorm the MLP's input; otherwise the former is the
+        # MLP's input norm.
+        sandwich = cfg.sandwich_norms
         layers.append(LayerWeights(
-            ln1=get(p + "input_layernorm.weight"),
+            ln1=norm(p + "input_layernorm.weight"),
             qkv=fused(qkv),
             qkv_bias=qkv_bias,
             o=fused([a + "o_proj"]),
             o_bias=maybe(a + "o_proj.bias") if cfg.o_bias else None,
-            ln2=get(p + "post_attention_layernorm.weight"),
+            ln2=norm(p + ("pre_feedforward_layernorm.weight" if sandwich
+                          else "post_attention_layernorm.weight")),
             gate_up=fused(gate_up),
             down=fused([p + "mlp.down_proj"]),
-            q_norm=get(a + "q_norm.weight") if cfg.qk_norm else None,
-            k_norm=get(a + "k_norm.weight") if cfg.qk_norm else None,
+            q_norm=norm(a + "q_norm.weight") if cfg.qk_norm else None,
+            k_norm=norm(a + "k_norm.weight") if cfg.qk_norm else None,
+            post_attn=norm(p + "post_attention_layernorm.weight") if sandwich else None,
+            post_mlp=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
         ))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in tensors \
         else get("lm_head.weight")
-    return Weights(embed=embed, layers=layers, norm=get("model.norm.weight"), lm_head=lm_head)
+    return Weights(embed=embed, layers=layers, norm=norm("model.norm.weight"), lm_head=lm_head)
 
 
 # ----------------------------------------------------------------------------- FP8 checkpoints
@@ -373,10 +390,12 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     h, i = cfg.hidden_size, cfg.intermediate_size
     ones = torch.ones(h, device=device, dtype=dtype)
     head_ones = torch.ones(cfg.head_dim, device=device, dtype=dtype) if cfg.qk_norm else None
+    post = ones if cfg.sandwich_norms else None
     layers = [LayerWeights(ln1=ones, qkv=rnd(cfg.q_size + 2 * cfg.kv_size, h),
                            qkv_bias=rnd(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None,
                            o=rnd(h, cfg.q_size), o_bias=None, ln2=ones, gate_up=rnd(2 * i, h),
-                           down=rnd(h, i), q_norm=head_ones, k_norm=head_ones)
+                           down=rnd(h, i), q_norm=head_ones, k_norm=head_ones, post_attn=post,
+                           post_mlp=post)
               for _ in range(cfg.num_layers)]
     embed = rnd(cfg.vocab_size, h)
     return Weights(embed=embed, layers=layers, norm=ones,
