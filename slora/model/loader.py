@@ -100,13 +100,12 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
 
     def norm(name: str) -> torch.Tensor:
         """An RMSNorm's weight. Gemma's scale by (1 + w): the 1 is folded in here, as float32
-        w + 1, the value HF computes at every call (1.0 + w.float()), so the fold is exact;
-        the weight stays float32 (in a 16-bit dtype 1 + w would lose w's low bits) and the
-        norm's output takes its input's dtype."""
+        w + 1 of w in the model dtype, the value HF computes at every call (1.0 + w.float()),
+        so the fold is exact; the weight stays float32 (in a 16-bit dtype 1 + w would lose
+        w's low bits) and the norm's output takes its input's dtype."""
         if not cfg.norm_plus_one:
             return get(name)
-        get(name)  # the same checks as any weight
-        return tensors[name].to(device=device, dtype=torch.float32) + 1.0
+        return get(name).float() + 1.0
 
     def linear(module: str) -> Fp8Weight | torch.Tensor:
         w = tensors.get(module + ".weight")

@@ -1,10 +1,15 @@
-"""Qwen3 (per-head RMSNorm on q and k) and Phi-3 (fused qkv_proj / gate_up_proj in the
-checkpoint and in its PEFT adapters) in the one parameterised model, fp32 on CPU.
+"""Qwen3 (per-head RMSNorm on q and k), Phi-3 (fused qkv_proj / gate_up_proj in the checkpoint
+and in its PEFT adapters), Gemma 2 and Gemma 3 text ((1 + w) norms, scaled embeddings, GeGLU,
+four norms a layer, soft-capping, a rope base of its own on Gemma 3's sliding layers) in the
+one parameterised model, fp32 on CPU. Every tiny model here has 8-token sliding windows
+(tests/conftest.py's TINY), shorter than the prompts and outputs.
 
 Greedy tokens and log-probs of the base models against HF transformers run in
-tests/model/test_vs_hf.py (the "qwen3" and "phi3" kinds of tests/conftest.py's TINY). Here: one
-batch mixing PEFT adapters and base rows equals PEFT request by request, tokens and log-probs;
-the configurations slora does not serve are refused with the reason."""
+tests/model/test_vs_hf.py (the "qwen3", "phi3", "gemma2" and "gemma3" kinds). Here: one batch
+mixing PEFT adapters (LoRA on all seven modules among them) and base rows equals PEFT request
+by request, tokens and log-probs; Gemma on the Triton backend (interpreted on CPU) equals HF
+in a step mixing decode rows and prompts; configurations are read as HF reads them, and the
+ones slora does not serve are refused with the reason."""
 
 import json
 
@@ -34,6 +39,16 @@ ADAPTERS = {
                          layers_to_transform=[1]),
         "mlp_pattern": dict(r=4, lora_alpha=8, target_modules=["gate_up_proj", "down_proj"],
                             rank_pattern={"gate_up_proj": 10}, alpha_pattern={"down_proj": 2}),
+    },
+    "gemma2": {
+        "all": dict(r=8, lora_alpha=16, target_modules=list(LORA_MODULES)),
+        "attn": dict(r=4, lora_alpha=4, use_rslora=True,
+                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    },
+    "gemma3": {
+        "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
+        "mlp": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"],
+                    layers_to_transform=[0]),
     },
 }
 
@@ -74,10 +89,12 @@ def test_adapters_in_one_batch_match_peft(tiny_models, adapter_factory, kind):
         assert out.token_ids == toks, f"{kind}: adapter {name}, prompt {prompt!r}"
         mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
         assert mine == pytest.approx(lps, abs=1e-3), f"{kind}: adapter {name}, {prompt!r}"
-        by_prompt.setdefault(prompt, {})[name] = out.token_ids
-    # every adapter changes the output of some prompt: the comparison is not base vs base
+        by_prompt.setdefault(prompt, {})[name] = (out.token_ids, mine)
+    # every adapter changes the output of some prompt (its tokens, or the log-probs of the same
+    # tokens): the comparison is not base vs base
     for name in paths:
-        assert any(t[name] != t[None] for t in by_prompt.values()), name
+        assert any(t[name][0] != t[None][0] or t[name][1] != pytest.approx(t[None][1], abs=0.05)
+                   for t in by_prompt.values()), name
 
 
 def test_fused_adapter_is_split_by_rows(tiny_models, peft_files, tmp_path):
@@ -144,9 +161,102 @@ def test_family_configs(tiny_models):
     qwen3 = ModelConfig.from_dict(_config(tiny_models, "qwen3"))
     assert qwen3.qk_norm and not qwen3.fused_checkpoint and not qwen3.attention_bias
     assert qwen3.head_dim == 32 != qwen3.hidden_size // qwen3.num_heads
+    assert (qwen3.sliding_window, qwen3.sliding_layers) == (8, (1,))  # from max_window_layers
+    no_swa = ModelConfig.from_dict(_config(tiny_models, "qwen3", use_sliding_window=False))
+    assert no_swa.sliding_window is None and no_swa.window(1) == 0
     phi3 = ModelConfig.from_dict(_config(tiny_models, "phi3"))
     assert phi3.fused_checkpoint and not phi3.qk_norm and phi3.rope_scaling is None
     assert phi3.checkpoint_modules == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    # a sliding window is full causal attention up to its length: the model's limit
-    windowed = ModelConfig.from_dict(_config(tiny_models, "phi3", sliding_window=100))
-    assert windowed.max_position_embeddings == 100
+    # a sliding window no longer bounds the context: every Phi-3 layer slides
+    assert phi3.max_position_embeddings == 256 and phi3.sliding_layers == (0, 1)
+    assert phi3.window(0) == phi3.window(1) == 8 and phi3.attn_scale == 16 ** -0.5
+    g2 = ModelConfig.from_dict(_config(tiny_models, "gemma2"))
+    assert (g2.hidden_act, g2.norm_plus_one, g2.sandwich_norms, g2.qk_norm) == \
+        ("gelu_pytorch_tanh", True, True, False)
+    assert g2.embed_scale == 8.0 and g2.attn_scale == 24 ** -0.5
+    assert (g2.attn_softcap, g2.final_softcap) == (2.0, 3.0) and g2.tie_word_embeddings
+    assert [g2.window(i) for i in range(2)] == [8, 0] and g2.rope_local_theta is None
+    g3 = ModelConfig.from_dict(_config(tiny_models, "gemma3"))
+    assert g3.qk_norm and g3.sandwich_norms and g3.attn_softcap is g3.final_softcap is None
+    assert (g3.rope_theta, g3.rope_local_theta, g3.sliding_layers) == (10000.0, 100.0, (0,))
+
+
+def test_configs_as_hf_reads_them(tiny_models):
+    """Configs written before transformers 5 (rope_theta, rope_local_base_freq, rope_scaling,
+    sliding_window_pattern, no layer_types), Mistral's window on every layer, Gemma 2's
+    default alternation; Llama has no sliding window."""
+    old = _config(tiny_models, "gemma3", layer_types=None, rope_parameters=None,
+                  num_hidden_layers=7, rope_theta=1e6, rope_local_base_freq=1e4,
+                  sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    g3 = ModelConfig.from_dict(old)
+    assert g3.sliding_layers == (0, 1, 3, 4, 6) and g3.rope_local_theta == 1e4
+    assert g3.rope_theta == 1e6 and g3.rope_scaling["factor"] == 8.0  # the global layers'
+    g2 = ModelConfig.from_dict(_config(tiny_models, "gemma2", layer_types=None,
+                                       num_hidden_layers=5))
+    assert g2.sliding_layers == (0, 2, 4)
+    mistral = ModelConfig.from_dict(_config(tiny_models, "mistral", sliding_window=16))
+    assert mistral.sliding_layers == (0, 1) and mistral.window(1) == 16
+    llama = ModelConfig.from_dict(_config(tiny_models, "llama", sliding_window=16))
+    assert llama.sliding_window is None and llama.sliding_layers == ()
+
+
+def test_unsupported_gemma_configs_say_why(tiny_models):
+    with pytest.raises(ConfigError, match="hidden_act 'gelu' is not supported.*GeGLU"):
+        ModelConfig.from_dict(_config(tiny_models, "gemma2", hidden_activation="gelu"))
+    with pytest.raises(ConfigError, match="use_bidirectional_attention=True is not supported"):
+        ModelConfig.from_dict(_config(tiny_models, "gemma3", use_bidirectional_attention=True))
+    with pytest.raises(ConfigError, match="layer_types must list"):
+        ModelConfig.from_dict(_config(tiny_models, "gemma2", layer_types=["sliding_attention"]))
+    with pytest.raises(ConfigError, match="sliding_window=0 must be an integer >= 1"):
+        ModelConfig.from_dict(_config(tiny_models, "gemma2", sliding_window=0))
+    with pytest.raises(ConfigError, match="architecture.*Gemma3ForConditionalGeneration.*not "
+                                          "supported.*Gemma3ForCausalLM"):
+        ModelConfig.from_dict(_config(tiny_models, "gemma3",
+                                      architectures=["Gemma3ForConditionalGeneration"]))
+
+
+def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
+    """Gemma's (1 + w) norms are stored as float32 w + 1 (the value HF computes at each call),
+    in a bfloat16 model too, where 1 + w in bfloat16 would lose w's low bits."""
+    from safetensors.torch import load_file
+
+    from slora.model.loader import load_weights
+
+    d = tiny_models("gemma3")
+    cfg = ModelConfig.from_dir(d)
+    raw = load_file(d / "model.safetensors")
+    for dtype in (torch.float32, torch.bfloat16):
+        w = load_weights(d, cfg, dtype, torch.device("cpu"))
+        pre = "model.layers.1."
+        expect = {"ln1": "input_layernorm", "post_attn": "post_attention_layernorm",
+                  "ln2": "pre_feedforward_layernorm", "post_mlp": "post_feedforward_layernorm",
+                  "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+        for field, name in expect.items():
+            got = getattr(w.layers[1], field)
+            src = raw[pre + name + ".weight"].to(dtype).float()
+            assert got.dtype == torch.float32 and torch.equal(got, src + 1), (dtype, field)
+        assert torch.equal(w.norm, raw["model.norm.weight"].to(dtype).float() + 1)
+        assert w.embed.dtype == dtype
+
+
+def test_gemma_on_triton_backend_matches_hf(tiny_models):
+    """The Triton kernels in Gemma 2 (sliding-window and soft-capped attention in decode and
+    prefill, GeGLU, norms with float32 weights): a step mixing decode rows with prompts
+    longer than the window, then decode past it, equal HF's greedy tokens and log-probs."""
+    kind = "gemma2"
+    model_dir = tiny_models(kind)
+    engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
+                                 num_pages=48, backend="triton", cuda_graphs=False))
+    prompts = ["Hello", "The quick brown fox", "Serving many LoRA adapters"]
+    sps = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0) for n in (12, 5, 5)]
+    ids = [engine.add_request(prompts[0], sps[0])]
+    done = {o.request_id: o for o in engine.step() if o.finished}
+    ids += [engine.add_request(p, sp) for p, sp in zip(prompts[1:], sps[1:])]
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for prompt, sp, i in zip(prompts, sps, ids):
+        out = done[i]
+        toks, lps = peft_greedy(model_dir, None, engine.tokenizer.encode(prompt), sp.max_tokens)
+        assert out.token_ids == toks, f"{kind}: {prompt!r}"
+        mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+        assert mine == pytest.approx(lps, abs=1e-3), f"{kind}: {prompt!r}"
