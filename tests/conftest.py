@@ -35,7 +35,7 @@ CORPUS = [
 # q/k RMSNorm (Qwen3), fused qkv_proj / gate_up_proj (Phi-3), Gemma 2 / 3 ((1 + w) norms, scaled
 # embeddings, GeGLU, four norms a layer, query_pre_attn_scalar, soft-capping, a rope base of
 # its own on Gemma 3's sliding layers). Sliding windows of 8 tokens, shorter than the tests'
-# prompts plus outputs: on every layer (Phi-3), on layer 1 (Qwen3), on layer 0 (Gemma).
+# prompts plus outputs: on every layer (Mistral, Phi-3), on layer 1 (Qwen3), on layer 0 (Gemma).
 # `random_norms` draws every RMSNorm weight around its initial value (HF's ones, or Gemma's
 # zeros) instead of leaving it there, so that a norm applied wrongly shows.
 TINY = {
@@ -48,7 +48,8 @@ TINY = {
     "llama_headdim_linear": dict(arch="llama", num_attention_heads=4, num_key_value_heads=4,
                                  head_dim=32, attention_bias=True,
                                  rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2),
+    "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=2,
+                    sliding_window=8),
     "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2,
                   tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,

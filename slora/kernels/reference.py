@@ -193,7 +193,7 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+def cap_logits(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap), in x's dtype, as HF soft-caps Gemma's final logits."""
     return torch.tanh(x / cap) * cap
 

@@ -255,5 +255,5 @@ class LlamaModel:
         x = self.backend.rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
         logits = self.backend.linear(x, self.w.lm_head)
         if self.cfg.final_softcap:
-            logits = ref.softcap(logits, self.cfg.final_softcap)
+            logits = ref.cap_logits(logits, self.cfg.final_softcap)
         return logits.float()
