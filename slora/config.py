@@ -267,6 +267,10 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (slora's MLP is "
                               "SwiGLU, silu(gate) * up, or GeGLU, gelu_pytorch_tanh(gate) * up)")
+        for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            v = c.get(key) if gemma else None
+            if v is not None and not (_of_type(v, "float") and v > 0):
+                raise ConfigError(f"{source}: {key}={v!r} must be a number > 0 (or null)")
         if c.get("use_bidirectional_attention"):
             raise ConfigError(f"{source}: use_bidirectional_attention=True is not supported "
                               "(slora serves causal decoders)")

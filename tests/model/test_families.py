@@ -203,6 +203,8 @@ def test_configs_as_hf_reads_them(tiny_models):
 def test_unsupported_gemma_configs_say_why(tiny_models):
     with pytest.raises(ConfigError, match="hidden_act 'gelu' is not supported.*GeGLU"):
         ModelConfig.from_dict(_config(tiny_models, "gemma2", hidden_activation="gelu"))
+    with pytest.raises(ConfigError, match="attn_logit_softcapping=0 must be a number > 0"):
+        ModelConfig.from_dict(_config(tiny_models, "gemma2", attn_logit_softcapping=0))
     with pytest.raises(ConfigError, match="use_bidirectional_attention=True is not supported"):
         ModelConfig.from_dict(_config(tiny_models, "gemma3", use_bidirectional_attention=True))
     with pytest.raises(ConfigError, match="layer_types must list"):
