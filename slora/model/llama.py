@@ -7,10 +7,12 @@ per-head RMSNorm on q and k (`qk_norm`), sliding-window layers (Mistral, Qwen, P
 Phi-3 differs only in its checkpoint's names (q|k|v and gate|up stored fused, see the loader).
 Gemma adds scaled embeddings, GeGLU, an RMSNorm after attention and after the MLP
 (`sandwich_norms`), query_pre_attn_scalar as the attention scale, soft-capped attention scores
-and logits, and (Gemma 3) a rope base of its own on the sliding layers. The model runs on a flat batch of tokens from many sequences (decode
-rows first, then prefill segments), reads and writes KV in the shared page pool, and adds each
-token's LoRA delta through the backend's MBGMV/MBGMM kernels. Weights of modules that share
-an input are fused (q|k|v, gate|up) so each is one GEMM; the LoRA groups follow the same fusion.
+and logits, and (Gemma 3) a rope base of its own on the sliding layers.
+
+The model runs on a flat batch of tokens from many sequences (decode rows first, then prefill
+segments), reads and writes KV in the shared page pool, and adds each token's LoRA delta
+through the backend's MBGMV/MBGMM kernels. Weights of modules that share an input are fused
+(q|k|v, gate|up) so each is one GEMM; the LoRA groups follow the same fusion.
 """
 
 from __future__ import annotations
