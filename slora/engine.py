@@ -15,6 +15,7 @@ advanced (`Scheduler.advance`: the new tokens PENDING) before the step before it
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import time
@@ -74,13 +75,17 @@ class Engine:
         read when it is first loaded into the host tier and checked then (`PeftAdapter.pack`)."""
         self.adapters.check_name(name)  # before any file is read
         peft = PeftAdapter(name, path, self.model_config)
-        self._register(name, peft.layout, str(path), peft.pack)
+        pack = peft.pack  # DoRA: its norms computed where the base weights are
+        if peft.dora:
+            pack = functools.partial(peft.pack, weight_norms=self.runner.weight_norms)
+        self._register(name, peft.layout, str(path), pack)
 
     def add_synthetic_adapter(self, name: str, rank: int,
                               target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
-                              seed: int = 0) -> None:
-        """An adapter of random weights (benchmarks, S-LoRA's dummy mode). Adapters of one
-        (rank, targets, seed) share one host buffer, made (and pinned) here at registration, so
+                              seed: int = 0, dora: bool = False) -> None:
+        """An adapter of random weights (benchmarks, S-LoRA's dummy mode), with random DoRA
+        rows on its targets if `dora`. Adapters of one (rank, targets, seed, dora) share one
+        host buffer, made (and pinned) here at registration, so
         thousands of adapters cost the host one buffer per shape and the serving loop never
         waits to make one, while every load still copies the full adapter size to the device.
         Give adapters distinct seeds only when their outputs must differ: each seed is
@@ -89,12 +94,13 @@ class Engine:
         one frees it."""
         if isinstance(target_modules, str):
             target_modules = (target_modules,)
-        layout = AdapterLayout.uniform(self.model_config, rank, tuple(target_modules))
+        layout = AdapterLayout.uniform(self.model_config, rank, tuple(target_modules),
+                                       bool(dora))
         if not is_int(seed):
             raise TypeError(f"adapter {name!r}: seed must be an int, not {type(seed).__name__}")
         if not is_seed(seed):
             raise ValueError(f"adapter {name!r}: seed {seed} does not fit 64 bits")
-        key = (rank, tuple(target_modules), seed)
+        key = (rank, tuple(target_modules), seed) + (("dora",) if dora else ())
         # registered first (its name and size checked), so a refused adapter makes no buffer
         self._register(name, layout, "synthetic", lambda page_size, dtype: self._synthetic[key],
                        shared=key)
@@ -442,11 +448,11 @@ class Engine:
         t0 = time.perf_counter()
         graphs = self.runner.graphs
         names = []
-        for r, groups in warmup_adapters([i.layout for i in self.adapters.adapters.values()],
-                                         ranks, modules):
-            names.append(f"__warmup_r{r}_{'_'.join(groups)}")
+        for r, groups, dora in warmup_adapters(
+                [i.layout for i in self.adapters.adapters.values()], ranks, modules):
+            names.append(f"__warmup_r{r}_{'_'.join(groups)}{'_dora' * dora}")
             self.add_synthetic_adapter(names[-1], r, [LORA_MODULES[i] for g in groups
-                                                      for i in GROUPS[g]])
+                                                      for i in GROUPS[g]], dora=dora)
         if graphs is not None and names:  # the widest page table, set once
             graphs.reserve_pages(max(self.adapters.get(n).num_pages for n in names))
         limit = min(self.config.max_batch_tokens, self.max_model_len - 4)

@@ -184,11 +184,12 @@ class StepGraphs:
         self._arange = torch.arange(B, device=dev)  # a decode batch's logits rows
         self._filled_lora = None  # the adapter-side tensors last copied in (see _fill)
         self.pages = torch.zeros(B, max_pages, **i32)
-        # per module group: offsets of A and B^T rows [B, G], ranks [L, B, G]
+        # per module group: offsets of A and B^T rows [B, G], ranks [L, B, G], DoRA rows [B, G]
         self.group_bufs = {
             name: (torch.zeros(B, len(mods), dtype=torch.int64, device=dev),
                    torch.zeros(B, len(mods), dtype=torch.int64, device=dev),
-                   torch.zeros(L, cdiv(B, 4) * 4, len(mods), **i32))  # (layers 16-byte aligned)
+                   torch.zeros(L, cdiv(B, 4) * 4, len(mods), **i32),  # (layers 16-byte aligned)
+                   torch.full((B, len(mods)), -1, dtype=torch.int64, device=dev))
             for name, mods in GROUPS.items()}
 
     def _views32(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -209,18 +210,19 @@ class StepGraphs:
         `replay`, so that they do not hold up these uploads (see ModelRunner.launch)."""
         n_tok, n_seq = b.input_ids.shape[0], len(b.q_start_list) - 1
         lora = b.lora
-        rank_bucket, groups = 0, ()
+        rank_bucket, groups, dora = 0, (), ()
         if lora is not None:
             rank_bucket = round_rank(max(g.max_rank for g in lora.groups.values()))
             groups = tuple(g for g in GROUPS if g in lora.groups)
+            dora = tuple(g for g in groups if lora.groups[g].offsets_d is not None)
             self.reserve_pages(lora.pages.shape[1])
         if n_tok == b.num_decode:
             t_bucket = s_bucket = bucket(n_tok, self.buckets)
-            key = ("decode", t_bucket, rank_bucket, self.max_pages, groups)
+            key = ("decode", t_bucket, rank_bucket, self.max_pages, dora, groups)
         else:
             t_bucket = bucket(n_tok, self.token_buckets)
             s_bucket = min(bucket(n_seq, self.seq_buckets), t_bucket)
-            key = ("mixed", t_bucket, s_bucket, rank_bucket, self.max_pages, groups)
+            key = ("mixed", t_bucket, s_bucket, rank_bucket, self.max_pages, dora, groups)
         self._fill(b, n_tok, n_seq, t_bucket, s_bucket)
         if ids_from_prev is not None:
             self.ids.index_copy_(0, *ids_from_prev)
@@ -229,7 +231,8 @@ class StepGraphs:
                 self._superset_of[key] = self._superset(key)
             key = self._superset_of[key] or key
             if key not in self.graphs:
-                self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket, groups)
+                self.graphs[key] = self._capture(key[0], t_bucket, s_bucket, rank_bucket, dora,
+                                                 groups)
         return self.graphs[key], n_seq
 
     def reserve_pages(self, width: int) -> None:
@@ -239,13 +242,15 @@ class StepGraphs:
             self._alloc(_pow2(width, 8))
 
     def _superset(self, key: tuple) -> tuple | None:
-        """The captured graph of `key`'s bucket with the fewest module groups that include
-        all of `key`'s (None: none): the groups its batch lacks run at rank 0, returning at
-        once, so a batch mixing adapters of two warmed group sets replays their union's graph
-        rather than stopping to capture its own."""
-        want = set(key[-1])
-        found = [k for k in self.graphs if k[:-1] == key[:-1] and want <= set(k[-1])]
-        return min(found, key=lambda k: len(k[-1])) if found else None
+        """The captured graph of `key`'s bucket with the fewest DoRA groups, then module
+        groups, that include all of `key`'s (None: none): the groups its batch lacks run at
+        rank 0 and its rows without DoRA skip the rescale, returning at once, so a batch
+        mixing adapters of two warmed group sets replays their union's graph rather than
+        stopping to capture its own."""
+        dora, want = set(key[-2]), set(key[-1])
+        found = [k for k in self.graphs
+                 if k[:-2] == key[:-2] and dora <= set(k[-2]) and want <= set(k[-1])]
+        return min(found, key=lambda k: (len(k[-2]), len(k[-1]))) if found else None
 
     def replay(self, step, ready: dict[int, torch.cuda.Event] | None = None) -> torch.Tensor:
         """Logits [S, vocab] of a step `feed` returned. `ready`: {a piece's first layer: the
@@ -303,8 +308,12 @@ class StepGraphs:
         self._filled_lora = lora.groups
         n_a, width = lora.pages.shape
         self.pages[:n_a, :width].copy_(lora.pages, non_blocking=True)  # (pinned: lora_meta)
-        for gname, (off_a, off_b, ranks) in self.group_bufs.items():
+        for gname, (off_a, off_b, ranks, off_d) in self.group_bufs.items():
             g = lora.groups.get(gname)
+            if g is None or g.offsets_d is None:  # no DoRA row: the rescale skips the rows
+                off_d[:n_a].fill_(-1)
+            else:
+                off_d[:n_a].copy_(g.offsets_d[:n_a], non_blocking=True)
             if g is None:  # no adapter of this batch targets the group: rank 0 skips it
                 ranks[:, :n_a].zero_()
                 continue
@@ -313,7 +322,9 @@ class StepGraphs:
             ranks[:, :n_a].copy_(g.ranks[:, :n_a], non_blocking=True)  # (its rows are padded)
 
     def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int,
-                      groups: tuple[str, ...]) -> Batch:
+                      dora: tuple[str, ...], groups: tuple[str, ...]) -> Batch:
+        """The static buffers' batch of a graph: LoRA on `groups`, DoRA's rescale on `dora`
+        (a subset of them)."""
         mixed = kind == "mixed"
         num_decode = 0 if mixed else t_bucket
         # Programs walking the work lists: enough for a bucket of long prompts at one tile
@@ -324,12 +335,13 @@ class StepGraphs:
         if rank_bucket:
             metas = {}
             for gname in groups:
-                off_a, off_b, ranks = self.group_bufs[gname]
+                off_a, off_b, ranks, off_d = self.group_bufs[gname]
                 metas[gname] = GroupMeta(
                     offsets_a=off_a[:s_bucket],
                     offsets_b=off_b[:s_bucket],
                     ranks=ranks[:, :s_bucket],
                     max_rank=rank_bucket,
+                    offsets_d=off_d[:s_bucket] if gname in dora else None,
                     **self.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:s_bucket], token_slot=self.token_slot[:t_bucket],
                             num_decode=num_decode, groups=metas)
@@ -353,8 +365,8 @@ class StepGraphs:
                      dec_ctx_lens=self.dec_ctx[:s_bucket])
 
     def _capture(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int,
-                 groups: tuple[str, ...]):
-        batch = self._static_batch(kind, t_bucket, s_bucket, rank_bucket, groups)
+                 dora: tuple[str, ...], groups: tuple[str, ...]):
+        batch = self._static_batch(kind, t_bucket, s_bucket, rank_bucket, dora, groups)
         model, pool = self.model, self.pool
         if not self.capture:
             return None, None, batch
@@ -396,22 +408,30 @@ Prompts = list[list[int]]
 WarmupStep = tuple[Prompts, Prompts]  # (prompts, prompts that join one step later)
 
 
-def warmup_adapters(layouts, ranks=(), modules=()) -> list[tuple[int, tuple[str, ...]]]:
-    """(rank, module groups) of the temporary adapters a warm-up runs its steps with: one per
-    rank bucket of the registered adapters' `layouts` and of `ranks` (adapters to come) and
-    per set of module groups they target, since graphs are keyed by both. The sets: the
-    registered adapters', those of `modules` (one list of target modules per kind of adapter
-    to come; every module when `ranks` come without them), and their union, which the
-    batches that mix them replay (`StepGraphs._superset`). Largest rank first; within a rank,
-    fewest groups first, so a set captures its own graphs before a superset's exist."""
-    sets = {groups_of(m) for m in [lo.modules for lo in layouts] + list(modules)}
+def warmup_adapters(layouts, ranks=(), modules=()) -> list[tuple[int, tuple[str, ...], bool]]:
+    """(rank, module groups, DoRA) of the temporary adapters a warm-up runs its steps with:
+    one per rank bucket of the registered adapters' `layouts` and of `ranks` (adapters to come)
+    and per set of module groups they target, with DoRA on every targeted module or none,
+    since graphs are keyed by all three. The sets: the registered adapters', those of
+    `modules` (one list of target modules per kind of adapter to come; every module when
+    `ranks` come without them), and their union, which the batches that mix them replay
+    (`StepGraphs._superset`): with DoRA too where a registered adapter has DoRA, which the
+    batches mixing DoRA and plain adapters replay. Largest rank first; within a rank, plain
+    before DoRA, fewest groups first, so a set captures its own graphs before a superset's
+    exist."""
+    sets = {(groups_of(lo.modules), bool(lo.dora)) for lo in layouts}
+    sets |= {(groups_of(m), False) for m in modules}
     if ranks and not modules:  # adapters to come, of any modules
-        sets.add(groups_of(LORA_MODULES))
+        sets.add((groups_of(LORA_MODULES), False))
+    union = tuple(g for g in GROUPS if any(g in s for s, _ in sets))
     if sets:
-        sets.add(tuple(g for g in GROUPS if any(g in s for s in sets)))
+        sets.add((union, False))
+    if any(d for _, d in sets):
+        sets.add((union, True))
     rank_buckets = sorted({round_rank(r) for r in [lo.max_rank for lo in layouts] + list(ranks)},
                           reverse=True)
-    return [(r, groups) for r in rank_buckets for groups in sorted(sets, key=lambda s: (len(s), s))]
+    return [(r, groups, dora) for r in rank_buckets
+            for groups, dora in sorted(sets, key=lambda s: (s[1], len(s[0]), s[0]))]
 
 
 def warmup_steps(graphs: StepGraphs | None,

@@ -30,14 +30,21 @@ class AdapterLayout:
 
     Offsets are the same in every layer (sized by each module's largest rank over layers);
     `ranks[l][m]` may be smaller in some layers (rank_pattern) or 0 (layers_to_transform).
+
+    DoRA: `dora[m]` is the offset of module m's DoRA row (d_out elements, after every module's
+    A and B^T rows), or -1 where m has none; empty for a plain LoRA adapter. The row holds
+    magnitude / ||W + s B A||_row - 1 per output channel (0 in layers where m has rank 0).
     """
 
     ranks: tuple[tuple[int, ...], ...]  # [num_layers][7]
     offsets: tuple[tuple[int, int], ...]  # [7] (offset of A rows, offset of B^T rows)
     elems: int  # elements per layer, a multiple of LORA_ALIGN
+    dora: tuple[int, ...] = ()  # [7] offset of the DoRA row, -1: none; (): no DoRA module
 
     @classmethod
-    def build(cls, cfg: ModelConfig, ranks: list[list[int]]) -> "AdapterLayout":
+    def build(cls, cfg: ModelConfig, ranks: list[list[int]], dora=()) -> "AdapterLayout":
+        """`dora`: the LORA_MODULES names whose output DoRA rescales (each must have a rank
+        above 0 in some layer)."""
         offsets, pos = [], 0
         for m, name in enumerate(LORA_MODULES):
             r = max(layer[m] for layer in ranks)
@@ -46,7 +53,13 @@ class AdapterLayout:
             pos += r * round_up(d_in, LORA_ALIGN)
             offsets.append((a, pos))
             pos += r * round_up(d_out, LORA_ALIGN)
-        return cls(tuple(tuple(r) for r in ranks), tuple(offsets), pos)
+        rows = [-1] * len(LORA_MODULES)
+        for m, name in enumerate(LORA_MODULES):
+            if name in dora:
+                rows[m] = pos
+                pos += round_up(cfg.module_dims(name)[1], LORA_ALIGN)
+        return cls(tuple(tuple(r) for r in ranks), tuple(offsets), pos,
+                   tuple(rows) if dora else ())
 
     def num_pages(self, page_size: int) -> int:
         return cdiv(self.elems, page_size)
@@ -60,11 +73,17 @@ class AdapterLayout:
         """The modules it targets (a rank above 0 in some layer), in LORA_MODULES order."""
         return tuple(m for i, m in enumerate(LORA_MODULES) if any(layer[i] for layer in self.ranks))
 
+    @property
+    def dora_modules(self) -> tuple[str, ...]:
+        """The modules with a DoRA row, in LORA_MODULES order."""
+        return tuple(m for m, off in zip(LORA_MODULES, self.dora) if off >= 0)
+
     @classmethod
-    def uniform(cls, cfg: ModelConfig, rank: int, targets) -> "AdapterLayout":
-        """Every layer: `rank` on each module in `targets` (synthetic adapters, the simulator).
-        `rank` is an integer >= 1 (TypeError / ValueError otherwise); `targets` a non-empty
-        collection of LORA_MODULES names (ValueError otherwise)."""
+    def uniform(cls, cfg: ModelConfig, rank: int, targets, dora: bool = False) -> "AdapterLayout":
+        """Every layer: `rank` on each module in `targets` (synthetic adapters, the simulator),
+        with a DoRA row on each if `dora`. `rank` is an integer >= 1 (TypeError / ValueError
+        otherwise); `targets` a non-empty collection of LORA_MODULES names (ValueError
+        otherwise)."""
         if isinstance(rank, bool) or not isinstance(rank, Integral):
             raise TypeError(f"adapter: rank must be an integer, not {type(rank).__name__} "
                             f"({rank!r})")
@@ -75,7 +94,7 @@ class AdapterLayout:
             raise ValueError(f"adapter: rank {rank} must be >= 1 and target modules "
                              f"{list(targets)} must be one or more of {LORA_MODULES}")
         row = [int(rank) if m in targets else 0 for m in LORA_MODULES]
-        return cls.build(cfg, [row] * cfg.num_layers)
+        return cls.build(cfg, [row] * cfg.num_layers, tuple(targets) if dora else ())
 
 
 @dataclass

@@ -3,7 +3,7 @@
 `backend.py` dispatches a model's operations to a backend ("torch": the twins in
 `reference.py`; "triton": the Triton kernels; "cuda": the csrc MBGMV, `cuda.py`). The Triton
 kernels: `mbgmv.py` (decode LoRA), `mbgmm.py` (prefill LoRA), `adapter_pages.py` (how both read
-an adapter's rows from the pool pages), `attention.py`, `gemm.py` (a decode step's few-rows base
+an adapter's rows from the pool pages), `dora.py` (DoRA's per-row rescale), `attention.py`, `gemm.py` (a decode step's few-rows base
 GEMMs), `fused.py` (elementwise chains), `pdl.py` (programmatic dependent launch), `tiles.py`
 (the prefill kernels' work lists), and `tuning.py` with `configs/<gpu>.json` (tile choices per
 GPU as data).

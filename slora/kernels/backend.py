@@ -34,6 +34,9 @@ class GroupMeta:
     stride_in: int
     strides_out: tuple[int, ...]
     out_dims: tuple[int, ...]
+    # int64 [n_a, G]: each module's DoRA row (-1: none); None when no adapter of the batch
+    # has DoRA in this group (then no rescale runs)
+    offsets_d: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,11 +89,23 @@ class TorchBackend:
 
     def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
         """A base linear layer of module group `group` with its batch's LoRA deltas added:
-        x @ w^T (+ bias) + each row's own adapter's (x @ A^T) @ B^T."""
+        x @ w^T (+ bias) + each row's own adapter's (x @ A^T) @ B^T, then rescaled per output
+        channel on the rows of DoRA adapters (`dora`)."""
         out = self.linear(x, w, bias)
         if meta is not None:
             self.lora(out, x, pool_l, meta, layer, group)
+            self.dora(out, bias, pool_l, meta, group)
         return out
+
+    def dora(self, out, bias, pool_l, meta: LoraMeta, group: str) -> None:
+        """DoRA's rescale of the group's output rows whose adapter has DoRA rows there
+        (reference.dora_scale); nothing when none of the batch's adapters has."""
+        g = meta.groups.get(group)
+        if g is not None and g.offsets_d is not None:
+            self._dora_scale(out, bias, pool_l, meta.pages, g.offsets_d, meta.token_slot,
+                             g.out_dims, g.strides_out)
+
+    _dora_scale = staticmethod(ref.dora_scale)
 
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         g = meta.groups.get(group)
@@ -108,9 +123,10 @@ class TritonBackend(TorchBackend):
 
     def __init__(self, gemm_max_rows: int) -> None:
         # triton imported only for this backend
-        from slora.kernels import attention, fp8, fused, mbgmm, mbgmv
+        from slora.kernels import attention, dora, fp8, fused, mbgmm, mbgmv
 
         self._attn, self._mbgmv, self._mbgmm = attention, mbgmv, mbgmm
+        self._dora_scale = dora.dora_scale
         self._side: dict[torch.device, torch.cuda.Stream] = {}  # (linear_lora)
         self.linear = functools.partial(fp8.linear, max_rows=gemm_max_rows)
         self.rms_norm = fused.rms_norm
@@ -165,6 +181,7 @@ class TritonBackend(TorchBackend):
         out = self.linear(x, w, bias)
         main.wait_stream(side)
         self._expand(xa, out, pool_l, meta, g, layer)
+        self.dora(out, bias, pool_l, meta, group)
         return out
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:

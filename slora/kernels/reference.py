@@ -29,6 +29,13 @@ Batch metadata for LoRA (`LoraMeta`, built by the runner once per step, shared b
     offsets    int64 [n_a, 7, 2]        (offset_a, offset_b) per module; module absent -> rank 0
     ranks      int32 [L, n_a, 7]        rank of each module in each layer (0 = no LoRA there)
     token_slot int32 [T]                adapter row in `pages` for each token, -1 = base model
+    offsets_d  int64 [n_a, G]           (DoRA batches) a group's DoRA rows, -1 = none
+
+DoRA: a DoRA module m also stores one row of d_out(m) elements, at offset_d[m], holding
+    d_m = magnitude_m / ||W_m + B_m A_m||_row - 1        (per output channel, computed at load)
+and its rows' output, base and LoRA together, is rescaled around the bias (`dora_scale`):
+    y_m = bias_m + (1 + d_m) * (x W_m^T + (x A_m^T) B_m^T)
+which is PEFT's DoRA forward. A layer where m has rank 0 stores d_m = 0: y_m unchanged.
 """
 
 from __future__ import annotations
@@ -168,6 +175,37 @@ def lora_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, pages
             delta = xa[rows, g, :r] @ BT.float()
             out[rows, col:col + d_out] += delta.to(out.dtype)
         col += d_out
+
+
+def dora_scale(out: torch.Tensor, bias: torch.Tensor | None, pool_l: torch.Tensor,
+               pages: torch.Tensor, offsets_d: torch.Tensor, token_slot: torch.Tensor,
+               out_dims: tuple[int, ...], strides: tuple[int, ...]) -> None:
+    """DoRA's rescale, in place, after the base linear and the LoRA expand of a group:
+    out[t, cols_g] += d_g * (out[t, cols_g] - bias[cols_g]) for each token t whose adapter row
+    has a DoRA row for module g (offsets_d[slot, g] >= 0); d_g is read from that row.
+
+    out [T, sum(out_dims)] (module g's columns start at sum(out_dims[:g])); bias [sum(out_dims)]
+    or None; strides[g] is module g's row stride (its B^T rows', `lora_expand`). Computes in
+    float32 and stores in out's dtype. Base rows and rows of adapters without DoRA there are
+    left untouched."""
+    col, adapter_rows = 0, _adapter_rows(token_slot)
+    for g, (d_out, stride) in enumerate(zip(out_dims, strides)):
+        for s, rows in adapter_rows:
+            off = int(offsets_d[s, g])
+            if off < 0:
+                continue
+            d = gather_rows(pool_l, pages[s], off, 1, stride, d_out)[0].float()
+            y = out[rows, col:col + d_out].float()
+            b = bias[col:col + d_out].float() if bias is not None else 0.0
+            out[rows, col:col + d_out] = (y + d * (y - b)).to(out.dtype)
+        col += d_out
+
+
+def dora_norms(w: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """||W + B A|| over each output row, in float32: the norm DoRA divides its magnitude by.
+    w [d_out, d_in] (the served base weight's rows of one module, dequantized where FP8);
+    A [r, d_in]; B [d_out, r] already scaled by the PEFT scaling."""
+    return torch.linalg.norm(w.float() + B.float() @ A.float(), dim=1)
 
 
 # ----------------------------------------------------------------------------- model pieces

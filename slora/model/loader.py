@@ -409,10 +409,12 @@ def strides(cfg: ModelConfig, module: str) -> tuple[int, int]:
 
 
 def pack_adapter(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtype: torch.dtype,
-                 get_ab) -> torch.Tensor:
+                 get_ab, get_dora=None) -> torch.Tensor:
     """The host copy of an adapter: [num_layers, num_pages * page_size], rows as laid out.
 
-    `get_ab(layer, module)` returns (A [r, d_in], B [d_out, r] already scaled) or None.
+    `get_ab(layer, module)` returns (A [r, d_in], B [d_out, r] already scaled) or None;
+    `get_dora(layer, module)`, for the modules with a DoRA row (`layout.dora`), its d_out
+    values magnitude / norm - 1 (the row stays 0 in layers where the module has rank 0).
     """
     flat = torch.zeros(cfg.num_layers, layout.num_pages(page_size) * page_size, dtype=dtype)
     for layer in range(cfg.num_layers):
@@ -426,6 +428,8 @@ def pack_adapter(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtype:
             off_a, off_b = layout.offsets[m]
             flat[layer, off_a:off_a + r * s_in].view(r, s_in)[:, :d_in] = A
             flat[layer, off_b:off_b + r * s_out].view(r, s_out)[:, :d_out] = B.T
+            if layout.dora and layout.dora[m] >= 0:
+                flat[layer, layout.dora[m]:layout.dora[m] + d_out] = get_dora(layer, name)
     return flat
 
 
@@ -434,8 +438,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 _MAX_HEADER = 100 << 20  # safetensors' own bound on a header's JSON
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d{1,9})\.(?:self_attn|mlp)\."
                   r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|"
-                  r"gate_up_proj)\.lora_([AB])"
-                  r"(?:\.default)?\.weight$")
+                  r"gate_up_proj)\.(?:lora_([AB])(?:\.default)?\.weight|"
+                  r"lora_magnitude_vector(?:\.default)?(?:\.weight)?)$")
 
 Stamp = tuple[int, int, int, int]  # a file's (device, inode, size, mtime_ns)
 
@@ -595,9 +599,9 @@ class PeftAdapter:
 
         if c.get("peft_type", "LORA") != "LORA":
             self._fail(f, f"peft_type {c.get('peft_type')!r} is not supported (only LORA)")
-        for key in ("use_dora", "fan_in_fan_out"):
-            if flag(key):
-                self._fail(f, f"{key}=True is not supported")
+        if flag("fan_in_fan_out"):
+            self._fail(f, "fan_in_fan_out=True is not supported")
+        self.dora = flag("use_dora")
         if c.get("bias") not in (None, "none"):
             self._fail(f, f"bias={c.get('bias')!r} is not supported (only 'none')")
         if c.get("modules_to_save"):
@@ -703,32 +707,46 @@ class PeftAdapter:
         for key, shape in shapes.items():
             m = _KEY.match(key)
             if m is None:
-                self._fail(file, f"tensor {key!r} is not a LoRA A/B weight of a "
-                           "q/k/v/o/gate/up/down projection (embedding, lm_head, bias or "
+                self._fail(file, f"tensor {key!r} is not a LoRA A/B weight or DoRA magnitude "
+                           "of a q/k/v/o/gate/up/down projection (embedding, lm_head, bias or "
                            "modules_to_save weights are not supported)")
-            layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+            layer, module, ab = int(m.group(1)), m.group(2), m.group(3) or "M"
             if module not in cfg.checkpoint_modules:
                 self._fail(file, f"tensor {key!r}: this {cfg.architecture} model has no "
                            f"{module} (its linear modules: {', '.join(cfg.checkpoint_modules)})")
             if layer >= cfg.num_layers:
                 self._fail(file, f"tensor {key!r}: layer {layer} but the base model has "
                            f"{cfg.num_layers} layers")
-            if len(shape) != 2:
-                self._fail(file, f"tensor {key!r}: shape {list(shape)} is not a matrix")
+            if ab == "M" and not self.dora:
+                self._fail(file, f"tensor {key!r} is a DoRA magnitude but adapter_config.json "
+                           "does not set use_dora=true")
+            if len(shape) != (1 if ab == "M" else 2):
+                self._fail(file, f"tensor {key!r}: shape {list(shape)} is not a "
+                           f"{'vector' if ab == 'M' else 'matrix'}")
             pair = prefixes.setdefault((layer, module), {})
             if ab in pair:
                 self._fail(file, f"tensors {pair[ab]!r} and {key!r} are both layer {layer} "
-                           f"{module}'s lora_{ab}")
+                           f"{module}'s {'lora_' + ab if ab != 'M' else 'lora_magnitude_vector'}")
             pair[ab] = key
         self.scaling: dict[tuple[int, str], float] = {}
         self.keys: dict[tuple[int, str], tuple[str, str]] = {}
         # (layer, module) -> B's rows [start, end) that are this module's, where the file's
         # LoRA is on a FUSED_MODULES module: its parts share A and take B's rows in order.
         self.rows: dict[tuple[int, str], tuple[int, int]] = {}
+        # DoRA: (layer, module) -> the key of its checkpoint module's magnitude vector (its
+        # `rows` slice where the module is a part of a fused one)
+        self.magnitudes: dict[tuple[int, str], str] = {}
         ranks = [[0] * len(LORA_MODULES) for _ in range(cfg.num_layers)]
         for (layer, module), ab in sorted(prefixes.items()):
-            if set(ab) != {"A", "B"}:
+            if set(ab) - {"M"} != {"A", "B"}:
                 self._fail(file, f"layer {layer} {module}: lora_A or lora_B missing")
+            if self.dora and "M" not in ab:
+                self._fail(file, f"layer {layer} {module}: lora_magnitude_vector missing "
+                           "(use_dora=true: every LoRA module has one)")
+            if self.dora and shapes[ab["M"]] != (cfg.module_dims(module)[1],):
+                self._fail(file, f"tensor {ab['M']!r}: shape {list(shapes[ab['M']])} does not "
+                           f"fit the base model (expected [{cfg.module_dims(module)[1]}], one "
+                           "value per output channel)")
             path_ = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
             r_a, d_in = shapes[ab["A"]]
             d_out, r_b = shapes[ab["B"]]
@@ -751,17 +769,19 @@ class PeftAdapter:
                 self.scaling[(layer, part)] = scaling
                 ranks[layer][LORA_MODULES.index(part)] = r
                 self.keys[(layer, part)] = (ab["A"], ab["B"])
+                if self.dora:
+                    self.magnitudes[(layer, part)] = ab["M"]
                 start = end
         if not self.keys:
             self._fail(file, "holds no LoRA weights")
-        self.layout = AdapterLayout.build(cfg, ranks)
+        self.layout = AdapterLayout.build(cfg, ranks, {m for _, m in self.magnitudes})
 
     def _check_finite(self, tensors: dict[str, torch.Tensor],
                       dtype: torch.dtype | None = None) -> None:
         """AdapterError naming the first LoRA tensor that holds NaN or inf, or (with `dtype`)
         that does once scaled and cast to `dtype`."""
         for (layer, module), (ka, kb) in self.keys.items():
-            for key in (ka, kb):
+            for key in (ka, kb, self.magnitudes.get((layer, module), ka)):
                 if not bool(torch.isfinite(tensors[key]).all()):
                     self._fail(self.weights_file, f"tensor {key!r} holds non-finite values "
                                "(NaN or inf)")
@@ -801,14 +821,18 @@ class PeftAdapter:
                        "remove_adapter and add_adapter it again")
         return tensors, _stamp(st)
 
-    def pack(self, page_size: int, dtype: torch.dtype) -> torch.Tensor:
+    def pack(self, page_size: int, dtype: torch.dtype, weight_norms=None) -> torch.Tensor:
         """Read the weights file whole and lay the adapter out for the pool: the host tier's
         copy, [num_layers, num_pages * page_size] of `dtype`. Called at each host-tier miss,
         possibly long after registration: a file changed since then is validated again (see
         `_read`) and its new weights served if its layout is the same. Any failure (a file
         gone, unreadable, rewritten to another layout, weights that are NaN or inf or overflow
         `dtype`) raises AdapterError with `adapter` = this adapter's name; nothing changes on
-        failure."""
+        failure.
+
+        DoRA: `weight_norms(items)` (the runner's, where the base weights are) takes a list
+        of (layer, module, A, B scaled) and returns each module's ||W + B A|| per output row
+        (float32, on the host); the DoRA rows get magnitude / norm - 1."""
         try:
             tensors, stamp = self._read()
 
@@ -818,7 +842,9 @@ class PeftAdapter:
                 B = tensors[kb][start:end].float()
                 return tensors[ka].float(), B * self.scaling[(layer, module)]
 
-            flat = pack_adapter(self.cfg, self.layout, page_size, dtype, get_ab)
+            deltas = self._dora_deltas(tensors, get_ab, weight_norms) if self.dora else {}
+            flat = pack_adapter(self.cfg, self.layout, page_size, dtype, get_ab,
+                                lambda layer, module: deltas[(layer, module)])
             if not bool(torch.isfinite(flat).all()):
                 self._check_finite(tensors, dtype)
                 self._fail(self.weights_file, "its packed weights hold non-finite values")
@@ -830,10 +856,31 @@ class PeftAdapter:
         self._stamp = stamp
         return flat
 
+    def _dora_deltas(self, tensors, get_ab, weight_norms) -> dict[tuple[int, str], torch.Tensor]:
+        """(layer, module) -> magnitude / ||W + s B A||_row - 1, the norms from
+        `weight_norms` (see `pack`)."""
+        if weight_norms is None:
+            raise ValueError("a DoRA adapter's norms need the base weights: pack(..., "
+                             "weight_norms=ModelRunner.weight_norms)")
+        items = list(self.magnitudes)
+        norms = weight_norms([(layer, module, *get_ab(layer, module))
+                              for layer, module in items])
+        deltas = {}
+        for (layer, module), norm in zip(items, norms):
+            start, end = self.rows.get((layer, module), (0, None))
+            mag = tensors[self.magnitudes[(layer, module)]][start:end].float()
+            delta = mag / norm.float() - 1
+            if not bool(torch.isfinite(delta).all()):
+                self._fail(self.weights_file, f"layer {layer} {module}: DoRA's magnitude / "
+                           "||W + s B A|| is not finite (a row of W + s B A has norm 0)")
+            deltas[(layer, module)] = delta
+        return deltas
+
 
 def synthetic_pack(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtype: torch.dtype,
                    seed: int) -> torch.Tensor:
-    """Random A and B (small, so outputs stay sane) laid out like a real adapter."""
+    """Random A and B (small, so outputs stay sane) laid out like a real adapter, and random
+    DoRA rows where the layout has them."""
     g = torch.Generator().manual_seed(seed)
 
     def get_ab(layer, module):
@@ -842,4 +889,7 @@ def synthetic_pack(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtyp
         return (torch.randn(r, d_in, generator=g) / math.sqrt(d_in),
                 torch.randn(d_out, r, generator=g) * 0.01)
 
-    return pack_adapter(cfg, layout, page_size, dtype, get_ab)
+    def get_dora(layer, module):  # a DoRA rescale within a few percent of 1
+        return torch.randn(cfg.module_dims(module)[1], generator=g) * 0.01
+
+    return pack_adapter(cfg, layout, page_size, dtype, get_ab, get_dora)

@@ -22,11 +22,13 @@ from slora.request import Request
 
 
 @functools.lru_cache(maxsize=4096)
-def _layout_tensors(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """An adapter layout as tensors (offsets [7, 2], ranks [L, 7]), built once per layout
-    rather than from nested tuples every step."""
+def _layout_tensors(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An adapter layout as tensors (offsets [7, 2], ranks [L, 7], DoRA rows [7], -1: none),
+    built once per layout rather than from nested tuples every step."""
+    dora = layout.dora or (-1,) * len(layout.offsets)
     return (torch.tensor(layout.offsets, dtype=torch.int64),
-            torch.tensor(layout.ranks, dtype=torch.int32))
+            torch.tensor(layout.ranks, dtype=torch.int32),
+            torch.tensor(dora, dtype=torch.int64))
 
 
 class BatchBuilder:
@@ -126,16 +128,20 @@ class BatchBuilder:
         # serving.
         n_a, n_pad = len(infos), cdiv(len(infos), 4) * 4
         offsets = torch.zeros(n_pad, *per_adapter[0][0].shape, dtype=torch.int64)  # [n, 7, 2]
-        offsets[:n_a] = torch.stack([o for o, _ in per_adapter])
+        offsets[:n_a] = torch.stack([o for o, _, _ in per_adapter])
         ranks = torch.zeros(len(per_adapter[0][1]), n_pad, per_adapter[0][1].shape[1],
                             dtype=torch.int32)  # [L, n, 7]
-        ranks[:, :n_a] = torch.stack([r for _, r in per_adapter], dim=1)
+        ranks[:, :n_a] = torch.stack([r for _, r, _ in per_adapter], dim=1)
+        dora = torch.full((n_pad, offsets.shape[1]), -1, dtype=torch.int64)  # [n, 7]
+        dora[:n_a] = torch.stack([d for _, _, d in per_adapter])
         groups = {}
         for gname, mods in GROUPS.items():
             r = ranks[:, :, list(mods)].contiguous()
             if not r.any():
                 continue
+            d = dora[:, list(mods)].contiguous()
             groups[gname] = GroupMeta(
+                offsets_d=pin(d) if bool((d >= 0).any()) else None,
                 offsets_a=pin(offsets[:, list(mods), 0].contiguous()),
                 offsets_b=pin(offsets[:, list(mods), 1].contiguous()),
                 ranks=pin(r),

@@ -17,6 +17,8 @@ the last page is the scratch page, which the allocator never hands out.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv
@@ -24,6 +26,7 @@ from slora.core.adapters import AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.graphs import StepGraphs, piece_starts
 from slora.kernels import make_backend
+from slora.kernels import reference as ref
 from slora.kernels.reference import LORA_ALIGN
 from slora.kernels.tiles import tile_rows
 from slora.model.llama import GROUPS, Batch, LlamaModel
@@ -112,6 +115,7 @@ class ModelRunner:
         # the adapters it loads itself, each piece waited for before its layers run
         self.piece_starts = piece_starts(model_config.num_layers)
         self.host_tier = HostAdapterTier(self.pool, self.dtype, self.piece_starts)
+        self._norm_stream = None  # DoRA's norms (`weight_norms`), on a GPU
         self.tile_rows = tile_rows(self.device, self.dtype)  # prefill kernels' work-tile tokens
         # row strides and output widths of each LoRA module group: fixed by the model
         self.group_shapes = {
@@ -134,6 +138,36 @@ class ModelRunner:
             piece_starts=self.piece_starts, group_shapes=self.group_shapes,
             tile_rows=self.tile_rows, max_blocks=cdiv(self.max_model_len, self.block_size),
             max_num_seqs=max_num_seqs, mixed_tokens=mixed_tokens, capture=capture)
+
+    def weight_norms(self, items) -> list[torch.Tensor]:
+        """DoRA's norms: for each (layer, module, A [r, d_in], B [d_out, r] already scaled),
+        ||W + B A|| over each output row of the module's served base weight W (its rows of
+        the fused q|k|v or gate|up weight; an FP8 weight dequantized to the model dtype, as
+        the twin's GEMM uses it), in float32 (`reference.dora_norms`), on the host.
+
+        Computed here, on the device that holds the weights, once per host-tier miss of a DoRA
+        adapter (the host copy keeps the result), rather than on the host, which would need a
+        copy of the base weights. On a GPU it runs on a stream of its own and waits only for
+        itself: the weights are read-only, so it may run beside a step."""
+        if self.cuda and self._norm_stream is None:
+            self._norm_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._norm_stream) if self.cuda else contextlib.nullcontext():
+            norms = [ref.dora_norms(self._module_weight(layer, module), A.to(self.device),
+                                    B.to(self.device)) for layer, module, A, B in items]
+            return [n.cpu() for n in norms]
+
+    def _module_weight(self, layer: int, module: str) -> torch.Tensor:
+        """One LoRA module's rows of layer `layer`'s served base weight, in the model dtype."""
+        cfg, lw = self.model_config, self.model.w.layers[layer]
+        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        field, start, end = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, q + kv),
+                             "v_proj": ("qkv", q + kv, q + 2 * kv), "o_proj": ("o", 0, None),
+                             "gate_proj": ("gate_up", 0, i), "up_proj": ("gate_up", i, 2 * i),
+                             "down_proj": ("down", 0, None)}[module]
+        w = getattr(lw, field)
+        if isinstance(w, Fp8Weight):
+            return Fp8Weight(w.weight[start:end], w.scale[start:end]).dequantize(self.dtype)
+        return w[start:end]
 
     @property
     def mixed_graph_tokens(self) -> int:
