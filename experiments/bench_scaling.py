@@ -12,7 +12,9 @@ scaling: S-LoRA's S2 setting (`slora.workload.synthesize`, seed 42): --num-reque
     row replays the same lengths with every request on the base model; ratio = lora / no-LoRA.
     The S2 trace draws popularity before lengths, so every N gets the same lengths.
 decode: at batch B in --batches, B requests with --context-token prompts, each on its own
-    rank --decode-rank adapter (q/k/v/o, all seven, or none), --decode-tokens new tokens each.
+    rank --decode-rank adapter (q/k/v/o, all seven, or none; with --dora, DoRA adapters on
+    q/k/v/o and on all seven too: rows "qkvo-dora", "all-dora"), --decode-tokens new tokens
+    each.
     Timed: whole `engine.step()` calls (synchronised) in which all B requests decode and none
     prefills; median. Byte floor = bytes a decode step must read / measured copy bandwidth:
     weights (every linear layer and the lm_head; the embedding table is only gathered), the
@@ -37,6 +39,7 @@ sets an FP8 run beside a bf16 one row by row.
     python experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown ''
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' --quantization fp8
+    python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' --dora
     python experiments/bench_scaling.py --part decode --batches 1,32 --model DIR --device cpu \
         --dtype float32
 """
@@ -67,11 +70,22 @@ from slora.workload import synthesize  # noqa: E402
 # name -> target modules of a row's synthetic adapters (None: no adapters, the base model)
 MODULE_SETS = {"none": None, "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj"), "all": LORA_MODULES}
 ADAPTER_SEED = 0  # one host buffer per (rank, modules); see the docstring
+DORA = "-dora"  # a decode row's key suffix: DoRA adapters on the module set
 
 
-def adapter_bytes(cfg: ModelConfig, rank: int, modules, dtype_bytes: int) -> int:
-    """Bytes of an adapter's A and B rows (no page or alignment padding)."""
-    return cfg.num_layers * rank * sum(sum(cfg.module_dims(m)) for m in modules) * dtype_bytes
+def module_set(key: str):
+    """(target modules or None, DoRA) of a row's key: a MODULE_SETS name, or one + DORA."""
+    return MODULE_SETS[key.removesuffix(DORA)], key.endswith(DORA)
+
+
+def adapter_bytes(cfg: ModelConfig, rank: int, modules, dtype_bytes: int,
+                  dora: bool = False) -> int:
+    """Bytes of an adapter's A and B rows, and its DoRA rows with `dora` (no page or alignment
+    padding)."""
+    rows = rank * sum(sum(cfg.module_dims(m)) for m in modules)
+    if dora:
+        rows += sum(cfg.module_dims(m)[1] for m in modules)
+    return cfg.num_layers * rows * dtype_bytes
 
 
 def weight_read_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = None) -> int:
@@ -81,9 +95,9 @@ def weight_read_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | No
     return cfg.weight_bytes(dtype_bytes, quantization) - emb
 
 
-def add_adapters(eng: Engine, ranks: dict[str, int], modules) -> None:
+def add_adapters(eng: Engine, ranks: dict[str, int], modules, dora: bool = False) -> None:
     for name, rank in ranks.items():
-        eng.add_synthetic_adapter(name, rank, modules, seed=ADAPTER_SEED)
+        eng.add_synthetic_adapter(name, rank, modules, seed=ADAPTER_SEED, dora=dora)
 
 
 def remove_adapters(eng: Engine, names) -> None:
@@ -295,11 +309,11 @@ def part_scaling(eng: Engine, args) -> list[dict]:
 # ----------------------------------------------------------------------------- decode
 
 def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float) -> dict:
-    modules = MODULE_SETS[modules_key]
+    modules, dora = module_set(modules_key)
     cfg, dev = eng.model_config, eng.runner.device
     nbytes = eng.runner.pool.element_size()
     ranks = {f"dec-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
-    add_adapters(eng, ranks, modules)
+    add_adapters(eng, ranks, modules, dora)
     sp = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     names = list(ranks) or [None] * batch
     for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
@@ -324,7 +338,8 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
     kv_tokens = statistics.median(s["kv_tokens"] for s in timed)
     weights = weight_read_bytes(cfg, nbytes, eng.config.quantization)
     kv = int(kv_tokens * cfg.num_layers * 2 * cfg.kv_size * nbytes)
-    lora = len(ranks) * adapter_bytes(cfg, args.decode_rank, modules, nbytes) if modules else 0
+    lora = len(ranks) * adapter_bytes(cfg, args.decode_rank, modules, nbytes, dora) if modules \
+        else 0
     floor_ms = (weights + kv + lora) / (copy_GBps * 1e9) * 1e3
     step_ms = statistics.median(s["step_ms"] for s in timed)
     return {"batch": batch, "modules": modules_key, "rank": args.decode_rank if modules else 0,
@@ -407,10 +422,10 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
     step against its wall time shows the idle share, split into short gaps (between a graph's
     kernels) and long ones (the GPU waiting while the CPU schedules, builds the batch, launches
     eager kernels and samples); the kernel table shows the GPU's."""
-    modules = MODULE_SETS[modules_key]
+    modules, dora = module_set(modules_key)
     cfg = eng.model_config
     ranks = {f"kb-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
-    add_adapters(eng, ranks, modules)
+    add_adapters(eng, ranks, modules, dora)
     sp = SamplingParams(max_tokens=args.decode_tokens + 3 * steps, ignore_eos=True)
     names = list(ranks) or [None] * batch
     for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
@@ -465,7 +480,7 @@ def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
     t0 = time.perf_counter()
     rows = []
     for b in args.batches:
-        for key in ("none", "qkvo", "all"):
+        for key in ("none", "qkvo", "all") + (("qkvo" + DORA, "all" + DORA) if args.dora else ()):
             rows.append(decode_row(eng, args, b, key, copy_GBps))
             r = rows[-1]
             print(f"decode: batch {b}, modules {key}: {r['step_ms']:.2f} ms/step, floor "
@@ -474,11 +489,11 @@ def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
     weights = "FP8 base weights" if args.quantization == "fp8" else f"{args.dtype} weights"
     print(f"\ndecode step vs byte floor, {weights}, context ~{args.context}, rank "
           f"{args.decode_rank}, one adapter per request; copy {copy_GBps:.0f} GB/s")
-    print(f"{'batch':>6}{'modules':>8}{'ms/step':>9}{'exec ms':>9}{'floor ms':>9}{'ratio':>7}"
+    print(f"{'batch':>6}{'modules':>10}{'ms/step':>9}{'exec ms':>9}{'floor ms':>9}{'ratio':>7}"
           f"{'weights GB':>11}{'KV GB':>7}{'LoRA GB':>8}{'tok/s':>8}")
     for r in rows:
         exec_ms = "-" if r["execute_ms"] is None else f"{r['execute_ms']:.2f}"
-        print(f"{r['batch']:>6}{r['modules']:>8}{r['step_ms']:>9.2f}{exec_ms:>9}"
+        print(f"{r['batch']:>6}{r['modules']:>10}{r['step_ms']:>9.2f}{exec_ms:>9}"
               f"{r['floor_ms']:>9.2f}{r['ratio']:>7.2f}{r['weight_bytes'] / 1e9:>11.2f}"
               f"{r['kv_bytes'] / 1e9:>7.2f}{r['adapter_bytes'] / 1e9:>8.2f}{r['tok_s']:>8.0f}")
     return rows
@@ -525,7 +540,10 @@ def parse_args(argv=None):
     ap.add_argument("--breakdown", type=ints, default=[32],
                     help="decode: batch sizes to profile kernel by kernel (empty: none)")
     ap.add_argument("--breakdown-modules", type=lambda s: s.split(","), default=["none", "qkvo"],
-                    help="breakdown: module sets to profile, of none,qkvo,all")
+                    help="breakdown: module sets to profile, of none,qkvo,all,qkvo-dora,all-dora")
+    ap.add_argument("--dora", action="store_true",
+                    help="decode: rows of DoRA adapters too (qkvo-dora, all-dora), beside the "
+                         "plain LoRA rows of the same rank and modules")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                     help="EngineConfig.async_scheduling: launch each step before collecting the "
                          "last (default: the engine's, on with CUDA)")
@@ -560,9 +578,9 @@ def parse_args(argv=None):
         ap.error(f"--gemm-rows {args.gemm_rows}: expected 0 or more")
     if args.graph_pieces is not None and args.graph_pieces < 1:
         ap.error(f"--graph-pieces {args.graph_pieces}: expected 1 or more")
-    if set(args.breakdown_modules) - {"none", "qkvo", "all"}:
+    if set(args.breakdown_modules) - {"none", "qkvo", "all", "qkvo" + DORA, "all" + DORA}:
         ap.error(f"--breakdown-modules {','.join(args.breakdown_modules)}: choose from "
-                 "none,qkvo,all")
+                 "none,qkvo,all,qkvo-dora,all-dora")
     if set(args.modules) - {"qkvo", "all"}:
         ap.error(f"--modules {','.join(args.modules)}: choose from qkvo,all")
     if max(args.batches) > args.max_num_seqs:

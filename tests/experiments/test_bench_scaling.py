@@ -141,3 +141,18 @@ def test_timeline_summary_splits_the_compute_streams_idle_time(experiment):
     assert "     0.03 ms in     1 gaps (mean   30.0 us): after gemm / before norm" in text
     assert "       0.10 ms       1 x   100.0 us  gemm" in text  # kernels by GPU time
     assert timeline.summarize([ev("cpu_op", "aten::mm", 0, 5, 0)]).startswith("no GPU events")
+
+
+def test_bench_scaling_decode_dora(bench, tiny_model_dir, tmp_path):
+    """--dora adds rows of DoRA adapters beside the plain ones of the same rank and modules."""
+    bench.main(["--part", "decode", "--model", str(tiny_model_dir), "--device", "cpu",
+                "--dtype", "float32", "--num-pages", "256", "--max-num-seqs", "4",
+                "--batches", "2", "--context", "8", "--decode-tokens", "3", "--breakdown", "",
+                "--dora", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["decode"]
+    by = {r["modules"]: r for r in rows}
+    assert list(by) == ["none", "qkvo", "all", "qkvo-dora", "all-dora"]
+    assert all(r["steps_timed"] >= 1 and r["step_ms"] > 0 for r in rows)
+    # a DoRA adapter reads one more row per module and layer than its plain twin
+    for m in ("qkvo", "all"):
+        assert by[m + "-dora"]["adapter_bytes"] > by[m]["adapter_bytes"]
