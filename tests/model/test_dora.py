@@ -159,16 +159,19 @@ def test_dora_on_fp8_base_weights_uses_the_dequantized_weight(adapters):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU interpreter run; on a GPU the batch "
-                    "test above runs the Triton kernels")
-def test_dora_triton_backend_equals_torch(adapters):
+                    "test above runs the Triton kernels in CUDA graphs")
+def test_dora_triton_graph_buffers_equal_torch(adapters):
     """The Triton path (MBGMV, MBGMM and the DoRA rescale kernel, under the interpreter on
-    CPU) gives the torch twins' tokens and log-probs, one batch with DoRA, plain and base rows,
-    prompts and decode rows mixed."""
+    CPU) over the CUDA graphs' static, padded buffers (run eagerly: capture=False) gives the
+    torch twins' tokens and log-probs: one batch with DoRA, plain and base rows, decode rows
+    and a prompt in one step. The graphs are keyed by their DoRA groups."""
     model_dir, paths = adapters("llama_headdim_linear")
     outs = {}
     for backend in ("torch", "triton"):
         engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
-                                     num_pages=64, backend=backend))
+                                     num_pages=64, backend=backend, cuda_graphs=False))
+        if backend == "triton":
+            engine.runner.graphs = engine.runner.make_graphs(4, mixed_tokens=16, capture=False)
         for name, path in paths.items():
             engine.add_adapter(name, path)
         sp = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=1)
@@ -179,10 +182,30 @@ def test_dora_triton_backend_equals_torch(adapters):
         while engine.has_unfinished():
             done.update({o.request_id: o for o in engine.step() if o.finished})
         outs[backend] = [done[i] for i in ids]
+        if backend == "triton":
+            keys = engine.runner.graphs.graphs
+            assert {k[0] for k in keys} == {"decode", "mixed"}
+            assert all(k[-2] == ("qkv", "o") for k in keys), list(keys)  # dora_qkvo's groups
     for a, b in zip(outs["torch"], outs["triton"]):
         assert a.token_ids == b.token_ids
         assert ([lp[t] for lp, t in zip(a.logprobs, a.token_ids)]
                 == pytest.approx([lp[t] for lp, t in zip(b.logprobs, b.token_ids)], abs=1e-4))
+
+
+def test_warmup_covers_dora_batches(tiny_models):
+    """The warm-up's temporary adapters: DoRA ones for the registered DoRA adapters' group set
+    and for the union, which batches mixing DoRA and plain adapters replay."""
+    from slora.core.adapters import AdapterLayout
+    from slora.graphs import warmup_adapters
+
+    cfg = ModelConfig.from_dir(tiny_models("llama"))
+    dora = AdapterLayout.uniform(cfg, 8, QKVO, dora=True)
+    plain = AdapterLayout.uniform(cfg, 8, ["gate_proj", "down_proj"])
+    got = warmup_adapters([dora, plain])
+    union = ("qkv", "o", "gate_up", "down")
+    assert got == [(16, ("gate_up", "down"), False), (16, union, False),
+                   (16, ("qkv", "o"), True), (16, union, True)]
+    assert warmup_adapters([plain]) == [(16, ("gate_up", "down"), False)]
 
 
 def test_weight_norms_are_of_the_served_rows(tiny_models):
