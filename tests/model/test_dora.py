@@ -206,6 +206,19 @@ def test_warmup_covers_dora_batches(tiny_models):
     assert got == [(16, ("gate_up", "down"), False), (16, union, False),
                    (16, ("qkv", "o"), True), (16, union, True)]
     assert warmup_adapters([plain]) == [(16, ("gate_up", "down"), False)]
+    # an engine's warm-up captures those graphs: keyed by (DoRA groups, groups)
+    import gc
+
+    e = Engine(EngineConfig(model=str(tiny_models("llama")), device="cpu", dtype="float32",
+                            num_pages=256, cuda_graphs=False, max_num_seqs=2))
+    e.add_synthetic_adapter("dora", 8, QKVO, dora=True)
+    e.add_synthetic_adapter("plain", 8, ["gate_proj", "down_proj"])
+    e.runner.graphs = e.runner.make_graphs(2, capture=False)
+    e.warmup()
+    gc.unfreeze()
+    assert {k[-2:] for k in e.runner.graphs.graphs} == {
+        ((), ()), ((), ("gate_up", "down")), ((), union), (("qkv", "o"), ("qkv", "o")),
+        (("qkv", "o", "gate_up", "down"), union)}
 
 
 def test_weight_norms_are_of_the_served_rows(tiny_models):
