@@ -4,9 +4,11 @@ A step launches a few hundred small kernels; replaying a captured graph removes 
 cost. Two kinds of graph, captured lazily (or by `Engine.warmup`, which runs the steps
 `warmup_steps` names) over static device buffers:
 
-- decode steps, one graph per (batch bucket, rank bucket, adapter-page bucket, module groups);
+- decode steps, one graph per (batch bucket, rank bucket, adapter-page bucket, DoRA groups,
+  module groups);
 - mixed steps (prompts, with or without decode rows) of at most `mixed_tokens` tokens, one per
-  (token bucket, sequence bucket, rank bucket, adapter-page bucket, module groups), up to
+  (token bucket, sequence bucket, rank bucket, adapter-page bucket, DoRA groups, module
+  groups), up to
   `EngineConfig.mixed_graph_tokens` (0: none). A larger mixed step runs eagerly: its kernels'
   work outweighs the host's time launching them.
 
@@ -14,6 +16,8 @@ A graph holds the LoRA kernels of the module groups its batch's adapters target 
 q/k/v, o, gate/up, down), as an eager step runs them, so a batch of q/k/v/o adapters launches
 no gate/up or down kernel. A batch whose groups have no graph of their own replays a captured
 one holding more (its other groups at rank 0, returning at once) before a new one is captured.
+The DoRA groups are those in which some adapter of the batch has DoRA rows: the graph holds
+DoRA's rescale kernel there (`kernels/dora.py`), whose rows without DoRA return at once.
 
 Each step writes its host batch into pinned twins of the buffers, copies them over in two
 transfers (the adapter-side tensors only when the batch's adapters changed), and replays the
