@@ -152,6 +152,52 @@ def make_adapter(model_dir: Path, path: Path, seed: int = 0, **lora_kwargs) -> P
     return path
 
 
+def peft_greedy(model_dir, adapter_path, ids, n, device="cpu", transform=None):
+    """PEFT's (or, without an adapter, HF's) greedy tokens and their log-probs for one prompt
+    run alone, in fp32 on `device`; `transform(model)` edits the base model first."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if transform is not None:
+        transform(model)
+    if adapter_path is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_path)
+    model = model.to(device).eval()
+    x = torch.tensor([ids], device=device)
+    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                         do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                         return_dict_in_generate=True)
+    toks = out.sequences[0, len(ids):].tolist()
+    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
+    return toks, lps
+
+
+def batch_against_peft(model_dir, paths, prompts, new, device="cpu", transform=None,
+                       **engine_kw):
+    """Every prompt with every adapter of `paths` (name -> PEFT dir) and the base model, in one
+    engine batch (fp32), against `peft_greedy` request by request: greedy tokens equal,
+    log-probs within 1e-3. Returns {prompt: {adapter name or None: (tokens, log-probs)}}."""
+    from slora import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=str(model_dir), device=device, dtype="float32",
+                                 num_pages=128, **engine_kw))
+    for name, path in paths.items():
+        engine.add_adapter(name, path)
+    jobs = [(p, a) for p in prompts for a in (None, *paths)]
+    sp = SamplingParams(max_tokens=new, ignore_eos=True, logprobs=1)
+    outs = engine.generate([p for p, _ in jobs], sp, adapters=[a for _, a in jobs])
+    got = {}
+    for (prompt, name), out in zip(jobs, outs):
+        toks, lps = peft_greedy(model_dir, paths.get(name), engine.tokenizer.encode(prompt), new,
+                                device, transform)
+        assert out.token_ids == toks, f"adapter {name}, prompt {prompt!r}"
+        mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+        assert mine == pytest.approx(lps, abs=1e-3), f"adapter {name}, prompt {prompt!r}"
+        got.setdefault(prompt, {})[name] = (out.token_ids, mine)
+    return got
+
+
 @pytest.fixture(scope="session")
 def adapter_factory(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")

@@ -4,15 +4,14 @@ greedy tokens and log-probs for that request run alone with its adapter (fp32). 
 (q/k/v and o), Phi-3's fused q|k|v and gate|up modules, FP8 base weights (the norm of the
 dequantized weight), the Triton path under the interpreter, and what is refused."""
 
-import json
 
 import pytest
 import torch
 
 from slora import Engine, EngineConfig, SamplingParams
 from slora.config import LORA_MODULES, ModelConfig
-from slora.kernels import reference as ref
 from slora.model.loader import AdapterError, PeftAdapter
+from tests.conftest import batch_against_peft
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEW = 8
@@ -76,54 +75,12 @@ def adapters(tiny_models, tmp_path_factory):
     return get
 
 
-def peft_greedy(model_dir, adapter_path, ids, n, transform=None):
-    """PEFT's (or HF's, without an adapter) greedy tokens and their log-probs, run alone;
-    `transform(model)` edits the base model first."""
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if transform is not None:
-        transform(model)
-    if adapter_path is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_path)
-    model = model.to(DEVICE).eval()
-    x = torch.tensor([ids], device=DEVICE)
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                         do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                         return_dict_in_generate=True)
-    toks = out.sequences[0, len(ids):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-    return toks, lps
-
-
-def check_batch(model_dir, paths, prompts, transform=None, **engine_kw):
-    """Every prompt with every adapter and base, in one batch, against PEFT request by request;
-    returns {prompt: {adapter: tokens}}."""
-    engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
-                                 num_pages=128, **engine_kw))
-    for name, path in paths.items():
-        engine.add_adapter(name, path)
-    jobs = [(p, a) for p in prompts for a in (None, *paths)]
-    sp = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=1)
-    outs = engine.generate([p for p, _ in jobs], sp, adapters=[a for _, a in jobs])
-    got = {}
-    for (prompt, name), out in zip(jobs, outs):
-        toks, lps = peft_greedy(model_dir, paths.get(name), engine.tokenizer.encode(prompt), NEW,
-                                transform)
-        assert out.token_ids == toks, f"adapter {name}, prompt {prompt!r}"
-        mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
-        assert mine == pytest.approx(lps, abs=1e-3), f"adapter {name}, prompt {prompt!r}"
-        got.setdefault(prompt, {})[name] = out.token_ids
-    return got
-
-
 @pytest.mark.parametrize("kind", sorted(ADAPTERS))
 def test_dora_in_one_batch_matches_peft(adapters, kind):
     model_dir, paths = adapters(kind)
-    got = check_batch(model_dir, paths, PROMPTS)
+    got = batch_against_peft(model_dir, paths, PROMPTS, NEW, DEVICE)
     for name in paths:  # every adapter changes some output: not base against base
-        assert any(t[name] != t[None] for t in got.values()), name
+        assert any(t[name][0] != t[None][0] for t in got.values()), name
 
 
 def test_dora_rescale_is_not_a_no_op(adapters):
@@ -154,8 +111,8 @@ def test_dora_on_fp8_base_weights_uses_the_dequantized_weight(adapters):
                     mod.weight.copy_(round_trip(mod.weight))
 
     model_dir, paths = adapters("llama")
-    check_batch(model_dir, {"dora_all": paths["dora_all"]}, PROMPTS[:1], transform=fp8,
-                quantization="fp8")
+    batch_against_peft(model_dir, {"dora_all": paths["dora_all"]}, PROMPTS[:1], NEW, DEVICE,
+                       transform=fp8, quantization="fp8")
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU interpreter run; on a GPU the batch "

@@ -19,6 +19,7 @@ import torch
 from slora import Engine, EngineConfig, SamplingParams
 from slora.config import LORA_MODULES, ConfigError, ModelConfig
 from slora.model.loader import AdapterError, PeftAdapter, strides
+from tests.conftest import batch_against_peft, peft_greedy
 
 # On a GPU the batch runs on CUDA (Triton kernels, CUDA graphs), in fp32 on both sides.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,43 +54,12 @@ ADAPTERS = {
 }
 
 
-def peft_greedy(model_dir, adapter_path, ids, n):
-    """PEFT's (or, without an adapter, HF's) greedy tokens and their log-probs, run alone."""
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter_path is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_path)
-    model = model.to(DEVICE).eval()
-    x = torch.tensor([ids], device=DEVICE)
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                         do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                         return_dict_in_generate=True)
-    toks = out.sequences[0, len(ids):].tolist()
-    lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, toks)]
-    return toks, lps
-
-
 @pytest.mark.parametrize("kind", sorted(ADAPTERS))
 def test_adapters_in_one_batch_match_peft(tiny_models, adapter_factory, kind):
     model_dir = tiny_models(kind)
     paths = {name: adapter_factory(model_dir, seed=i, **kw)
              for i, (name, kw) in enumerate(ADAPTERS[kind].items())}
-    engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
-                                 num_pages=128))
-    for name, path in paths.items():
-        engine.add_adapter(name, path)
-    jobs = [(p, a) for p in PROMPTS for a in (None, *paths)]
-    sp = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=1)
-    outs = engine.generate([p for p, _ in jobs], sp, adapters=[a for _, a in jobs])
-    by_prompt = {}
-    for (prompt, name), out in zip(jobs, outs):
-        toks, lps = peft_greedy(model_dir, paths.get(name), engine.tokenizer.encode(prompt), NEW)
-        assert out.token_ids == toks, f"{kind}: adapter {name}, prompt {prompt!r}"
-        mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
-        assert mine == pytest.approx(lps, abs=1e-3), f"{kind}: adapter {name}, {prompt!r}"
-        by_prompt.setdefault(prompt, {})[name] = (out.token_ids, mine)
+    by_prompt = batch_against_peft(model_dir, paths, PROMPTS, NEW, DEVICE)
     # every adapter changes the output of some prompt (its tokens, or the log-probs of the same
     # tokens): the comparison is not base vs base
     for name in paths:
@@ -258,7 +228,8 @@ def test_gemma_on_triton_backend_matches_hf(tiny_models):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     for prompt, sp, i in zip(prompts, sps, ids):
         out = done[i]
-        toks, lps = peft_greedy(model_dir, None, engine.tokenizer.encode(prompt), sp.max_tokens)
+        toks, lps = peft_greedy(model_dir, None, engine.tokenizer.encode(prompt), sp.max_tokens,
+                                DEVICE)
         assert out.token_ids == toks, f"{kind}: {prompt!r}"
         mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
         assert mine == pytest.approx(lps, abs=1e-3), f"{kind}: {prompt!r}"
