@@ -72,20 +72,32 @@ def test_byte_counts(bench):
     assert bench.adapter_bytes(cfg, 16, bench.MODULE_SETS["qkvo"], 2) == 16 * 4 * 8192 * 32 * 2
     seven, four = (bench.adapter_bytes(cfg, 8, m, 2) for m in (LORA_MODULES, LORA_MODULES[:4]))
     assert seven > four
+    # DoRA: one more row of d_out elements a module and layer
+    assert (bench.adapter_bytes(cfg, 16, LORA_MODULES[:4], 2, dora=True)
+            - bench.adapter_bytes(cfg, 16, LORA_MODULES[:4], 2)) == 4 * 4096 * 32 * 2
     # the 7B's weights minus its (untied) embedding table: ~13.2 GB in bf16
     assert bench.weight_read_bytes(cfg, 2) == cfg.weight_bytes(2) - 32000 * 4096 * 2
     assert 13.0e9 < bench.weight_read_bytes(cfg, 2) < 13.3e9
 
 
-def test_bench_scaling_decode_with_async_scheduling(bench, tiny_model_dir, tmp_path):
-    """--async-scheduling: the decode table's steps are timed without synchronising each."""
+@pytest.mark.parametrize("flag", ["--async-scheduling", "--dora"])
+def test_bench_scaling_decode_options(bench, tiny_model_dir, tmp_path, flag):
+    """--async-scheduling: the decode table's steps are timed without synchronising each.
+    --dora: rows of DoRA adapters beside the plain ones of the same rank and modules."""
     bench.main(["--part", "decode", "--model", str(tiny_model_dir), "--device", "cpu",
                 "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
                 "--batches", "4", "--context", "24", "--decode-tokens", "16", "--breakdown", "",
-                "--async-scheduling", "--out", str(tmp_path)])
+                flag, "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "bench_scaling.json").read_text())["decode"]
-    assert [(r["batch"], r["modules"]) for r in rows] == [(4, "none"), (4, "qkvo"), (4, "all")]
-    assert all(r["steps_timed"] > 0 and r["step_ms"] > 0 and r["execute_ms"] is None for r in rows)
+    by = {r["modules"]: r for r in rows}
+    assert all(r["batch"] == 4 and r["steps_timed"] > 0 and r["step_ms"] > 0 for r in rows)
+    if flag == "--async-scheduling":
+        assert list(by) == ["none", "qkvo", "all"]
+        assert all(r["execute_ms"] is None for r in rows)
+    else:
+        assert list(by) == ["none", "qkvo", "all", "qkvo-dora", "all-dora"]
+        for m in ("qkvo", "all"):  # a DoRA adapter reads one more row a module and layer
+            assert by[m + "-dora"]["adapter_bytes"] > by[m]["adapter_bytes"]
 
 
 def test_stall_note_names_the_allocator_growth(bench):
@@ -142,17 +154,3 @@ def test_timeline_summary_splits_the_compute_streams_idle_time(experiment):
     assert "       0.10 ms       1 x   100.0 us  gemm" in text  # kernels by GPU time
     assert timeline.summarize([ev("cpu_op", "aten::mm", 0, 5, 0)]).startswith("no GPU events")
 
-
-def test_bench_scaling_decode_dora(bench, tiny_model_dir, tmp_path):
-    """--dora adds rows of DoRA adapters beside the plain ones of the same rank and modules."""
-    bench.main(["--part", "decode", "--model", str(tiny_model_dir), "--device", "cpu",
-                "--dtype", "float32", "--num-pages", "256", "--max-num-seqs", "4",
-                "--batches", "2", "--context", "8", "--decode-tokens", "3", "--breakdown", "",
-                "--dora", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["decode"]
-    by = {r["modules"]: r for r in rows}
-    assert list(by) == ["none", "qkvo", "all", "qkvo-dora", "all-dora"]
-    assert all(r["steps_timed"] >= 1 and r["step_ms"] > 0 for r in rows)
-    # a DoRA adapter reads one more row per module and layer than its plain twin
-    for m in ("qkvo", "all"):
-        assert by[m + "-dora"]["adapter_bytes"] > by[m]["adapter_bytes"]
