@@ -9,8 +9,8 @@
 #   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
 #                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
-#   --bench LIST    of: engine s2 decode serve fp8 (default: engine s2 decode); serve: S2 through
-#                   `slora serve` (needs fastapi, uvicorn); fp8: bench_fp8.py's GEMMs, rows 1-256
+#   --bench LIST    of: engine s2 decode serve fp8 dora (default: engine s2 decode); serve: S2 via
+#                   `slora serve` (fastapi, uvicorn); fp8: bench_fp8.py's GEMMs; dora: decode + DoRA
 #   --quantization fp8  engine, s2 and decode with FP8 base weights (the table names them)
 #   --compare NAME  the table also holds run NAME (an earlier $OUT/NAME.tar.gz), and this one over it
 #
@@ -69,8 +69,8 @@ bench engine && step engine 240 python3 experiments/bench_engine.py --models lla
   --batches 32 --race --skip-hf "${QUANT[@]}" --out "$D/engine"
 bench s2 && step s2 300 python3 experiments/bench_scaling.py --part scaling --adapters 2000 \
   --num-requests 400 --modules qkvo "${QUANT[@]}" --out "$D/s2"
-bench decode && step decode 240 python3 experiments/bench_scaling.py --part decode --batches 32 \
-  --breakdown '' "${QUANT[@]}" --out "$D/decode"
+bench decode && step decode 300 python3 experiments/bench_scaling.py --part decode --batches 32 \
+  --breakdown '' "${QUANT[@]}" $(bench dora && echo --dora) --out "$D/decode"
 bench serve && step serve 420 python3 experiments/bench_serve.py --out "$D/serve" && \
   tail -n 12 "$D/serve.log"
 tar czf "$OUT/$LABEL.tar.gz" -C "$OUT" "$LABEL" && rm -rf "$D"
