@@ -36,11 +36,12 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from slora.kernels import attention, fused, gemm, mbgmm, mbgmv  # noqa: E402
+from slora.kernels import attention, dora, fused, gemm, mbgmm, mbgmv  # noqa: E402
 
 LORA = {"x_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16", "xa_ptr": "*fp32",
         "pages_ptr": "*i32", "offs_ptr": "*i64", "ranks_ptr": "*i32",
-        "slot_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i32", "tiles_ptr": "*i32"}
+        "slot_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i32", "tiles_ptr": "*i32",
+        "bias_ptr": "*bf16"}
 ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16",
         "bt_ptr": "*i32", "ctx_ptr": "*i32", "part_ptr": "*fp32", "ml_ptr": "*fp32",
         "q_start_ptr": "*i32", "tiles_ptr": "*i32", "qk_scale": "fp32", "cap_scale": "fp32",
@@ -77,6 +78,8 @@ def variants():
          dict(BLOCK_R=2, CHN=8, EVEN_N=True, PRE=False), opts),
         ("mbgmv expand [4 x 4], first tile early", mbgmv._mbgmv_expand_kernel, LORA,
          dict(BLOCK_R=4, CHN=4, EVEN_N=True, PRE=True), opts),
+        ("dora rescale", dora._dora_scale_kernel, LORA,
+         dict(HAS_BIAS=True, CHN=dora.CHN, EVEN_N=True), opts),
         ("mbgmm shrink", mbgmm._mbgmm_shrink_kernel, LORA,
          dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False),
          dict(opts, num_warps=8, num_stages=3)),

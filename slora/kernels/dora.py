@@ -24,7 +24,9 @@ from slora.kernels.adapter_pages import CHUNK, CK, MAX_GROUP, dims4, select
 CHN = 4  # 64-element chunks a program rescales
 
 
-@triton.jit
+# The page-table width (stride_pg) changes with the batch's adapters: not specialized on, or a
+# step would compile another variant while serving.
+@triton.jit(do_not_specialize=["stride_pg"])
 def _dora_scale_kernel(
     out_ptr, bias_ptr, pool_ptr, pages_ptr, offs_ptr, slot_ptr,
     stride_out, P, stride_pg, stride_of0, stride_of1, G,
