@@ -154,7 +154,8 @@ class ModelRunner:
         with torch.cuda.stream(self._norm_stream) if self.cuda else contextlib.nullcontext():
             norms = [ref.dora_norms(self._module_weight(layer, module), A.to(self.device),
                                     B.to(self.device)) for layer, module, A, B in items]
-            return [n.cpu() for n in norms]
+            # one copy back (one wait for this stream), split on the host
+            return list(torch.cat(norms).cpu().split([n.shape[0] for n in norms]))
 
     def _module_weight(self, layer: int, module: str) -> torch.Tensor:
         """One LoRA module's rows of layer `layer`'s served base weight, in the model dtype."""
