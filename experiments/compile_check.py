@@ -79,7 +79,7 @@ def variants():
         ("mbgmv expand [4 x 4], first tile early", mbgmv._mbgmv_expand_kernel, LORA,
          dict(BLOCK_R=4, CHN=4, EVEN_N=True, PRE=True), opts),
         ("dora rescale", dora._dora_scale_kernel, LORA,
-         dict(HAS_BIAS=True, CHN=dora.CHN, EVEN_N=True), opts),
+         dict(HAS_BIAS=True, CHN=dora.CHN, EVEN_N=True), dict(opts, num_warps=dora.NUM_WARPS)),
         ("mbgmm shrink", mbgmm._mbgmm_shrink_kernel, LORA,
          dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False),
          dict(opts, num_warps=8, num_stages=3)),

@@ -22,6 +22,7 @@ from slora.kernels import pdl
 from slora.kernels.adapter_pages import CHUNK, CK, MAX_GROUP, dims4, select
 
 CHN = 4  # 64-element chunks a program rescales
+NUM_WARPS = 1  # a program's 256 elements in 8 per thread: 16-byte loads of 16-bit rows
 
 
 # The page-table width (stride_pg) changes with the batch's adapters: not specialized on, or a
@@ -85,4 +86,5 @@ def dora_scale(out: torch.Tensor, bias: torch.Tensor | None, pool_l: torch.Tenso
         out, bias if bias is not None else out, pool_l, pages, offsets_d, token_slot,
         out.stride(0), pool_l.shape[1], pages.stride(0), offsets_d.stride(0),
         offsets_d.stride(1), G, *d, HAS_BIAS=bias is not None, CHN=CHN,
-        EVEN_N=all(x % CHUNK == 0 for x in out_dims), **pdl.options(out.device))
+        EVEN_N=all(x % CHUNK == 0 for x in out_dims), num_warps=NUM_WARPS,
+        **pdl.options(out.device))

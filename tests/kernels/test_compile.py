@@ -46,16 +46,17 @@ def test_pdl_order_flags_what_the_kernel_before_may_still_touch():
 
 
 def test_lora_kernels_read_adapter_tiles_in_16_byte_accesses(tmp_path):
-    """No MBGMV or MBGMM variant loads a bf16 tile element by element (`ld.global.b16`): the
-    adapter rows are 64-element aligned chunks, and the kernels tell the compiler so. The FP8
+    """No MBGMV, MBGMM or DoRA rescale variant loads a bf16 tile element by element
+    (`ld.global.b16`): the adapter rows are 64-element aligned chunks, and the kernels tell the
+    compiler so. The FP8
     few-rows GEMM's word path copies W in 16-byte pieces."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     res = subprocess.run([sys.executable, str(ROOT / "experiments" / "compile_check.py"),
                           "--loads"], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    lora_rows = [l for l in res.stdout.splitlines() if l.startswith(("mbgmv", "mbgmm"))]
-    assert len(lora_rows) == 12, res.stdout
+    lora_rows = [l for l in res.stdout.splitlines() if l.startswith(("mbgmv", "mbgmm", "dora"))]
+    assert len(lora_rows) == 14, res.stdout
     assert not [l for l in lora_rows if "ld.global.b16" in l], "\n".join(lora_rows)
     # the FP8 GEMM reading words copies its W tiles in 16-byte cp.async.cg alone (the float8
     # tiles it replaces go in 8-byte cp.async.ca)
