@@ -140,6 +140,11 @@ class EngineConfig:
     # max_logprobs: each costs a top-k over the vocabulary per generated token.
     max_logprobs: int = 20
     quantization: str | None = None
+    # Prefix caching (slora.core.prefix): full KV pages stay cached, keyed by the adapter's
+    # content, the request's cache_salt and every token up to them, and a request whose
+    # prefix is cached computes only the rest. Cached pages no request holds are reclaimed
+    # with idle adapters in one least-recently-used order.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv, is_int, is_seed
-from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
+from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager, synthetic_identity
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
 from slora.graphs import warmup_adapters, warmup_steps
@@ -78,7 +78,7 @@ class Engine:
         pack = peft.pack  # DoRA: its norms computed where the base weights are
         if peft.dora:
             pack = functools.partial(peft.pack, weight_norms=self.runner.weight_norms)
-        self._register(name, peft.layout, str(path), pack)
+        self._register(name, peft.layout, str(path), pack, identity=peft.digest)
 
     def add_synthetic_adapter(self, name: str, rank: int,
                               target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -103,7 +103,7 @@ class Engine:
         key = (rank, tuple(target_modules), seed) + (("dora",) if dora else ())
         # registered first (its name and size checked), so a refused adapter makes no buffer
         self._register(name, layout, "synthetic", lambda page_size, dtype: self._synthetic[key],
-                       shared=key)
+                       shared=key, identity=synthetic_identity(*key))
         if key not in self._synthetic:
             try:
                 buf = synthetic_pack(self.model_config, layout, self.runner.page_size,
@@ -115,11 +115,11 @@ class Engine:
                 self.adapters.unregister(name)
                 raise
 
-    def _register(self, name, layout, source, pack, shared=None) -> None:
+    def _register(self, name, layout, source, pack, shared=None, identity=None) -> None:
         pages = layout.num_pages(self.runner.page_size)
         self.adapters.register(AdapterInfo(
             name=name, num_pages=pages, nbytes=pages * self.runner.page_bytes, source=source,
-            layout=layout, pack=pack, shared=shared))
+            layout=layout, pack=pack, shared=shared, identity=identity))
 
     def remove_adapter(self, name: str) -> None:
         """Unregister an adapter at once. Its queued and running requests end with
@@ -141,16 +141,22 @@ class Engine:
     # -- requests
     def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
         """Queue one request; returns its id. Bad input raises here and queues nothing:
         KeyError for an unknown adapter, ValueError for an empty prompt, token ids that are
-        not ints of the vocabulary, sampling the engine cannot serve, or a request id in use.
-        A prompt too long for the model or the pool is returned as a failed output."""
-        return self._queue(self._request(prompt, sampling, adapter, request_id, arrival_time))
+        not ints of the vocabulary, sampling the engine cannot serve, a request id in use, or
+        a cache_salt that is not a non-empty str.
+        A prompt too long for the model or the pool is returned as a failed output.
+        `cache_salt` (vLLM's): requests with different salts never share prefix-cache pages."""
+        return self._queue(self._request(prompt, sampling, adapter, request_id, arrival_time,
+                                         cache_salt))
 
     def _request(self, prompt: Prompt, sampling: SamplingParams | None, adapter: str | None,
-                 request_id: str | None, arrival_time: float | None) -> Request:
+                 request_id: str | None, arrival_time: float | None,
+                 cache_salt: str | None = None) -> Request:
         """A validated request, not queued yet."""
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise ValueError(f"cache_salt={cache_salt!r}: expected None or a non-empty str")
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
@@ -167,7 +173,8 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         return Request(rid, ids, sampling, adapter,
                        arrival_time if arrival_time is not None else time.monotonic(),
-                       eos_token_ids=self.eos_token_ids, max_len=self.max_model_len)
+                       eos_token_ids=self.eos_token_ids, max_len=self.max_model_len,
+                       cache_salt=cache_salt)
 
     def _queue(self, req: Request) -> str:
         rid, ids = req.request_id, req.prompt_token_ids
@@ -364,7 +371,7 @@ class Engine:
             token_ids=ids,
             logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None,
             finish_reason=req.finish_reason, finished=req.finished, metrics=req.metrics,
-            error=req.error)
+            error=req.error, num_cached_tokens=req.num_cached_tokens)
 
     def _release(self, reqs: list[Request]) -> None:
         """Forget the finished requests' per-request state: sampler, decoder, id."""
@@ -377,11 +384,13 @@ class Engine:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapters: str | None | Sequence[str | None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 cache_salt: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
         """Run prompts to completion in one continuous batch; outputs in prompt order.
 
         `prompts`: a string, a token-id list, or a list of either. `sampling`: one for all or
         one per prompt. `adapters`: one name (or None = base model) for all, or one per prompt.
+        `cache_salt`: one for all or one per prompt (see `add_request`).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -389,13 +398,15 @@ class Engine:
         sampling = sampling or SamplingParams()
         sps = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
         names = [adapters] * n if adapters is None or isinstance(adapters, str) else list(adapters)
-        if len(sps) != n or len(names) != n:
-            raise ValueError(f"generate: {n} prompts but {len(sps)} sampling params and "
-                             f"{len(names)} adapters")
+        salts = ([cache_salt] * n if cache_salt is None or isinstance(cache_salt, str)
+                 else list(cache_salt))
+        if len(sps) != n or len(names) != n or len(salts) != n:
+            raise ValueError(f"generate: {n} prompts but {len(sps)} sampling params, "
+                             f"{len(names)} adapters and {len(salts)} cache salts")
         reqs = []  # every item is validated before any is queued
-        for i, (p, sp, a) in enumerate(zip(prompts, sps, names)):
+        for i, (p, sp, a, salt) in enumerate(zip(prompts, sps, names, salts)):
             try:
-                reqs.append(self._request(p, sp, a, None, None))
+                reqs.append(self._request(p, sp, a, None, None, salt))
             except (KeyError, ValueError) as e:
                 raise type(e)(f"generate: prompt {i}: {e.args[0] if e.args else e}") from None
         ids = [self._queue(r) for r in reqs]
@@ -413,9 +424,10 @@ class Engine:
         return [done[i] for i in ids]
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None,
-               adapter: str | None = None) -> Iterator[RequestOutput]:
+               adapter: str | None = None, cache_salt: str | None = None
+               ) -> Iterator[RequestOutput]:
         """Yield the request's output after every step in which it progressed."""
-        rid = self.add_request(prompt, sampling, adapter)
+        rid = self.add_request(prompt, sampling, adapter, cache_salt=cache_salt)
         finished = False
         try:
             while not finished:
@@ -464,6 +476,8 @@ class Engine:
             batches.append((None, [[1] * limit] * n, []))
         sp = SamplingParams(max_tokens=3, ignore_eos=True)
         bar = _progress(len(batches), unit="step", desc="warm-up") if progress else None
+        # no prefix caching while warming up: every step runs the shape it is made for
+        prefix, self.scheduler.prefix = self.scheduler.prefix, None
         try:
             for name, prompts, late in batches:
                 need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts + late)
@@ -480,6 +494,7 @@ class Engine:
                 if bar is not None:
                     bar.update()
         finally:
+            self.scheduler.prefix = prefix
             if bar is not None:
                 bar.close()
             for name in names:
@@ -505,6 +520,11 @@ class Engine:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix-cache page: no later request finds KV computed before. Pages
+        no request holds are freed now (their count is returned), held ones when released."""
+        return self.scheduler.reset_prefix_cache()
 
     def stats(self) -> dict:
         s = self.scheduler.stats()

@@ -98,6 +98,11 @@ class Request:
     `block_table` holds its KV pages; `num_computed` counts tokens whose KV is in them. After a
     preemption both reset and the prompt plus the tokens generated so far are recomputed
     (the request keeps its output tokens: recompute reproduces the same KV).
+
+    Prefix caching (`slora.core.prefix`): `cache_salt` enters its pages' digest chain;
+    `block_digests` are the digests of its first full pages; its first `num_cached_pages`
+    pages have been found in or offered to the cache; `num_cached_tokens` were found cached at
+    its last admission (not computed).
     """
 
     request_id: str
@@ -119,6 +124,10 @@ class Request:
     # output tokens still on the device: the last `num_pending` of output_token_ids are
     # PENDING until their step is collected (EngineConfig.async_scheduling)
     num_pending: int = 0
+    cache_salt: str | None = None
+    block_digests: list[bytes] = field(default_factory=list)
+    num_cached_pages: int = 0
+    num_cached_tokens: int = 0
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -179,3 +188,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed

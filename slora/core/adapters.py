@@ -5,8 +5,14 @@ used); the runner holds the tensors and performs the copies the scheduler's plan
 
 Device tier: a resident adapter owns `num_pages` pages of the shared pool. Running requests
 hold references; an adapter with references is never evicted. Idle resident adapters (kept
-warm for future requests, or prefetched) are evicted in least-recently-used order when the
-pool needs pages, for KV or for another adapter.
+warm for future requests, or prefetched) are reclaimable: they sit in the allocator's one
+least-recently-used order beside the prefix cache's cached KV pages
+(`PageAllocator.evict_for`), and are evicted in that order when the pool needs pages, for KV or
+for another adapter.
+
+Identity: `AdapterInfo.identity` names the adapter's content (a digest of its weights and
+config, or a synthetic adapter's shape and seed), not its name: the prefix cache keys KV by it,
+so a name registered again with other weights never meets the KV computed with the old ones.
 
 Host tier: the adapter's flat weights in host memory (pinned on a GPU host), bounded by
 `host_cache_bytes`; least recently used entries are dropped first. Missing from host means
@@ -22,6 +28,13 @@ from typing import Callable, Hashable
 
 from slora.config import LORA_ALIGN, LORA_MODULES, ModelConfig, cdiv, round_up
 from slora.core.pages import ADAPTER, PageAllocator
+
+
+def synthetic_identity(rank: int, targets, seed: int, *kind: str) -> str:
+    """The identity of a synthetic adapter: its weights follow from (rank, targets, seed) and
+    its kind ("dora"), so adapters of one such key have the same content (the engine's and the
+    simulator's rule)."""
+    return ":".join(("synthetic", str(rank), ",".join(targets), str(seed), *kind))
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,8 @@ class AdapterInfo:
     # the key of a host buffer it shares with other adapters (a synthetic adapter's
     # (rank, targets, seed)), or None; the manager counts the registered adapters of each key
     shared: Hashable | None = None
+    # its content's identity (see the module docstring); None: the name stands for it
+    identity: str | None = None
 
     @property
     def resident(self) -> bool:
@@ -121,7 +136,8 @@ class AdapterManager:
         self.allocator = allocator
         self.host_cache_bytes = host_cache_bytes
         self.adapters: dict[str, AdapterInfo] = {}
-        self._idle: OrderedDict[str, None] = OrderedDict()  # resident, refcount 0; LRU first
+        # idle (resident, refcount 0) adapters live in allocator.lru, keyed by name
+        allocator.reclaimers[str] = self._reclaim
         self._host: OrderedDict[str, int] = OrderedDict()  # name -> bytes; LRU first
         self.resident: set[str] = set()  # names holding device pages (kept by load / _evict)
         self._sharing: dict[Hashable, int] = {}  # AdapterInfo.shared -> registered adapters
@@ -197,7 +213,7 @@ class AdapterManager:
             return None
         info.pages = pages
         self.resident.add(name)
-        self._idle[name] = None
+        self.allocator.idle(name, info.num_pages)
         self.loads += 1
         return pages
 
@@ -205,42 +221,33 @@ class AdapterManager:
         info = self.adapters[name]
         assert info.resident, f"adapter {name!r} must be resident before use"
         info.refcount += 1
-        self._idle.pop(name, None)
+        self.allocator.busy(name)
 
     def release(self, name: str) -> None:
         info = self.adapters[name]
         assert info.refcount > 0, f"adapter {name!r} released more often than acquired"
         info.refcount -= 1
         if info.refcount == 0:
-            self._idle[name] = None  # most recently used: evicted last
+            self.allocator.idle(name, info.num_pages)  # most recently used: evicted last
 
     def touch(self, name: str) -> None:
         """Mark an idle resident adapter as recently used (prefetch hits, for example)."""
-        if name in self._idle:
-            self._idle.move_to_end(name)
+        self.allocator.touch(name)
 
-    def evict_for(self, n: int, keep: frozenset[str] | set[str] = frozenset()) -> list[str] | None:
-        """Evict idle adapters (LRU first, never those in `keep`) until n pages are free.
+    def evict_for(self, n: int, keep=frozenset()) -> list[str] | None:
+        """Reclaim idle adapters and cached KV pages in their one LRU order (never those in
+        `keep`: names, page ids) until n pages are free (`PageAllocator.evict_for`).
 
-        Returns the evicted names, or None (evicting nothing) if even evicting every idle
-        adapter would not free enough.
+        Returns the evicted adapters' names, or None (evicting nothing) if even reclaiming
+        everything reclaimable would not free enough.
         """
-        free = self.allocator.num_free
-        if free >= n:
-            return []
-        victims = []
-        for name in self._idle:
-            if name in keep:
-                continue
-            victims.append(name)
-            free += self.adapters[name].num_pages
-            if free >= n:
-                break
-        if free < n:
-            return None
-        for name in victims:
-            self.allocator.free(self._evict(name))
-        return victims
+        victims = self.allocator.evict_for(n, keep)
+        if victims is None or not victims:
+            return victims
+        return [v for v in victims if isinstance(v, str)]
+
+    def _reclaim(self, name: str) -> None:
+        self.allocator.free(self._evict(name))
 
     def unload(self, name: str) -> list[int]:
         """Make an idle resident adapter not resident, as a load that failed leaves it (not
@@ -254,12 +261,12 @@ class AdapterManager:
         assert info.refcount == 0, f"adapter {name!r} is in use and cannot be evicted"
         pages, info.pages = info.pages, None
         self.resident.discard(name)
-        self._idle.pop(name, None)
+        self.allocator.busy(name)
         self.evictions += 1
         return pages
 
     def idle_pages(self) -> int:
-        return sum(self.adapters[n].num_pages for n in self._idle)
+        return sum(n for k, n in self.allocator.lru.items() if isinstance(k, str))
 
     # -- host tier
     def on_host(self, name: str) -> bool:

@@ -1,18 +1,29 @@
 """The page allocator: one pool of page ids shared by KV blocks and adapter weights.
 
 Every page id addresses the same slot in every layer of the runner's pool tensor, so one
-allocator serves both kinds. Invariant, checked by `check()` and kept by every method:
+allocator serves both kinds. A page is free, or held as KV (by one or more running requests),
+as ADAPTER (by a resident adapter) or as CACHED (a full KV page of the prefix cache that no
+request holds, `slora.core.prefix`). Invariant, checked by `check()` and kept by every method:
 
-    free + kv + adapter == total
+    free + kv + adapter + cached == total
 
 Allocation returns None when the pool cannot satisfy it; the caller (the scheduler)
 decides what to evict or preempt. Nothing here raises on an ordinary shortage.
+
+Reclaimable space, in one least-recently-used order (`evict_for`): idle resident adapters
+(keyed by name, a str) and cached KV pages (keyed by page id, an int). Their owners put them in
+the order when they become idle (`idle`), take them out when used again (`busy`), and
+register how a victim of their key type is given back (`reclaimers`).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Callable, Collection, Hashable
+
 KV = "kv"
 ADAPTER = "adapter"
+CACHED = "cached"
 
 
 class PageAllocator:
@@ -23,7 +34,12 @@ class PageAllocator:
         # A stack: freed pages are reused first (warm in caches), the order is deterministic.
         self._free = list(range(num_pages - 1, -1, -1))
         self._owner: dict[int, str] = {}
-        self.used = {KV: 0, ADAPTER: 0}
+        self.used = {KV: 0, ADAPTER: 0, CACHED: 0}
+        # Reclaimable holders, least recently used first: key -> the pages it would free.
+        self.lru: OrderedDict[Hashable, int] = OrderedDict()
+        self.lru_pages = 0
+        # key type -> the function that evicts a holder of that type and frees its pages
+        self.reclaimers: dict[type, Callable[[Hashable], None]] = {}
 
     @property
     def num_free(self) -> int:
@@ -50,8 +66,58 @@ class PageAllocator:
             used[kind] -= 1
             free.append(p)
 
+    def retag(self, pages: list[int], kind: str) -> None:
+        """Move allocated pages to `kind` (KV <-> CACHED as requests take or leave them)."""
+        owner, used = self._owner, self.used
+        for p in pages:
+            used[owner[p]] -= 1
+            owner[p] = kind
+        used[kind] += len(pages)
+
+    # -- the one eviction order
+    def idle(self, key: Hashable, pages: int) -> None:
+        """`key` (holding `pages` pages) is reclaimable, most recently used: evicted last."""
+        old = self.lru.pop(key, 0)
+        self.lru[key] = pages
+        self.lru_pages += pages - old
+
+    def busy(self, key: Hashable) -> None:
+        """`key` is in use again: not reclaimable (nothing if it was not)."""
+        self.lru_pages -= self.lru.pop(key, 0)
+
+    def touch(self, key: Hashable) -> None:
+        """Mark a reclaimable `key` as recently used."""
+        if key in self.lru:
+            self.lru.move_to_end(key)
+
+    def evict_for(self, n: int, keep: Collection[Hashable] = ()) -> list[Hashable] | None:
+        """Reclaim holders (least recently used first, never those in `keep`) until n pages
+        are free. Returns the reclaimed keys, or None (reclaiming nothing) if even all of them
+        would not free enough."""
+        free = len(self._free)
+        if free >= n:
+            return []
+        if free + self.lru_pages < n:
+            return None
+        victims = []
+        for key, pages in self.lru.items():
+            if key in keep:
+                continue
+            victims.append(key)
+            free += pages
+            if free >= n:
+                break
+        if free < n:
+            return None
+        reclaimers = self.reclaimers
+        for key in victims:
+            reclaimers[type(key)](key)  # takes it out of `lru` (busy) and frees its pages
+        return victims
+
     def check(self) -> None:
-        assert len(self._free) + self.used[KV] + self.used[ADAPTER] == self.total, (
-            f"page accounting broken: free {len(self._free)} + kv {self.used[KV]} + "
-            f"adapter {self.used[ADAPTER]} != total {self.total}")
-        assert len(self._owner) == self.used[KV] + self.used[ADAPTER]
+        used = self.used
+        assert len(self._free) + used[KV] + used[ADAPTER] + used[CACHED] == self.total, (
+            f"page accounting broken: free {len(self._free)} + kv {used[KV]} + adapter "
+            f"{used[ADAPTER]} + cached {used[CACHED]} != total {self.total}")
+        assert len(self._owner) == used[KV] + used[ADAPTER] + used[CACHED]
+        assert self.lru_pages == sum(self.lru.values())

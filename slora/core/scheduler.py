@@ -16,6 +16,10 @@ order within `schedule`:
    resident, for the adapter; idle adapters are evicted (LRU) to make room, but an adapter a
    running request uses never is. A prompt that can never fit fails alone, with the reason.
    A step that preempted in 1 admits nothing while other requests still run (as vLLM).
+   With prefix caching a request first looks its prefix up (`slora.core.prefix`): the pages
+   found are its first pages, not computed again, and only the rest count against the budget
+   and take pages. Room comes from one least-recently-used order over idle adapters and
+   cached KV pages no request holds (`PageAllocator.evict_for`), in 1 and 3 too.
 3. Prefetch: adapters of the next waiting requests are loaded ahead of admission, evicting
    idle adapters the window does not need if it must, while at least `prefetch_reserve`
    pages stay free; their copy overlaps this step's compute.
@@ -32,8 +36,9 @@ from itertools import islice
 
 from slora.config import EngineConfig, cdiv
 from slora.core.adapters import AdapterManager
-from slora.core.pages import KV, PageAllocator
+from slora.core.pages import CACHED, KV, PageAllocator
 from slora.core.policies import Policy, make_policy
+from slora.core.prefix import PrefixCache
 from slora.request import PENDING, Request, RequestStatus
 
 
@@ -75,6 +80,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order = priority order
         self.preemptions = 0
         self.failed = 0
+        self.prefix = (PrefixCache(allocator, self.block_size) if config.enable_prefix_caching
+                       else None)
 
     # -- requests
     def add(self, req: Request) -> None:
@@ -171,8 +178,8 @@ class Scheduler:
     def _preempt(self, req: Request, plan: SchedulerPlan) -> None:
         """Free a running request's KV and requeue it at the front; it is recomputed later."""
         _remove(self.running, req)
-        self.allocator.free(req.block_table)
-        req.block_table, req.num_computed = [], 0
+        self._free_kv(req, keep=True)
+        req.num_computed = 0
         if req.adapter:
             self.adapters.release(req.adapter)
         req.status = RequestStatus.WAITING
@@ -200,11 +207,13 @@ class Scheduler:
                              f"{cfg.slo_ttft_s:g} s SLO (early-abort policy)")
                 plan.finished.append(req)
                 continue
+            hits = self._match(req)
+            new = req.num_tokens - len(hits) * self.block_size
             # A prompt longer than the budget still runs, alone, rather than never.
-            fits_budget = req.num_new <= budget or (not plan.seqs and not admitted)
-            if fits_budget and self._reserve(req, plan):
+            fits_budget = new <= budget or (not plan.seqs and not admitted)
+            if fits_budget and self._reserve(req, plan, hits):
                 admitted.append(req)
-                budget -= req.num_new
+                budget -= new
                 if budget <= 0:
                     break
             elif self._never_fits(req):
@@ -230,12 +239,15 @@ class Scheduler:
             if latest is not None and latest > req.arrival_time:
                 req.skipped += 1
 
-    def _reserve(self, req: Request, plan: SchedulerPlan) -> bool:
-        """Take the pages `req` needs (its adapter if not resident, its KV) or nothing."""
-        kv = cdiv(req.num_tokens, self.block_size)
+    def _reserve(self, req: Request, plan: SchedulerPlan, hits: list[int]) -> bool:
+        """Take the pages `req` needs (its adapter if not resident, the cached pages `hits`
+        of its prefix, new pages for the rest of its KV) or nothing."""
+        kv = cdiv(req.num_tokens, self.block_size) - len(hits)
         name = req.adapter
         adapter = self.adapters.pages_needed(name)
         keep = {name} if name else set()
+        if hits:  # (reclaimable while no request holds them: not for this one's room)
+            keep.update(hits)
         evicted = self.adapters.evict_for(kv + adapter, keep=keep)
         if evicted is None:
             return False
@@ -244,8 +256,44 @@ class Scheduler:
             plan.adapter_loads.append((name, self.adapters.load(name)))
         if name:
             self.adapters.acquire(name)
-        req.block_table = self.allocator.alloc(kv, KV)
+        if self.prefix is not None:
+            self.prefix.take(req, hits)
+        req.block_table = hits + self.allocator.alloc(kv, KV)
+        req.num_computed = len(hits) * self.block_size
         return True
+
+    # -- prefix caching
+    def _root(self, req: Request) -> bytes:
+        info = self.adapters.adapters[req.adapter] if req.adapter else None
+        identity = "base" if info is None else info.identity or f"name:{info.name}"
+        return self.prefix.root(identity, req.cache_salt)
+
+    def _match(self, req: Request) -> list[int]:
+        """The cached pages of `req`'s prefix ([] without prefix caching)."""
+        if self.prefix is None:
+            return []
+        return self.prefix.match(req, self._root(req))
+
+    def _free_kv(self, req: Request, keep: bool) -> None:
+        """Give a running request's KV pages back. With prefix caching, `keep` first caches
+        its computed full pages of known tokens; otherwise (it failed: its KV may be wrong)
+        the pages it computed leave the cache."""
+        prefix, table = self.prefix, req.block_table
+        if prefix is None:
+            self.allocator.free(table)
+        else:
+            if keep:
+                known = min(req.num_computed, req.num_tokens - req.num_pending)
+                prefix.commit(req, self._root(req), known)
+            else:
+                prefix.forget(table[req.num_cached_tokens // self.block_size:])
+            prefix.release(table)
+            req.num_cached_pages = 0
+        req.block_table = []
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (`PrefixCache.reset`); returns the pages freed now."""
+        return 0 if self.prefix is None else self.prefix.reset()
 
     def _never_fits(self, req: Request) -> bool:
         adapter = self.adapters.adapters[req.adapter].num_pages if req.adapter else 0
@@ -293,6 +341,10 @@ class Scheduler:
         # once per step over every row: the policy's `served` is called only if it counts
         # service (the base policy's is a no-op), and num_tokens is taken inline
         served = self.policy.served if type(self.policy).served is not Policy.served else None
+        prefix = self.prefix
+        if prefix is not None:  # a prompt's full pages: queued on the device, found from now
+            for req in plan.prefill:
+                prefix.commit(req, self._root(req), req.num_tokens)
         for rows in (plan.decode, plan.prefill):
             for req in rows:
                 out = req.output_token_ids
@@ -340,8 +392,7 @@ class Scheduler:
             _remove(self.waiting, req)
         elif req.status is RequestStatus.RUNNING:
             _remove(self.running, req)
-            self.allocator.free(req.block_table)
-            req.block_table = []
+            self._free_kv(req, keep=reason != "error")
             if req.adapter:
                 self.adapters.release(req.adapter)
         req.status = RequestStatus.FINISHED
@@ -358,6 +409,8 @@ class Scheduler:
             "pages_free": self.allocator.num_free,
             "pages_kv": self.allocator.used[KV],
             "pages_adapter": self.allocator.used["adapter"],
+            "pages_cached": self.allocator.used[CACHED],
+            **(self.prefix.stats() if self.prefix is not None else {}),
             "adapter_loads": a.loads,
             "adapter_evictions": a.evictions,
             "host_loads": a.host_loads,

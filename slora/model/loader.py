@@ -13,6 +13,7 @@ they are checked again (the file unchanged or of the same layout, every value fi
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -539,7 +540,10 @@ class PeftAdapter:
     Registration (the constructor) reads the config and the weights' header: every tensor a
     LoRA A/B weight of a linear module, of a supported dtype, shaped for the base model. A
     `.bin` file is read whole then, its tensors checked for non-finite values and dropped.
-    It records the weights file's stamp (device, inode, size, mtime_ns) and keeps no weights:
+    It records the weights file's stamp (device, inode, size, mtime_ns) and `digest`, the
+    SHA-256 of its config and weights bytes (the adapter's identity: the prefix cache keys KV
+    by it, so a name registered again with other weights never reuses the old KV); it keeps no
+    weights:
     `pack` reads them at each host-tier miss, so `host_cache_gb` bounds every adapter's host
     memory. Every failure, at registration or in `pack`, raises `AdapterError` naming the
     adapter, the file and the reason."""
@@ -565,6 +569,7 @@ class PeftAdapter:
         try:
             if self.weights_file.suffix == ".bin":
                 buf, st = _read_whole(self.weights_file)
+                weights = hashlib.sha256(buf).digest()
                 tensors = self._bin_tensors(buf)
                 shapes = {k: tuple(t.shape) for k, t in tensors.items()}
             else:
@@ -574,12 +579,15 @@ class PeftAdapter:
                     n = int.from_bytes(head, "little")
                     if len(head) == 8 and 0 < n <= _MAX_HEADER:
                         head += fh.read(n)
+                    fh.seek(0)
+                    weights = hashlib.file_digest(fh, "sha256").digest()
                 entries, _ = self._safetensors(head, st.st_size)
                 shapes = {k: shape for k, (_, shape, _) in entries.items()}
         except OSError as e:
             self._fail(self.weights_file, f"cannot be read ({e})")
         self._shapes = shapes  # every tensor of the file: what `pack` finds there again
         self._stamp = _stamp(st)
+        self.digest = hashlib.sha256(text + b"\0" + weights).hexdigest()
         self._match(shapes)
         if self.weights_file.suffix == ".bin":
             self._check_finite(tensors)

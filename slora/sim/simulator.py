@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 from slora.config import DTYPE_BYTES, EngineConfig, ModelConfig
-from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager
+from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager, synthetic_identity
 from slora.core.pages import KV, PageAllocator
 from slora.core.policies import Policy
 from slora.core.scheduler import Scheduler, SchedulerPlan
@@ -197,7 +197,8 @@ class SimEngine:
             pages = self._pages_of[key] = adapter_pages(self.model, rank, self.config.block_size,
                                                         key[1])
         self.adapters.register(AdapterInfo(name=name, num_pages=pages,
-                                           nbytes=pages * self.page_bytes, source="synthetic"))
+                                           nbytes=pages * self.page_bytes, source="synthetic",
+                                           identity=synthetic_identity(rank, key[1], seed)))
 
     # -- requests
     def add_request(self, prompt: list[int], sampling: SamplingParams | None = None,

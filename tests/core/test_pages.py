@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slora.core.pages import ADAPTER, KV, PageAllocator
+from slora.core.pages import ADAPTER, CACHED, KV, PageAllocator
 
 
 def test_alloc_free_roundtrip():
@@ -32,7 +32,7 @@ def test_page_freed_by_adapter_holds_kv_next():
     ad = a.alloc(3, ADAPTER)
     a.free(ad)
     kv = a.alloc(3, KV)
-    assert sorted(kv) == sorted(ad) and a.used == {KV: 3, ADAPTER: 0}
+    assert sorted(kv) == sorted(ad) and a.used == {KV: 3, ADAPTER: 0, CACHED: 0}
 
 
 @settings(max_examples=200, deadline=None)
