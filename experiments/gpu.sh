@@ -9,8 +9,9 @@
 #   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
 #                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
-#   --bench LIST    of: engine s2 decode serve fp8 dora (default: engine s2 decode); serve: S2 via
-#                   `slora serve` (fastapi, uvicorn); fp8: bench_fp8.py's GEMMs; dora: decode + DoRA
+#   --bench LIST    of: engine s2 decode serve fp8 dora prefix (default: engine s2 decode); serve:
+#                   S2 via `slora serve` (fastapi, uvicorn); fp8: bench_fp8.py's GEMMs; dora:
+#                   decode + DoRA; prefix: a shared-system-prompt trace, prefix caching off / on
 #   --quantization fp8  engine, s2 and decode with FP8 base weights (the table names them)
 #   --compare NAME  the table also holds run NAME (an earlier $OUT/NAME.tar.gz), and this one over it
 #
@@ -73,6 +74,9 @@ bench decode && step decode 300 python3 experiments/bench_scaling.py --part deco
   --breakdown '' "${QUANT[@]}" $(bench dora && echo --dora) --out "$D/decode"
 bench serve && step serve 420 python3 experiments/bench_serve.py --out "$D/serve" && \
   tail -n 12 "$D/serve.log"
+bench prefix && step prefix 300 python3 experiments/bench_prefix.py \
+  --profile experiments/profiles/h200-llama2-7b.json --out "$D/prefix" && \
+  tail -n 8 "$D/prefix.log"
 tar czf "$OUT/$LABEL.tar.gz" -C "$OUT" "$LABEL" && rm -rf "$D"
 runs=(${COMPARE:+"$OUT/$COMPARE.tar.gz"} "$OUT/$LABEL.tar.gz")
 echo

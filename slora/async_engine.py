@@ -99,8 +99,9 @@ class AsyncEngine:
         kind, args, reply = command
         try:
             if kind == "add":
-                rid, prompt, sampling, adapter, sink = args
-                self.engine.add_request(prompt, sampling, adapter, request_id=rid)
+                rid, prompt, sampling, adapter, salt, sink = args
+                self.engine.add_request(prompt, sampling, adapter, request_id=rid,
+                                        cache_salt=salt)
                 self._sinks[rid] = sink
                 reply(rid)
             elif kind == "abort":
@@ -186,8 +187,8 @@ class AsyncEngine:
             self._commands.put(("abort", request_id, None))
 
     def submit(self, prompt, sampling: SamplingParams | None = None,
-               adapter: str | None = None, request_id: str | None = None
-               ) -> "queue.Queue[RequestOutput]":
+               adapter: str | None = None, request_id: str | None = None,
+               cache_salt: str | None = None) -> "queue.Queue[RequestOutput]":
         """Queue a request from any thread; its outputs arrive on the returned queue."""
         q: queue.Queue = queue.Queue()
 
@@ -196,20 +197,21 @@ class AsyncEngine:
             if isinstance(item, Exception) or item.finished:
                 q.put(_DONE)
 
-        self._submit("add", (self._new_id(request_id), prompt, sampling, adapter, sink))
+        self._submit("add", (self._new_id(request_id), prompt, sampling, adapter, cache_salt,
+                             sink))
         return q
 
     def generate(self, prompt, sampling: SamplingParams | None = None,
-                 adapter: str | None = None) -> RequestOutput:
+                 adapter: str | None = None, cache_salt: str | None = None) -> RequestOutput:
         """Blocking: the finished output of one request (other threads may add more)."""
         last = None
-        for last in _drain(self.submit(prompt, sampling, adapter)):
+        for last in _drain(self.submit(prompt, sampling, adapter, cache_salt=cache_salt)):
             pass
         return last
 
     async def stream(self, prompt, sampling: SamplingParams | None = None,
-                     adapter: str | None = None, request_id: str | None = None
-                     ) -> AsyncIterator[RequestOutput]:
+                     adapter: str | None = None, request_id: str | None = None,
+                     cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Async: yield the request's output after each step in which it progressed. Bad
         input raises here (KeyError: unknown adapter; ValueError: bad prompt or sampling).
         If the consumer stops before the request finished, the request is aborted."""
@@ -230,7 +232,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(aq.put_nowait, item)
 
         finished = False
-        self._commands.put(("add", (rid, prompt, sampling, adapter, sink), reply))
+        self._commands.put(("add", (rid, prompt, sampling, adapter, cache_salt, sink), reply))
         try:
             while not added.done():  # the answer, or the thread's end
                 await asyncio.wait([added], timeout=0.1)

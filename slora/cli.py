@@ -170,7 +170,11 @@ def _add_trace(sub) -> None:
         "      --ranks 64,32,16,8 -o s2-100.jsonl\n"
         "  # bursty, skewed traffic with prompt/output lengths of real ShareGPT conversations\n"
         "  slora trace synth --num-adapters 200 --rate 4 --cv 4 --alpha 0.3 --duration 60 \\\n"
-        "      --sharegpt --tokenizer ./llama -o sharegpt.jsonl")
+        "      --sharegpt --tokenizer ./llama -o sharegpt.jsonl\n"
+        "  # 100 requests on 20 adapters, each adapter's requests sharing a 2,000-token system\n"
+        "  # prompt (prefix caching's workload)\n"
+        "  slora trace synth --num-adapters 20 --rate 2 --duration 50 --input-len 16 128 \\\n"
+        "      --output-len 16 128 --shared-prefix 2000 -o prefix.jsonl")
     p.add_argument("--num-adapters", type=int, required=True, help="adapters (0: base model only)")
     p.add_argument("--rate", type=float, required=True, help="mean requests per second")
     p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gaps (1: Poisson)")
@@ -191,6 +195,12 @@ def _add_trace(sub) -> None:
                    help="with --sharegpt: count tokens with this tokenizer.json or model directory "
                    "(35k texts to tokenize: some tens of seconds, with a progress bar; default: "
                    "estimate 4 characters per token, at once)")
+    p.add_argument("--shared-prefix", type=int, metavar="TOKENS",
+                   help="every request's prompt starts with its adapter's system prompt of "
+                   "TOKENS random token ids, then its own prompt (the input length): written as "
+                   "token-id prompts (slora.workload.with_shared_prefix)")
+    p.add_argument("--vocab-size", type=int, default=32000,
+                   help="with --shared-prefix: token ids are drawn below this (default 32000)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars")
     p.add_argument("--seed", type=int, default=42, help="random seed (default 42, S-LoRA's)")
@@ -214,6 +224,8 @@ def _trace_synth(args) -> int:
         num_adapters=args.num_adapters, rate=args.rate, cv=args.cv, alpha=args.alpha,
         duration=args.duration, input_len=tuple(args.input_len), output_len=tuple(args.output_len),
         ranks=args.ranks, seed=args.seed, rank_assignment=args.rank_assignment, lengths=lengths)
+    if args.shared_prefix is not None:
+        trace = workload.with_shared_prefix(trace, args.shared_prefix, args.vocab_size, args.seed)
     workload.write_trace(trace, args.output, progress=args.progress)
     print(f"wrote {args.output}: {len(trace)} requests over {trace.duration:.1f} s "
           f"({len(trace) / trace.duration:.2f} req/s), {len(trace.adapter_names())} of "

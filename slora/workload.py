@@ -200,6 +200,31 @@ def synthesize(
     return Trace(requests, dict(zip(names, adapter_ranks)), params)
 
 
+def with_shared_prefix(trace: Trace, prefix_len: int, vocab_size: int = 32000,
+                       seed: int = 0) -> Trace:
+    """`trace` with a system prompt per adapter: each request's prompt becomes its adapter's
+    `prefix_len` token ids (drawn once per adapter, the base model's too) followed by its own
+    `prompt_len` random ids, written as token-id prompts. Requests of one adapter share their
+    first `prefix_len` tokens (a tenant's prompt template): the prefix-caching workload. Ids
+    are drawn from [0, vocab_size) with numpy's Generator(seed), so the trace file holds the
+    very prompts the engine and the simulator replay."""
+    _check(is_int(prefix_len) and prefix_len >= 1, "prefix_len", prefix_len, "must be >= 1")
+    _check(is_int(vocab_size) and vocab_size >= 2, "vocab_size", vocab_size, "must be >= 2")
+    if any(r.prompt_len is None for r in trace.requests):
+        raise TraceError("with_shared_prefix needs prompt_len requests (not text or id prompts)")
+    rng = np.random.default_rng(seed)
+    prefixes: dict[str | None, list[int]] = {}
+    requests = []
+    for r in trace.requests:
+        head = prefixes.get(r.adapter)
+        if head is None:
+            head = prefixes[r.adapter] = rng.integers(0, vocab_size, prefix_len).tolist()
+        tail = rng.integers(0, vocab_size, r.prompt_len).tolist()
+        requests.append(TraceRequest(r.arrival_time, r.adapter, r.output_len, prompt=head + tail))
+    params = dict(trace.params, shared_prefix=prefix_len, vocab_size=vocab_size)
+    return Trace(requests, dict(trace.adapters), params)
+
+
 def _check(ok: bool, name: str, value, why: str) -> None:
     if not ok:
         raise ValueError(f"synthesize: {name}={value!r} {why}")

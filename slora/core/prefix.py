@@ -176,9 +176,15 @@ class PrefixCache:
             1 for k in self.allocator.lru if isinstance(k, int))
         assert all(p in self._digest_of for p, n in self._refs.items() if n == 0)
 
-    def stats(self) -> dict:
-        q = self.query_tokens
-        return {"pages_cached": self.allocator.used[CACHED],
-                "prefix_cached_pages": self.num_cached,
-                "prefix_query_tokens": q, "prefix_hit_tokens": self.hit_tokens,
-                "prefix_hit_rate": self.hit_tokens / q if q else 0.0}
+
+
+def prefix_stats(cache: PrefixCache | None) -> dict:
+    """`engine.stats()`'s prefix-cache part (zeros without prefix caching): pages in the
+    cache (held by requests or not), tokens looked up at admission, tokens found, their ratio."""
+    if cache is None:
+        return {"prefix_cached_pages": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0,
+                "prefix_hit_rate": 0.0}
+    q = cache.query_tokens
+    return {"prefix_cached_pages": cache.num_cached, "prefix_query_tokens": q,
+            "prefix_hit_tokens": cache.hit_tokens,
+            "prefix_hit_rate": cache.hit_tokens / q if q else 0.0}

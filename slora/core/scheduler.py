@@ -38,7 +38,7 @@ from slora.config import EngineConfig, cdiv
 from slora.core.adapters import AdapterManager
 from slora.core.pages import CACHED, KV, PageAllocator
 from slora.core.policies import Policy, make_policy
-from slora.core.prefix import PrefixCache
+from slora.core.prefix import PrefixCache, prefix_stats
 from slora.request import PENDING, Request, RequestStatus
 
 
@@ -410,7 +410,7 @@ class Scheduler:
             "pages_kv": self.allocator.used[KV],
             "pages_adapter": self.allocator.used["adapter"],
             "pages_cached": self.allocator.used[CACHED],
-            **(self.prefix.stats() if self.prefix is not None else {}),
+            **prefix_stats(self.prefix),
             "adapter_loads": a.loads,
             "adapter_evictions": a.evictions,
             "host_loads": a.host_loads,

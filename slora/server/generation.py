@@ -40,23 +40,27 @@ class Generation:
         self._counted: set[int] = set()  # choices no longer counted in state.pending
         self._buffer: list[tuple[int, RequestOutput]] = []
         self._closed = False
+        self.cache_salt: str | None = None
 
     @classmethod
     async def open(cls, state: ServerState, model: str | None,
                    prompts: Callable[[str | None], list[list[int]]], sampling: dict,
-                   n: int = 1, names: dict[str, str] | None = None) -> "Generation":
+                   n: int = 1, names: dict[str, str] | None = None,
+                   cache_salt: str | None = None) -> "Generation":
         """Check everything, then start the engine requests.
 
         `model`: the base model's name or an adapter's (loaded on first use). `prompts`: the
         prompts' token ids for the adapter (its chat template may differ). `sampling`:
         SamplingParams' keywords; max_tokens None means up to the model's length.
         `names`: SamplingParams field -> the request's name for it, for error messages.
+        `cache_salt`: the requests' prefix-cache salt (`Engine.add_request`).
         Raises APIError: 404 unknown adapter, 400 bad prompt or sampling, 503 when the
         waiting requests would pass `max_waiting`."""
         adapter = state.adapter_of(model)
         if adapter is not None:
             await state.adapters.acquire(adapter)
         gen = cls(state, adapter, adapter or state.settings.model_name)
+        gen.cache_salt = cache_salt
         try:
             gen.prompts = [ids for ids in prompts(adapter) for _ in range(n)]
             params = [gen._sampling(ids, sampling, names or {}) for ids in gen.prompts]
@@ -89,7 +93,8 @@ class Generation:
 
     async def _pump(self, i: int, rid: str, ids: list[int], sp: SamplingParams) -> None:
         try:
-            async for out in self.state.engine.stream(ids, sp, self.adapter, request_id=rid):
+            async for out in self.state.engine.stream(ids, sp, self.adapter, request_id=rid,
+                                                      cache_salt=self.cache_salt):
                 self.queue.put_nowait((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the consumer as its answer
             self.queue.put_nowait((i, e))

@@ -80,7 +80,8 @@ async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_
     state.check_length(ids, "inputs")
     gen = await Generation.open(state, p.adapter_id, lambda _: [ids],
                                 _sampling(p, p.details or stream),
-                                names={k: f"parameters.{v}" for k, v in NAMES.items()})
+                                names={k: f"parameters.{v}" for k, v in NAMES.items()},
+                                cache_salt=p.cache_salt)
     if stream:
         try:
             await gen.wait_started()

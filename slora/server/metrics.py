@@ -24,6 +24,10 @@ ENGINE_COUNTERS = {
     "adapter_evictions": ("slora_adapter_evictions", "adapters evicted from the pool"),
     "host_evictions": ("slora_host_tier_evictions", "adapters dropped from the host tier"),
     "preemptions": ("slora_preemptions", "requests preempted (pages freed, recomputed later)"),
+    "prefix_query_tokens": ("slora_prefix_cache_queries", "prompt tokens looked up in the "
+                            "prefix cache at admission"),
+    "prefix_hit_tokens": ("slora_prefix_cache_hits", "prompt tokens found in the prefix cache "
+                          "(not computed)"),
 }
 
 
@@ -54,7 +58,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("slora_num_requests_waiting", "requests queued in the engine",
                                 value=s["num_waiting"])
         pages = GaugeMetricFamily("slora_pool_pages", "pool pages by use", labels=["use"])
-        for use in ("free", "kv", "adapter", "total"):
+        for use in ("free", "kv", "adapter", "cached", "total"):
             pages.add_metric([use], s[f"pages_{use}"])
         yield pages
         yield GaugeMetricFamily("slora_adapters_registered", "adapters registered",
@@ -65,6 +69,10 @@ class _EngineCollector:
                                 value=self.snapshot["on_host"])
         for key, (name, doc) in ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=s[key])
+        yield GaugeMetricFamily("slora_prefix_cache_hit_rate", "prefix cache hits over queries, "
+                                "in tokens, since start", value=s["prefix_hit_rate"])
+        yield GaugeMetricFamily("slora_prefix_cache_pages", "pages in the prefix cache, held by "
+                                "requests or not", value=s["prefix_cached_pages"])
         # a pool load finds its adapter in the host tier (a hit) or reads its files (a miss,
         # which then enters the host tier: host_loads)
         yield CounterMetricFamily("slora_host_tier_misses", "pool loads that read the adapter "

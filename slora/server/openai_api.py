@@ -56,7 +56,8 @@ async def _completions(state: ServerState, body: CompletionRequest):
             raise APIError(400, f"{field} is not supported", field)
     prompts = _prompt_ids(state, body.prompt)
     sampling = _sampling(body, body.max_tokens, body.logprobs)
-    gen = await Generation.open(state, body.model, lambda _: prompts, sampling, body.n)
+    gen = await Generation.open(state, body.model, lambda _: prompts, sampling, body.n,
+                                cache_salt=body.cache_salt)
     reply = _Reply(state, body, "cmpl", "text_completion")
     return await reply.respond(gen, _completion_chunk, lambda out: {
         "text": out.text, "logprobs": _completion_logprobs(state, body, out, 0, 0)})
@@ -114,7 +115,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
     top = (body.top_logprobs or 0) if body.logprobs else None
     sampling = _sampling(body, body.max_completion_tokens or body.max_tokens, top)
     gen = await Generation.open(state, body.model, prompts, sampling, body.n,
-                                names={"logprobs": "top_logprobs"})
+                                names={"logprobs": "top_logprobs"}, cache_salt=body.cache_salt)
     reply = _Reply(state, body, "chatcmpl", "chat.completion")
     return await reply.respond(gen, _chat_chunk, lambda out: {
         "message": {"role": "assistant", "content": out.text},

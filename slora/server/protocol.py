@@ -38,6 +38,8 @@ class _Sampling(_Body):
     # vLLM: logprobs' tokens as "token_id:<id>" (token strings may not be unique)
     return_tokens_as_token_ids: bool = False
     user: str | None = None
+    # vLLM: enters the prefix cache's keys; requests of different salts share no cached KV
+    cache_salt: str | None = Field(None, min_length=1)
 
 
 class CompletionRequest(_Sampling):
@@ -96,6 +98,7 @@ class GenerateParameters(_Body):
     decoder_input_details: bool = False
     return_k_alternatives: int | None = Field(None, ge=1)
     response_format: dict | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # as in the OpenAI routes
 
 
 class GenerateRequest(_Body):

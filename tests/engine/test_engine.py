@@ -118,7 +118,8 @@ def test_stats_keys(engine):
     for k in ("pages_total", "pages_free", "pages_kv", "pages_adapter", "adapter_loads",
               "adapter_evictions", "preemptions"):
         assert k in s
-    assert s["pages_free"] + s["pages_kv"] + s["pages_adapter"] == s["pages_total"]
+    assert (s["pages_free"] + s["pages_kv"] + s["pages_adapter"] + s["pages_cached"]
+            == s["pages_total"])
 
 
 def test_cuda_backend_on_cpu_is_a_clear_error(tiny_model_dir):

@@ -17,7 +17,8 @@ def test_bench_prefetch_cpu(experiment, tiny_model_dir, tmp_path):
     for r in rows:
         s = r["stats"]
         assert s["adapter_loads"] > 0 and s["adapter_evictions"] > 0
-        assert s["pages_free"] + s["pages_kv"] + s["pages_adapter"] == s["pages_total"]
+        assert (s["pages_free"] + s["pages_kv"] + s["pages_adapter"] + s["pages_cached"]
+                == s["pages_total"])
         assert s["pages_kv"] == 0 and s["failed"] == 0
         assert 0 < r["blocking_loads"] + r["prefetches"] <= s["adapter_loads"]  # + warm-up's
         assert r["steps"] == len(r["steps_detail"])
