@@ -101,11 +101,11 @@ def main(argv=None) -> int:
             rows.append(row(name, sim))
     table = format_table(rows)
     print(table)
-    device = "cpu" if args.no_replay else "cuda"
+    device = "cpu" if args.no_replay else base_options.get("device", "cuda")
     result = {**header(__file__, device, {}, argv), "workload": trace.params, "rows": rows,
               "table": table}
     write_result(out, "bench_prefix.json", result)
-    return 0
+    return result
 
 
 def format_table(rows: list[dict]) -> str:
@@ -133,4 +133,4 @@ def format_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -46,6 +46,20 @@ def test_trace_synth(tmp_path, capsys):
     assert trace.params["cv"] == 2 and "wrote" in capsys.readouterr().out
 
 
+def test_trace_synth_shared_prefix(tmp_path):
+    out = tmp_path / "p.jsonl"
+    assert main(["trace", "synth", "--num-adapters", "3", "--rate", "4", "--duration", "5",
+                 "--input-len", "4", "8", "--shared-prefix", "20", "--vocab-size", "100",
+                 "-o", str(out)]) == 0
+    trace = read_trace(out)
+    heads = {}
+    for r in trace.requests:  # each adapter's system prompt, then the request's own tokens
+        assert 24 <= len(r.prompt) <= 28 and all(0 <= t < 100 for t in r.prompt)
+        assert heads.setdefault(r.adapter, r.prompt[:20]) == r.prompt[:20]
+    assert len(set(map(tuple, heads.values()))) == len(heads) > 1
+    assert trace.params["shared_prefix"] == 20
+
+
 def test_bad_ranks_and_misplaced_tokenizer(tmp_path, capsys):
     base = ["trace", "synth", "--num-adapters", "2", "--rate", "1", "--duration", "5", "-o",
             str(tmp_path / "t.jsonl")]

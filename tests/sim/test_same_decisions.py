@@ -16,7 +16,7 @@ from slora.config import ModelConfig
 from slora.metrics import summarize
 from slora.replay import register_adapters, replay
 from slora.sim import CostModel, SimRunner, VirtualClock, simulate
-from slora.workload import synthesize
+from slora.workload import synthesize, with_shared_prefix
 
 
 def _decisions(plan, now):
@@ -49,14 +49,17 @@ DECISION_COST = CostModel(
     h2d_gbps=6.0, disk_gbps=None, load_overhead_s=5e-5, prefetch_overlap=0.0)
 
 
-@pytest.mark.parametrize("policy,async_scheduling", [
-    ("fcfs", False), ("cluster", False), ("fair", False), ("abort", False),
-    ("fcfs", True), ("abort", True)])
+@pytest.mark.parametrize("policy,async_scheduling,prefix", [
+    ("fcfs", False, 0), ("cluster", False, 0), ("fair", False, 0), ("abort", False, 0),
+    ("fcfs", True, 0), ("abort", True, 0), ("fcfs", True, 40)])
 def test_engine_and_simulator_make_the_same_decisions(tiny_model_dir, cpu_profile, monkeypatch,
-                                                      policy, async_scheduling):
+                                                      policy, async_scheduling, prefix):
     """... in the sync order of events, and in async scheduling's (each step launched before
-    the one before it is collected; the device runs them back to back)."""
+    the one before it is collected; the device runs them back to back); with `prefix`, every
+    adapter's prompts share a system prompt of that many tokens, which prefix caching finds."""
     trace = _decision_trace()
+    if prefix:
+        trace = with_shared_prefix(trace, prefix, ModelConfig.from_dir(tiny_model_dir).vocab_size)
     engine_options = dict(ENGINE, policy=policy, slo_ttft_s=0.05, async_scheduling=async_scheduling)
 
     # the real engine, computing on CPU, on a virtual clock that advances by the cost model
@@ -116,8 +119,11 @@ def test_engine_and_simulator_make_the_same_decisions(tiny_model_dir, cpu_profil
     for i, (a, b) in enumerate(zip(real_steps, sim_steps)):
         assert a == b, f"step {i}: engine {a} != simulator {b}"
     s_real, s_sim = engine.stats(), sim_run.engine.stats()
-    for key in ("adapter_loads", "adapter_evictions", "preemptions", "failed", "host_loads"):
+    for key in ("adapter_loads", "adapter_evictions", "preemptions", "failed", "host_loads",
+                "prefix_hit_tokens", "prefix_query_tokens", "pages_cached"):
         assert s_real[key] == s_sim[key], key
+    if prefix:  # (preempted requests find their own pages again: hits happen without too)
+        assert s_real["prefix_hit_tokens"] >= 10 * prefix
     assert s_real["adapter_evictions"] > 0
     assert any(step[4] for step in real_steps), "some adapters were prefetched"
     if policy == "fcfs":
