@@ -4,7 +4,8 @@ A step's forward time is the larger of two linear models over fifteen features o
 (`FEATURES`), each a sum the runner's kernels scale with: the device's work, over all of them,
 
     device  = c0                                   fixed: launch, scheduling, sampling overhead
-            + c_prefill_tokens * prefill_tokens    GEMMs over the new tokens of prefill rows
+            + c_prefill_tokens * prefill_tokens    GEMMs over the new tokens of prefill rows (a
+                                                   prefix found in the prefix cache is not new)
             + c_prefill_attn   * prefill_attn      prefill attention: sum of new x context tokens
             + c_decode_seqs    * decode_seqs       per decode row (GEMM rows, metadata, sampling)
             + c_decode_ctx     * decode_ctx        decode attention: KV tokens read, summed
