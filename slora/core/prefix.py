@@ -62,12 +62,14 @@ class PrefixCache:
     def digests(self, req: Request, root: bytes, n: int) -> list[bytes]:
         """`req.block_digests`, extended to at least n pages (its tokens must be known)."""
         out = req.block_digests
-        if len(out) < n:
+        have = len(out)
+        if have < n:
             bs = self.block_size
-            tokens = req.token_ids_from(len(out) * bs)
-            prev = out[-1] if out else root
-            for i in range(n - len(out)):
-                prev = hashlib.sha256(prev + array("q", tokens[i * bs:(i + 1) * bs]).tobytes()).digest()
+            data = array("q", req.token_ids_from(have * bs)[:(n - have) * bs]).tobytes()
+            step = 8 * bs  # bytes of a page's int64 token ids
+            prev, sha = out[-1] if out else root, hashlib.sha256
+            for at in range(0, len(data), step):
+                prev = sha(prev + data[at:at + step]).digest()
                 out.append(prev)
         return out
 

@@ -286,7 +286,8 @@ class SimEngine:
         (so nothing is admitted, prefetched or aborted); every running request decodes one
         token, or, at its length (a request of the simulator stops only there: ignore_eos,
         no stop tokens), is left out and finishes where its last token resolves; the pages
-        its rows' new blocks take are free (nothing is evicted or preempted); and some row
+        its rows' new blocks take are free or cached KV pages first in the LRU order (no
+        adapter is evicted, nothing preempted); and some row
         decodes. Its effects are the scheduler's, in the scheduler's order: each step's new
         blocks go to its rows in running order (`PageAllocator.alloc`), then the requests
         reaching their length finish (`Scheduler._finish`: pages freed, adapter released) in
@@ -449,9 +450,12 @@ class _QuietRun:
             bucket = by_phase[i % block_size]
             if bucket:
                 grow = [r for r in bucket if first_of[r] <= i and end_of[r] > i - last]
-                if len(grow) > allocator.num_free:
+                short = len(grow) - allocator.num_free
+                if short > 0 and not _cached_front(allocator, short):
                     break
-                for r in grow:
+                for r in grow:  # (`Scheduler._grow`: one page each, reclaimed LRU first)
+                    if short > 0 and not allocator.num_free:
+                        allocator.evict_for(1)
                     reqs[r].block_table += alloc(1, KV)
             rows = self.rows
             dt = decode_time(rows, self.ctx + rows * i, len(names) - (None in names), self.lora)
@@ -534,6 +538,13 @@ class _QuietRun:
             rows = sorted((r for r in range(len(reqs)) if end_of[r] >= taken),
                           key=self.page_of.__getitem__, reverse=True)
             sim._flight = (SchedulerPlan(decode=[reqs[r] for r in rows]), self.device_free)
+
+
+def _cached_front(allocator: PageAllocator, n: int) -> bool:
+    """Whether the first n holders of the pool's LRU order are cached KV pages (page ids), so
+    that reclaiming them for a quiet step's new blocks evicts no adapter."""
+    keys = list(itertools.islice(allocator.lru, n))
+    return len(keys) == n and all(type(k) is int for k in keys)
 
 
 def _settle_tokens(req: Request, decoded: int, asynchronous: bool, final: bool) -> None:
