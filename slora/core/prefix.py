@@ -65,7 +65,9 @@ class PrefixCache:
         have = len(out)
         if have < n:
             bs = self.block_size
-            data = array("q", req.token_ids_from(have * bs)[:(n - have) * bs]).tobytes()
+            start, end, prompt = have * bs, n * bs, req.prompt_token_ids
+            ids = prompt[start:end] if end <= len(prompt) else req.token_ids_from(start)[:end - start]
+            data = array("q", ids).tobytes()
             step = 8 * bs  # bytes of a page's int64 token ids
             prev, sha = out[-1] if out else root, hashlib.sha256
             for at in range(0, len(data), step):
@@ -76,11 +78,12 @@ class PrefixCache:
     # -- requests
     def match(self, req: Request, root: bytes) -> list[int]:
         """The cached pages of `req`'s longest cached prefix of full pages, at most
-        (num_tokens - 1) // block_size of them. Looks up, takes nothing."""
-        pages, page_of = [], self._page_of
-        limit = (req.num_tokens - 1) // self.block_size
-        digests = self.digests(req, root, limit)
-        for i in range(limit):
+        (num_tokens - 1) // block_size of them. Looks up, takes nothing; digests pages only up
+        to the first miss."""
+        pages, page_of, digests = [], self._page_of, req.block_digests
+        for i in range((req.num_tokens - 1) // self.block_size):
+            if i == len(digests):
+                self.digests(req, root, i + 1)
             p = page_of.get(digests[i])
             if p is None:
                 break

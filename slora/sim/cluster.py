@@ -27,11 +27,14 @@ The cyclic garbage collector is paused while a fleet runs: it makes no reference
 each full pass would walk its millions of requests and records.
 
 Prompt token ids are a shared list of FAKE_TOKEN per length: the simulator reads only their
-count (`simulate` draws random ids, as a replay does; the timing is the same).
+count (`simulate` draws random ids, as a replay does; the timing is the same), and each such
+request has its own prefix-cache salt, so that, as random prompts, they share no cached page
+(a preempted request still finds its own). Token-id prompts of the trace are shared as given.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing
 import time
@@ -75,6 +78,7 @@ class Replica:
         self._ranks = ranks
         self._default_rank = default_rank
         self._prompts: dict[int, list[int]] = {}  # length -> the shared fake prompt
+        self._salts = itertools.count()  # a fake prompt's own prefix-cache salt
         self._sampling: dict[int, SamplingParams] = {}  # output_len -> its (frozen) params
 
     def deliver(self, req: TraceRequest) -> None:
@@ -134,7 +138,8 @@ class Replica:
 
     def _add(self, req: TraceRequest) -> None:
         n = req.prompt_len if req.prompt is None else len(req.prompt)
-        prompt = req.prompt if isinstance(req.prompt, list) else self._prompts.get(n)
+        own = isinstance(req.prompt, list)
+        prompt = req.prompt if own else self._prompts.get(n)
         if prompt is None:
             prompt = self._prompts[n] = [FAKE_TOKEN] * n
         sampling = self._sampling.get(req.output_len)
@@ -143,7 +148,8 @@ class Replica:
                 max_tokens=req.output_len, ignore_eos=True)
         try:
             rid = self.engine.add_request(prompt, sampling, adapter=req.adapter,
-                                          arrival_time=req.arrival_time)
+                                          arrival_time=req.arrival_time,
+                                          cache_salt=None if own else str(next(self._salts)))
         except ValueError as e:
             self.rejected.append(_failed(req, f"rejected at submission: {e}"))
             self.missed += 1

@@ -203,7 +203,7 @@ class SimEngine:
     # -- requests
     def add_request(self, prompt: list[int], sampling: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
         """Queue one request (token ids only). A prompt too long for the model or the pool
         fails, reported at the next step, as in the engine."""
         sampling = sampling or SamplingParams()
@@ -215,7 +215,7 @@ class SimEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         req = Request(rid, prompt, sampling, adapter,
                       self.clock.now if arrival_time is None else arrival_time,
-                      max_len=self.max_model_len)
+                      max_len=self.max_model_len, cache_salt=cache_salt)
         if len(prompt) >= self.max_model_len:
             req.status = RequestStatus.FINISHED
             req.finish_reason = "error"

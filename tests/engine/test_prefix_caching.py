@@ -1,21 +1,25 @@
-"""Prefix caching on the real engine (tiny model, fp32, CPU): requests that find their prefix
-cached give the tokens and log-probs of the engine without the cache; hit counters are exact;
-the cache keys KV by the adapter's content and the request's cache_salt."""
+"""Prefix caching on the real engine (tiny model, fp32; on the GPU where there is one):
+requests that find their prefix cached give the tokens and log-probs of the engine without the
+cache (on the torch twins; on a GPU, on the Triton kernels too: interpreted on CPU they take
+minutes); hit counters are exact; the cache keys KV by the adapter's content and the request's
+cache_salt."""
 
 import math
 
 import pytest
+import torch
 
 from slora import Engine, EngineConfig, SamplingParams
 from tests.conftest import make_adapter
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BS = 16
 SYSTEM = list(range(3, 3 + 40))  # two full pages and 8 tokens
 SP = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
 
 
 def _engine(model_dir, **kw):
-    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+    return Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
                                num_pages=128, block_size=BS, **kw))
 
 
@@ -39,16 +43,17 @@ def adapters(tiny_model_dir, tmp_path_factory):
     return [make_adapter(tiny_model_dir, root / name, seed=i + 1) for i, name in enumerate("ab")]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("backend,async_scheduling", [
+    ("torch", False), ("torch", True), *([("triton", False), ("triton", True)] * (DEVICE == "cuda"))])
 def test_shared_prefixes_give_the_uncached_outputs_and_exact_hits(tiny_model_dir, adapters,
-                                                                  async_scheduling):
+                                                                  backend, async_scheduling):
     warm = ([SYSTEM + [50, 51], SYSTEM + [52]], [None, "a"])
     batch = ([SYSTEM + [60, 61, 62], SYSTEM + [63], SYSTEM + [64], SYSTEM + [63], [70, 71, 72],
               SYSTEM[:33], SYSTEM[:32]],
              [None, "a", "b", "a", None, None, "a"])
     results = {}
     for on in (False, True):
-        engine = _engine(tiny_model_dir, enable_prefix_caching=on,
+        engine = _engine(tiny_model_dir, enable_prefix_caching=on, backend=backend,
                          async_scheduling=async_scheduling)
         for name, path in zip("ab", adapters):
             engine.add_adapter(name, path)
