@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -39,10 +38,8 @@ def make_trace(args):
 
 
 def row(name: str, result: dict) -> dict:
-    ttft = result.get("latencies", {}).get("ttft_s", [])
     stats = result["stats"]
-    return {"setting": name, "source": result["source"],
-            "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+    return {"setting": name, "source": result["source"], "ttft_mean_s": result["avg_ttft_s"],
             "ttft_p90_s": result["ttft_p90_s"], "throughput_req_s": result["throughput_req_s"],
             "avg_latency_s": result["avg_latency_s"], "completed": result["num_completed"],
             "prefix_hit_rate": stats.get("prefix_hit_rate"),

@@ -547,6 +547,8 @@ def parse_args(argv=None):
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                     help="EngineConfig.async_scheduling: launch each step before collecting the "
                          "last (default: the engine's, on with CUDA)")
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="EngineConfig.enable_prefix_caching (default on, the engine's default)")
     ap.add_argument("--mixed-prompts", type=int, default=1,
                     help="breakdown: prompts joining each mixed step, each with its own adapter")
     ap.add_argument("--mixed-prompt-len", type=int, default=128,
@@ -603,6 +605,7 @@ def main(argv=None) -> dict:
                               num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
                               max_batch_tokens=args.max_batch_tokens,
                               async_scheduling=args.async_scheduling,
+                              enable_prefix_caching=args.prefix_caching,
                               **({} if args.gemm_rows is None
                                  else {"gemm_max_rows": args.gemm_rows}),
                               **({} if args.mixed_graph_tokens is None
