@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,8 @@ STEP, STOP = 1, 2
 # A collective of a step that takes longer than this means a rank is stuck: rank 0 fails.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for the next step
+START_TIMEOUT = datetime.timedelta(minutes=5)  # spawned workers join within this
+JOINED = "slora_tp_joined"  # the store's count of the workers that joined
 
 
 class WorkerDied(RuntimeError):
@@ -51,12 +53,6 @@ def torchrun_rank() -> int | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"])
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TensorParallel:
@@ -88,31 +84,49 @@ class TensorParallel:
         if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + n:
             raise ValueError(f"EngineConfig.tensor_parallel_size={n} needs {n} GPUs from "
                              f"{device}; this machine has {torch.cuda.device_count()}")
-        url = f"tcp://127.0.0.1:{_free_port()}"
         from slora.distributed.worker import worker_main
 
+        store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
+                              timeout=START_TIMEOUT)
+        address = ("127.0.0.1", store.port)
         ctx = torch.multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=worker_main, args=(config, k, n, url), daemon=True,
+        procs = [ctx.Process(target=worker_main, args=(config, k, n, address), daemon=True,
                              name=f"slora-tp{k}") for k in range(1, n)]
-        for p in procs:
-            p.start()
         try:
-            return cls.join(config, 0, n, url, device, procs)
+            for p in procs:
+                p.start()
+            # every worker joins, or one exits first: no wait on a worker that is gone
+            deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+            while store.add(JOINED, 0) < n - 1:
+                dead = [(k, p) for k, p in enumerate(procs, 1) if not p.is_alive()]
+                if dead:
+                    k, p = dead[0]
+                    raise WorkerDied(f"tensor-parallel worker rank {k} (pid {p.pid}) exited "
+                                     f"with code {p.exitcode} while starting (its traceback "
+                                     "is on stderr)")
+                if time.monotonic() > deadline:
+                    raise WorkerDied(f"tensor-parallel workers did not start within "
+                                     f"{START_TIMEOUT}")
+                time.sleep(0.02)
+            return cls.join(config, 0, n, store, device, procs)
         except BaseException:
             for p in procs:
-                p.kill()
+                if p.is_alive():
+                    p.kill()
             raise
 
     @classmethod
-    def join(cls, config, rank: int, n: int, url: str, device: torch.device,
+    def join(cls, config, rank: int, n: int, store, device: torch.device,
              procs=()) -> "TensorParallel":
-        """Join the group as `rank` (rank 0: the engine; others: workers); `device` is rank
-        0's device, each rank taking the next one on CUDA."""
+        """Join the group as `rank` (rank 0: the engine; others: workers) through `store`
+        (a TCPStore, "env://" under torchrun); `device` is rank 0's device, each rank taking
+        the next one on CUDA."""
         if device.type == "cuda":
             device = torch.device("cuda", (device.index or 0) + rank)
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=url,
-                                rank=rank, world_size=n, timeout=COLLECTIVE_TIMEOUT)
+        where = dict(init_method=store) if isinstance(store, str) else dict(store=store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                                world_size=n, timeout=COLLECTIVE_TIMEOUT, **where)
         return cls(rank, n, device, procs)
 
     def close(self) -> None:

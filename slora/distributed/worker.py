@@ -10,20 +10,28 @@ import sys
 import traceback
 
 from slora.config import EngineConfig, ModelConfig
-from slora.distributed.group import TensorParallel
+import torch.distributed as dist
+
+from slora.distributed.group import JOINED, START_TIMEOUT, TensorParallel
 from slora.runner.device import resolve_device
 
 
-def worker_main(config: EngineConfig, rank: int, size: int, url: str) -> None:
-    """The spawned worker's entry point: exit code 0 when rank 0 closed the group, 1 (with
-    the traceback on stderr) when the worker failed."""
+def worker_main(config: EngineConfig, rank: int, size: int, address: tuple[str, int]) -> None:
+    """The spawned worker's entry point: joins rank 0's store at `address`; exit code 0 when
+    rank 0 closed the group, 1 (with the traceback on stderr) when the worker failed."""
     try:
-        tp = TensorParallel.join(config, rank, size, url, resolve_device(config.device))
+        store = dist.TCPStore(*address, size, is_master=False, timeout=START_TIMEOUT)
+        store.add(JOINED, 1)
+        tp = TensorParallel.join(config, rank, size, store, resolve_device(config.device))
         serve(config, tp)
     except BaseException:  # noqa: BLE001 - reported on stderr; rank 0 sees the exit code
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        code = 1
+    else:
+        code = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # (no interpreter teardown: rank 0 waits for this exit)
 
 
 def serve_torchrun(config: EngineConfig) -> None:
