@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from slora.distributed import codec
-from slora.distributed.sharding import ROW_PARALLEL_GROUPS, VocabShard
+from slora.distributed.shapes import ROW_PARALLEL_GROUPS
+from slora.distributed.sharding import VocabShard
 
 STEP, STOP = 1, 2
 # A collective of a step that takes longer than this means a rank is stuck: rank 0 fails.

@@ -15,7 +15,8 @@ import torch
 
 from slora.config import ModelConfig
 from slora.core.adapters import AdapterLayout
-from slora.distributed.sharding import ShardConfig, shard_packed
+from slora.distributed.shapes import ShardConfig
+from slora.distributed.sharding import shard_packed
 from slora.runner.host_tier import HostAdapterTier, Loads
 
 
