@@ -147,10 +147,8 @@ class TensorParallel:
 
     def check(self) -> None:
         """Rank 0: WorkerDied if the group is dead or a worker has exited."""
-        if self.dead is None:
-            for k, p in enumerate(self.procs, 1):
-                if not p.is_alive():
-                    self.fail(None)
+        if self.dead is None and not all(p.is_alive() for p in self.procs):
+            self.fail(None)
         if self.dead is not None:
             raise WorkerDied(self.dead)
 
