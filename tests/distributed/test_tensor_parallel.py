@@ -11,9 +11,13 @@ do not split over is refused before any process starts.
 from __future__ import annotations
 
 import faulthandler
+import json
 import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,6 +159,44 @@ def test_a_dying_worker_fails_the_requests_and_shuts_the_engine_down(models):
     with pytest.raises(RuntimeError, match="engine has shut down"):
         engine.add_request(PROMPTS[0], long)
     engine.close()
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from slora import Engine, EngineConfig, SamplingParams
+engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", block_size=8,
+                             tensor_parallel_size=2, num_pages=200))
+engine.add_adapter("r8", sys.argv[2])
+outs = engine.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=4, ignore_eos=True),
+                       adapters=["r8", None])
+print("tokens", json.dumps([o.token_ids for o in outs]))
+engine.close()
+"""
+
+
+def test_under_torchrun_rank_0_serves_and_the_others_are_workers(models, tmp_path):
+    model, adapters = models("gqa")
+    script = tmp_path / "serve.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    prompts = PROMPTS[:2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), str(model),
+         str(adapters["r8"]), json.dumps(prompts)],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("tokens ")]
+    assert len(lines) == 1  # rank 0 alone returns from Engine(...)
+    engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                 block_size=BLOCK, num_pages=200))
+    engine.add_adapter("r8", adapters["r8"])
+    ref = engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
+                          adapters=["r8", None])
+    assert json.loads(lines[0].removeprefix("tokens ")) == [o.token_ids for o in ref]
 
 
 @pytest.mark.parametrize("heads, kv, n, why", [
