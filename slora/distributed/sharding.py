@@ -29,6 +29,7 @@ rank's shapes are the same, so one page id means the same page on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ import torch
 from slora.config import LORA_MODULES, ModelConfig
 from slora.core.adapters import AdapterLayout
 from slora.distributed.shapes import ShardConfig
-from slora.model.llama import LayerWeights, Weights
+from slora.model.llama import Weights
 from slora.model.loader import strides
 from slora.model.quant import Fp8Weight
 
@@ -91,16 +92,17 @@ def shard_weights(w: Weights, full: ModelConfig, local: ShardConfig) -> Weights:
     qkv = torch.cat([sl["q_proj"][1], full.q_size + sl["k_proj"][1],
                      full.q_size + full.kv_size + sl["v_proj"][1]])
     gate_up = torch.cat([sl["gate_proj"][1], full.intermediate_size + sl["up_proj"][1]])
-    layers = [LayerWeights(
-        ln1=lw.ln1, qkv=_rows(lw.qkv, qkv),
+    # (the fields not named here, norms, stay whole on every rank)
+    layers = [dataclasses.replace(
+        lw, qkv=_rows(lw.qkv, qkv),
         qkv_bias=None if lw.qkv_bias is None else _rows(lw.qkv_bias, qkv),
         o=_cols(lw.o, sl["o_proj"][0]),
         o_bias=lw.o_bias if local.tp_rank == 0 else None,  # added once, before the sum
-        ln2=lw.ln2, gate_up=_rows(lw.gate_up, gate_up), down=_cols(lw.down, sl["down_proj"][0]),
-        q_norm=lw.q_norm, k_norm=lw.k_norm) for lw in w.layers]
+        gate_up=_rows(lw.gate_up, gate_up), down=_cols(lw.down, sl["down_proj"][0]))
+        for lw in w.layers]
     embed = vocab_rows(w.embed, local)
     lm_head = embed if w.lm_head is w.embed else vocab_rows(w.lm_head, local)
-    return Weights(embed=embed, layers=layers, norm=w.norm, lm_head=lm_head)
+    return dataclasses.replace(w, embed=embed, layers=layers, lm_head=lm_head)
 
 
 def vocab_rows(table: torch.Tensor, local: ShardConfig) -> torch.Tensor:
