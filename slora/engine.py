@@ -124,7 +124,7 @@ class Engine:
                 raise
 
     def _register(self, name, layout, source, pack, shared=None) -> None:
-        layout, pack = self.runner.adapter_view(layout, pack)  # (a rank's, under TP)
+        layout, pack = self.runner.adapter_view(name, layout, pack)  # (a rank's, under TP)
         pages = layout.num_pages(self.runner.page_size)
         self.adapters.register(AdapterInfo(
             name=name, num_pages=pages, nbytes=pages * self.runner.host_page_bytes, source=source,

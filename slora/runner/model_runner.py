@@ -35,7 +35,7 @@ from slora.kernels import reference as ref
 from slora.kernels.reference import LORA_ALIGN
 from slora.kernels.tiles import tile_rows
 from slora.model.llama import GROUPS, Batch, LlamaModel
-from slora.model.loader import load_weights, random_weights, strides
+from slora.model.loader import AdapterError, load_weights, random_weights, strides
 from slora.model.quant import LINEAR_FIELDS, Fp8Weight, quantize_weights
 from slora.runner.batch import BatchBuilder
 from slora.runner.device import resolve_device, resolve_dtype
@@ -220,12 +220,18 @@ class ModelRunner:
         """Host-tier bytes of one adapter page id: every rank's shard, on rank 0."""
         return self.page_bytes * (1 if self.tp is None else self.tp.size)
 
-    def adapter_view(self, layout, pack):
-        """(layout, pack) of an adapter as this runner's pool and host tier hold it, from its
-        full-model `layout` and `pack`: as they are on one device; under tensor parallelism
-        the rank's layout and a pack of every rank's shard (slora.distributed)."""
+    def adapter_view(self, name: str, layout, pack):
+        """(layout, pack) of adapter `name` as this runner's pool and host tier hold it, from
+        its full-model `layout` and `pack`: as they are on one device; under tensor
+        parallelism the rank's layout and a pack of every rank's shard (slora.distributed).
+        AdapterError for a DoRA adapter under tensor parallelism (its per-channel norms are
+        over the whole weight)."""
         if self.tp is None:
             return layout, pack
+        if layout.dora_modules:
+            raise AdapterError(f"adapter {name!r}: DoRA adapters are not served with "
+                               f"tensor_parallel_size={self.tp.size} (supported: LoRA "
+                               "adapters; DoRA with tensor_parallel_size=1)", adapter=name)
         from slora.core.adapters import AdapterLayout
         from slora.distributed import ShardConfig, sharded_pack
 

@@ -30,7 +30,7 @@ from slora.distributed import ShardConfig, check_degree
 from slora.distributed.codec import decode, encode
 from slora.kernels import GroupMeta, LoraMeta
 from slora.model.llama import Batch
-from slora.model.loader import PeftAdapter
+from slora.model.loader import AdapterError, PeftAdapter
 from tests.conftest import _tokenizer, make_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -137,10 +137,14 @@ def test_tokens_and_logprobs_equal_one_device(models, shape, n):
 
 
 def test_a_dying_worker_fails_the_requests_and_shuts_the_engine_down(models):
+    """(and, first, a DoRA adapter is refused under tensor parallelism)"""
     model, adapters = models("gqa")
     engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
                                  block_size=BLOCK, tensor_parallel_size=2, num_pages=200))
     engine.add_adapter("r8", adapters["r8"])
+    with pytest.raises(AdapterError, match="DoRA adapters are not served with tensor_parall"):
+        engine.add_synthetic_adapter("dora", 8, ["q_proj", "o_proj"], dora=True)
+    assert engine.list_adapters() == ["r8"]
     long = SamplingParams(max_tokens=100, ignore_eos=True)
     ids = {engine.add_request(p, long, a) for p, a in zip(PROMPTS[:4], ["r8", None] * 2)}
     engine.step()
