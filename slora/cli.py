@@ -792,6 +792,9 @@ def _add_profile(sub) -> None:
                    help="profile the engine with(out) async scheduling (default: with on CUDA); "
                         "its steps are then timed between collections, as the device runs them "
                         "back to back. The profile records the setting; simulate follows it")
+    g.add_argument("--tensor-parallel-size", type=int,
+                   help="profile the model sharded over this many devices (one profile per "
+                        "degree; simulate follows it)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars: a line per case instead")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
@@ -816,7 +819,7 @@ def _profile(args) -> int:
     if not args.model:
         raise ValueError("--model DIR is required (or --refit PROFILE to refit a stored profile)")
     keys = ("load_format", "device", "dtype", "quantization", "backend", "num_pages", "block_size",
-            "mixed_graph_tokens", "async_scheduling")
+            "mixed_graph_tokens", "async_scheduling", "tensor_parallel_size")
     options = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     grid = {"gpu": GPU_GRID, "cpu": CPU_GRID, None: None}[args.grid]
     run_profile(args.model, args.output, engine_options=options, grid=grid, model_name=args.name,

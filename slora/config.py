@@ -89,6 +89,9 @@ class EngineConfig:
         layers (q/k/v/o, gate/up/down) in FP8 E4M3 with one scale per output channel
         (slora.model.quant), quantized at load time; embeddings, lm_head, norms and adapters
         stay in `dtype`.
+    tensor_parallel_size: devices the model is sharded over (slora.distributed): one process
+        per device, the engine's own being rank 0; heads, the MLP and the vocabulary are split
+        across them. The model's heads must split evenly (see `distributed.check_degree`).
     """
 
     model: str | None = None
@@ -145,6 +148,7 @@ class EngineConfig:
     # prefix is cached computes only the rest. Cached pages no request holds are reclaimed
     # with idle adapters in one least-recently-used order.
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -182,6 +186,7 @@ class EngineConfig:
         need(self.max_logprobs >= 0, "max_logprobs", "must be >= 0")
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
              f"expected None or one of {QUANTIZATIONS}")
+        need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
 
     @property
     def host_cache_bytes(self) -> int:

@@ -26,6 +26,7 @@ from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv, is_int, 
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager, synthetic_identity
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
+from slora.distributed.group import torchrun_rank
 from slora.graphs import warmup_adapters, warmup_steps
 from slora.model.llama import GROUPS
 from slora.model.loader import AdapterError, PeftAdapter, synthetic_pack
@@ -50,6 +51,13 @@ class Engine:
         has_tok = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = (Tokenizer(config.model, self.model_config.eos_token_ids)
                           if has_tok or config.load_format != "dummy" else None)
+        if config.tensor_parallel_size > 1 and (torchrun_rank() or 0) > 0:
+            # under torchrun, ranks above 0 are tensor-parallel workers: they serve rank 0's
+            # steps and end the process when rank 0 closes the group
+            from slora.distributed.worker import serve_torchrun
+
+            serve_torchrun(config)
+            raise SystemExit(0)
         self.runner = ModelRunner(config, self.model_config, config.model)
         self.allocator = PageAllocator(self.runner.num_pages)
         self.adapters = AdapterManager(self.allocator, config.host_cache_bytes)
@@ -116,9 +124,10 @@ class Engine:
                 raise
 
     def _register(self, name, layout, source, pack, shared=None, identity=None) -> None:
+        layout, pack = self.runner.adapter_view(name, layout, pack)  # (a rank's, under TP)
         pages = layout.num_pages(self.runner.page_size)
         self.adapters.register(AdapterInfo(
-            name=name, num_pages=pages, nbytes=pages * self.runner.page_bytes, source=source,
+            name=name, num_pages=pages, nbytes=pages * self.runner.host_page_bytes, source=source,
             layout=layout, pack=pack, shared=shared, identity=identity))
 
     def remove_adapter(self, name: str) -> None:
@@ -155,6 +164,8 @@ class Engine:
                  request_id: str | None, arrival_time: float | None,
                  cache_salt: str | None = None) -> Request:
         """A validated request, not queued yet."""
+        if self.runner.dead:
+            raise RuntimeError(self.runner.dead)
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise ValueError(f"cache_salt={cache_salt!r}: expected None or a non-empty str")
         sampling = SamplingParams() if sampling is None else sampling
@@ -290,6 +301,9 @@ class Engine:
         failed = self.scheduler.fail([r for plan in plans for r in plan.seqs],
                                      f"the step failed: {type(error).__name__}: {error}",
                                      time.monotonic())
+        if self.runner.dead:  # a tensor-parallel worker died: nothing can run any more
+            failed += self.scheduler.fail([*self.scheduler.waiting, *self.scheduler.running],
+                                          self.runner.dead, time.monotonic())
         # The adapters these steps were copying into the pool may hold pages never written:
         # they leave the pool, so the next use reads and copies them again.
         for plan in plans:
@@ -514,6 +528,7 @@ class Engine:
         import torch
 
         cuda = self.runner.device.type == "cuda"
+        self.runner.close()
         self.runner = self._flight = None
         self._synthetic.clear()
         gc.unfreeze()  # what `warmup` froze is collectable again

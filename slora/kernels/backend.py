@@ -65,6 +65,9 @@ class LoraMeta:
 
 class TorchBackend:
     name = "torch"
+    # Tensor parallelism (slora.distributed.TensorParallel, None on one device): LoRA's
+    # row-parallel groups sum their shrink over the ranks and expand into the rank's columns.
+    tp = None
 
     linear = staticmethod(quant.linear)
     rms_norm = staticmethod(ref.rms_norm)
@@ -114,6 +117,8 @@ class TorchBackend:
         ranks = g.ranks[layer]
         xa = ref.lora_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, meta.token_slot,
                              g.stride_in, g.max_rank)
+        if self.tp is not None:
+            xa, out = self.tp.lora_partials(group, xa, out)
         ref.lora_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks, meta.token_slot,
                         g.out_dims, g.strides_out)
 
@@ -180,7 +185,8 @@ class TritonBackend(TorchBackend):
             xa = self._shrink(x, pool_l, meta, g, layer)
         out = self.linear(x, w, bias)
         main.wait_stream(side)
-        self._expand(xa, out, pool_l, meta, g, layer)
+        xa, cols = (xa, out) if self.tp is None else self.tp.lora_partials(group, xa, out)
+        self._expand(xa, cols, pool_l, meta, g, layer)
         self.dora(out, bias, pool_l, meta, group)
         return out
 
@@ -195,7 +201,10 @@ class TritonBackend(TorchBackend):
         step, as one-token MBGMM segments would each fill a whole token tile alone."""
         g = meta.groups.get(group)
         if g is not None:
-            self._expand(self._shrink(x, pool_l, meta, g, layer), out, pool_l, meta, g, layer)
+            xa = self._shrink(x, pool_l, meta, g, layer)
+            if self.tp is not None:
+                xa, out = self.tp.lora_partials(group, xa, out)
+            self._expand(xa, out, pool_l, meta, g, layer)
 
     def _shrink(self, x, pool_l, meta: LoraMeta, g: GroupMeta, layer: int):
         """(xa of the decode rows, xa of the prompts), None where the step has none."""

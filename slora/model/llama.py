@@ -170,10 +170,16 @@ class LlamaModel:
     `forward` runs them over every layer. An eager step waits for each piece's adapter copies
     between `layers` calls; a CUDA graph captures each piece as one `layers` call. Any cut
     into pieces runs the same kernels in the same order as `forward`.
+
+    Under tensor parallelism (`tp`, a slora.distributed.TensorParallel) `cfg` is this rank's
+    view and `weights` its shard: the embedding lookup and the logits are gathered over the
+    vocabulary's shards, and o's and down's partial outputs are summed over the ranks.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, backend, block_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: Weights, backend, block_size: int,
+                 tp=None) -> None:
         self.cfg = cfg
+        self.tp = tp
         self.w = weights
         self.backend = backend
         self.block_size = block_size
@@ -201,7 +207,10 @@ class LlamaModel:
     def embed(self, b: Batch) -> Hidden:
         """The token embeddings (Gemma: times embed_scale rounded to their dtype, as HF
         does): the residual stream before layer 0."""
-        x = self.w.embed[b.input_ids]
+        if self.tp is not None:
+            x = self.tp.embed(self.w.embed, b.input_ids)
+        else:
+            x = self.w.embed[b.input_ids]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         return Hidden(x, None)
@@ -227,12 +236,16 @@ class LlamaModel:
                                      window=window, softcap=cfg.attn_softcap or 0.0)
             o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
                                b.lora, layer, "o")
+            if self.tp is not None:
+                self.tp.all_reduce(o)
             if lw.post_attn is not None:
                 o = be.rms_norm(o, lw.post_attn, cfg.rms_norm_eps)
             x, h = be.add_rms_norm(x, o, lw.ln2, cfg.rms_norm_eps)
             gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up")
             act = self.act_mul(gate_up)
             down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down")
+            if self.tp is not None:
+                self.tp.all_reduce(down)
             if lw.post_mlp is not None:
                 down = be.rms_norm(down, lw.post_mlp, cfg.rms_norm_eps)
         return Hidden(x, down)
@@ -256,6 +269,8 @@ class LlamaModel:
         x = (h.x + h.down)[b.logits_index]
         x = self.backend.rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
         logits = self.backend.linear(x, self.w.lm_head)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
         if self.cfg.final_softcap:
             logits = ref.cap_logits(logits, self.cfg.final_softcap)
         return logits.float()

@@ -89,10 +89,19 @@ class HostAdapterTier:
         pageable copy would block the host until the stream drains. One `index_copy_` per
         adapter and piece keeps the launches few: the pool is too large for 32-bit indexing,
         so a copy through its [layers, pages, page] view splits into one kernel per layer."""
+        self._copy(loads, [self._host(name, adapters) for name, _ in loads], on_piece)
+
+    def _host(self, name: str, adapters: AdapterManager) -> torch.Tensor:
+        """The adapter's packed copy: the one `stage` read for this step, else the tier's."""
+        if name in self.staged:
+            return self.staged[name]
+        return self.host_copy(adapters.adapters[name], adapters)
+
+    def _copy(self, loads: Loads, hosts: list[torch.Tensor],
+              on_piece: Callable[[int], None] | None) -> None:
+        """Copy each packed adapter of `hosts` into the pages of its entry of `loads`."""
         L, P, ps = self.pool.shape
-        hosts = [(self.staged.get(name) if name in self.staged
-                  else self.host_copy(adapters.adapters[name], adapters)).view(L, len(pages), ps)
-                 for name, pages in loads]
+        hosts = [h.view(L, len(pages), ps) for h, (_, pages) in zip(hosts, loads)]
         starts = self.piece_starts if on_piece is not None else [0]
         pieces = list(zip(starts, starts[1:] + [L]))
         # pool rows in the order the copies read them: by piece, adapter, layer, page

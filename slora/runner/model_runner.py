@@ -13,6 +13,11 @@ one; the decode rows' input ids are then taken on the device from this step's to
 
 is allocated once. KV pages and adapter pages are both rows of it (see kernels/reference.py);
 the last page is the scratch page, which the allocator never hands out.
+
+With `EngineConfig.tensor_parallel_size` N > 1 (slora.distributed) every rank has a runner
+over its shard: `model_config` is the rank's view (`ShardConfig`), the pool holds the rank's
+slice of every page. Rank 0's `launch` sends each step to the workers, and every rank runs
+`run` on the same batch.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from slora.kernels import reference as ref
 from slora.kernels.reference import LORA_ALIGN
 from slora.kernels.tiles import tile_rows
 from slora.model.llama import GROUPS, Batch, LlamaModel
-from slora.model.loader import load_weights, random_weights, strides
+from slora.model.loader import AdapterError, load_weights, random_weights, strides
 from slora.model.quant import LINEAR_FIELDS, Fp8Weight, quantize_weights
 from slora.runner.batch import BatchBuilder
 from slora.runner.device import resolve_device, resolve_dtype
@@ -75,20 +80,36 @@ class ModelRunner:
     for its tokens. Its parts: `batches` (BatchBuilder), `host_tier` (HostAdapterTier),
     `sampler` (Sampler) and `graphs` (StepGraphs, None without CUDA graphs)."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str,
+                 tp=None) -> None:
+        """tp: this rank's `TensorParallel` (a worker's); None on rank 0, which starts the
+        group itself when config.tensor_parallel_size > 1."""
         self.config = config
-        self.model_config = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        full_config = model_config
+        if tp is None and config.tensor_parallel_size > 1:
+            from slora.distributed import TensorParallel, check_degree
+
+            check_degree(model_config, config.tensor_parallel_size)  # before any spawn
+            tp = TensorParallel.launch(config, self.device)
+        self.tp = tp
+        if tp is not None:
+            from slora.distributed import ShardConfig
+
+            self.device = tp.device
+            model_config = ShardConfig.of(model_config, tp.size, tp.rank)
+        self.model_config = model_config
+        self.full_config = full_config
         self.block_size = config.block_size
         self.page_size = model_config.page_size(config.block_size)
         if self.page_size % LORA_ALIGN:
             raise ValueError(f"page size {self.page_size} (block_size x 2 x kv_heads x head_dim) "
                              f"must be a multiple of {LORA_ALIGN}; raise EngineConfig.block_size")
         if config.load_format == "dummy":
-            weights = random_weights(model_config, self.dtype, self.device, config.seed)
+            weights = random_weights(full_config, self.dtype, self.device, config.seed)
         else:
-            weights = load_weights(model_dir, model_config, self.dtype, self.device)
+            weights = load_weights(model_dir, full_config, self.dtype, self.device)
         # FP8 base weights: quantized here, on the device, from what was loaded (a
         # pre-quantized checkpoint's Fp8Weights stay as they are; its other linear weights are
         # quantized too). The freed 16-bit weights leave the allocator's cache, so the pool
@@ -99,9 +120,17 @@ class ModelRunner:
             weights = quantize_weights(weights)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+        if tp is not None:  # (after quantizing: each rank keeps the full model's scales)
+            from slora.distributed import shard_weights, vocab_shard
+
+            weights = shard_weights(weights, full_config, model_config)
+            tp.vocab = vocab_shard(model_config)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         self.backend = make_backend(config.backend, self.device, config.gemm_max_rows)
-        self.model = LlamaModel(model_config, weights, self.backend, config.block_size)
-        self.num_pages = self._pool_pages()
+        self.backend.tp = tp
+        self.model = LlamaModel(model_config, weights, self.backend, config.block_size, tp)
+        self.num_pages = self._pool_pages() if tp is None else tp.agree(self._pool_pages())
         # One page more than the allocator hands out: padded rows of a captured batch write
         # their KV there (`scratch_page`), never into a live page.
         self.pool = torch.zeros(model_config.num_layers, self.num_pages + 1, self.page_size,
@@ -114,7 +143,13 @@ class ModelRunner:
         # the first layer of each piece a step is cut into: its CUDA graphs, and the copies of
         # the adapters it loads itself, each piece waited for before its layers run
         self.piece_starts = piece_starts(model_config.num_layers)
-        self.host_tier = HostAdapterTier(self.pool, self.dtype, self.piece_starts)
+        if tp is None:
+            self.host_tier = HostAdapterTier(self.pool, self.dtype, self.piece_starts)
+        else:
+            from slora.distributed import ShardedHostTier, WorkerHostTier
+
+            tier = ShardedHostTier if tp.rank == 0 else WorkerHostTier
+            self.host_tier = tier(tp, self.pool, self.dtype, self.piece_starts)
         self._norm_stream = None  # DoRA's norms (`weight_norms`), on a GPU
         self.tile_rows = tile_rows(self.device, self.dtype)  # prefill kernels' work-tile tokens
         # row strides and output widths of each LoRA module group: fixed by the model
@@ -177,8 +212,43 @@ class ModelRunner:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page id across all layers."""
+        """Bytes of one page id across all layers (on each rank)."""
         return self.model_config.num_layers * self.page_size * self.pool.element_size()
+
+    @property
+    def host_page_bytes(self) -> int:
+        """Host-tier bytes of one adapter page id: every rank's shard, on rank 0."""
+        return self.page_bytes * (1 if self.tp is None else self.tp.size)
+
+    def adapter_view(self, name: str, layout, pack):
+        """(layout, pack) of adapter `name` as this runner's pool and host tier hold it, from
+        its full-model `layout` and `pack`: as they are on one device; under tensor
+        parallelism the rank's layout and a pack of every rank's shard (slora.distributed).
+        AdapterError for a DoRA adapter under tensor parallelism (its per-channel norms are
+        over the whole weight)."""
+        if self.tp is None:
+            return layout, pack
+        if layout.dora_modules:
+            raise AdapterError(f"adapter {name!r}: DoRA adapters are not served with "
+                               f"tensor_parallel_size={self.tp.size} (supported: LoRA "
+                               "adapters; DoRA with tensor_parallel_size=1)", adapter=name)
+        from slora.core.adapters import AdapterLayout
+        from slora.distributed import ShardConfig, sharded_pack
+
+        full, n = self.full_config, self.tp.size
+        shards = [ShardConfig.of(full, n, k) for k in range(n)]
+        return (AdapterLayout.build(self.model_config, [list(r) for r in layout.ranks]),
+                sharded_pack(pack, full, layout, shards))
+
+    @property
+    def dead(self) -> str | None:
+        """Why the tensor-parallel group cannot serve (a worker died); None while it can."""
+        return None if self.tp is None else self.tp.dead
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing on one device)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _pool_pages(self) -> int:
         """The pool's pages: `num_pages`, or as many as the memory budget holds."""
@@ -207,17 +277,42 @@ class ModelRunner:
                prev: Flight | None = None) -> Flight | None:
         """Queue the plan's step on the device (None when it has no sequences). `prev`: the
         step still running, not yet collected (async scheduling); the decode rows whose
-        last token it samples take their input ids from its tokens on the device."""
+        last token it samples take their input ids from its tokens on the device.
+        Under tensor parallelism the step goes to the workers first; any failure then leaves
+        the ranks out of step, so it ends the group (`TensorParallel.fail`)."""
+        batch = None if plan.empty else self.batches.prepare(plan, adapters)
+        pairs = self._prev_pairs(plan, prev)
+        loads, prefetch = plan.adapter_loads, plan.prefetch
+        tokens = prev.tokens if prev is not None else None
+        if self.tp is None:
+            logits = self.run(batch, pairs, tokens, loads, prefetch, adapters)
+        else:
+            self.tp.check()
+            try:
+                if batch is not None or loads or prefetch:
+                    width = self.graphs.max_pages if self.graphs is not None else 0
+                    self.tp.send_step((batch, pairs, [p for _, p in loads],
+                                       [p for _, p in prefetch], width))
+                logits = self.run(batch, pairs, tokens, loads, prefetch, adapters)
+            except Exception as e:
+                raise self.tp.fail(e) from e
+        return None if logits is None else Flight(plan, logits, self.config.async_scheduling)
+
+    def run(self, batch: Batch | None, pairs, prev_tokens, loads, prefetch,
+            adapters: AdapterManager | None) -> torch.Tensor | None:
+        """Every rank's part of a step: the adapter copies (`loads` before the forward,
+        `prefetch` beside it), the forward over `batch` (None: copies only), the logits.
+        `pairs`: (row, index into `prev_tokens`) of the decode rows whose input id is a token
+        of the step still running (None: no such row)."""
         tier = self.host_tier
         tier.wait_for_copies()
-        if plan.empty:
-            ready = tier.load_for_step(plan.adapter_loads, adapters)
+        if batch is None:
+            ready = tier.load_for_step(loads, adapters)
             for event in ready.values():  # (the next step waits for the copy stream)
                 torch.cuda.current_stream().wait_event(event)
-            tier.prefetch(plan.prefetch, adapters, self._mark())
+            tier.prefetch(prefetch, adapters, self._mark())
             return None
-        batch = self.batches.prepare(plan, adapters)
-        ids_from_prev = self._ids_from_prev(plan, prev)
+        ids_from_prev = self._ids_from_prev(pairs, prev_tokens)
         graphed = self.graphs is not None and self.graphs.fits(batch)
         if graphed:
             step = self.graphs.feed(batch, ids_from_prev)
@@ -229,11 +324,10 @@ class ModelRunner:
         # the order they are queued, so an adapter copy queued first would delay the small
         # uploads the forward waits for.
         inputs = self._mark()
-        ready = tier.load_for_step(plan.adapter_loads, adapters)
+        ready = tier.load_for_step(loads, adapters)
         logits = self.graphs.replay(step, ready) if graphed else self._forward(batch, ready)
-        flight = Flight(plan, logits, self.config.async_scheduling)
-        tier.prefetch(plan.prefetch, adapters, inputs)  # overlaps the forward
-        return flight
+        tier.prefetch(prefetch, adapters, inputs)  # overlaps the forward
+        return logits
 
     def _mark(self) -> torch.cuda.Event | None:
         """An event after the work queued so far on the compute stream (None on a CPU)."""
@@ -256,19 +350,25 @@ class ModelRunner:
             hidden = model.layers(batch, pool, hidden, start, end)
         return model.head(batch, hidden)
 
-    def _ids_from_prev(self, plan: SchedulerPlan, prev: Flight | None):
-        """(rows, ids) on the device: the decode rows whose last token `prev` samples, and
-        those tokens, which replace the rows' input ids (None: no such row)."""
+    @staticmethod
+    def _prev_pairs(plan: SchedulerPlan, prev: Flight | None) -> list[tuple[int, int]] | None:
+        """(row, row of `prev`) of the decode rows whose last token `prev` samples (None: no
+        such row)."""
         if prev is None:
             return None
         where = {r.request_id: i for i, r in enumerate(prev.plan.seqs)}
         pairs = [(i, where[r.request_id]) for i, r in enumerate(plan.decode) if r.num_pending]
+        return pairs or None
+
+    def _ids_from_prev(self, pairs, prev_tokens: torch.Tensor | None):
+        """(rows, ids) on the device: the rows of `pairs` and the tokens of the step before
+        that replace their input ids (None: no such row)."""
         if not pairs:
             return None
         # (pinned and non-blocking: a pageable copy would wait for the running step)
         idx = torch.tensor(list(zip(*pairs)), pin_memory=self.cuda)
         rows, src = idx.to(self.device, non_blocking=True)
-        return rows, prev.tokens[src]
+        return rows, prev_tokens[src]
 
     def collect(self, flight: Flight | None):
         """(tokens, logprobs, errors) of a launched step (waits for it); `errors`: {row:

@@ -77,6 +77,7 @@ ENGINE_HELP = {
     "load_format": "dummy: random weights from config.json alone (benchmarks)",
     "seed": "the engine's random seed",
     "max_logprobs": "the most top log-probs a request may ask for",
+    "tensor_parallel_size": "devices the model is sharded over, one process each",
 }
 ENGINE_CHOICES = {"dtype": DTYPES, "backend": BACKENDS, "policy": POLICIES,
                   "load_format": ("auto", "dummy")}

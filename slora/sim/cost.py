@@ -407,7 +407,9 @@ class Profile:
     model: a name or path; model_config: the model's config.json (the simulator reads shapes
     from it: page size, adapter pages, weight bytes); dtype and block_size the engine ran with;
     quantization: "fp8" when its base linear weights were FP8 (`EngineConfig.quantization` or a
-    pre-quantized checkpoint), else None;
+    pre-quantized checkpoint), else None; tensor_parallel_size: the devices the model was
+    sharded over (`EngineConfig.tensor_parallel_size`): a profile per degree, its step times
+    those of the sharded engine, its num_pages and shapes one rank's;
     num_pages: the pool the engine sized on that device (the simulator's default);
     gpu_memory_gb: the device's total memory; async_scheduling: whether the engine ran with
     `EngineConfig.async_scheduling`, its steps then timed between collections (see
@@ -426,6 +428,7 @@ class Profile:
     gpu_memory_gb: float | None = None
     mixed_graph_tokens: int = 0  # the engine's setting when profiled (simulate's default)
     async_scheduling: bool = False  # the engine's setting when profiled (none recorded: off)
+    tensor_parallel_size: int = 1
     fit_stats: dict = field(default_factory=dict)
     samples: list[dict] = field(default_factory=list)
     transfer_samples: dict = field(default_factory=dict)
@@ -436,7 +439,8 @@ class Profile:
                 "dtype": self.dtype, "quantization": self.quantization,
                 "block_size": self.block_size, "num_pages": self.num_pages,
                 "gpu_memory_gb": self.gpu_memory_gb, "mixed_graph_tokens": self.mixed_graph_tokens,
-                "async_scheduling": self.async_scheduling, "coeffs": c.coeffs,
+                "async_scheduling": self.async_scheduling,
+                "tensor_parallel_size": self.tensor_parallel_size, "coeffs": c.coeffs,
                 "host_coeffs": c.host_coeffs, "h2d_gbps": c.h2d_gbps,
                 "disk_gbps": c.disk_gbps, "load_overhead_s": c.load_overhead_s,
                 "prefetch_overlap": c.prefetch_overlap, "load_pieces": c.load_pieces,
@@ -461,6 +465,7 @@ class Profile:
                    gpu_memory_gb=d.get("gpu_memory_gb"),
                    mixed_graph_tokens=d.get("mixed_graph_tokens", 0),
                    async_scheduling=bool(d.get("async_scheduling", False)),
+                   tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
                    fit_stats=d.get("fit", {}), samples=d.get("samples", []),
                    transfer_samples=d.get("transfer_samples", {}))
 

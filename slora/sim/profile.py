@@ -406,7 +406,9 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
                    block_size=engine.config.block_size,
                    num_pages=engine.runner.num_pages, gpu_memory_gb=device_memory_gb(engine),
                    mixed_graph_tokens=engine.runner.mixed_graph_tokens,
-                   async_scheduling=engine.config.async_scheduling, fit_stats=stats, samples=samples,
+                   async_scheduling=engine.config.async_scheduling,
+                   tensor_parallel_size=engine.config.tensor_parallel_size, fit_stats=stats,
+                   samples=samples,
                    transfer_samples={"h2d": transfers["h2d"], "disk": transfers["disk"]})
 
 

@@ -59,6 +59,17 @@ def adapter_pages(model: ModelConfig, rank: int, block_size: int,
     return AdapterLayout.uniform(model, rank, tuple(targets)).num_pages(model.page_size(block_size))
 
 
+def rank_shapes(model: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The shapes one rank holds of a model sharded over `tensor_parallel_size` devices (its
+    page size, adapter pages, weight bytes: `slora.distributed.shapes.ShardConfig`); the model
+    itself on one device."""
+    if tensor_parallel_size == 1:
+        return model
+    from slora.distributed.shapes import ShardConfig
+
+    return ShardConfig.of(model, tensor_parallel_size, 0)
+
+
 def page_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
     """Bytes of one page id across all layers (the runner's `page_bytes`)."""
     return model.num_layers * model.page_size(block_size) * DTYPE_BYTES[dtype]
@@ -616,7 +627,8 @@ def resolve_pages(profile: Profile, model: ModelConfig, block_size: int, dtype: 
                                 quantization)
     if profile.num_pages is None:
         raise ValueError("the profile records no pool size: give --num-pages or --gpu-memory")
-    profiled = ModelConfig.from_dict(profile.model_config)
+    profiled = rank_shapes(ModelConfig.from_dict(profile.model_config),
+                           profile.tensor_parallel_size)
     pool = profile.num_pages * page_bytes(profiled, profile.block_size, profile.dtype)
     saved = (profiled.weight_bytes(DTYPE_BYTES[profile.dtype], profile.quantization)
              - model.weight_bytes(DTYPE_BYTES[dtype], quantization))
@@ -653,8 +665,9 @@ def engine_config(profile: Profile, engine_options: dict | None = None,
                   model: ModelConfig | None = None) -> tuple[EngineConfig, ModelConfig]:
     """The EngineConfig a simulation of `profile` runs with, and the model's shapes.
 
-    engine_options: EngineConfig fields; dtype, quantization, block_size and mixed_graph_tokens
-    default to the profile's, async_scheduling to the order the profile was timed in. The pool:
+    engine_options: EngineConfig fields; dtype, quantization, block_size, mixed_graph_tokens and
+    tensor_parallel_size default to the profile's, async_scheduling to the order the profile
+    was timed in. The model's shapes are one rank's (`rank_shapes`). The pool:
     see `resolve_pages`. Warns (`ProfileOrderWarning`) when async_scheduling is not the
     profile's, and (`ProfileWeightsWarning`) when quantization is not.
     """
@@ -673,6 +686,13 @@ def engine_config(profile: Profile, engine_options: dict | None = None,
                       ProfileWeightsWarning, stacklevel=3)
     options.setdefault("block_size", profile.block_size)
     options.setdefault("mixed_graph_tokens", profile.mixed_graph_tokens)
+    options.setdefault("tensor_parallel_size", profile.tensor_parallel_size)
+    if options["tensor_parallel_size"] != profile.tensor_parallel_size:
+        raise ValueError(f"the profile of {profile.model} on {profile.gpu} timed the model "
+                         f"sharded over {profile.tensor_parallel_size} device(s); a simulation "
+                         f"over {options['tensor_parallel_size']} needs a profile of that degree "
+                         "(`slora profile --tensor-parallel-size N`)")
+    model = rank_shapes(model, options["tensor_parallel_size"])
     options.pop("num_pages", None)
     options.pop("model", None)
     fraction = options.get("gpu_memory_fraction", 0.85)
@@ -695,6 +715,7 @@ def result_config(trace, profile: Profile, config: EngineConfig, *, trace_path: 
             "profile": {"model": profile.model, "gpu": profile.gpu, "dtype": profile.dtype,
                         "quantization": profile.quantization,
                         "async_scheduling": profile.async_scheduling,
+                        "tensor_parallel_size": profile.tensor_parallel_size,
                         "cost": profile.cost.to_dict()},
             "gpu_memory_gb": gpu_memory_gb, **(extra or {})}
 
