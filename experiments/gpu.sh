@@ -5,7 +5,7 @@
 #   bash experiments/gpu.sh [--tree DIR] [--label NAME] [--no-tests] [--bench LIST] [--compare NAME] [--quantization fp8]
 #
 #   --tree DIR      test and benchmark another copy of the repository (default: this one) from DIR,
-#                   PYTHONPATH=DIR, same command lines; the table reads fields both results carry
+#                   PYTHONPATH=DIR, same command lines; the table reads fields both carry
 #   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
 #                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
@@ -14,12 +14,11 @@
 #                   decode + DoRA; prefix: a shared-system-prompt trace, prefix caching off / on
 #   --quantization fp8  engine, s2 and decode with FP8 base weights (the table names them)
 #   --compare NAME  the table also holds run NAME (an earlier $OUT/NAME.tar.gz), and this one over it
-#
 # Before / after in one call, an older tree copied to results/base (carried to the device):
 #   bash experiments/gpu.sh --tree results/base --label base --no-tests; \
 #   bash experiments/gpu.sh --label new --compare base
-# The tree's commit: $SLORA_COMMIT, else its `git rev-parse HEAD` (a copy's .git may be stale).
-# JOBS=N: the tests in N pytest-xdist workers where installed (default 4; 0: one process).
+# The tree's commit: $SLORA_COMMIT, else its git HEAD (a copy's .git may be stale). JOBS=N: the
+# tests in N pytest-xdist workers where installed (default 8; 0: one process).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd -P)
 TREE=$HERE LABEL=new TESTS=1 COMPARE= BENCH="engine s2 decode" QUANT=()
@@ -56,12 +55,9 @@ failed=(); step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME
 }
 if [ "$TESTS" = 1 ]; then
   xdist=()
-  python3 -c 'import xdist' 2>/dev/null && [ "${JOBS:-4}" != 0 ] && xdist=(-n "${JOBS:-4}")
-  # every test file with a CUDA path; the rest of the suite is CPU-only and runs in CI
-  step pytest 420 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/kernels \
-    tests/engine/test_engine_triton.py tests/engine/test_engine.py \
-    tests/engine/test_async_scheduling.py tests/model/test_vs_hf.py tests/model/test_lora_vs_peft.py \
-    tests/engine/test_fault_injection.py tests/engine/test_fault_isolation.py
+  python3 -c 'import xdist' 2>/dev/null && [ "${JOBS:-8}" != 0 ] && xdist=(-n "${JOBS:-8}")
+  # the folders whose tests have CUDA paths; the rest of the suite is CPU-only and runs in CI
+  step pytest 480 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/kernels tests/model tests/engine
   [[ " ${failed[*]} " == *" pytest "* ]] || tail -n 1 "$D/pytest.log"
 fi
 bench() { [[ " $BENCH " == *" $1 "* ]]; }
