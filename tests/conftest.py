@@ -158,7 +158,10 @@ def peft_greedy(model_dir, adapter_path, ids, n, device="cpu", transform=None):
     import peft
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # eager attention: the one HF implementation that applies every family's attention
+    # options (Gemma 2's soft-capping is skipped by some versions' SDPA path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager")
     if transform is not None:
         transform(model)
     if adapter_path is not None:

@@ -332,7 +332,7 @@ def test_step_metadata_starts_16_byte_aligned(tiny_model_dir):
         assert all(v.data_ptr() % 16 == 0 for v in graphs._views32(buf).values())
         assert tables.data_ptr() % 16 == 0
     assert all(row.data_ptr() % 16 == 0 for row in graphs.meta64)
-    assert all(ranks[layer].data_ptr() % 16 == 0 for _, _, ranks in graphs.group_bufs.values()
+    assert all(ranks[layer].data_ptr() % 16 == 0 for _, _, ranks, _ in graphs.group_bufs.values()
                for layer in range(len(ranks)))
     names = []
     for n in range(1, 6):

@@ -78,7 +78,8 @@ def test_dora_scale_matches_twin(out_dims, bias, dtype):
     dev = [t.to(DEVICE, copy=True) if t is not None else None
            for t in (out, b, pool, pages, offsets, slot)]
     dora_scale(dev[0], dev[1], *dev[2:], out_dims, strides)
-    tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    # float32: a GPU may fuse the multiply-add (one rounding less than the twin)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(dev[0].cpu(), want, **tol, equal_nan=False)
     # rows of the base model and of adapters without DoRA are untouched; DoRA rows change
     col = 0

@@ -19,7 +19,8 @@ def hf_greedy(model_dir, prompt_ids, new_tokens):
     """HF's own greedy decode of one prompt; returns tokens and chosen-token log-probs."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").to(DEVICE).eval()
     ids = torch.tensor([prompt_ids], device=DEVICE)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                          do_sample=False,
