@@ -80,6 +80,12 @@ class EngineConfig:
     num_pages: pages in the pool. None sizes the pool from `gpu_memory_fraction` on CUDA or
         `cpu_pool_gb` on CPU.
     max_num_seqs / max_batch_tokens: per-step batch limits (sequences, tokens computed).
+    max_prefill_chunk: chunked prefill. A step computes at most this many prompt tokens, its
+        prompts' chunks together (decode rows come first and on top, within max_batch_tokens):
+        a prompt longer than what is left is cut, its rest computed in later steps, each chunk
+        attending to the KV of those before it. A step's prompt work, and with it the time
+        decode rows wait, is bounded; a prompt of any length up to max_model_len runs. 0:
+        prompts run whole (a prompt longer than max_batch_tokens runs in a step alone).
     max_model_len: longest sequence (prompt + output); None means the model's limit, capped by
         what the pool can hold.
     backend: kernels. "auto" is triton on CUDA and torch on CPU.
@@ -103,6 +109,7 @@ class EngineConfig:
     cpu_pool_gb: float = 1.0
     max_num_seqs: int = 256
     max_batch_tokens: int = 8192
+    max_prefill_chunk: int = 1024
     max_model_len: int | None = None
     backend: str = "auto"
     host_cache_gb: float = 8.0
@@ -171,6 +178,8 @@ class EngineConfig:
         need(1 <= self.max_num_seqs <= 65535, "max_num_seqs",
              "must be in [1, 65535] (a decode row is a grid row of the MBGMV expand)")
         need(self.max_batch_tokens >= 1, "max_batch_tokens", "must be at least 1")
+        need(self.max_prefill_chunk >= 0, "max_prefill_chunk",
+             "must be >= 0 (0: prompts run whole, unchunked)")
         need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
              "must be at least 2")
         need(self.backend in BACKENDS, "backend", f"expected one of {BACKENDS}")

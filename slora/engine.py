@@ -481,7 +481,10 @@ class Engine:
                                                       for i in GROUPS[g]], dora=dora)
         if graphs is not None and names:  # the widest page table, set once
             graphs.reserve_pages(max(self.adapters.get(n).num_pages for n in names))
-        limit = min(self.config.max_batch_tokens, self.max_model_len - 4)
+        # a warm-up prompt runs in one step: within the step's prompt budget (graph buckets
+        # that only chunks beside decode rows reach are captured on first use)
+        limit = min(self.config.max_batch_tokens, self.config.max_prefill_chunk
+                    or self.config.max_batch_tokens, self.max_model_len - 4)
         graphed, eager = warmup_steps(graphs, limit)
         batches = [(name, prompts, late) for steps in (graphed, eager)
                    for name in names + [None] for prompts, late in steps]

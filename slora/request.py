@@ -103,6 +103,14 @@ class Request:
     `block_digests` are the digests of its first full pages; its first `num_cached_pages`
     pages have been found in or offered to the cache; `num_cached_tokens` were found cached at
     its last admission (not computed).
+
+    Counters, between steps: 0 <= num_computed <= num_tokens - 1 once running (the last
+    known token is the next step's input), and `num_new` = num_tokens - num_computed is
+    what is left to compute: 1 for a decode row, more for a prompt (or a recompute) still
+    prefilling (a prefix found cached counts as computed). Chunked prefill advances
+    num_computed chunk by chunk (`Scheduler.advance`) and only the chunk that reaches
+    num_tokens samples a token; a request with pending tokens is decoding (num_new 1), never
+    prefilling.
     """
 
     request_id: str
@@ -138,12 +146,17 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_ids_from(self, start: int) -> list[int]:
-        """Token ids from position `start` on (prompt then output), copying only those."""
-        n = len(self.prompt_token_ids)
+    def token_ids_from(self, start: int, end: int | None = None) -> list[int]:
+        """Token ids of positions `start` to `end` (default: all known; prompt then output),
+        copying only those."""
+        n, out = len(self.prompt_token_ids), self.output_token_ids
+        if end is None:
+            end = n + len(out)
         if start >= n:
-            return self.output_token_ids[start - n:]
-        return self.prompt_token_ids[start:] + self.output_token_ids
+            return out[start - n:end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + out[:end - n]
 
     @property
     def num_new(self) -> int:

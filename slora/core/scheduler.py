@@ -11,19 +11,24 @@ order within `schedule`:
    starts a new block needs a page: take a free one, else evict idle adapters (LRU), else
    preempt the lowest-priority running request (the latest arrival): free its pages, put
    it at the front of the queue, and recompute it later. Nothing runs out of memory.
-2. Waiting requests are admitted in the policy's order within `max_num_seqs` and
-   `max_batch_tokens`. Admission needs pages for the request's KV and, if its adapter is not
-   resident, for the adapter; idle adapters are evicted (LRU) to make room, but an adapter a
-   running request uses never is. A prompt that can never fit fails alone, with the reason.
-   A step that preempted in 1 admits nothing while other requests still run (as vLLM).
+2. Chunked prefill (`EngineConfig.max_prefill_chunk`): the step's prompt tokens, at most
+   max_prefill_chunk and what max_batch_tokens leaves after the decode rows, go first to the
+   next chunks of running requests still prefilling (admission order), then to new prompts.
+   A chunk that does not reach the end of its request's known tokens samples nothing
+   (`SchedulerPlan.partial`); each request's chunk this step is `SchedulerPlan.chunks`.
+3. Waiting requests are admitted in the policy's order within `max_num_seqs` and that
+   budget. Admission needs pages for the request's KV and, if its adapter is not resident,
+   for the adapter; idle adapters are evicted (LRU) to make room, but an adapter a running
+   request uses never is. A prompt that can never fit fails alone, with the reason. A step
+   that preempted in 1 admits nothing while other requests still run (as vLLM).
    With prefix caching a request first looks its prefix up (`slora.core.prefix`): the pages
    found are its first pages, not computed again, and only the rest count against the budget
    and take pages. Room comes from one least-recently-used order over idle adapters and
-   cached KV pages no request holds (`PageAllocator.evict_for`), in 1 and 3 too.
-3. Prefetch: adapters of the next waiting requests are loaded ahead of admission, evicting
+   cached KV pages no request holds (`PageAllocator.evict_for`), in 1 and 4 too.
+4. Prefetch: adapters of the next waiting requests are loaded ahead of admission, evicting
    idle adapters the window does not need if it must, while at least `prefetch_reserve`
    pages stay free; their copy overlaps this step's compute.
-4. The decode rows are ordered by adapter size, largest first, for the LoRA kernels' sake.
+5. The decode rows are ordered by adapter size, largest first, for the LoRA kernels' sake.
 
 Pure Python over ints: no torch. The simulator drives this class unchanged.
 """
@@ -45,10 +50,15 @@ from slora.request import PENDING, Request, RequestStatus
 @dataclass
 class SchedulerPlan:
     """One step's work. `seqs` = decode rows first (largest adapter first), then prefill
-    segments: the batch order."""
+    segments: the batch order. A prefill row computes `chunks[request_id]` tokens from its
+    `num_computed` on (its whole `num_new` unless chunked); a decode row one. A prefill row
+    in `partial` stops short of its known tokens: its logits row is not used and it samples
+    no token (`samples`)."""
 
     decode: list[Request] = field(default_factory=list)
     prefill: list[Request] = field(default_factory=list)
+    chunks: dict[str, int] = field(default_factory=dict)  # prefill row's id -> its tokens
+    partial: set[str] = field(default_factory=set)  # prefill rows that sample nothing
     adapter_loads: list[tuple[str, list[int]]] = field(default_factory=list)  # before forward
     prefetch: list[tuple[str, list[int]]] = field(default_factory=list)  # may overlap forward
     evicted: list[str] = field(default_factory=list)
@@ -61,7 +71,17 @@ class SchedulerPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(r.num_new for r in self.prefill)
+        return len(self.decode) + sum(self.chunks[r.request_id] for r in self.prefill)
+
+    def new_tokens(self, req: Request) -> int:
+        """The tokens `req`, a row of this plan, computes in its step."""
+        return self.chunks.get(req.request_id, 1)
+
+    @property
+    def samples(self) -> list[bool]:
+        """Per row of `seqs`: whether it samples a token (decode rows and last chunks)."""
+        partial = self.partial
+        return [True] * len(self.decode) + [r.request_id not in partial for r in self.prefill]
 
     @property
     def empty(self) -> bool:
@@ -117,12 +137,13 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerPlan:
         plan = SchedulerPlan()
         self._schedule_running(plan, now)
+        budget = self._schedule_chunks(plan)
         # A step that had to preempt a running request admits none while others still run
         # (as vLLM does): the pages it freed are the running requests' next ones, and a
         # request admitted into them, the one just preempted among them, would be preempted
         # again, its prompt recomputed and its adapter copied for nothing.
         if not (plan.preempted and self.running):
-            self._admit(plan, now)
+            self._admit(plan, now, budget)
         self._prefetch(plan)
         self._order_decode(plan)
         return plan
@@ -152,6 +173,8 @@ class Scheduler:
             if req.num_pending and req.at_length():
                 continue  # ends once its running step is collected: no room for another token
             tokens = len(req.prompt_token_ids) + len(req.output_token_ids)  # req.num_tokens
+            if tokens - req.num_computed > 1:
+                continue  # still prefilling: its pages are held (`_reserve`), its chunk is next
             if tokens > block_size * len(req.block_table):  # a page is needed
                 need = cdiv(tokens, block_size) - len(req.block_table)
                 while not self._grow(req, need, plan):
@@ -164,6 +187,33 @@ class Scheduler:
                     decode.append(req)
             else:
                 decode.append(req)
+
+    def _schedule_chunks(self, plan: SchedulerPlan) -> int:
+        """The next chunks of the running requests still prefilling, in admission order,
+        within the step's prompt budget; returns the budget left for new prompts (without
+        chunking: max_batch_tokens less the decode rows, and no request is mid-prefill).
+        They run after `_schedule_running`, so a request it preempted is not among them."""
+        cfg = self.config
+        budget = cfg.max_batch_tokens - len(plan.decode)
+        if not cfg.max_prefill_chunk:
+            return budget
+        budget = min(budget, cfg.max_prefill_chunk)
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.num_new > 1:  # (the decode rows have 1; so does a request pending its token)
+                budget -= self._add_prefill(plan, req, budget)
+        return budget
+
+    def _add_prefill(self, plan: SchedulerPlan, req: Request, budget: int) -> int:
+        """Put `req`'s next chunk, at most `budget` tokens, in the plan; returns its size. The
+        chunk ending at its last known token samples; an earlier one is `partial`."""
+        n = min(req.num_new, budget)
+        plan.prefill.append(req)
+        plan.chunks[req.request_id] = n
+        if n < req.num_new:
+            plan.partial.add(req.request_id)
+        return n
 
     def _grow(self, req: Request, need: int, plan: SchedulerPlan) -> bool:
         if need <= 0:
@@ -188,13 +238,14 @@ class Scheduler:
         plan.preempted.append(req)
         self.preemptions += 1
 
-    def _admit(self, plan: SchedulerPlan, now: float) -> None:
-        if not self.waiting:
-            return  # (no policy's order has effects on an empty queue)
+    def _admit(self, plan: SchedulerPlan, now: float, budget: int) -> None:
+        """Admit waiting requests within `budget` prompt tokens (`_schedule_chunks`)."""
         cfg = self.config
+        chunked = cfg.max_prefill_chunk > 0
+        if not self.waiting or (chunked and budget <= 0):
+            return  # (no policy's order has effects on an empty queue)
         # a copy of the resident set (hundreds of names) only for a policy that reads it
         resident = self.adapters.resident | {None} if self.policy.reads_resident else frozenset()
-        budget = cfg.max_batch_tokens - len(plan.decode)
         admitted = []
         passed_over = []
         for req in self.policy.order(self.waiting, resident):
@@ -209,11 +260,13 @@ class Scheduler:
                 continue
             hits = self._match(req)
             new = req.num_tokens - len(hits) * self.block_size
-            # A prompt longer than the budget still runs, alone, rather than never.
-            fits_budget = new <= budget or (not plan.seqs and not admitted)
+            # Chunked, a prompt takes what is left of the budget and goes on in later steps;
+            # whole, a prompt longer than the budget still runs, alone, rather than never.
+            fits_budget = chunked or new <= budget or (not plan.seqs and not admitted)
             if fits_budget and self._reserve(req, plan, hits):
-                admitted.append(req)
-                budget -= new
+                n = min(new, budget) if chunked else new
+                admitted.append((req, n))
+                budget -= n
                 if budget <= 0:
                     break
             elif self._never_fits(req):
@@ -225,23 +278,34 @@ class Scheduler:
                 # it fits: that bounds how often any request can be overtaken.
                 if self.policy.blocking or req.skipped >= cfg.max_skips:
                     break
-        for req in admitted:
+        for req, n in admitted:
             _remove(self.waiting, req)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.metrics.scheduled_time is None:
                 req.metrics.scheduled_time = now
-            # a one-token prompt is a decode row from the start
-            (plan.prefill if req.num_new > 1 else plan.decode).append(req)
+            # one token to compute (a one-token prompt, or one cached up to its last token):
+            # a decode row from the start
+            if req.num_new == 1:
+                plan.decode.append(req)
+            else:
+                self._add_prefill(plan, req, n)
         # Overtaken = a later arrival was admitted while this request keeps waiting.
-        latest = max((r.arrival_time for r in admitted), default=None)
+        latest = max((r.arrival_time for r, _ in admitted), default=None)
         for req in passed_over:
             if latest is not None and latest > req.arrival_time:
                 req.skipped += 1
 
     def _reserve(self, req: Request, plan: SchedulerPlan, hits: list[int]) -> bool:
         """Take the pages `req` needs (its adapter if not resident, the cached pages `hits`
-        of its prefix, new pages for the rest of its KV) or nothing."""
+        of its prefix, new pages for the rest of its KV) or nothing.
+
+        NOTE: the KV pages of every known token are taken here, the whole prompt's even when
+        it runs in chunks. Invariant: a running request holds pages for all its known tokens
+        (`_schedule_running` adds one as a decode row's token needs it). So a chunk never
+        allocates, and an admitted prompt is never stalled half-way waiting for pages of its
+        own (nor holds a part of the pool it cannot finish in); it gives them back only when
+        preempted (the latest arrival, for a decode row's next page), and starts over."""
         kv = cdiv(req.num_tokens, self.block_size) - len(hits)
         name = req.adapter
         adapter = self.adapters.pages_needed(name)
@@ -341,18 +405,28 @@ class Scheduler:
         # once per step over every row: the policy's `served` is called only if it counts
         # service (the base policy's is a no-op), and num_tokens is taken inline
         served = self.policy.served if type(self.policy).served is not Policy.served else None
+        for req in plan.decode:
+            out = req.output_token_ids
+            if served is not None:
+                served(req, 1)
+            req.num_computed = len(req.prompt_token_ids) + len(out)
+            out.append(PENDING)
+            req.num_pending += 1
+        chunks, partial, block_size = plan.chunks, plan.partial, self.block_size
         prefix = self.prefix
-        if prefix is not None:  # a prompt's full pages: queued on the device, found from now
-            for req in plan.prefill:
-                prefix.commit(req, self._root(req), req.num_tokens)
-        for rows in (plan.decode, plan.prefill):
-            for req in rows:
-                out = req.output_token_ids
-                if served is not None:
-                    served(req, req.num_new)
-                req.num_computed = len(req.prompt_token_ids) + len(out)
-                out.append(PENDING)
-                req.num_pending += 1
+        for req in plan.prefill:
+            n = chunks[req.request_id]
+            if served is not None:
+                served(req, n)
+            assert req.num_pending == 0 and 0 < n <= req.num_new, (req, n)
+            req.num_computed += n
+            assert req.num_computed <= block_size * len(req.block_table) or req.finished, req
+            if prefix is not None:  # its full pages so far: queued on the device, found from now
+                prefix.commit(req, self._root(req), req.num_computed)
+            if req.request_id in partial:
+                continue  # mid-prompt: samples nothing, the next chunk follows
+            req.output_token_ids.append(PENDING)
+            req.num_pending += 1
 
     def resolve(self, plan: SchedulerPlan, tokens: list[int],
                 logprobs: list[dict[int, float] | None], now: float,
@@ -363,9 +437,12 @@ class Scheduler:
         Returns the requests it changed and those that failed while the plan was made."""
         touched = []
         finished = RequestStatus.FINISHED
+        partial = plan.partial
         for i, (req, tok, lp) in enumerate(zip(plan.seqs, tokens, logprobs)):
             if req.status is finished:  # req.finished
                 continue
+            if partial and req.request_id in partial:
+                continue  # a chunk short of its prompt's end: no token (its row is not used)
             if errors and i in errors:
                 self._finish(req, "error", now, errors[i])
                 touched.append(req)

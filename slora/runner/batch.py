@@ -46,12 +46,16 @@ class BatchBuilder:
         self._adapter_side: tuple = (None, None)  # (key, tensors): see lora_meta
 
     def prepare(self, plan: SchedulerPlan, adapters: AdapterManager) -> Batch:
-        """The step's batch as host tensors: decode rows first, then the prompts' tokens."""
+        """The step's batch as host tensors: decode rows first, then the prompts' tokens. Each
+        row computes positions num_computed .. + its chunk (`SchedulerPlan.new_tokens`) and
+        attends to every position before its own: a chunk's context is its cached prefix and
+        itself (ctx_lens = the chunk's end)."""
         seqs, bs = plan.seqs, self.block_size
         ids, positions, slots, q_start, ctx = [], [], [], [0], []
         for r in seqs:
-            start, end, table = r.num_computed, r.num_tokens, r.block_table
-            ids += r.token_ids_from(start)
+            start, table = r.num_computed, r.block_table
+            end = start + plan.new_tokens(r)
+            ids += r.token_ids_from(start, end)
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             q_start.append(len(ids))
@@ -98,10 +102,10 @@ class BatchBuilder:
         pages, groups = self._adapter_side[1]
         slot_of = {n: i for i, n in enumerate(names)}
         seq_slot = [slot_of[r.adapter] if r.adapter else -1 for r in seqs]
-        num_decode = batch.num_decode
+        num_decode, q_start = batch.num_decode, batch.q_start_list
         token_slot = seq_slot[:num_decode]
-        for s, r in zip(seq_slot[num_decode:], seqs[num_decode:]):
-            token_slot += [s] * r.num_new
+        for i in range(num_decode, len(seqs)):
+            token_slot += [seq_slot[i]] * (q_start[i + 1] - q_start[i])
         meta = LoraMeta(pages=pages, token_slot=torch.tensor(token_slot, dtype=torch.int32),
                         num_decode=num_decode, groups=groups)
         if num_decode < len(seqs):  # MBGMM: the prompts with an adapter; MBGMV: decode rows

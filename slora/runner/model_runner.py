@@ -53,7 +53,9 @@ class Flight:
     def __init__(self, plan: SchedulerPlan, logits: torch.Tensor, pipelined: bool) -> None:
         self.plan = plan
         self.tokens = logits.argmax(dim=-1)
-        tokens_only = all(r.sampling.greedy and r.sampling.logprobs is None for r in plan.seqs)
+        # (a chunk short of its prompt's end samples nothing: its row is not looked at)
+        tokens_only = all(r.sampling.greedy and r.sampling.logprobs is None
+                          for r, s in zip(plan.seqs, plan.samples) if s)
         # (collected at once unless pipelined: no later replay can overwrite the logits)
         self.logits = None if tokens_only else logits.clone() if pipelined else logits
         self.host, self.done = None, None
@@ -379,7 +381,9 @@ class ModelRunner:
             if flight.done is not None:
                 flight.done.synchronize()
             tokens = flight.host.tolist()
-            seqs = flight.plan.seqs
-            errors = {i: nonfinite_error(seqs[i]) for i, t in enumerate(tokens) if t < 0}
+            seqs, samples = flight.plan.seqs, flight.plan.samples
+            errors = {i: nonfinite_error(seqs[i]) for i, t in enumerate(tokens)
+                      if t < 0 and samples[i]}
             return tokens, [None] * len(seqs), errors
-        return self.sampler.sample(flight.logits, flight.plan.seqs, flight.tokens)
+        return self.sampler.sample(flight.logits, flight.plan.seqs, flight.tokens,
+                                   flight.plan.samples)

@@ -16,12 +16,15 @@ class Sampler:
         self.generators: dict[str, torch.Generator] = {}  # request id -> its generator
         self.rng = torch.Generator().manual_seed(seed)  # seeds requests without a seed
 
-    def sample(self, logits: torch.Tensor, seqs: list[Request], greedy: torch.Tensor):
+    def sample(self, logits: torch.Tensor, seqs: list[Request], greedy: torch.Tensor,
+               samples: list[bool] | None = None):
         """(tokens, logprobs, errors), one token and logprob entry per sequence. `greedy`:
         the logits' argmax, for the greedy rows. Logprobs are those of the raw distribution,
         for the rows that ask for them: {token id: log-prob} holding the chosen token and the
         top N. `errors`: {row: message} for the rows that failed alone (logits not finite,
-        or a sampling error), whose token is meaningless."""
+        or a sampling error), whose token is meaningless. `samples` (default: all): the rows
+        that sample; the others (chunks short of their prompt's end) are left as they are,
+        their generators untouched, so chunking does not change a seeded request's draws."""
         tokens = greedy.tolist()
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         want_lp = any(r.sampling.logprobs is not None for r in seqs)
@@ -29,6 +32,9 @@ class Sampler:
         out_lp, errors = [], {}
         for i, r in enumerate(seqs):
             entry = None
+            if samples is not None and not samples[i]:
+                out_lp.append(entry)
+                continue
             try:
                 if not finite[i]:
                     raise FloatingPointError(nonfinite_error(r))

@@ -5,8 +5,11 @@ A step's forward time is the larger of two linear models over fifteen features o
 
     device  = c0                                   fixed: launch, scheduling, sampling overhead
             + c_prefill_tokens * prefill_tokens    GEMMs over the new tokens of prefill rows (a
-                                                   prefix found in the prefix cache is not new)
+                                                   prefix found in the prefix cache is not new;
+                                                   a chunked prompt: this step's chunk)
             + c_prefill_attn   * prefill_attn      prefill attention: sum of new x context tokens
+                                                   (a chunk's context: its cached prefix and
+                                                   itself)
             + c_decode_seqs    * decode_seqs       per decode row (GEMM rows, metadata, sampling)
             + c_decode_ctx     * decode_ctx        decode attention: KV tokens read, summed
             + c_adapters       * adapters          distinct adapters in the batch (LoRA metadata,
@@ -119,7 +122,8 @@ class AdapterPages(dict):
 
 def plan_features(plan, adapters, graph_tokens: int = 0,
                   pages: AdapterPages | None = None) -> tuple[float, ...]:
-    """The FEATURES of a `SchedulerPlan` (between schedule and update: `num_new` is this step's).
+    """The FEATURES of a `SchedulerPlan` (between schedule and update: each prefill row's
+    tokens are its chunk, `plan.chunks`, from its `num_computed` on).
 
     `adapters` is the `AdapterManager` (for each adapter's page count; `pages`, when given, is
     an `AdapterPages` of it, kept across steps: a simulation computes this for every step).
@@ -131,10 +135,11 @@ def plan_features(plan, adapters, graph_tokens: int = 0,
     names = set()
     add = names.add
     prefill_tokens = prefill_attn = lora_prefill = 0
+    chunks = plan.chunks
     for r in plan.prefill:
-        new = r.num_new
+        new = chunks[r.request_id]
         prefill_tokens += new
-        prefill_attn += new * r.num_tokens
+        prefill_attn += new * (r.num_computed + new)
         lora_prefill += new * pages[r.adapter]
         add(r.adapter)
     decode = plan.decode

@@ -353,7 +353,7 @@ class SimEngine:
         by_phase: list[list[int]] = [[] for _ in range(block_size)]  # rows by block phase
         first_of = []
         for row, req in enumerate(running):
-            if req.num_pending != pending:
+            if req.num_pending != pending or req.num_new != 1:  # (a prompt still prefilling)
                 return None
             sampling = req.sampling
             if sampling.stop_token_ids or not (sampling.ignore_eos or not req.eos_token_ids):

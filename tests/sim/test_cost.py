@@ -110,9 +110,9 @@ def test_refit_derives_missing_features_from_the_stored_ones():
 def test_steps_that_replay_mixed_graphs_are_not_eager():
     """With `mixed_graph_tokens` set, a step with prompts of at most that many tokens in all
     replays a CUDA graph: the cost model's `eager` features are 0 for it."""
-    pre = SimpleNamespace(num_new=10, num_tokens=10, adapter="a")
+    pre = SimpleNamespace(request_id="p", num_computed=0, adapter="a")
     dec = SimpleNamespace(prompt_token_ids=[1] * 5, output_token_ids=[2], adapter=None)
-    plan = SimpleNamespace(prefill=[pre], decode=[dec, dec])
+    plan = SimpleNamespace(prefill=[pre], decode=[dec, dec], chunks={"p": 10})
     adapters = SimpleNamespace(adapters={"a": SimpleNamespace(num_pages=3)})
     idx = {k: FEATURES.index(k) for k in ("eager", "eager_lora", "eager_adapters", "lora")}
     for graph_tokens, eager in ((0, 1.0), (11, 1.0), (12, 0.0), (64, 0.0)):
