@@ -334,6 +334,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "profile's, and the pool sized for the FP8 weights' bytes)")
     g.add_argument("--max-num-seqs", type=int, help="most sequences in a batch")
     g.add_argument("--max-batch-tokens", type=int, help="most tokens computed in a step")
+    g.add_argument("--max-prefill-chunk", type=int,
+                   help="chunked prefill: most prompt tokens a step computes, longer prompts "
+                   "cut in chunks over steps (default 1024; 0: prompts run whole)")
     g.add_argument("--policy", choices=POLICIES, help="queue order (default fcfs)")
     g.add_argument("--backend", choices=BACKENDS, help="kernels (default auto)")
     g.add_argument("--load-format", choices=("auto", "dummy"),
@@ -352,8 +355,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_options(args) -> dict:
     keys = ("device", "dtype", "quantization", "num_pages", "max_num_seqs", "max_batch_tokens",
-            "policy", "backend", "load_format", "slo_ttft_s", "mixed_graph_tokens",
-            "async_scheduling", "gemm_max_rows")
+            "max_prefill_chunk", "policy", "backend", "load_format", "slo_ttft_s",
+            "mixed_graph_tokens", "async_scheduling", "gemm_max_rows")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

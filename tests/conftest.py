@@ -84,10 +84,11 @@ def _tokenizer(path: Path) -> int:
     return tok.get_vocab_size()
 
 
-def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
+def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A tiny random model of `kind` (TINY) saved at `path`; `overrides`: config fields."""
     import transformers
 
-    spec = dict(TINY[kind])
+    spec = {"max_position_embeddings": 256, **TINY[kind], **overrides}
     arch = spec.pop("arch")
     random_norms = spec.pop("random_norms", False)
     path.mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,7 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
            "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
            "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, max_position_embeddings=256, bos_token_id=0,
+                 num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)
     torch.manual_seed(seed)
     model = cls[1](cfg).eval()

@@ -756,11 +756,13 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
 
 # Swept keys besides EngineConfig fields: the trace's request rate, the device's memory, and
 # the cluster's replicas and router (`slora.sim.cluster`).
-SWEEP_KEYS = ("rate", "gpu_memory", "num_pages", "max_num_seqs", "max_batch_tokens", "policy",
+SWEEP_KEYS = ("rate", "gpu_memory", "num_pages", "max_num_seqs", "max_batch_tokens",
+              "max_prefill_chunk", "policy",
               "slo_ttft_s", "host_cache_gb", "prefetch_window", "prefetch_reserve", "block_size",
               "max_skips", "replicas", "router")
 _STR_KEYS = ("policy", "router")
-_INT_KEYS = ("num_pages", "max_num_seqs", "max_batch_tokens", "prefetch_window",
+_INT_KEYS = ("num_pages", "max_num_seqs", "max_batch_tokens", "max_prefill_chunk",
+             "prefetch_window",
              "prefetch_reserve", "block_size", "max_skips", "replicas")
 CLUSTER_KEYS = ("replicas", "router")  # swept keys that make a point a cluster simulation
 

@@ -1,0 +1,126 @@
+"""Chunked prefill (EngineConfig.max_prefill_chunk): prompts several times max_batch_tokens
+long run in chunks, each attending to the KV of the chunks before it, and give the tokens and
+log-probs of the unchunked engine and of HF transformers / PEFT (greedy, fp32), with adapters
+and base rows mixed; a chunk short of its prompt's end samples nothing. The same through the
+Triton kernels, the graphs' static buffers and async scheduling."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tests.conftest import build_tiny_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LENS = [300, 417, 523, 600, 690]  # the last reaches max_model_len (700) after 10 tokens
+ADAPTERS = [None, "a", "b", "a", "b"]
+MAX_LEN, NEW = 700, 6
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """The tiny Llama with room for 1,024 positions."""
+    return build_tiny_model(tmp_path_factory.mktemp("long") / "llama", "llama",
+                            max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def adapters(long_model, adapter_factory):
+    return {"a": adapter_factory(long_model, r=8, target_modules=["q_proj", "v_proj"]),
+            "b": adapter_factory(long_model, r=16, target_modules="all-linear", seed=1)}
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in LENS]
+
+
+def _engine(model, adapters, **kw) -> Engine:
+    e = Engine(EngineConfig(model=str(model), device=DEVICE, dtype="float32", num_pages=256,
+                            max_model_len=MAX_LEN, **kw))
+    for name, path in adapters.items():
+        e.add_adapter(name, path)
+    return e
+
+
+def _record_plans(e: Engine) -> list:
+    """Every plan the engine's scheduler makes, with its rows' chunks as scheduled."""
+    plans, schedule = [], e.scheduler.schedule
+
+    def logged(now):
+        plan = schedule(now)
+        plans.append((plan.num_tokens, len(plan.decode), dict(plan.chunks), set(plan.partial),
+                      {r.request_id: r.num_computed for r in plan.prefill}))
+        return plan
+
+    e.scheduler.schedule = logged
+    return plans
+
+
+def _hf(model_dir, adapter_dir, ids, new):
+    """HF's (or PEFT's) greedy tokens and chosen-token log-probs."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, adapter_dir)
+    model = model.to(DEVICE).eval()
+    x = torch.tensor([ids], device=DEVICE)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                         do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                         return_dict_in_generate=True)
+    toks = out.sequences[0, len(ids):].tolist()
+    return toks, [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, toks)]
+
+
+def test_chunks_give_the_unchunked_and_hf_tokens(long_model, adapters):
+    sp = SamplingParams(max_tokens=NEW * 2, ignore_eos=True, logprobs=1)
+    whole = _engine(long_model, adapters, max_prefill_chunk=0)
+    prompts = _prompts(whole.model_config.vocab_size)
+    want = whole.generate(prompts, sp, adapters=ADAPTERS)
+
+    chunked = _engine(long_model, adapters, max_batch_tokens=64)
+    plans = _record_plans(chunked)
+    got = chunked.generate(prompts, sp, adapters=ADAPTERS)
+
+    for a, b, n in zip(got, want, LENS):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == min(2 * NEW, MAX_LEN - n)
+        assert a.finish_reason == b.finish_reason == "length"
+        assert len(a.logprobs) == len(a.token_ids)  # one entry per token: chunks add none
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            assert list(la.values()) == pytest.approx(list(lb.values()), abs=1e-4)
+    # every step within the budget, prompts cut in chunks that continue where the last ended
+    assert all(tokens <= 64 for tokens, *_ in plans)
+    assert sum(len(partial) for *_, partial, _ in plans) >= sum(n // 64 for n in LENS) - 1
+    done = {}
+    for _, _, chunks, partial, start in plans:
+        for rid, n in chunks.items():
+            assert start[rid] == done.get(rid, 0)
+            done[rid] = start[rid] + n
+    assert sorted(done.values()) == LENS
+    stats = chunked.stats()
+    assert stats["pages_kv"] == 0 and stats["preemptions"] == 0
+
+    for ids, name, out in zip(prompts, ADAPTERS, got):
+        toks, lps = _hf(long_model, adapters.get(name), ids, len(out.token_ids))
+        assert out.token_ids == toks, (len(ids), name)
+        mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+        assert mine == pytest.approx(lps, abs=1e-3)
+
+
+def test_seeded_sampling_is_the_same_chunked(long_model, adapters):
+    """A chunk short of its prompt's end draws nothing from the request's generator."""
+    sps = [SamplingParams(max_tokens=5, temperature=0.9, seed=11 + i) for i in range(2)]
+    outs = []
+    for kw in (dict(max_prefill_chunk=0), dict(max_batch_tokens=48, max_prefill_chunk=40)):
+        e = _engine(long_model, adapters, **kw)
+        outs.append([o.token_ids for o in e.generate(_prompts(e.model_config.vocab_size)[:2],
+                                                     sps, adapters=["a", None])])
+    assert outs[0] == outs[1]
