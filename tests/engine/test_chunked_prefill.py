@@ -124,3 +124,41 @@ def test_seeded_sampling_is_the_same_chunked(long_model, adapters):
         outs.append([o.token_ids for o in e.generate(_prompts(e.model_config.vocab_size)[:2],
                                                      sps, adapters=["a", None])])
     assert outs[0] == outs[1]
+
+
+def test_chunks_through_triton_graphs_and_async_scheduling(tiny_model_dir, adapter_factory):
+    """Mixed steps of decode rows and chunks through the Triton kernels (prefill attention
+    over a cached prefix, MBGMM over chunk segments) and the graphs' static buffers (run
+    eagerly, capture=False, as on CPU), with async scheduling: the torch backend's unchunked
+    tokens. (The sync order is the same code with each step collected at once; the
+    interpreter's time keeps this to one engine.)"""
+    paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
+             "r8": adapter_factory(tiny_model_dir, r=8, target_modules=["o_proj"], seed=1)}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (30, 3, 21)]
+    names = ["r3", None, "r8"]
+    sps = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 4, 2)]
+
+    def run(**kw):
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
+                                num_pages=32, max_num_seqs=4, **kw))
+        for name, path in paths.items():
+            e.add_adapter(name, path)
+        graphs = kw.get("backend") == "triton"
+        if graphs:
+            e.runner.graphs = e.runner.make_graphs(4, mixed_tokens=16, capture=False)
+        plans = _record_plans(e)
+        ids = [e.add_request(prompts[0], sps[0], names[0])]
+        done = {o.request_id: o for o in e.step() if o.finished}  # the others join mid-prefill
+        ids += [e.add_request(p, sp, a) for p, sp, a in zip(prompts[1:], sps[1:], names[1:])]
+        while e.has_unfinished():
+            done.update({o.request_id: o for o in e.step() if o.finished})
+        if graphs:
+            assert {k[0] for k in e.runner.graphs.graphs} == {"decode", "mixed"}
+        return [done[i].token_ids for i in ids], plans
+
+    want, _ = run(backend="torch", max_prefill_chunk=0, cuda_graphs=False)
+    got, plans = run(backend="triton", max_batch_tokens=12, async_scheduling=True)
+    assert got == want
+    # steps mixing decode rows with a chunk short of its prompt's end
+    assert any(decode and partial for _, decode, _, partial, _ in plans)
