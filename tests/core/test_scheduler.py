@@ -351,3 +351,98 @@ def test_decode_rows_come_largest_adapter_first():
     assert [r.request_id for r in plan.prefill] == [str(i) for i in range(6)]
     plan = sim.step(1.0)
     assert [r.request_id for r in plan.decode] == ["2", "5", "3", "0", "4", "1"]
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+def _chunked_run(jobs, num_pages, sizes, max_batch_tokens, chunk, check=None):
+    """`jobs` [(arrival, prompt tokens, max_tokens, adapter)] through the fake runner; returns
+    ({id: (tokens, reason)}, the scheduler's stats). `check(plan, sched)` sees each plan."""
+    cfg = Cfg(block_size=4, num_pages=num_pages, max_num_seqs=6, max_batch_tokens=max_batch_tokens,
+              max_prefill_chunk=chunk, prefetch_reserve=2)
+    alloc = PageAllocator(num_pages)
+    adapters = AdapterManager(alloc, 1 << 30)
+    for name, pages in sizes.items():
+        adapters.register(AdapterInfo(name, pages, pages * 100, "synthetic"))
+    sched = Scheduler(cfg, alloc, adapters)
+    todo = sorted(jobs)
+    reqs = []
+    for t in range(5000):
+        while todo and todo[0][0] <= t:
+            arr, plen, mt, ad = todo.pop(0)
+            reqs.append(Request(str(len(reqs)), list(range(2, 2 + plen)),
+                                SamplingParams(max_tokens=mt, ignore_eos=True), ad, float(arr)))
+            sched.add(reqs[-1])
+        plan = sched.schedule(float(t))
+        if check is not None:
+            check(plan, sched)
+        # the fake model's token depends on the request and its length alone
+        toks = [(int(r.request_id) * 31 + r.num_tokens * 7) % 50 + 2 for r in plan.seqs]
+        sched.update(plan, toks, [None] * len(toks), float(t))
+        alloc.check()
+        if not todo and not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished() and alloc.used["kv"] == 0
+    return {r.request_id: (r.output_token_ids, r.finish_reason) for r in reqs}, sched.stats()
+
+
+def _check_chunked_plan(budget_of):
+    def check(plan, sched):
+        decode = len(plan.decode)
+        budget = budget_of(decode)
+        prompt_tokens = sum(plan.chunks.values())
+        assert prompt_tokens <= max(budget, 0)  # decode rows first, prompts in what is left
+        assert set(plan.chunks) == {r.request_id for r in plan.prefill}
+        assert plan.partial <= set(plan.chunks)
+        running_first = True  # running requests' next chunks come before new prompts
+        for r in plan.prefill:
+            n = plan.chunks[r.request_id]
+            assert 0 < n <= r.num_new and len(r.block_table) * 4 >= r.num_tokens
+            assert (r.request_id in plan.partial) == (n < r.num_new)
+            if r.num_computed == 0:
+                running_first = False
+            else:
+                assert running_first, "a chunk of a running prompt after a new one"
+        for r in plan.decode:
+            assert r.num_new == 1
+    return check
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), num_pages=st.integers(40, 120), n_adapters=st.integers(1, 4),
+       max_batch_tokens=st.integers(8, 40), chunk=st.integers(1, 48))
+def test_chunked_prefill_keeps_invariants_and_outputs(data, num_pages, n_adapters,
+                                                      max_batch_tokens, chunk):
+    """Prompts several times the step's budget, random arrivals, adapters and pools
+    (preemption among them): each step's prompt tokens stay within min(max_prefill_chunk,
+    max_batch_tokens - decode rows), running prompts' chunks go before new prompts, a chunk
+    samples only at its prompt's end, pages and counters balance, and every request ends
+    with the tokens of an unchunked run in a roomy pool."""
+    sizes = {f"a{i}": data.draw(st.integers(1, 4)) for i in range(n_adapters)}
+    jobs = [(data.draw(st.integers(0, 30)), data.draw(st.integers(1, 100)),
+             data.draw(st.integers(1, 8)), data.draw(st.sampled_from([None, *sizes])))
+            for _ in range(data.draw(st.integers(1, 10)))]
+    want, _ = _chunked_run(jobs, 400, sizes, 4096, 0)
+    budget = lambda decode: min(max_batch_tokens - decode, chunk)  # noqa: E731
+    got, _ = _chunked_run(jobs, num_pages, sizes, max_batch_tokens, chunk,
+                          _check_chunked_plan(budget))
+    assert got == want
+
+
+def test_a_prompt_preempted_mid_prefill_starts_over():
+    """A request preempted between its chunks (the latest arrival, when a decode row needs a
+    page) gives its pages back, waits at the front and is prefilled again from its first
+    token; it ends with the tokens of a run without preemption."""
+    jobs = [(0, 10, 30, None), (1, 60, 3, None)]
+    seen = []
+
+    def check(plan, sched):
+        seen.append(({r.request_id: r.num_computed for r in plan.prefill},
+                     [r.request_id for r in plan.preempted]))
+
+    got, stats = _chunked_run(jobs, 19, {}, 12, 8, check)
+    want, _ = _chunked_run(jobs, 400, {}, 4096, 0)
+    assert got == want and stats["preemptions"] >= 1
+    at = next(i for i, (_, pre) in enumerate(seen) if "1" in pre)
+    assert any(seen[i][0].get("1", 0) > 0 for i in range(at))  # preempted after some chunks
+    assert any(seen[i][0].get("1") == 0 for i in range(at + 1, len(seen)))  # starts over

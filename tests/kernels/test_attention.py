@@ -276,3 +276,26 @@ def test_window_twin_is_causal_attention_over_the_window():
         lo = max(0, i - window + 1)
         p = torch.softmax(q[i] @ k[lo:i + 1].T * 0.3, dim=-1)
         torch.testing.assert_close(out[i], p @ v[lo:i + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_attention_chunks_over_a_long_cached_prefix(dtype):
+    """Chunked prefill: chunks of several query tiles over cached prefixes longer than
+    themselves (starting mid-page and on a page boundary), a one-token chunk, and a whole
+    prompt beside them; against the twin."""
+    H, kvh, D, block_size = 4, 2, 16, 8
+    n_new = [40, 1, 33, 12]
+    ctx_lens = [140, 77, 97, 12]  # prefixes of 100, 76, 64 (a page boundary) and 0 tokens
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache, tables = make_cache(ctx_lens, block_size, kvh, D, dtype, gen)
+    q_start = [0]
+    for n in n_new:
+        q_start.append(q_start[-1] + n)
+    q = torch.randn(q_start[-1], H, D, generator=gen).to(dtype).to(DEVICE)
+    scale = D ** -0.5
+    out = paged_prefill_attention(q, k_cache, v_cache, tables,
+                                  torch.tensor(q_start, dtype=torch.int32, device=DEVICE),
+                                  torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), scale)
+    expect = ref.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 1e-2)

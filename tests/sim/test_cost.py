@@ -169,3 +169,16 @@ def test_decode_time_is_the_step_time_of_a_decode_only_plan():
             want = cost.step_time(cost.forward_time(decode_features(rows, ctx, adapters, lora)),
                                   0.0, 0.0, 0.0)
             assert cost.decode_time(rows, ctx, adapters, lora) == want
+
+
+def test_a_chunk_is_charged_its_tokens_and_its_context():
+    """A chunk of a prompt counts its own tokens in prefill_tokens and, in prefill_attn, its
+    tokens times its context: the cached prefix before it and itself."""
+    chunk = SimpleNamespace(request_id="c", num_computed=30, adapter="a")
+    whole = SimpleNamespace(request_id="w", num_computed=0, adapter=None)
+    plan = SimpleNamespace(prefill=[chunk, whole], decode=[], chunks={"c": 10, "w": 7})
+    adapters = SimpleNamespace(adapters={"a": SimpleNamespace(num_pages=3)})
+    f = dict(zip(FEATURES, plan_features(plan, adapters)))
+    assert f["prefill_tokens"] == 17
+    assert f["prefill_attn"] == 10 * 40 + 7 * 7
+    assert f["lora_prefill"] == 10 * 3

@@ -214,3 +214,30 @@ def test_10000_requests_over_2000_adapters_is_fast():
     assert run.result["num_completed"] == 10_000
     assert len(trace.adapter_names()) > 1900
     assert wall < 60, "the simulator should take well under 30 s here on an idle 2-core CPU"
+
+
+def test_the_simulator_runs_prompts_in_chunks():
+    """The simulator drives the same scheduler, so it sees chunks: with max_prefill_chunk
+    each step computes at most that many prompt tokens (every prompt token once, none lost),
+    a prompt longer than max_batch_tokens completes, the longest step is shorter, and the
+    decode rows' worst wait with it (inter-token latency) falls."""
+    trace = synthesize(num_adapters=8, rate=20, cv=1, alpha=1, duration=2,
+                       input_len=(200, 3000), output_len=(8, 64), ranks=(8, 16), seed=2)
+    runs = {}
+    for chunk in (0, 256):
+        steps = []
+        run = simulate(trace, _profile_7b(), num_pages=3000, check=True,
+                       engine_options=dict(max_batch_tokens=2048, max_prefill_chunk=chunk),
+                       on_step=lambda plan, start, dt: steps.append(
+                           (sum(plan.chunks.values()), len(plan.decode), len(plan.partial), dt)))
+        _check_conservation(trace, run)
+        assert run.result["num_failed"] == 0
+        runs[chunk] = steps
+    whole, chunked = runs[0], runs[256]
+    total = sum(r.prompt_len for r in trace.requests)
+    assert sum(s[0] for s in whole) == sum(s[0] for s in chunked) == total
+    assert max(r.prompt_len for r in trace.requests) > 2048  # longer than a step's budget
+    assert all(s[0] <= 256 for s in chunked) and sum(s[2] for s in chunked) > 0
+    assert not any(s[2] for s in whole)
+    worst = lambda steps: max(dt for p, d, _, dt in steps if p and d)  # noqa: E731
+    assert worst(chunked) < worst(whole) / 2
