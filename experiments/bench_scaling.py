@@ -11,6 +11,15 @@ scaling: S-LoRA's S2 setting (`slora.workload.synthesize`, seed 42): --num-reque
     `generate` call. Synthetic adapters target q/k/v/o, then all seven modules. The no-LoRA
     row replays the same lengths with every request on the base model; ratio = lora / no-LoRA.
     The S2 trace draws popularity before lengths, so every N gets the same lengths.
+    Inter-token latency (ITL): the time between a request's successive tokens as `step()`
+    returns them, over every request's tokens after its first; p50, p99 and max per row.
+    --max-prefill-chunk C1,C2,...: the rows again at each EngineConfig.max_prefill_chunk (0:
+    prompts whole, unchunked), on the one engine, warmed up unchunked (every graph bucket),
+    so one call sets chunk sizes side by side (throughput and p99 ITL).
+long: one prompt of --long-prompt tokens (random ids) and --long-output new tokens, after a
+    short request that compiles the kernels: its first-token time (the chunked prefill),
+    the decode time per token and the steps. For a 128k-context shape, e.g. --model
+    experiments/models/llama-3-8b.
 decode: at batch B in --batches, B requests with --context-token prompts, each on its own
     rank --decode-rank adapter (q/k/v/o, all seven, or none; with --dora, DoRA adapters on
     q/k/v/o and on all seven too: rows "qkvo-dora", "all-dora"), --decode-tokens new tokens
@@ -37,6 +46,10 @@ sets an FP8 run beside a bf16 one row by row.
 
     python experiments/bench_scaling.py --part all
     python experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 --modules qkvo
+    python experiments/bench_scaling.py --part scaling --adapters 2000 --num-requests 400 \
+        --modules qkvo --max-prefill-chunk 0,512,1024,2048,4096
+    python experiments/bench_scaling.py --part long --model experiments/models/llama-3-8b \
+        --long-prompt 100000
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown ''
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' --quantization fp8
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' --dora
@@ -132,6 +145,48 @@ class StepLog:
         del self.eng.runner.launch  # back to the class's method
 
 
+class TokenTimes:
+    """Wraps whatever `eng.step` is now (`logged_steps`' wrapper, inside its block): when each
+    request's tokens come back, for the inter-token latencies (`gaps`, seconds per token after
+    a request's first). `close()` puts the step back."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng, self.step = eng, eng.step
+        self.own = "step" in vars(eng)  # an instance attribute already (a wrapper)
+        self.last: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time)
+        self.gaps: list[float] = []
+        eng.step = self.timed
+
+    def timed(self):
+        outs = self.step()
+        t = time.perf_counter()
+        for o in outs:
+            n, prev = len(o.token_ids), self.last.get(o.request_id)
+            if prev is None or n > prev[0]:
+                if prev is not None:
+                    self.gaps.append((t - prev[1]) / (n - prev[0]))
+                self.last[o.request_id] = (n, t)
+        return outs
+
+    def close(self) -> None:
+        if self.own:
+            self.eng.step = self.step
+        else:
+            del self.eng.step  # the class's method again
+
+    def stats(self) -> dict:
+        gaps = sorted(self.gaps)
+        at = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3 if gaps else 0.0  # noqa: E731
+        return {"itl_p50_ms": at(0.5), "itl_p99_ms": at(0.99), "itl_max_ms": at(1.0),
+                "itl_tokens": len(gaps)}
+
+
+def set_prefill_chunk(eng: Engine, chunk: int) -> None:
+    """Run the engine on with EngineConfig.max_prefill_chunk = `chunk`: a setting only the
+    scheduler reads, step by step (one engine and one warm-up for every chunk size swept)."""
+    eng.config = eng.scheduler.config = eng.config.replace(max_prefill_chunk=chunk)
+
+
 # ----------------------------------------------------------------------------- scaling
 
 def s2_trace(args, num_adapters: int):
@@ -214,7 +269,9 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     with logged_steps(eng, allocs=True) as steps:  # where the time goes: with prompts or not
         if args.trace_steps:
             traced = StepTrace(eng, args.trace_steps, args.trace_skip, args.trace_device_only)
+        times = TokenTimes(eng)
         outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
+        times.close()
         if traced is not None:
             traced.close()
     sync(eng.runner.device)
@@ -237,7 +294,8 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
               + ")\n" + traced.table(), flush=True)
     return {
         "adapters": len(trace.adapters) if modules is not None else 0,
-        "modules": modules_key, "requests": len(outs),
+        "modules": modules_key, "max_prefill_chunk": eng.config.max_prefill_chunk,
+        "requests": len(outs), **times.stats(),
         "adapters_used": len(trace.adapter_names()) if modules is not None else 0,
         "prompt_tokens": sum(n for n, _ in lens), "output_tokens": out_toks,
         "wall_s": wall, "output_tok_s": out_toks / wall, "req_s": len(outs) / wall,
@@ -266,6 +324,8 @@ def _stall(step: dict) -> str:
 
 def part_scaling(eng: Engine, args) -> list[dict]:
     t0 = time.perf_counter()
+    if args.max_prefill_chunk:
+        set_prefill_chunk(eng, 0)  # the warm-up's prompts whole: every graph bucket, every size
     # kernel compiles and every graph (each bucket, base and each rank and module set) off the clock
     t = eng.warmup(ranks=args.ranks, modules=[MODULE_SETS[m] for m in args.modules])
     print(f"scaling: warm-up {t:.1f} s", flush=True)
@@ -274,27 +334,36 @@ def part_scaling(eng: Engine, args) -> list[dict]:
     points = [(base_trace, "none")] + [(s2_trace(args, n), m) for m in args.modules
                                        for n in args.adapters]
     rows = []
-    for trace, key in points:
-        row = scaling_row(eng, args, trace, key, ref_lens)
-        row["ratio"] = row["output_tok_s"] / rows[0]["output_tok_s"] if rows else 1.0
-        rows.append(row)
-        print(f"scaling: {row['adapters']} adapters, modules {key}: "
-              f"{row['output_tok_s']:.0f} tok/s {row['req_s']:.2f} req/s ({row['wall_s']:.1f} s; "
-              f"{time.perf_counter() - t0:.0f} s into the part)", flush=True)
+    for chunk in args.max_prefill_chunk or [eng.config.max_prefill_chunk]:
+        set_prefill_chunk(eng, chunk)
+        base = None
+        for trace, key in points:
+            row = scaling_row(eng, args, trace, key, ref_lens)
+            base = base or row  # the no-LoRA row at this chunk size
+            row["ratio"] = row["output_tok_s"] / base["output_tok_s"]
+            rows.append(row)
+            print(f"scaling: chunk {chunk}, {row['adapters']} adapters, modules {key}: "
+                  f"{row['output_tok_s']:.0f} tok/s {row['req_s']:.2f} req/s, ITL p99 "
+                  f"{row['itl_p99_ms']:.1f} ms ({row['wall_s']:.1f} s; "
+                  f"{time.perf_counter() - t0:.0f} s into the part)", flush=True)
     print(f"\nS2 offline throughput, {args.num_requests} requests, lengths in "
           f"{args.input_len}/{args.output_len}, ranks {args.ranks}, alpha {args.alpha}")
-    print(f"{'adapters':>9}{'modules':>8}{'used':>6}{'tok/s':>9}{'req/s':>8}{'ratio':>7}"
+    print(f"{'chunk':>6}{'adapters':>9}{'modules':>8}{'used':>6}{'tok/s':>9}{'req/s':>8}{'ratio':>7}"
+          f"{'ITL p50':>8}{'p99':>7}{'max ms':>7}"
           f"{'loads':>7}{'evict':>7}{'preempt':>8}{'wall s':>8}{'steps':>7}{'mixed':>7}"
           f"{'mixed s':>8}{'eager':>6}{'eager s':>8}{'graphs':>7}{'compiles':>9}{'longest ms':>11}")
     for r in rows:
-        print(f"{r['adapters']:>9}{r['modules']:>8}{r['adapters_used']:>6}{r['output_tok_s']:>9.0f}"
-              f"{r['req_s']:>8.2f}{r['ratio']:>7.3f}{r['adapter_loads']:>7}"
+        print(f"{r['max_prefill_chunk']:>6}{r['adapters']:>9}{r['modules']:>8}"
+              f"{r['adapters_used']:>6}{r['output_tok_s']:>9.0f}"
+              f"{r['req_s']:>8.2f}{r['ratio']:>7.3f}{r['itl_p50_ms']:>8.1f}{r['itl_p99_ms']:>7.1f}"
+              f"{r['itl_max_ms']:>7.0f}{r['adapter_loads']:>7}"
               f"{r['adapter_evictions']:>7}{r['preemptions']:>8}{r['wall_s']:>8.1f}"
               f"{r['steps']:>7}{r['mixed_steps']:>7}{r['mixed_s']:>8.1f}"
               f"{r['eager_steps']:>6}{r['eager_s']:>8.1f}{r['captures']:>7}"
               f"{len(r['compiles']):>9}"
               f"{r['longest'][0]['ms'] if r['longest'] else 0:>11.1f}")
-    print(f"(mixed: steps with prompts, graphed up to {eng.runner.mixed_graph_tokens} tokens, "
+    print(f"(chunk: max_prefill_chunk, 0 = prompts whole; ITL: inter-token latency; "
+          f"mixed: steps with prompts, graphed up to {eng.runner.mixed_graph_tokens} tokens, "
           "eager past that; mixed s: their wall time; eager: the eager ones; graphs, compiles: "
           "CUDA graphs captured and Triton kernels compiled while serving)")
     for r in rows:
@@ -499,6 +568,50 @@ def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- long
+
+def part_long(eng: Engine, args) -> dict:
+    """One prompt of --long-prompt tokens through chunked prefill, then --long-output tokens."""
+    if args.max_prefill_chunk:
+        set_prefill_chunk(eng, args.max_prefill_chunk[0])
+    n, vocab, dev = args.long_prompt, eng.model_config.vocab_size, eng.runner.device
+    if n + args.long_output > eng.max_model_len:
+        raise SystemExit(f"--long-prompt {n} + --long-output {args.long_output} exceed the "
+                         f"engine's max_model_len {eng.max_model_len} (the model's or the pool's)")
+    sp = SamplingParams(max_tokens=args.long_output, ignore_eos=True)
+    chunk = eng.config.max_prefill_chunk or eng.config.max_batch_tokens
+    t = time.perf_counter()
+    eng.generate(prompts(1, min(n, 2 * chunk + 7), vocab, seed=1), sp)  # compiles, off the clock
+    warm = time.perf_counter() - t
+    times = TokenTimes(eng)
+    sync(dev)
+    t0 = time.perf_counter()
+    steps = 0
+    rid = eng.add_request(prompts(1, n, vocab, seed=2)[0], sp)
+    first = out = None
+    while eng.has_unfinished():
+        steps += 1
+        for o in eng.step():
+            if o.request_id == rid:
+                out = o
+                if first is None and o.token_ids:
+                    first = time.perf_counter() - t0
+    sync(dev)
+    wall = time.perf_counter() - t0
+    times.close()
+    row = {"prompt_tokens": n, "output_tokens": len(out.token_ids), "finish": out.finish_reason,
+           "max_prefill_chunk": eng.config.max_prefill_chunk, "steps": steps,
+           "ttft_s": first, "wall_s": wall, "warmup_s": warm,
+           "prefill_tok_s": n / first if first else None,
+           "decode_ms_per_token": (wall - first) * 1e3 / max(1, len(out.token_ids) - 1),
+           **times.stats()}
+    print(f"\nlong prompt: {n} tokens, chunk {row['max_prefill_chunk']}, {row['steps']} steps: "
+          f"first token {first:.2f} s ({row['prefill_tok_s']:.0f} prompt tok/s), "
+          f"{row['output_tokens']} tokens ({row['finish']}) in {wall:.2f} s, decode "
+          f"{row['decode_ms_per_token']:.1f} ms/token; max_model_len {eng.max_model_len}")
+    return row
+
+
 # ----------------------------------------------------------------------------- main
 
 def ints(text: str) -> list[int]:
@@ -507,7 +620,8 @@ def ints(text: str) -> list[int]:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("scaling", "decode", "all"), default="all")
+    ap.add_argument("--part", choices=("scaling", "decode", "long", "all"), default="all",
+                    help="all: scaling and decode (long: by itself)")
     ap.add_argument("--model", default=str(MODELS / "llama-2-7b"),
                     help="a model dir (config.json is enough)")
     ap.add_argument("--device", default="cuda")
@@ -533,6 +647,12 @@ def parse_args(argv=None):
     ap.add_argument("--input-len", type=ints, default=[8, 511], help="scaling: lo,hi (inclusive)")
     ap.add_argument("--output-len", type=ints, default=[8, 511], help="scaling: lo,hi (inclusive)")
     ap.add_argument("--seed", type=int, default=42, help="scaling: the trace's seed")
+    ap.add_argument("--max-prefill-chunk", type=ints, default=None,
+                    help="EngineConfig.max_prefill_chunk: scaling runs its rows at each value "
+                         "(0: prompts whole, unchunked); long: the first (default: the "
+                         "engine's)")
+    ap.add_argument("--long-prompt", type=int, default=100_000, help="long: prompt tokens")
+    ap.add_argument("--long-output", type=int, default=16, help="long: new tokens")
     ap.add_argument("--batches", type=ints, default=[1, 32, 128, 256], help="decode: batch sizes")
     ap.add_argument("--context", type=int, default=256, help="decode: prompt tokens")
     ap.add_argument("--decode-tokens", type=int, default=32, help="decode: new tokens per request")
@@ -619,6 +739,8 @@ def main(argv=None) -> dict:
               "args": vars(args)}
     if args.part in ("scaling", "all"):
         result["scaling"] = part_scaling(eng, args)
+    if args.part == "long":
+        result["long"] = part_long(eng, args)
     if args.part in ("decode", "all"):
         result["decode"] = part_decode(eng, args, ceil["copy_GBps"])
         result["breakdown"] = []

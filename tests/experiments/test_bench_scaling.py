@@ -154,3 +154,34 @@ def test_timeline_summary_splits_the_compute_streams_idle_time(experiment):
     assert "       0.10 ms       1 x   100.0 us  gemm" in text  # kernels by GPU time
     assert timeline.summarize([ev("cpu_op", "aten::mm", 0, 5, 0)]).startswith("no GPU events")
 
+
+def test_s2_rows_at_each_prefill_chunk_with_inter_token_latency(bench, tiny_model_dir, tmp_path):
+    """--max-prefill-chunk 0,16: the S2 rows at each chunk size on one engine, each with its
+    inter-token latency percentiles; the same tokens whatever the chunk, and the engine's own
+    step method back afterwards."""
+    bench.main(["--part", "scaling", "--model", str(tiny_model_dir), "--device", "cpu",
+                "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
+                "--adapters", "2", "--num-requests", "6", "--input-len", "20,60",
+                "--output-len", "2,6", "--modules", "qkvo", "--max-prefill-chunk", "0,16",
+                "--batches", "4",
+                "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["scaling"]
+    assert [(r["max_prefill_chunk"], r["modules"]) for r in rows] == [
+        (0, "none"), (0, "qkvo"), (16, "none"), (16, "qkvo")]
+    for r in rows:
+        assert r["not_length"] == 0 and r["output_tokens"] == rows[0]["output_tokens"]
+        # every token after a request's first has a gap
+        assert r["itl_tokens"] == r["output_tokens"] - r["requests"]
+        assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
+    assert rows[2]["steps"] > rows[0]["steps"]  # prompts of up to 60 tokens in chunks of 16
+
+
+def test_long_prompt_part(bench, tiny_model_dir, tmp_path):
+    """--part long: one prompt of many chunks completes; its first-token time and steps."""
+    bench.main(["--part", "long", "--model", str(tiny_model_dir), "--device", "cpu",
+                "--dtype", "float32", "--num-pages", "64", "--long-prompt", "200",
+                "--long-output", "3", "--max-prefill-chunk", "32", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "bench_scaling.json").read_text())["long"]
+    assert row["output_tokens"] == 3 and row["finish"] == "length"
+    assert row["steps"] >= 200 // 32 + 2 and row["max_prefill_chunk"] == 32
+    assert 0 < row["ttft_s"] <= row["wall_s"] and row["prefill_tok_s"] > 0
