@@ -9,9 +9,9 @@
 #   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
 #                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
-#   --bench LIST    of: engine s2 decode serve fp8 dora prefix (default: engine s2 decode); serve:
-#                   S2 via `slora serve` (fastapi, uvicorn); fp8: bench_fp8.py's GEMMs; dora:
-#                   decode + DoRA; prefix: a shared-system-prompt trace, prefix caching off / on
+#   --bench LIST    of: engine s2 decode serve fp8 dora prefix chunk long (default: engine s2 decode);
+#                   serve: S2 via `slora serve`; fp8: bench_fp8's GEMMs; dora: decode + DoRA; prefix:
+#                   shared-prompt trace, caching off/on; chunk: S2 at $CHUNKS; long: a 100k prompt
 #   --quantization fp8  engine, s2 and decode with FP8 base weights (the table names them)
 #   --compare NAME  the table also holds run NAME (an earlier $OUT/NAME.tar.gz), and this one over it
 # Before / after in one call, an older tree copied to results/base (carried to the device):
@@ -38,8 +38,7 @@ OUT=${OUT:-$HERE/results/gpu}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 D=$OUT/$LABEL
 rm -rf "$D" "$OUT/$LABEL.tar.gz" && mkdir -p "$D"
-export PYTHONPATH=$TREE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
-  TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$TREE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 cd "$TREE" || exit 2
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv >"$D/gpu.txt" 2>&1
 # the tree's commit, for results whose JSON names none (a tree older than the harness)
@@ -64,15 +63,15 @@ bench() { [[ " $BENCH " == *" $1 "* ]]; }
 bench fp8 && step fp8 240 python3 experiments/bench_fp8.py --rows 1,32,64,256 --out "$D/fp8"
 bench engine && step engine 240 python3 experiments/bench_engine.py --models llama-2-7b \
   --batches 32 --race --skip-hf "${QUANT[@]}" --out "$D/engine"
-bench s2 && step s2 300 python3 experiments/bench_scaling.py --part scaling --adapters 2000 \
-  --num-requests 400 --modules qkvo "${QUANT[@]}" --out "$D/s2"
-bench decode && step decode 300 python3 experiments/bench_scaling.py --part decode --batches 32 \
-  --breakdown '' "${QUANT[@]}" $(bench dora && echo --dora) --out "$D/decode"
-bench serve && step serve 420 python3 experiments/bench_serve.py --out "$D/serve" && \
-  tail -n 12 "$D/serve.log"
+sc=experiments/bench_scaling.py s2=(--part scaling --adapters 2000 --num-requests 400 --modules qkvo "${QUANT[@]}")
+bench s2 && step s2 300 python3 $sc "${s2[@]}" --out "$D/s2"
+bench chunk && step chunk 600 python3 $sc "${s2[@]}" --max-prefill-chunk "${CHUNKS:-0,512,1024,2048,4096}" --out "$D/chunk"
+bench long && step long 420 python3 $sc --part long --model experiments/models/llama-3-8b "${QUANT[@]}" --out "$D/long"
+bench decode && step decode 300 python3 $sc --part decode --batches 32 --breakdown '' "${QUANT[@]}" \
+  $(bench dora && echo --dora) --out "$D/decode"
+bench serve && step serve 420 python3 experiments/bench_serve.py --out "$D/serve" && tail -n 12 "$D/serve.log"
 bench prefix && step prefix 300 python3 experiments/bench_prefix.py \
-  --profile experiments/profiles/h200-llama2-7b.json --out "$D/prefix" && \
-  tail -n 8 "$D/prefix.log"
+  --profile experiments/profiles/h200-llama2-7b.json --out "$D/prefix" && tail -n 8 "$D/prefix.log"
 tar czf "$OUT/$LABEL.tar.gz" -C "$OUT" "$LABEL" && rm -rf "$D"
 runs=(${COMPARE:+"$OUT/$COMPARE.tar.gz"} "$OUT/$LABEL.tar.gz")
 echo

@@ -6,10 +6,13 @@ per run, then the last run's figure over the first's.
     python3 experiments/gpu_table.py results/gpu/base.tar.gz results/gpu/new.tar.gz
 
 A run holds engine/bench_engine.json, s2/bench_scaling.json, decode/bench_scaling.json,
-fp8/bench_fp8.json, pytest.log and commit.txt, any of them missing. Only fields that these
-files have always carried are read (the rows' gen_tok_s and decode_tok_s; scaling rows'
-output_tok_s; decode rows' step_ms and floor_ms; ceilings; bench_fp8's rows), so that a run
-of an older tree compares with a current one.
+fp8/bench_fp8.json, chunk/bench_scaling.json (S2 at several max_prefill_chunk sizes: each
+chunked row's tok/s and p99 inter-token latency beside the unchunked row's),
+long/bench_scaling.json (one long prompt), pytest.log and commit.txt, any of them missing.
+Only fields that these files have always carried are read (the rows' gen_tok_s and
+decode_tok_s; scaling rows' output_tok_s; decode rows' step_ms and floor_ms; ceilings;
+bench_fp8's rows; chunk and long rows, which only trees with chunked prefill write), so that
+a run of an older tree compares with a current one.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from pathlib import Path
 DATASHEET = {"H200": (4800, 989), "H100": (3350, 989)}
 FILES = {"engine": "engine/bench_engine.json", "s2": "s2/bench_scaling.json",
          "decode": "decode/bench_scaling.json", "fp8": "fp8/bench_fp8.json",
+         "chunk": "chunk/bench_scaling.json", "long": "long/bench_scaling.json",
          "tests": "pytest.log", "commit": "commit.txt"}
-BENCHES = ("engine", "s2", "decode", "fp8")
+BENCHES = ("engine", "s2", "decode", "fp8", "chunk", "long")
 
 
 def load(src: str) -> dict:
-    """{"label", "engine", "s2", "decode", "fp8": parsed JSON or None, "tests": pytest's last line,
+    """{"label", and each of BENCHES: parsed JSON or None, "tests": pytest's last line,
     "commit": the JSON header's, else commit.txt's}."""
     path, texts = Path(src), {}
     if path.is_dir():
@@ -72,6 +76,18 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
         if base and r["adapters"]:
             out.append((f"S2 {r['modules']}, {r['adapters']} adapters: tok/s", r["output_tok_s"],
                         base["output_tok_s"], "no LoRA"))
+    chunk = (run["chunk"] or {}).get("scaling") or []
+    whole = {(r["adapters"], r["modules"]): r for r in chunk if r["max_prefill_chunk"] == 0}
+    for r in chunk:
+        w = whole.get((r["adapters"], r["modules"]))
+        if w is not None and r is not w:
+            what = f"S2 {r['modules']}, {r['adapters']} ad., chunk {r['max_prefill_chunk']}"
+            out.append((f"{what}: tok/s", r["output_tok_s"], w["output_tok_s"], "unchunked"))
+            out.append((f"{what}: ITL p99 ms", r["itl_p99_ms"], w["itl_p99_ms"], "unchunked"))
+    if run["long"] and run["long"].get("long"):
+        r = run["long"]["long"]
+        out.append((f"{r['prompt_tokens']}-token prompt: prompt tok/s", r["prefill_tok_s"],
+                    float("nan"), "-"))
     for r in (run["decode"] or {}).get("decode") or []:
         out.append((f"decode batch {r['batch']}, {r['modules']}: ms/step", r["step_ms"],
                     r["floor_ms"], "byte floor"))

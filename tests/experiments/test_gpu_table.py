@@ -98,3 +98,26 @@ def test_fp8_gemm_rows_set_the_word_path_beside_the_converting_one(gpu_table, tm
            gpu_table.rows(gpu_table.load(str(run)))}
     assert got["FP8 GEMM o x32: GB/s"] == (2100.0, 840.0, "converted")
     assert not [w for w in got if "x256" in w]
+
+
+def test_chunk_rows_sit_beside_the_unchunked_row(gpu_table, tmp_path):
+    """chunk/bench_scaling.json: each chunked S2 row's tok/s and p99 inter-token latency
+    beside the unchunked row of the same adapters; long/: the long prompt's rate."""
+    path = write_run(tmp_path / "new")
+    rows = [{"adapters": a, "modules": m, "max_prefill_chunk": c, "output_tok_s": t,
+             "itl_p99_ms": p99}
+            for a, m, c, t, p99 in ((0, "none", 0, 8000.0, 200.0), (2000, "qkvo", 0, 6800.0, 250.0),
+                                    (0, "none", 1024, 7900.0, 50.0),
+                                    (2000, "qkvo", 1024, 6700.0, 60.0))]
+    (path / "chunk").mkdir()
+    (path / "chunk" / "bench_scaling.json").write_text(json.dumps({"scaling": rows}))
+    (path / "long").mkdir()
+    (path / "long" / "bench_scaling.json").write_text(json.dumps(
+        {"long": {"prompt_tokens": 100000, "prefill_tok_s": 9000.0}}))
+    got = {what: (fig, peer, name) for what, fig, peer, name in gpu_table.rows(gpu_table.load(str(path)))}
+    assert got["S2 qkvo, 2000 ad., chunk 1024: tok/s"] == (6700.0, 6800.0, "unchunked")
+    assert got["S2 qkvo, 2000 ad., chunk 1024: ITL p99 ms"] == (60.0, 250.0, "unchunked")
+    assert got["S2 none, 0 ad., chunk 1024: ITL p99 ms"] == (50.0, 200.0, "unchunked")
+    assert not any("chunk 0" in what for what in got)
+    assert got["100000-token prompt: prompt tok/s"][0] == 9000.0
+    assert "chunk 1024: ITL p99 ms" in gpu_table.table([gpu_table.load(str(path))])
