@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tests.conftest import build_tiny_model  # noqa: E402
+from tests.model.test_families import peft_greedy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENS = [300, 417, 523, 600, 690]  # the last reaches max_model_len (700) after 10 tokens
@@ -61,24 +62,6 @@ def _record_plans(e: Engine) -> list:
     return plans
 
 
-def _hf(model_dir, adapter_dir, ids, new):
-    """HF's (or PEFT's) greedy tokens and chosen-token log-probs."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        import peft
-
-        model = peft.PeftModel.from_pretrained(model, adapter_dir)
-    model = model.to(DEVICE).eval()
-    x = torch.tensor([ids], device=DEVICE)
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
-                         do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                         return_dict_in_generate=True)
-    toks = out.sequences[0, len(ids):].tolist()
-    return toks, [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, toks)]
-
-
 def test_chunks_give_the_unchunked_and_hf_tokens(long_model, adapters):
     sp = SamplingParams(max_tokens=NEW * 2, ignore_eos=True, logprobs=1)
     whole = _engine(long_model, adapters, max_prefill_chunk=0)
@@ -109,7 +92,7 @@ def test_chunks_give_the_unchunked_and_hf_tokens(long_model, adapters):
     assert stats["pages_kv"] == 0 and stats["preemptions"] == 0
 
     for ids, name, out in zip(prompts, ADAPTERS, got):
-        toks, lps = _hf(long_model, adapters.get(name), ids, len(out.token_ids))
+        toks, lps = peft_greedy(long_model, adapters.get(name), ids, len(out.token_ids))
         assert out.token_ids == toks, (len(ids), name)
         mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
         assert mine == pytest.approx(lps, abs=1e-3)
