@@ -572,8 +572,6 @@ def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
 
 def part_long(eng: Engine, args) -> dict:
     """One prompt of --long-prompt tokens through chunked prefill, then --long-output tokens."""
-    if args.max_prefill_chunk:
-        set_prefill_chunk(eng, args.max_prefill_chunk[0])
     n, vocab, dev = args.long_prompt, eng.model_config.vocab_size, eng.runner.device
     if n + args.long_output > eng.max_model_len:
         raise SystemExit(f"--long-prompt {n} + --long-output {args.long_output} exceed the "
@@ -649,8 +647,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=42, help="scaling: the trace's seed")
     ap.add_argument("--max-prefill-chunk", type=ints, default=None,
                     help="EngineConfig.max_prefill_chunk: scaling runs its rows at each value "
-                         "(0: prompts whole, unchunked); long: the first (default: the "
-                         "engine's)")
+                         "(0: prompts whole, unchunked); the other parts run at the first "
+                         "(default: the engine's)")
     ap.add_argument("--long-prompt", type=int, default=100_000, help="long: prompt tokens")
     ap.add_argument("--long-output", type=int, default=16, help="long: new tokens")
     ap.add_argument("--batches", type=ints, default=[1, 32, 128, 256], help="decode: batch sizes")
@@ -726,6 +724,8 @@ def main(argv=None) -> dict:
                               max_batch_tokens=args.max_batch_tokens,
                               async_scheduling=args.async_scheduling,
                               enable_prefix_caching=args.prefix_caching,
+                              **({} if not args.max_prefill_chunk
+                                 else {"max_prefill_chunk": args.max_prefill_chunk[0]}),
                               **({} if args.gemm_rows is None
                                  else {"gemm_max_rows": args.gemm_rows}),
                               **({} if args.mixed_graph_tokens is None

@@ -301,8 +301,9 @@ def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed
     n = max(b for b in grid.batches if b <= 64)
     plen = sorted(grid.prompt_lens)[len(grid.prompt_lens) // 2]
     steps = 2 * grid.overlap_repeats + 2
-    sp = SamplingParams(max_tokens=steps + 2 + n * plen // engine.config.max_batch_tokens,
-                        ignore_eos=True)
+    cfg = engine.config
+    budget = min(cfg.max_batch_tokens, cfg.max_prefill_chunk or cfg.max_batch_tokens)
+    sp = SamplingParams(max_tokens=steps + 2 + n * plen // budget, ignore_eos=True)
     for _ in range(n):
         engine.add_request([rng.randrange(engine.model_config.vocab_size) for _ in range(plen)], sp)
     tap = PlanTap(engine)
@@ -310,7 +311,9 @@ def measure_overlap(engine, grid: Grid, log: Callable[[str], None] = print, seed
     bar = _bar(steps, "profile: prefetch overlap", "step", progress)
     try:
         engine.step()
-        while engine.scheduler.waiting:  # prefill everyone: the timed steps are pure decode
+        sched = engine.scheduler
+        # prefill everyone (every chunk): the timed steps are pure decode
+        while sched.waiting or any(r.num_new > 1 for r in sched.running):
             engine.step()
         for k in range(steps):
             tap.inject = (name, info.pages) if k % 2 else None
