@@ -13,8 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
-from tests.conftest import build_tiny_model  # noqa: E402
-from tests.model.test_families import peft_greedy  # noqa: E402
+from tests.conftest import build_tiny_model, peft_greedy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENS = [300, 417, 523, 600, 690]  # the last reaches max_model_len (700) after 10 tokens
@@ -92,7 +91,8 @@ def test_chunks_give_the_unchunked_and_hf_tokens(long_model, adapters):
     assert stats["pages_kv"] == 0 and stats["preemptions"] == 0
 
     for ids, name, out in zip(prompts, ADAPTERS, got):
-        toks, lps = peft_greedy(long_model, adapters.get(name), ids, len(out.token_ids))
+        toks, lps = peft_greedy(long_model, adapters.get(name), ids, len(out.token_ids),
+                                device=DEVICE)
         assert out.token_ids == toks, (len(ids), name)
         mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
         assert mine == pytest.approx(lps, abs=1e-3)
