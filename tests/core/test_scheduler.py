@@ -355,11 +355,12 @@ def test_decode_rows_come_largest_adapter_first():
 
 # ----------------------------------------------------------------------------- chunked prefill
 
-def _chunked_run(jobs, num_pages, sizes, max_batch_tokens, chunk, check=None):
-    """`jobs` [(arrival, prompt tokens, max_tokens, adapter)] through the fake runner; returns
-    ({id: (tokens, reason)}, the scheduler's stats). `check(plan, sched)` sees each plan."""
+def _chunked_run(jobs, num_pages, sizes, max_batch_tokens, chunk, check=None, prefix=False):
+    """`jobs` [(arrival, prompt tokens, max_tokens, adapter)] through the fake runner (prompts
+    2, 3, 4, ...: they share prefixes); returns ({id: (tokens, reason)}, the scheduler's
+    stats). `check(plan, ids running before it)` sees each plan; `prefix`: prefix caching on."""
     cfg = Cfg(block_size=4, num_pages=num_pages, max_num_seqs=6, max_batch_tokens=max_batch_tokens,
-              max_prefill_chunk=chunk, prefetch_reserve=2)
+              max_prefill_chunk=chunk, prefetch_reserve=2, enable_prefix_caching=prefix)
     alloc = PageAllocator(num_pages)
     adapters = AdapterManager(alloc, 1 << 30)
     for name, pages in sizes.items():
@@ -373,9 +374,10 @@ def _chunked_run(jobs, num_pages, sizes, max_batch_tokens, chunk, check=None):
             reqs.append(Request(str(len(reqs)), list(range(2, 2 + plen)),
                                 SamplingParams(max_tokens=mt, ignore_eos=True), ad, float(arr)))
             sched.add(reqs[-1])
+        before = {r.request_id for r in sched.running}
         plan = sched.schedule(float(t))
         if check is not None:
-            check(plan, sched)
+            check(plan, before)
         # the fake model's token depends on the request and its length alone
         toks = [(int(r.request_id) * 31 + r.num_tokens * 7) % 50 + 2 for r in plan.seqs]
         sched.update(plan, toks, [None] * len(toks), float(t))
@@ -387,7 +389,7 @@ def _chunked_run(jobs, num_pages, sizes, max_batch_tokens, chunk, check=None):
 
 
 def _check_chunked_plan(budget_of):
-    def check(plan, sched):
+    def check(plan, before):
         decode = len(plan.decode)
         budget = budget_of(decode)
         prompt_tokens = sum(plan.chunks.values())
@@ -399,7 +401,7 @@ def _check_chunked_plan(budget_of):
             n = plan.chunks[r.request_id]
             assert 0 < n <= r.num_new and len(r.block_table) * 4 >= r.num_tokens
             assert (r.request_id in plan.partial) == (n < r.num_new)
-            if r.num_computed == 0:
+            if r.request_id not in before:
                 running_first = False
             else:
                 assert running_first, "a chunk of a running prompt after a new one"
@@ -410,14 +412,14 @@ def _check_chunked_plan(budget_of):
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), num_pages=st.integers(40, 120), n_adapters=st.integers(1, 4),
-       max_batch_tokens=st.integers(8, 40), chunk=st.integers(1, 48))
+       max_batch_tokens=st.integers(8, 40), chunk=st.integers(1, 48), prefix=st.booleans())
 def test_chunked_prefill_keeps_invariants_and_outputs(data, num_pages, n_adapters,
-                                                      max_batch_tokens, chunk):
+                                                      max_batch_tokens, chunk, prefix):
     """Prompts several times the step's budget, random arrivals, adapters and pools
-    (preemption among them): each step's prompt tokens stay within min(max_prefill_chunk,
-    max_batch_tokens - decode rows), running prompts' chunks go before new prompts, a chunk
-    samples only at its prompt's end, pages and counters balance, and every request ends
-    with the tokens of an unchunked run in a roomy pool."""
+    (preemption among them), with prefix caching on or off: each step's prompt tokens stay
+    within min(max_prefill_chunk, max_batch_tokens - decode rows), running prompts' chunks go
+    before new prompts, a chunk samples only at its prompt's end, pages and counters balance,
+    and every request ends with the tokens of an unchunked run in a roomy pool."""
     sizes = {f"a{i}": data.draw(st.integers(1, 4)) for i in range(n_adapters)}
     jobs = [(data.draw(st.integers(0, 30)), data.draw(st.integers(1, 100)),
              data.draw(st.integers(1, 8)), data.draw(st.sampled_from([None, *sizes])))
@@ -425,7 +427,7 @@ def test_chunked_prefill_keeps_invariants_and_outputs(data, num_pages, n_adapter
     want, _ = _chunked_run(jobs, 400, sizes, 4096, 0)
     budget = lambda decode: min(max_batch_tokens - decode, chunk)  # noqa: E731
     got, _ = _chunked_run(jobs, num_pages, sizes, max_batch_tokens, chunk,
-                          _check_chunked_plan(budget))
+                          _check_chunked_plan(budget), prefix)
     assert got == want
 
 
@@ -436,7 +438,7 @@ def test_a_prompt_preempted_mid_prefill_starts_over():
     jobs = [(0, 10, 30, None), (1, 60, 3, None)]
     seen = []
 
-    def check(plan, sched):
+    def check(plan, before):
         seen.append(({r.request_id: r.num_computed for r in plan.prefill},
                      [r.request_id for r in plan.preempted]))
 
