@@ -346,10 +346,12 @@ class Engine:
         cut off with what follows. A request listed twice gets the same text twice."""
         if self.tokenizer is None:
             return [""] * len(reqs)
-        texts = []
+        texts: dict[str, str] = {}  # request id -> its text: decoded once per call
         for req in reqs:
+            if req.request_id in texts:
+                continue
             try:
-                texts.append(self._text(req))
+                texts[req.request_id] = self._text(req)
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 why = f"request {req.request_id}: detokenising failed: {type(e).__name__}: {e}"
                 if req.finished:  # (its last step: only its outcome changes)
@@ -357,8 +359,8 @@ class Engine:
                     self.scheduler.failed += 1
                 else:
                     self.scheduler.fail([req], why, time.monotonic())
-                texts.append("")
-        return texts
+                texts[req.request_id] = ""
+        return [texts[req.request_id] for req in reqs]
 
     def _text(self, req: Request) -> str:
         ids = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]
