@@ -21,14 +21,15 @@ long: one prompt of --long-prompt tokens (random ids) and --long-output new toke
     the decode time per token and the steps. For a 128k-context shape, e.g. --model
     experiments/models/llama-3-8b.
 decode: at batch B in --batches, B requests with --context-token prompts, each on its own
-    rank --decode-rank adapter (q/k/v/o, all seven, or none; with --dora, DoRA adapters on
-    q/k/v/o and on all seven too: rows "qkvo-dora", "all-dora"), --decode-tokens new tokens
-    each.
+    rank --decode-rank adapter (--decode-modules: none, q/k/v/o, all seven, or "vocab": q/k/v/o
+    with embed_tokens and lm_head; with --dora, DoRA adapters on q/k/v/o and on all seven too:
+    rows "qkvo-dora", "all-dora"), --decode-tokens new tokens each.
     Timed: whole `engine.step()` calls (synchronised) in which all B requests decode and none
     prefills; median. Byte floor = bytes a decode step must read / measured copy bandwidth:
     weights (every linear layer and the lm_head; the embedding table is only gathered), the
     batch's KV (sum of context lengths x layers x 2 x kv_heads x head_dim x dtype bytes) and
-    the distinct adapters' rows (rank x (d_in + d_out) per module per layer x dtype bytes).
+    the distinct adapters' rows (rank x (d_in + d_out) per module per layer x dtype bytes; an
+    embedding LoRA once, its A read one column a token: rank x (1 + hidden)).
     With --quantization fp8 the linear layers' weights count one byte each plus a 4-byte scale
     per output channel (`ModelConfig.weight_bytes`); the lm_head, KV and adapters stay in
     --dtype.
@@ -53,6 +54,8 @@ sets an FP8 run beside a bf16 one row by row.
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown ''
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' --quantization fp8
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' --dora
+    python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' \
+        --decode-modules qkvo,vocab
     python experiments/bench_scaling.py --part decode --batches 1,32 --model DIR --device cpu \
         --dtype float32
 """
@@ -76,12 +79,13 @@ from harness import add_out_arg, ceilings, header, sync, write_result  # noqa: E
 import slora.graphs  # noqa: E402
 import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
-from slora.config import LORA_MODULES, ModelConfig  # noqa: E402
+from slora.config import LORA_MODULES, VOCAB_MODULES, ModelConfig  # noqa: E402
 from slora.sim.profile import logged_steps  # noqa: E402
 from slora.workload import synthesize  # noqa: E402
 
 # name -> target modules of a row's synthetic adapters (None: no adapters, the base model)
-MODULE_SETS = {"none": None, "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj"), "all": LORA_MODULES}
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+MODULE_SETS = {"none": None, "qkvo": QKVO, "all": LORA_MODULES, "vocab": QKVO + VOCAB_MODULES}
 ADAPTER_SEED = 0  # one host buffer per (rank, modules); see the docstring
 DORA = "-dora"  # a decode row's key suffix: DoRA adapters on the module set
 
@@ -93,12 +97,16 @@ def module_set(key: str):
 
 def adapter_bytes(cfg: ModelConfig, rank: int, modules, dtype_bytes: int,
                   dora: bool = False) -> int:
-    """Bytes of an adapter's A and B rows, and its DoRA rows with `dora` (no page or alignment
-    padding)."""
-    rows = rank * sum(sum(cfg.module_dims(m)) for m in modules)
+    """Bytes of an adapter's rows a decode token reads (no page or alignment padding): A and B
+    of the linear modules in every layer (and their DoRA rows with `dora`), lm_head's once,
+    embed_tokens' B and one column of its A."""
+    linear = [m for m in modules if m in LORA_MODULES]
+    rows = rank * sum(sum(cfg.module_dims(m)) for m in linear)
     if dora:
-        rows += sum(cfg.module_dims(m)[1] for m in modules)
-    return cfg.num_layers * rows * dtype_bytes
+        rows += sum(cfg.module_dims(m)[1] for m in linear)
+    vocab = sum(1 + cfg.hidden_size if m == "embed_tokens" else sum(cfg.module_dims(m))
+                for m in modules if m in VOCAB_MODULES)
+    return (cfg.num_layers * rows + rank * vocab) * dtype_bytes
 
 
 def weight_read_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = None) -> int:
@@ -549,7 +557,8 @@ def part_decode(eng: Engine, args, copy_GBps: float) -> list[dict]:
     t0 = time.perf_counter()
     rows = []
     for b in args.batches:
-        for key in ("none", "qkvo", "all") + (("qkvo" + DORA, "all" + DORA) if args.dora else ()):
+        for key in list(args.decode_modules) + ([k + DORA for k in ("qkvo", "all")]
+                                                 if args.dora else []):
             rows.append(decode_row(eng, args, b, key, copy_GBps))
             r = rows[-1]
             print(f"decode: batch {b}, modules {key}: {r['step_ms']:.2f} ms/step, floor "
@@ -655,10 +664,14 @@ def parse_args(argv=None):
     ap.add_argument("--context", type=int, default=256, help="decode: prompt tokens")
     ap.add_argument("--decode-tokens", type=int, default=32, help="decode: new tokens per request")
     ap.add_argument("--decode-rank", type=int, default=16)
+    ap.add_argument("--decode-modules", type=lambda s: s.split(","), default=["none", "qkvo", "all"],
+                    help="decode: module sets, of none,qkvo,all,vocab (vocab: q/k/v/o with "
+                         "embed_tokens and lm_head)")
     ap.add_argument("--breakdown", type=ints, default=[32],
                     help="decode: batch sizes to profile kernel by kernel (empty: none)")
     ap.add_argument("--breakdown-modules", type=lambda s: s.split(","), default=["none", "qkvo"],
-                    help="breakdown: module sets to profile, of none,qkvo,all,qkvo-dora,all-dora")
+                    help="breakdown: module sets to profile, of none,qkvo,all,vocab,qkvo-dora,"
+                         "all-dora")
     ap.add_argument("--dora", action="store_true",
                     help="decode: rows of DoRA adapters too (qkvo-dora, all-dora), beside the "
                          "plain LoRA rows of the same rank and modules")
@@ -698,9 +711,11 @@ def parse_args(argv=None):
         ap.error(f"--gemm-rows {args.gemm_rows}: expected 0 or more")
     if args.graph_pieces is not None and args.graph_pieces < 1:
         ap.error(f"--graph-pieces {args.graph_pieces}: expected 1 or more")
-    if set(args.breakdown_modules) - {"none", "qkvo", "all", "qkvo" + DORA, "all" + DORA}:
-        ap.error(f"--breakdown-modules {','.join(args.breakdown_modules)}: choose from "
-                 "none,qkvo,all,qkvo-dora,all-dora")
+    for opt, extra in (("breakdown_modules", ["qkvo" + DORA, "all" + DORA]),
+                       ("decode_modules", [])):
+        if set(getattr(args, opt)) - set(MODULE_SETS) - set(extra):
+            ap.error(f"--{opt.replace('_', '-')} {','.join(getattr(args, opt))}: choose from "
+                     f"{','.join(list(MODULE_SETS) + extra)}")
     if set(args.modules) - {"qkvo", "all"}:
         ap.error(f"--modules {','.join(args.modules)}: choose from qkvo,all")
     if max(args.batches) > args.max_num_seqs:

@@ -26,6 +26,11 @@ LORA_ALIGN = 64
 
 # The seven linear modules LoRA may target, in the order adapters are laid out in their pages.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The vocabulary modules a LoRA may target besides the decoder's linear layers: the input
+# embedding (its A gathered by token id) and the output head. Their rows live in one layer's
+# slot of the adapter's pages each (core.adapters.AdapterLayout).
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+MAX_ADDED_TOKENS = 256  # EngineConfig.max_added_tokens' bound
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                            "Gemma3ForCausalLM")
@@ -156,6 +161,11 @@ class EngineConfig:
     # with idle adapters in one least-recently-used order.
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    # The most tokens one adapter may add past the base vocabulary (its tokenizer's added
+    # tokens, their embedding and lm_head rows in its pages), as vLLM's lora_extra_vocab_size:
+    # every step's logits are this many columns wider, -inf in a row past its adapter's own
+    # added tokens. 0: adapters that add tokens are refused.
+    max_added_tokens: int = 0
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -193,6 +203,9 @@ class EngineConfig:
         need(self.mixed_graph_tokens >= 0, "mixed_graph_tokens", "must be >= 0 (0: eager)")
         need(self.gemm_max_rows >= 0, "gemm_max_rows", "must be >= 0 (0: cuBLAS always)")
         need(self.max_logprobs >= 0, "max_logprobs", "must be >= 0")
+        need(0 <= self.max_added_tokens <= MAX_ADDED_TOKENS, "max_added_tokens",
+             f"must be in [0, {MAX_ADDED_TOKENS}] (the added tokens are rank rows of the LoRA "
+             "kernels)")
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
              f"expected None or one of {QUANTIZATIONS}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
@@ -389,9 +402,12 @@ class ModelConfig:
         return LORA_MODULES
 
     def module_dims(self, module: str) -> tuple[int, int]:
-        """(d_in, d_out) of one LoRA-targetable linear module (or of a FUSED_MODULES one)."""
+        """(d_in, d_out) of one LoRA-targetable linear module (or of a FUSED_MODULES one, or a
+        VOCAB_MODULES one: embed_tokens maps a one-hot over the vocabulary to hidden)."""
         h, i = self.hidden_size, self.intermediate_size
         return {
+            "embed_tokens": (self.vocab_size, h),
+            "lm_head": (h, self.vocab_size),
             "qkv_proj": (h, self.q_size + 2 * self.kv_size),
             "gate_up_proj": (h, 2 * i),
             "q_proj": (h, self.q_size),

@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv, is_int, is_seed
+from slora.config import EngineConfig, ModelConfig, cdiv, is_int, is_seed
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager, synthetic_identity
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
 from slora.distributed.group import torchrun_rank
 from slora.graphs import warmup_adapters, warmup_steps
-from slora.model.llama import GROUPS
+from slora.model.llama import modules_of
 from slora.model.loader import AdapterError, PeftAdapter, synthetic_pack
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.runner import ModelRunner, resolve_device
@@ -70,6 +70,7 @@ class Engine:
         self._ended: list[Request] = []  # ended outside a step (failed, aborted): reported next step
         self._decoders: dict[str, IncrementalDecoder] = {}  # per running request
         self._synthetic: dict[tuple, object] = {}  # (rank, targets, seed) -> shared host buffer
+        self._tokenizers: dict[str, Tokenizer] = {}  # adapter -> its own (it adds tokens)
         self._flight = None  # async scheduling: the launched step not yet collected
         # the step being scheduled and run, and the launched steps being collected: the
         # requests a step failure fails (`_fail_step`)
@@ -82,11 +83,19 @@ class Engine:
         validated now (AdapterError naming the adapter, the file and the reason), its weights
         read when it is first loaded into the host tier and checked then (`PeftAdapter.pack`)."""
         self.adapters.check_name(name)  # before any file is read
-        peft = PeftAdapter(name, path, self.model_config)
+        w = self.runner.model.w
+        peft = PeftAdapter(name, path, self.model_config,
+                           base_vocab={"embed_tokens": w.embed, "lm_head": w.lm_head},
+                           max_added=self.config.max_added_tokens)
         pack = peft.pack  # DoRA: its norms computed where the base weights are
         if peft.dora:
             pack = functools.partial(peft.pack, weight_norms=self.runner.weight_norms)
+        tokenizer = None
+        if peft.added_tokens and (Path(path) / "tokenizer.json").is_file():
+            tokenizer = Tokenizer(path, self.model_config.eos_token_ids)
         self._register(name, peft.layout, str(path), pack, identity=peft.digest)
+        if tokenizer is not None:  # its requests are encoded and decoded with it
+            self._tokenizers[name] = tokenizer
 
     def add_synthetic_adapter(self, name: str, rank: int,
                               target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -141,6 +150,7 @@ class Engine:
             time.monotonic())
         self.allocator.free(self.adapters.unregister(name))
         self.runner.host_tier.drop(name)
+        self._tokenizers.pop(name, None)
         if info.shared is not None and not self.adapters.sharing(info.shared):
             self._synthetic.pop(info.shared, None)  # its last adapter is gone
 
@@ -176,7 +186,7 @@ class Engine:
                              f"EngineConfig.max_logprobs={self.config.max_logprobs}")
         if adapter is not None:
             self.adapters.get(adapter)  # raises a clear KeyError for unknown names
-        ids = self._encode(prompt)
+        ids = self._encode(prompt, adapter)
         rid = request_id if request_id is not None else str(next(self._ids))
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id={rid!r}: expected a non-empty string")
@@ -202,14 +212,21 @@ class Engine:
             self.scheduler.add(req)
         return rid
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def tokenizer_of(self, adapter: str | None) -> Tokenizer | None:
+        """The tokenizer of `adapter`'s requests: its own where it adds tokens and has one,
+        else the base model's."""
+        return self._tokenizers.get(adapter, self.tokenizer)
+
+    def _encode(self, prompt: Prompt, adapter: str | None = None) -> list[int]:
+        """The prompt's token ids, with `adapter`'s tokenizer; ids past the base vocabulary
+        only where they are ones `adapter` adds (ValueError otherwise)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("empty prompt: a request needs a non-empty string or token ids")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (load_format='dummy' without "
                                  "tokenizer.json): pass token-id lists")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer_of(adapter).encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             bad = [t for t in prompt if not is_int(t)]
             if bad:
@@ -221,9 +238,16 @@ class Engine:
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        added = self.adapters.get(adapter).layout.added_tokens if adapter is not None else 0
+        bad = [t for t in ids if not 0 <= t < vocab + added]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            what = (f"the vocabulary [0, {vocab + added}) of the base model and adapter "
+                    f"{adapter!r}'s {added} added tokens" if added else
+                    f"the vocabulary [0, {vocab}) of the base model"
+                    + (f" (adapter {adapter!r} adds no tokens)" if adapter else ""))
+            raise ValueError(f"prompt token ids {bad[:5]} are outside {what}; ids past the base "
+                             "vocabulary are an adapter's added tokens, served only with that "
+                             "adapter")
         return ids
 
     def abort(self, request_id: str) -> None:
@@ -366,7 +390,8 @@ class Engine:
         ids = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]
         dec = self._decoders.get(req.request_id)
         if dec is None:
-            dec = self._decoders[req.request_id] = IncrementalDecoder(self.tokenizer)
+            dec = self._decoders[req.request_id] = IncrementalDecoder(
+                self.tokenizer_of(req.adapter))
         text = dec.update(ids)
         cuts = [at for at in (text.find(s) for s in req.sampling.stop) if at >= 0]
         if cuts:
@@ -374,7 +399,7 @@ class Engine:
             self.scheduler.abort(req, "stop", time.monotonic())
             req.finish_reason = "stop"
         elif req.finished:
-            text = self.tokenizer.decode(ids)
+            text = self.tokenizer_of(req.adapter).decode(ids)
         return text
 
     @staticmethod
@@ -479,8 +504,7 @@ class Engine:
         for r, groups, dora in warmup_adapters(
                 [i.layout for i in self.adapters.adapters.values()], ranks, modules):
             names.append(f"__warmup_r{r}_{'_'.join(groups)}{'_dora' * dora}")
-            self.add_synthetic_adapter(names[-1], r, [LORA_MODULES[i] for g in groups
-                                                      for i in GROUPS[g]], dora=dora)
+            self.add_synthetic_adapter(names[-1], r, modules_of(groups), dora=dora)
         if graphs is not None and names:  # the widest page table, set once
             graphs.reserve_pages(max(self.adapters.get(n).num_pages for n in names))
         # a warm-up prompt runs in one step: within the step's prompt budget (graph buckets

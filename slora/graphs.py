@@ -59,7 +59,7 @@ import torch
 from slora.config import LORA_MODULES, TOKEN_BUCKETS, bucket, buckets_up_to, cdiv
 from slora.kernels import GroupMeta, LoraMeta
 from slora.kernels.tiles import capacity
-from slora.model.llama import GROUPS, Batch, LlamaModel, groups_of
+from slora.model.llama import ADDED_GROUP, GROUPS, VOCAB_GROUPS, Batch, LlamaModel, groups_of
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # mixed steps: sequences (coarse: a padded sequence costs programs that return); their tokens
@@ -189,12 +189,15 @@ class StepGraphs:
         self._filled_lora = None  # the adapter-side tensors last copied in (see _fill)
         self.pages = torch.zeros(B, max_pages, **i32)
         # per module group: offsets of A and B^T rows [B, G], ranks [L, B, G], DoRA rows [B, G]
+        # (a vocabulary group: ranks [1, B, 1], the one layer's slot that holds it)
+        shapes = [(name, L, len(mods)) for name, mods in GROUPS.items()]
+        shapes += [(name, 1, 1) for name in (*VOCAB_GROUPS, ADDED_GROUP)]
         self.group_bufs = {
-            name: (torch.zeros(B, len(mods), dtype=torch.int64, device=dev),
-                   torch.zeros(B, len(mods), dtype=torch.int64, device=dev),
-                   torch.zeros(L, cdiv(B, 4) * 4, len(mods), **i32),  # (layers 16-byte aligned)
-                   torch.full((B, len(mods)), -1, dtype=torch.int64, device=dev))
-            for name, mods in GROUPS.items()}
+            name: (torch.zeros(B, G, dtype=torch.int64, device=dev),
+                   torch.zeros(B, G, dtype=torch.int64, device=dev),
+                   torch.zeros(layers, cdiv(B, 4) * 4, G, **i32),  # (layers 16-byte aligned)
+                   torch.full((B, G), -1, dtype=torch.int64, device=dev))
+            for name, layers, G in shapes}
 
     def _views32(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """The named int32 fields of meta32 (or of its host twin) before the block tables."""
@@ -216,9 +219,15 @@ class StepGraphs:
         lora = b.lora
         rank_bucket, groups, dora = 0, (), ()
         if lora is not None:
-            rank_bucket = round_rank(max(g.max_rank for g in lora.groups.values()))
-            groups = tuple(g for g in GROUPS if g in lora.groups)
-            dora = tuple(g for g in groups if lora.groups[g].offsets_d is not None)
+            # (the added tokens' group is sized max_added_tokens in every graph)
+            rank_bucket = round_rank(max((g.max_rank for n, g in lora.groups.items()
+                                          if n != ADDED_GROUP), default=0))
+            # (with max_added_tokens every LoRA graph holds the added tokens' group, at rank
+            # 0 for adapters that add none: a batch with one does not capture its own)
+            groups = tuple(g for g in (*GROUPS, *VOCAB_GROUPS, ADDED_GROUP) if g in lora.groups
+                           or (g == ADDED_GROUP and self.model.max_added))
+            dora = tuple(g for g in groups
+                         if g in lora.groups and lora.groups[g].offsets_d is not None)
             self.reserve_pages(lora.pages.shape[1])
         if n_tok == b.num_decode:
             t_bucket = s_bucket = bucket(n_tok, self.buckets)
@@ -344,7 +353,7 @@ class StepGraphs:
                     offsets_a=off_a[:s_bucket],
                     offsets_b=off_b[:s_bucket],
                     ranks=ranks[:, :s_bucket],
-                    max_rank=rank_bucket,
+                    max_rank=self.model.max_added if gname == ADDED_GROUP else rank_bucket,
                     offsets_d=off_d[:s_bucket] if gname in dora else None,
                     **self.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:s_bucket], token_slot=self.token_slot[:t_bucket],
@@ -395,10 +404,10 @@ class StepGraphs:
                 pieces[-1].capture_begin(pool=self.mempool)
                 try:
                     if start == 0:
-                        hidden = model.embed(batch)
+                        hidden = model.embed(batch, pool)
                     hidden = model.layers(batch, pool, hidden, start, end)
                     if end == model.num_layers:
-                        logits = model.head(batch, hidden)
+                        logits = model.head(batch, hidden, pool)
                 finally:
                     pieces[-1].capture_end()
         torch.cuda.current_stream().wait_stream(stream)
@@ -427,7 +436,7 @@ def warmup_adapters(layouts, ranks=(), modules=()) -> list[tuple[int, tuple[str,
     sets |= {(groups_of(m), False) for m in modules}
     if ranks and not modules:  # adapters to come, of any modules
         sets.add((groups_of(LORA_MODULES), False))
-    union = tuple(g for g in GROUPS if any(g in s for s, _ in sets))
+    union = tuple(g for g in (*GROUPS, *VOCAB_GROUPS) if any(g in s for s, _ in sets))
     if sets:
         sets.add((union, False))
     if any(d for _, d in sets):

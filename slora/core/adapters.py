@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Callable, Hashable
 
-from slora.config import LORA_ALIGN, LORA_MODULES, ModelConfig, cdiv, round_up
+from slora.config import LORA_ALIGN, LORA_MODULES, VOCAB_MODULES, ModelConfig, cdiv, round_up
 from slora.core.pages import ADAPTER, PageAllocator
 
 
@@ -47,17 +47,35 @@ class AdapterLayout:
     DoRA: `dora[m]` is the offset of module m's DoRA row (d_out elements, after every module's
     A and B^T rows), or -1 where m has none; empty for a plain LoRA adapter. The row holds
     magnitude / ||W + s B A||_row - 1 per output channel (0 in layers where m has rank 0).
+
+    LoRA on the vocabulary modules (config.VOCAB_MODULES) lives in one layer's slot each, past
+    the seven modules' rows and DoRA rows (`vocab_offsets`, A then B^T rows, same alignment
+    rule): embed_tokens' A [r, vocab] and B^T [r, hidden] in layer 0's buffer (the embedding
+    runs with the first piece of layers), lm_head's A [r, hidden] and B^T [r, vocab] in the
+    last layer's (the head runs after it). Both start at the same offset when the model has
+    more than one layer, so they cost the larger of the two a page id, not their sum; with one
+    layer lm_head follows embed_tokens. `vocab_layers` names the two layers.
+
+    Adapter-added tokens (ids vocab .. vocab + added_tokens - 1, past the base vocabulary):
+    their embedding rows (added_tokens rows of hidden) in layer 0's slot and their lm_head rows
+    in the last layer's, past everything above, at `added_offsets` (embedding, head).
     """
 
     ranks: tuple[tuple[int, ...], ...]  # [num_layers][7]
     offsets: tuple[tuple[int, int], ...]  # [7] (offset of A rows, offset of B^T rows)
     elems: int  # elements per layer, a multiple of LORA_ALIGN
     dora: tuple[int, ...] = ()  # [7] offset of the DoRA row, -1: none; (): no DoRA module
+    vocab_ranks: tuple[int, int] = (0, 0)  # (embed_tokens, lm_head); 0 = not targeted
+    vocab_offsets: tuple[tuple[int, int], ...] = ((0, 0), (0, 0))  # [2] (A, B^T) as `offsets`
+    added_tokens: int = 0  # tokens the adapter adds to the base vocabulary
+    added_offsets: tuple[int, int] = (0, 0)  # (embedding rows in layer 0, head rows in layer L-1)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, ranks: list[list[int]], dora=()) -> "AdapterLayout":
+    def build(cls, cfg: ModelConfig, ranks: list[list[int]], dora=(),
+              vocab_ranks: tuple[int, int] = (0, 0), added_tokens: int = 0) -> "AdapterLayout":
         """`dora`: the LORA_MODULES names whose output DoRA rescales (each must have a rank
-        above 0 in some layer)."""
+        above 0 in some layer); `vocab_ranks`: the ranks of embed_tokens' and lm_head's LoRA;
+        `added_tokens`: how many tokens the adapter adds."""
         offsets, pos = [], 0
         for m, name in enumerate(LORA_MODULES):
             r = max(layer[m] for layer in ranks)
@@ -71,20 +89,38 @@ class AdapterLayout:
             if name in dora:
                 rows[m] = pos
                 pos += round_up(cfg.module_dims(name)[1], LORA_ALIGN)
-        return cls(tuple(tuple(r) for r in ranks), tuple(offsets), pos,
-                   tuple(rows) if dora else ())
+        vocab_offsets, end, start = [], pos, pos
+        for r, name in zip(vocab_ranks, VOCAB_MODULES):
+            if len(ranks) == 1:  # one layer holds both: one after the other
+                start = end
+            d_in, d_out = cfg.module_dims(name)
+            vocab_offsets.append((start, start + r * round_up(d_in, LORA_ALIGN)))
+            end = max(end, vocab_offsets[-1][1] + r * round_up(d_out, LORA_ALIGN))
+        size = added_tokens * round_up(cfg.hidden_size, LORA_ALIGN)
+        added = (end, end + size if len(ranks) == 1 else end)
+        return cls(tuple(tuple(r) for r in ranks), tuple(offsets), added[1] + size,
+                   dora=tuple(rows) if dora else (), vocab_ranks=tuple(vocab_ranks),
+                   vocab_offsets=tuple(vocab_offsets), added_tokens=added_tokens,
+                   added_offsets=added)
 
     def num_pages(self, page_size: int) -> int:
         return cdiv(self.elems, page_size)
 
     @property
+    def vocab_layers(self) -> tuple[int, int]:
+        """The layer whose slot holds embed_tokens' rows, and lm_head's."""
+        return 0, len(self.ranks) - 1
+
+    @property
     def max_rank(self) -> int:
-        return max(max(r) for r in self.ranks)
+        return max(max(max(r) for r in self.ranks), *self.vocab_ranks)
 
     @property
     def modules(self) -> tuple[str, ...]:
-        """The modules it targets (a rank above 0 in some layer), in LORA_MODULES order."""
-        return tuple(m for i, m in enumerate(LORA_MODULES) if any(layer[i] for layer in self.ranks))
+        """The modules it targets (a rank above 0 in some layer), in LORA_MODULES order, then
+        VOCAB_MODULES'."""
+        return (tuple(m for i, m in enumerate(LORA_MODULES) if any(layer[i] for layer in self.ranks))
+                + tuple(m for m, r in zip(VOCAB_MODULES, self.vocab_ranks) if r))
 
     @property
     def dora_modules(self) -> tuple[str, ...]:
@@ -94,20 +130,23 @@ class AdapterLayout:
     @classmethod
     def uniform(cls, cfg: ModelConfig, rank: int, targets, dora: bool = False) -> "AdapterLayout":
         """Every layer: `rank` on each module in `targets` (synthetic adapters, the simulator),
-        with a DoRA row on each if `dora`. `rank` is an integer >= 1 (TypeError / ValueError
-        otherwise); `targets` a non-empty collection of LORA_MODULES names (ValueError
-        otherwise)."""
+        with a DoRA row on each linear one if `dora`. `rank` is an integer >= 1 (TypeError /
+        ValueError otherwise); `targets` a non-empty collection of LORA_MODULES or
+        VOCAB_MODULES names (ValueError otherwise)."""
         if isinstance(rank, bool) or not isinstance(rank, Integral):
             raise TypeError(f"adapter: rank must be an integer, not {type(rank).__name__} "
                             f"({rank!r})")
         if isinstance(targets, str):
             targets = (targets,)
-        unknown = [t for t in targets if t not in LORA_MODULES]
+        unknown = [t for t in targets if t not in LORA_MODULES + VOCAB_MODULES]
         if unknown or rank < 1 or not targets:
             raise ValueError(f"adapter: rank {rank} must be >= 1 and target modules "
-                             f"{list(targets)} must be one or more of {LORA_MODULES}")
+                             f"{list(targets)} must be one or more of "
+                             f"{LORA_MODULES + VOCAB_MODULES}")
         row = [int(rank) if m in targets else 0 for m in LORA_MODULES]
-        return cls.build(cfg, [row] * cfg.num_layers, tuple(targets) if dora else ())
+        return cls.build(cfg, [row] * cfg.num_layers,
+                         tuple(t for t in targets if t in LORA_MODULES) if dora else (),
+                         tuple(int(rank) if m in targets else 0 for m in VOCAB_MODULES))
 
 
 @dataclass

@@ -122,16 +122,79 @@ class TorchBackend:
         ref.lora_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks, meta.token_slot,
                         g.out_dims, g.strides_out)
 
+    # -- the vocabulary modules and added tokens: each a GroupMeta of one module whose ranks
+    # are [1, n_a, 1] (one layer's slot holds it, AdapterLayout), run through four hooks the
+    # Triton backend overrides: _embedding_shrink, _token_expand (each token its adapter's
+    # row), _row_shrink, _row_expand (each logits row its sequence's)
+
+    def embed_lora(self, out, ids, pool_l, meta: LoraMeta | None) -> None:
+        """Add each token's adapter's embedding LoRA to its embedding `out` [T, hidden], in
+        place: A's column ids[t] (a gather), then B^T. `pool_l`: layer 0's slot."""
+        g = meta.groups.get("embed") if meta is not None else None
+        if g is not None:
+            self._token_expand(self._embedding_shrink(ids, pool_l, meta, g), out, pool_l, meta, g)
+
+    def added_embed(self, out, ids, pool_l, meta: LoraMeta | None, vocab: int) -> None:
+        """Add to `out` [T, hidden] each added token's (ids[t] >= vocab) row of its adapter's
+        added embedding rows (B^T of group "added"), in place: an expand of the one-hot
+        `reference.added_one_hot`. The runner leaves those tokens' base rows zero, so the row
+        replaces it. `pool_l`: layer 0's slot."""
+        g = meta.groups.get("added") if meta is not None else None
+        if g is not None:
+            xa = ref.added_one_hot(ids, vocab, g.max_rank)
+            self._token_expand(xa, out, pool_l, meta, g)
+
+    def head_lora(self, out, x, pool_l, meta: LoraMeta | None) -> None:
+        """Add each sequence's adapter's lm_head LoRA to its logits row `out` [S, vocab] (x
+        [S, hidden]: the normed last hidden states), in place. `pool_l`: the last layer's."""
+        g = meta.groups.get("lm_head") if meta is not None else None
+        if g is not None:
+            slot = _row_slot(meta)
+            self._row_expand(self._row_shrink(x, pool_l, meta, g, slot), out, pool_l, meta, g,
+                             slot)
+
+    def added_logits(self, x, pool_l, meta: LoraMeta | None, width: int) -> torch.Tensor:
+        """[S, width] float32: the logits of each row's adapter's added tokens, x [S, hidden]
+        times its added lm_head rows (A of group "added"), -inf past its own count (every
+        column of a row whose adapter adds none). `pool_l`: the last layer's slot."""
+        g = meta.groups.get("added") if meta is not None else None
+        out = torch.full((x.shape[0], width), float("-inf"), device=x.device)
+        if g is None:
+            return out
+        assert g.max_rank == width, "group 'added' is sized EngineConfig.max_added_tokens"
+        slot = _row_slot(meta)
+        xa = self._row_shrink(x, pool_l, meta, g, slot)[:, 0]
+        count = torch.where(slot >= 0, g.ranks[0][slot.clamp(min=0).long(), 0], 0)
+        cols = torch.arange(width, device=x.device)
+        return torch.where(cols[None, :] < count[:, None], xa, out)
+
+    def _embedding_shrink(self, ids, pool_l, meta: LoraMeta, g: GroupMeta):
+        return ref.embedding_shrink(ids, pool_l, meta.pages, g.offsets_a, g.ranks[0],
+                                    meta.token_slot, g.stride_in, g.max_rank)
+
+    def _token_expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta) -> None:
+        ref.lora_expand(xa, out, pool_l, meta.pages, g.offsets_b, g.ranks[0], meta.token_slot,
+                        g.out_dims, g.strides_out)
+
+    def _row_shrink(self, x, pool_l, meta: LoraMeta, g: GroupMeta, slot):
+        return ref.lora_shrink(x, pool_l, meta.pages, g.offsets_a, g.ranks[0], slot,
+                               g.stride_in, g.max_rank)
+
+    def _row_expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta, slot) -> None:
+        ref.lora_expand(xa, out, pool_l, meta.pages, g.offsets_b, g.ranks[0], slot, g.out_dims,
+                        g.strides_out)
+
 
 class TritonBackend(TorchBackend):
     name = "triton"
 
     def __init__(self, gemm_max_rows: int) -> None:
         # triton imported only for this backend
-        from slora.kernels import attention, dora, fp8, fused, mbgmm, mbgmv
+        from slora.kernels import attention, dora, fp8, fused, mbgmm, mbgmv, vocab
 
         self._attn, self._mbgmv, self._mbgmm = attention, mbgmv, mbgmm
         self._dora_scale = dora.dora_scale
+        self._vocab_mbgmv, self._vocab = mbgmv, vocab  # (vocab-wide rows: the Triton MBGMV)
         self._side: dict[torch.device, torch.cuda.Stream] = {}  # (linear_lora)
         self.linear = functools.partial(fp8.linear, max_rows=gemm_max_rows)
         self.rms_norm = fused.rms_norm
@@ -231,6 +294,32 @@ class TritonBackend(TorchBackend):
             self._mbgmm.mbgmm_expand(xa_pre, out, pool_l, meta.pages, g.offsets_b, ranks,
                                     meta.seg_start, meta.seg_slot, g.out_dims, g.strides_out,
                                     meta.tiles, meta.tile_programs)
+
+
+    def _embedding_shrink(self, ids, pool_l, meta: LoraMeta, g: GroupMeta):
+        return self._vocab.embedding_shrink(ids, pool_l, meta.pages, g.offsets_a, g.ranks[0],
+                                            meta.token_slot, g.stride_in, g.max_rank)
+
+    def _token_expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta) -> None:
+        """As `lora` expands: MBGMV over the decode rows, MBGMM over the prompts' tiles."""
+        slot = _decode_slot(meta, out.shape[0])
+        xa_dec = xa[:slot.shape[0]] if slot is not None else None
+        self._expand((xa_dec, xa if out.shape[0] != meta.num_decode else None), out, pool_l,
+                     meta, g, 0)
+
+    def _row_shrink(self, x, pool_l, meta: LoraMeta, g: GroupMeta, slot):
+        return self._vocab_mbgmv.mbgmv_shrink(x, pool_l, meta.pages, g.offsets_a, g.ranks[0],
+                                              slot, g.stride_in, g.max_rank)
+
+    def _row_expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta, slot) -> None:
+        self._vocab_mbgmv.mbgmv_expand(xa, out, pool_l, meta.pages, g.offsets_b, g.ranks[0],
+                                       slot, g.out_dims, g.strides_out)
+
+
+def _row_slot(meta: LoraMeta) -> torch.Tensor:
+    """The adapter row of each sequence (each logits row): the segments' in a step with
+    prompts, else the decode rows' own."""
+    return meta.seg_slot if meta.seg_slot is not None else meta.token_slot
 
 
 def _decode_slot(meta: LoraMeta, rows: int) -> torch.Tensor | None:

@@ -36,6 +36,17 @@ DoRA: a DoRA module m also stores one row of d_out(m) elements, at offset_d[m], 
 and its rows' output, base and LoRA together, is rescaled around the bias (`dora_scale`):
     y_m = bias_m + (1 + d_m) * (x W_m^T + (x A_m^T) B_m^T)
 which is PEFT's DoRA forward. A layer where m has rank 0 stores d_m = 0: y_m unchanged.
+
+Vocabulary modules (config.VOCAB_MODULES): an adapter's embed_tokens LoRA is laid out like a
+module of d_in = vocab, d_out = hidden in layer 0's buffer, its lm_head LoRA like a module of
+d_in = hidden, d_out = vocab in the last layer's (core.adapters.AdapterLayout). The embedding's
+shrink is a gather, `embedding_shrink`: xa[t, 0, i] = A[i, ids[t]] (column ids[t] of A, as
+PEFT's lora_embedding_A); its expand and lm_head's shrink and expand are `lora_shrink` /
+`lora_expand` (one module each; lm_head's rows are the sequences' logits rows).
+Adapter-added tokens (ids past the base vocabulary) are the group "added" of rank = the
+adapter's count: their lm_head rows as A (added logits = `lora_shrink` of the logits rows'
+hidden states) and their embedding rows as B^T (an added token's embedding = `lora_expand` of
+`added_one_hot`).
 """
 
 from __future__ import annotations
@@ -206,6 +217,32 @@ def dora_norms(w: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tenso
     w [d_out, d_in] (the served base weight's rows of one module, dequantized where FP8);
     A [r, d_in]; B [d_out, r] already scaled by the PEFT scaling."""
     return torch.linalg.norm(w.float() + B.float() @ A.float(), dim=1)
+def embedding_shrink(ids: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
+                     offsets_a: torch.Tensor, ranks: torch.Tensor, token_slot: torch.Tensor,
+                     stride: int, max_rank: int) -> torch.Tensor:
+    """xa[t, 0, :r] = A[:, ids[t]]: the embedding LoRA's shrink, a gather of column ids[t] of
+    token t's adapter's A [r, vocab] (rows `stride` apart from offsets_a[s, 0]).
+
+    ids [T] token ids; offsets_a int64 [n_a, 1]; ranks int32 [n_a, 1]; token_slot [T].
+    Returns xa [T, 1, max_rank] in float32, zero past each rank and on base-only rows.
+    """
+    T = ids.shape[0]
+    xa = torch.zeros(T, 1, max_rank, dtype=torch.float32, device=ids.device)
+    for s, rows in _adapter_rows(token_slot):
+        r = int(ranks[s, 0])
+        if r == 0:
+            continue
+        A = gather_rows(pool_l, pages[s], int(offsets_a[s, 0]), r, stride, stride)
+        xa[rows, 0, :r] = A[:, ids[rows].long()].T.float()
+    return xa
+
+
+def added_one_hot(ids: torch.Tensor, vocab: int, width: int) -> torch.Tensor:
+    """xa [T, 1, width] float32: 1 at column ids[t] - vocab for a token past the base
+    vocabulary (an adapter-added token), 0 elsewhere. Expanded (`lora_expand`) over the
+    adapter's added embedding rows as B^T, it gives each added token its own row, exactly."""
+    j = ids.long() - vocab  # (a comparison, not F.one_hot: no host sync inside a CUDA graph)
+    return (j[:, None] == torch.arange(width, device=ids.device)).float()[:, None, :]
 
 
 # ----------------------------------------------------------------------------- model pieces

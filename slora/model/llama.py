@@ -29,12 +29,26 @@ from slora.model.quant import Fp8Weight
 
 # LoRA module groups: modules that share an input, as indices into LORA_MODULES.
 GROUPS = {"qkv": (0, 1, 2), "o": (3,), "gate_up": (4, 5), "down": (6,)}
+# The vocabulary modules' groups, one module each: group name -> its VOCAB_MODULES name. Their
+# GroupMeta ranks are [1, n_a, 1]: one layer's slot holds each (AdapterLayout.vocab_layers).
+VOCAB_GROUPS = {"embed": "embed_tokens", "lm_head": "lm_head"}
+# Adapter-added tokens: a group of rank = the adapter's count of added tokens, its lm_head
+# rows as A (last layer's slot) and its embedding rows as B^T (layer 0's), ranks [1, n_a, 1]
+ADDED_GROUP = "added"
 
 
 def groups_of(modules) -> tuple[str, ...]:
-    """The groups (in GROUPS order) holding any of `modules` (names from LORA_MODULES)."""
-    idx = {LORA_MODULES.index(m) for m in modules}
-    return tuple(g for g, mods in GROUPS.items() if idx.intersection(mods))
+    """The groups (in GROUPS order, then VOCAB_GROUPS') holding any of `modules` (names from
+    LORA_MODULES or VOCAB_MODULES)."""
+    idx = {LORA_MODULES.index(m) for m in modules if m in LORA_MODULES}
+    return (tuple(g for g, mods in GROUPS.items() if idx.intersection(mods))
+            + tuple(g for g, m in VOCAB_GROUPS.items() if m in modules))
+
+
+def modules_of(groups) -> list[str]:
+    """The module names (LORA_MODULES', then VOCAB_MODULES') of the groups `groups`."""
+    return ([LORA_MODULES[i] for g in groups if g in GROUPS for i in GROUPS[g]]
+            + [VOCAB_GROUPS[g] for g in groups if g in VOCAB_GROUPS])
 
 
 @dataclass
@@ -163,9 +177,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class LlamaModel:
     """The decoder as three steps a caller can run piece by piece:
 
-        h = model.embed(b)                              the residual stream entering layer 0
+        h = model.embed(b, pool)                        the residual stream entering layer 0
         h = model.layers(b, pool, h, start, end)        layers start..end-1
-        logits = model.head(b, h)
+        logits = model.head(b, h, pool)
 
     `forward` runs them over every layer. An eager step waits for each piece's adapter copies
     between `layers` calls; a CUDA graph captures each piece as one `layers` call. Any cut
@@ -177,9 +191,12 @@ class LlamaModel:
     """
 
     def __init__(self, cfg: ModelConfig, weights: Weights, backend, block_size: int,
-                 tp=None) -> None:
+                 tp=None, max_added: int = 0) -> None:
         self.cfg = cfg
         self.tp = tp
+        # EngineConfig.max_added_tokens: logits are [S, vocab + max_added], the columns past
+        # the vocabulary a row's adapter's added tokens (-inf past its own)
+        self.max_added = max_added
         self.w = weights
         self.backend = backend
         self.block_size = block_size
@@ -201,18 +218,27 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, b: Batch, pool: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] in float32 for each sequence's last token."""
-        return self.head(b, self.layers(b, pool, self.embed(b), 0, self.num_layers))
+        return self.head(b, self.layers(b, pool, self.embed(b, pool), 0, self.num_layers), pool)
 
     @torch.inference_mode()
-    def embed(self, b: Batch) -> Hidden:
+    def embed(self, b: Batch, pool: torch.Tensor) -> Hidden:
         """The token embeddings (Gemma: times embed_scale rounded to their dtype, as HF
-        does): the residual stream before layer 0."""
+        does), with each token's adapter's embedding LoRA (its rows in layer 0's slot of the
+        adapter's pages, not scaled, as PEFT adds it): the residual stream before layer 0. A
+        token past the base vocabulary (an adapter-added one; the engine admits it only with
+        its adapter) takes its adapter's added embedding row, scaled like the others."""
+        ids, vocab = b.input_ids, self.cfg.vocab_size
         if self.tp is not None:
-            x = self.tp.embed(self.w.embed, b.input_ids)
+            x = self.tp.embed(self.w.embed, ids)
+        elif not self.max_added:
+            x = self.w.embed[ids]
         else:
-            x = self.w.embed[b.input_ids]
+            known = (ids < vocab)[:, None]
+            x = torch.where(known, self.w.embed[torch.where(ids < vocab, ids, 0)], 0)
+            self.backend.added_embed(x, ids, pool[0], b.lora, vocab)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        self.backend.embed_lora(x, ids, pool[0], b.lora)
         return Hidden(x, None)
 
     @torch.inference_mode()
@@ -263,14 +289,22 @@ class LlamaModel:
         return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v), dim=-1)
 
     @torch.inference_mode()
-    def head(self, b: Batch, h: Hidden) -> torch.Tensor:
-        """Logits [S, vocab] in float32 of each sequence's last token, from the last layer's
-        residual stream."""
+    def head(self, b: Batch, h: Hidden, pool: torch.Tensor) -> torch.Tensor:
+        """Logits [S, vocab + max_added] in float32 of each sequence's last token, from the
+        last layer's residual stream, with each sequence's adapter's lm_head LoRA and added
+        tokens' logits (their rows in the last layer's slot of the adapter's pages)."""
         x = (h.x + h.down)[b.logits_index]
         x = self.backend.rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
         logits = self.backend.linear(x, self.w.lm_head)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits)
-        if self.cfg.final_softcap:
-            logits = ref.cap_logits(logits, self.cfg.final_softcap)
-        return logits.float()
+        self.backend.head_lora(logits, x, pool[-1], b.lora)
+        cap = self.cfg.final_softcap
+        if cap:
+            logits = ref.cap_logits(logits, cap)
+        if not self.max_added:
+            return logits.float()
+        added = self.backend.added_logits(x, pool[-1], b.lora, self.max_added)
+        if cap:  # (-inf, an added token not the row's adapter's, stays -inf)
+            added = torch.where(added.isneginf(), added, ref.cap_logits(added, cap))
+        return torch.cat((logits.float(), added), dim=1)

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from slora.config import (FUSED_MODULES, LORA_ALIGN, LORA_MODULES, ConfigError, ModelConfig,
-                           is_int, round_up)
+from slora.config import (FUSED_MODULES, LORA_ALIGN, LORA_MODULES, VOCAB_MODULES, ConfigError,
+                           ModelConfig, is_int, round_up)
 from slora.core.adapters import AdapterLayout
 from slora.model.llama import LayerWeights, Weights
 from slora.model.quant import FP8_DTYPE, Fp8Weight, cat, quantize_fp8
@@ -410,27 +410,35 @@ def strides(cfg: ModelConfig, module: str) -> tuple[int, int]:
 
 
 def pack_adapter(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtype: torch.dtype,
-                 get_ab, get_dora=None) -> torch.Tensor:
+                 get_ab, get_dora=None,
+                 added: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The host copy of an adapter: [num_layers, num_pages * page_size], rows as laid out.
 
-    `get_ab(layer, module)` returns (A [r, d_in], B [d_out, r] already scaled) or None;
+    `get_ab(layer, module)` returns (A [r, d_in], B [d_out, r] already scaled) or None; the
+    VOCAB_MODULES are asked for at the layer whose slot holds them (`layout.vocab_layers`).
     `get_dora(layer, module)`, for the modules with a DoRA row (`layout.dora`), its d_out
     values magnitude / norm - 1 (the row stays 0 in layers where the module has rank 0).
+    `added`: the added tokens' (embedding rows, lm_head rows), each [added_tokens, hidden].
     """
     flat = torch.zeros(cfg.num_layers, layout.num_pages(page_size) * page_size, dtype=dtype)
-    for layer in range(cfg.num_layers):
-        for m, name in enumerate(LORA_MODULES):
-            r = layout.ranks[layer][m]
-            if r == 0:
-                continue
-            A, B = get_ab(layer, name)
-            s_in, s_out = strides(cfg, name)
-            d_in, d_out = cfg.module_dims(name)
-            off_a, off_b = layout.offsets[m]
-            flat[layer, off_a:off_a + r * s_in].view(r, s_in)[:, :d_in] = A
-            flat[layer, off_b:off_b + r * s_out].view(r, s_out)[:, :d_out] = B.T
-            if layout.dora and layout.dora[m] >= 0:
-                flat[layer, layout.dora[m]:layout.dora[m] + d_out] = get_dora(layer, name)
+    rows = [(layer, m, name, layout.ranks[layer][m], layout.offsets[m])
+            for layer in range(cfg.num_layers) for m, name in enumerate(LORA_MODULES)]
+    rows += [(layer, None, name, r, offsets) for layer, name, r, offsets in
+             zip(layout.vocab_layers, VOCAB_MODULES, layout.vocab_ranks, layout.vocab_offsets)]
+    for layer, m, name, r, (off_a, off_b) in rows:
+        if r == 0:
+            continue
+        A, B = get_ab(layer, name)
+        s_in, s_out = strides(cfg, name)
+        d_in, d_out = cfg.module_dims(name)
+        flat[layer, off_a:off_a + r * s_in].view(r, s_in)[:, :d_in] = A
+        flat[layer, off_b:off_b + r * s_out].view(r, s_out)[:, :d_out] = B.T
+        if m is not None and layout.dora and layout.dora[m] >= 0:
+            flat[layer, layout.dora[m]:layout.dora[m] + d_out] = get_dora(layer, name)
+    n, h = layout.added_tokens, cfg.hidden_size
+    stride = round_up(h, LORA_ALIGN)
+    for layer, off, part in zip(layout.vocab_layers, layout.added_offsets, added or ()):
+        flat[layer, off:off + n * stride].view(n, stride)[:, :h] = part
     return flat
 
 
@@ -441,6 +449,24 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d{1,9})\.(?:self_a
                   r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|"
                   r"gate_up_proj)\.(?:lora_([AB])(?:\.default)?\.weight|"
                   r"lora_magnitude_vector(?:\.default)?(?:\.weight)?)$")
+# LoRA on the vocabulary modules: embed_tokens' lora_embedding_A [r, vocab] / _B [hidden, r]
+# (no `.weight` in PEFT's files), lm_head's lora_A [r, hidden] / lora_B [vocab, r]
+_VOCAB_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.(embed_tokens)\.lora_embedding_([AB])"
+                        r"(?:\.default)?(?:\.weight)?|(lm_head)\.lora_([AB])(?:\.default)?"
+                        r"\.weight)$")
+# A full copy of the embedding or the head (PEFT's save_embedding_layers, on by default when
+# an adapter targets them): served when its rows equal the base model's
+_VOCAB_COPY = re.compile(r"^(?:base_model\.model\.)?(?:model\.(embed_tokens)|(lm_head))"
+                         r"(?:\.token_adapter)?(?:\.base_layer)?\.weight$")
+# PEFT's trainable tokens: the new values of the embedding rows `trainable_token_indices` names
+_DELTA = re.compile(r"^(?:base_model\.model\.)?model\.embed_tokens\.token_adapter\."
+                    r"trainable_tokens_delta(?:\.default)?$")
+
+SUPPORTED_VOCAB = ("slora serves LoRA on embed_tokens and lm_head (lora_embedding_A/B, lora_A/B), "
+                   "and tokens an adapter adds past the base vocabulary (their embedding and "
+                   "lm_head rows from save_embedding_layers copies, trainable_token_indices "
+                   "deltas on those rows), beside copies whose base-vocabulary rows are the "
+                   "base model's own")
 
 Stamp = tuple[int, int, int, int]  # a file's (device, inode, size, mtime_ns)
 
@@ -548,7 +574,8 @@ class PeftAdapter:
     memory. Every failure, at registration or in `pack`, raises `AdapterError` naming the
     adapter, the file and the reason."""
 
-    def __init__(self, name: str, path: str | Path, cfg: ModelConfig) -> None:
+    def __init__(self, name: str, path: str | Path, cfg: ModelConfig,
+                 base_vocab: dict[str, torch.Tensor] | None = None, max_added: int = 0) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"adapter {name!r}: path must be a str or os.PathLike, not "
                             f"{type(path).__name__} ({path!r})")
@@ -591,6 +618,7 @@ class PeftAdapter:
         self._match(shapes)
         if self.weights_file.suffix == ".bin":
             self._check_finite(tensors)
+        self._check_vocab(base_vocab, max_added)
 
     def _fail(self, file: Path, why: str):
         raise AdapterError(f"adapter {self.name!r}: {file}: {why}", adapter=self.name)
@@ -619,6 +647,7 @@ class PeftAdapter:
         if not is_int(r) or r < 1:
             self._fail(f, f"rank r={r!r} must be an integer >= 1")
         self.r = r
+        self.token_indices = self._token_indices(c.get("trainable_token_indices"), f)
         self.alpha = _positive(c.get("lora_alpha", r))
         if self.alpha is None:
             self._fail(f, f"lora_alpha={c.get('lora_alpha')!r} must be a finite number > 0")
@@ -638,15 +667,24 @@ class PeftAdapter:
                 or not all(isinstance(t, str) for t in targets)):
             self._fail(f, f"target_modules={c['target_modules']!r} must be a module name or a "
                        "non-empty list of them")
-        bad = [t for t in targets if t in ("embed_tokens", "lm_head")]
-        if bad:
-            self._fail(f, f"target_modules {bad} is not supported (LoRA on linear layers only)")
         if isinstance(c["target_modules"], list):  # names; a lone string is a regex
-            names = self.cfg.checkpoint_modules
+            names = self.cfg.checkpoint_modules + VOCAB_MODULES
             unknown = [t for t in targets if t.split(".")[-1] not in names]
             if unknown:
                 self._fail(f, f"target_modules {unknown} are not linear modules of this "
                            f"{self.cfg.architecture} model ({', '.join(names)})")
+
+    def _token_indices(self, v, f: Path) -> list[int]:
+        """trainable_token_indices: absent, a list of token ids, or {"embed_tokens": ids}."""
+        if isinstance(v, dict):
+            if set(v) - {"embed_tokens"}:
+                self._fail(f, f"trainable_token_indices {v!r}: only embed_tokens' are supported")
+            v = v.get("embed_tokens")
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(is_int(i) for i in v):
+            self._fail(f, f"trainable_token_indices {v!r} must be a list of token ids")
+        return [int(i) for i in v]
 
     def _patterns(self, c: dict, key: str, f: Path) -> dict:
         """rank_pattern / alpha_pattern: absent, null or a JSON object whose keys are regular
@@ -713,13 +751,22 @@ class PeftAdapter:
         cfg, file = self.cfg, self.weights_file
         prefixes: dict[tuple[int, str], dict[str, str]] = {}
         for key, shape in shapes.items():
-            m = _KEY.match(key)
-            if m is None:
-                self._fail(file, f"tensor {key!r} is not a LoRA A/B weight or DoRA magnitude "
-                           "of a q/k/v/o/gate/up/down projection (embedding, lm_head, bias or "
-                           "modules_to_save weights are not supported)")
-            layer, module, ab = int(m.group(1)), m.group(2), m.group(3) or "M"
-            if module not in cfg.checkpoint_modules:
+            v = _VOCAB_KEY.match(key)
+            if v is not None:  # (stored at the layer whose slot holds it: AdapterLayout)
+                module, ab = v.group(1) or v.group(3), v.group(2) or v.group(4)
+                layer = 0 if module == "embed_tokens" else cfg.num_layers - 1
+                m = None
+            elif _VOCAB_COPY.match(key) or _DELTA.match(key):
+                continue  # checked against the base model's rows (_check_vocab)
+            else:
+                m = _KEY.match(key)
+                if m is None:
+                    self._fail(file, f"tensor {key!r} is not a LoRA A/B weight or DoRA "
+                               "magnitude of a q/k/v/o/gate/up/down projection, or a LoRA A/B "
+                               "weight of embed_tokens or lm_head (bias or modules_to_save "
+                               "weights are not supported)")
+                layer, module, ab = int(m.group(1)), m.group(2), m.group(3) or "M"
+            if m is not None and module not in cfg.checkpoint_modules:
                 self._fail(file, f"tensor {key!r}: this {cfg.architecture} model has no "
                            f"{module} (its linear modules: {', '.join(cfg.checkpoint_modules)})")
             if layer >= cfg.num_layers:
@@ -745,17 +792,22 @@ class PeftAdapter:
         # `rows` slice where the module is a part of a fused one)
         self.magnitudes: dict[tuple[int, str], str] = {}
         ranks = [[0] * len(LORA_MODULES) for _ in range(cfg.num_layers)]
+        vocab_ranks = [0] * len(VOCAB_MODULES)
         for (layer, module), ab in sorted(prefixes.items()):
             if set(ab) - {"M"} != {"A", "B"}:
                 self._fail(file, f"layer {layer} {module}: lora_A or lora_B missing")
             if self.dora and "M" not in ab:
                 self._fail(file, f"layer {layer} {module}: lora_magnitude_vector missing "
-                           "(use_dora=true: every LoRA module has one)")
+                           "(use_dora=true: every LoRA module has one; DoRA on embed_tokens "
+                           "or lm_head is not supported)")
             if self.dora and shapes[ab["M"]] != (cfg.module_dims(module)[1],):
                 self._fail(file, f"tensor {ab['M']!r}: shape {list(shapes[ab['M']])} does not "
                            f"fit the base model (expected [{cfg.module_dims(module)[1]}], one "
                            "value per output channel)")
-            path_ = f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
+            path_ = (f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}."
+                     f"{module}")
+            if module in VOCAB_MODULES:
+                path_ = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
             r_a, d_in = shapes[ab["A"]]
             d_out, r_b = shapes[ab["B"]]
             want_in, want_out = cfg.module_dims(module)
@@ -775,14 +827,90 @@ class PeftAdapter:
                 if module in FUSED_MODULES:
                     self.rows[(layer, part)] = (start, end)
                 self.scaling[(layer, part)] = scaling
-                ranks[layer][LORA_MODULES.index(part)] = r
+                if part in VOCAB_MODULES:
+                    vocab_ranks[VOCAB_MODULES.index(part)] = r
+                else:
+                    ranks[layer][LORA_MODULES.index(part)] = r
                 self.keys[(layer, part)] = (ab["A"], ab["B"])
                 if self.dora:
                     self.magnitudes[(layer, part)] = ab["M"]
                 start = end
         if not self.keys:
             self._fail(file, "holds no LoRA weights")
-        self.layout = AdapterLayout.build(cfg, ranks, {m for _, m in self.magnitudes})
+        self.layout = AdapterLayout.build(cfg, ranks, {m for _, m in self.magnitudes},
+                                          tuple(vocab_ranks))
+
+    def _check_vocab(self, base_vocab: dict[str, torch.Tensor] | None, max_added: int) -> None:
+        """The file's full copies of embed_tokens and lm_head (PEFT's save_embedding_layers,
+        on when an adapter targets them or resizes the vocabulary; `token_adapter.base_layer`
+        beside trainable tokens) are served when their first `vocab` rows are the base
+        model's own (`base_vocab`: module -> its weight [vocab, hidden], compared in its
+        dtype; not compared without it). Rows past them are tokens the adapter adds: at most
+        `max_added` (EngineConfig.max_added_tokens), with an embedding copy and, unless the
+        embeddings are tied, a head copy of as many rows; `trainable_token_indices` deltas
+        replace embedding rows of those added tokens only. Anything else is an AdapterError
+        naming what slora serves. Sets `added_tokens`, `copies` (module -> key) and the
+        layout with the added rows."""
+        file, cfg, vocab = self.weights_file, self.cfg, self.cfg.vocab_size
+        self.copies = {m.group(1) or m.group(2): k for k in sorted(self._shapes)
+                       if (m := _VOCAB_COPY.match(k)) is not None}
+        self.delta_key = next((k for k in self._shapes if _DELTA.match(k)), None)
+        self.added_tokens = 0
+        if not self.copies and self.delta_key is None:
+            return
+        for module, key in self.copies.items():
+            if len(self._shapes[key]) != 2 or self._shapes[key][1] != cfg.hidden_size:
+                self._fail(file, f"tensor {key!r}: a {module} copy of shape "
+                           f"{list(self._shapes[key])}, not [rows, {cfg.hidden_size}]")
+        rows = {self._shapes[k][0] for k in self.copies.values()}
+        n = max(rows, default=vocab) - vocab
+        if len(rows) > 1 or n < 0:
+            self._fail(file, f"its embed_tokens / lm_head copies hold {sorted(rows)} rows, for "
+                       f"a base vocabulary of {vocab}; {SUPPORTED_VOCAB}")
+        indices = self.token_indices
+        if self.delta_key is not None:
+            bad = [i for i in indices if not vocab <= i < vocab + n]
+            if bad or self._shapes[self.delta_key] != (len(indices), cfg.hidden_size):
+                self._fail(file, f"trainable_token_indices {bad or indices} (delta "
+                           f"{list(self._shapes[self.delta_key])}): only rows of tokens the "
+                           f"adapter adds (ids {vocab} to {vocab + n - 1}) may be trained, not "
+                           f"the base vocabulary's; {SUPPORTED_VOCAB}")
+        if n:
+            if any(self.layout.vocab_ranks):
+                self._fail(file, f"adds {n} tokens and has LoRA on embed_tokens / lm_head: "
+                           f"not supported together; {SUPPORTED_VOCAB}")
+            missing = [m for m in VOCAB_MODULES
+                       if m not in self.copies and not (m == "lm_head" and cfg.tie_word_embeddings)]
+            if missing:
+                self._fail(file, f"adds {n} tokens but holds no {' or '.join(missing)} rows for "
+                           "them (save the adapter with save_embedding_layers=True)")
+            if n > max_added:
+                self._fail(file, f"adds {n} tokens (ids {vocab} to {vocab + n - 1}) but "
+                           f"EngineConfig.max_added_tokens is {max_added}; raise it to {n} or "
+                           "more to serve them")
+        if base_vocab is not None:
+            tensors, _ = self._read()
+            for module, key in self.copies.items():
+                base, saved = base_vocab[module], tensors[key][:vocab]
+                if not torch.equal(saved.to(device=base.device, dtype=base.dtype), base):
+                    self._fail(file, f"tensor {key!r}: its saved {module} differs from the base "
+                               "model's in the base vocabulary's rows (a trained full copy, as "
+                               f"modules_to_save makes); {SUPPORTED_VOCAB}")
+        self.added_tokens = n
+        self.layout = AdapterLayout.build(cfg, [list(r) for r in self.layout.ranks],
+                                          self.layout.dora_modules, self.layout.vocab_ranks, n)
+
+    def added_rows(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The added tokens' (embedding rows, lm_head rows), each [added_tokens, hidden] in
+        float32: the copies' rows past the base vocabulary, the trainable-token deltas in
+        place; a tied model's head rows are its embedding rows."""
+        vocab = self.cfg.vocab_size
+        embed = tensors[self.copies["embed_tokens"]][vocab:].float().clone()
+        if self.delta_key is not None:
+            embed[torch.tensor(self.token_indices) - vocab] = tensors[self.delta_key].float()
+        if self.cfg.tie_word_embeddings:
+            return embed, embed
+        return embed, tensors[self.copies["lm_head"]][vocab:].float()
 
     def _check_finite(self, tensors: dict[str, torch.Tensor],
                       dtype: torch.dtype | None = None) -> None:
@@ -852,7 +980,8 @@ class PeftAdapter:
 
             deltas = self._dora_deltas(tensors, get_ab, weight_norms) if self.dora else {}
             flat = pack_adapter(self.cfg, self.layout, page_size, dtype, get_ab,
-                                lambda layer, module: deltas[(layer, module)])
+                                lambda layer, module: deltas[(layer, module)],
+                                self.added_rows(tensors) if self.added_tokens else None)
             if not bool(torch.isfinite(flat).all()):
                 self._check_finite(tensors, dtype)
                 self._fail(self.weights_file, "its packed weights hold non-finite values")
@@ -892,7 +1021,8 @@ def synthetic_pack(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtyp
     g = torch.Generator().manual_seed(seed)
 
     def get_ab(layer, module):
-        r = layout.ranks[layer][LORA_MODULES.index(module)]
+        r = (layout.vocab_ranks[VOCAB_MODULES.index(module)] if module in VOCAB_MODULES
+             else layout.ranks[layer][LORA_MODULES.index(module)])
         d_in, d_out = cfg.module_dims(module)
         return (torch.randn(r, d_in, generator=g) / math.sqrt(d_in),
                 torch.randn(d_out, r, generator=g) * 0.01)

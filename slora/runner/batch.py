@@ -11,23 +11,27 @@ import functools
 
 import torch
 
-from slora.config import cdiv
+from slora.config import LORA_MODULES, VOCAB_MODULES, cdiv
 from slora.core.adapters import AdapterLayout, AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.graphs import round_rank
 from slora.kernels import GroupMeta, LoraMeta
 from slora.kernels.tiles import token_tiles
-from slora.model.llama import GROUPS, Batch
+from slora.model.llama import ADDED_GROUP, GROUPS, VOCAB_GROUPS, Batch
 from slora.request import Request
 
 
 @functools.lru_cache(maxsize=4096)
 def _layout_tensors(layout: AdapterLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An adapter layout as tensors (offsets [7, 2], ranks [L, 7], DoRA rows [7], -1: none),
-    built once per layout rather than from nested tuples every step."""
-    dora = layout.dora or (-1,) * len(layout.offsets)
-    return (torch.tensor(layout.offsets, dtype=torch.int64),
-            torch.tensor(layout.ranks, dtype=torch.int32),
+    """An adapter layout as tensors (offsets [7 + 3, 2], ranks [L, 7 + 3], DoRA rows [7 + 3],
+    -1: none): the seven modules, then VOCAB_MODULES, then the added tokens (A: their lm_head
+    rows, B^T: their embedding rows; rank: their count), whose ranks stand in every layer's
+    row; built once per layout rather than from nested tuples every step."""
+    ranks = [list(r) + list(layout.vocab_ranks) + [layout.added_tokens] for r in layout.ranks]
+    added = (layout.added_offsets[1], layout.added_offsets[0])
+    offsets = layout.offsets + layout.vocab_offsets + (added,)
+    dora = (layout.dora or (-1,) * len(layout.offsets)) + (-1,) * (len(offsets) - 7)
+    return (torch.tensor(offsets, dtype=torch.int64), torch.tensor(ranks, dtype=torch.int32),
             torch.tensor(dora, dtype=torch.int64))
 
 
@@ -35,11 +39,13 @@ class BatchBuilder:
     """block_size: tokens per KV page; tile_rows: the prefill kernels' work-tile tokens;
     group_shapes: per LoRA module group, its row strides and output widths (fixed by the
     model); pin: pin the adapter-side tensors (on a GPU), so the graphs copy them in without
-    waiting for the running step."""
+    waiting for the running step; max_added: EngineConfig.max_added_tokens, the added-token
+    group's rank bucket (the logits' extra columns)."""
 
     def __init__(self, block_size: int, tile_rows: int, group_shapes: dict[str, dict],
-                 pin: bool) -> None:
+                 pin: bool, max_added: int = 0) -> None:
         self.block_size = block_size
+        self.max_added = max_added
         self.tile_rows = tile_rows
         self.group_shapes = group_shapes
         self.pin = pin
@@ -131,27 +137,33 @@ class BatchBuilder:
         # its alignment, so an unaligned slice would compile another MBGMV variant while
         # serving.
         n_a, n_pad = len(infos), cdiv(len(infos), 4) * 4
-        offsets = torch.zeros(n_pad, *per_adapter[0][0].shape, dtype=torch.int64)  # [n, 7, 2]
+        offsets = torch.zeros(n_pad, *per_adapter[0][0].shape, dtype=torch.int64)  # [n, 10, 2]
         offsets[:n_a] = torch.stack([o for o, _, _ in per_adapter])
         ranks = torch.zeros(len(per_adapter[0][1]), n_pad, per_adapter[0][1].shape[1],
-                            dtype=torch.int32)  # [L, n, 7]
+                            dtype=torch.int32)  # [L, n, 10]
         ranks[:, :n_a] = torch.stack([r for _, r, _ in per_adapter], dim=1)
-        dora = torch.full((n_pad, offsets.shape[1]), -1, dtype=torch.int64)  # [n, 7]
+        dora = torch.full((n_pad, offsets.shape[1]), -1, dtype=torch.int64)  # [n, 10]
         dora[:n_a] = torch.stack([d for _, _, d in per_adapter])
         groups = {}
-        for gname, mods in GROUPS.items():
-            r = ranks[:, :, list(mods)].contiguous()
+        # (a vocabulary group's ranks: one layer's row, [1, n, 1]; its slot is the layer
+        # that holds it, AdapterLayout.vocab_layers)
+        parts = {**{g: (list(mods), ranks) for g, mods in GROUPS.items()},
+                 **{g: ([len(LORA_MODULES) + VOCAB_MODULES.index(m)], ranks[:1])
+                    for g, m in VOCAB_GROUPS.items()},
+                 ADDED_GROUP: ([len(LORA_MODULES) + len(VOCAB_MODULES)], ranks[:1])}
+        for gname, (mods, layer_ranks) in parts.items():
+            r = layer_ranks[:, :, mods].contiguous()
             if not r.any():
                 continue
-            d = dora[:, list(mods)].contiguous()
+            d = dora[:, mods].contiguous()
             groups[gname] = GroupMeta(
                 offsets_d=pin(d) if bool((d >= 0).any()) else None,
-                offsets_a=pin(offsets[:, list(mods), 0].contiguous()),
-                offsets_b=pin(offsets[:, list(mods), 1].contiguous()),
+                offsets_a=pin(offsets[:, mods, 0].contiguous()),
+                offsets_b=pin(offsets[:, mods, 1].contiguous()),
                 ranks=pin(r),
                 # the rank bucket, as graphs have it: eager steps then run the kernel
                 # variants the warm-up compiled (rows keep their own ranks)
-                max_rank=round_rank(int(r.max())),
+                max_rank=self.max_added if gname == ADDED_GROUP else round_rank(int(r.max())),
                 **self.group_shapes[gname],
             )
         return pages, groups

@@ -26,7 +26,7 @@ import contextlib
 
 import torch
 
-from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv
+from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv, round_up
 from slora.core.adapters import AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.graphs import StepGraphs, piece_starts
@@ -34,13 +34,13 @@ from slora.kernels import make_backend
 from slora.kernels import reference as ref
 from slora.kernels.reference import LORA_ALIGN
 from slora.kernels.tiles import tile_rows
-from slora.model.llama import GROUPS, Batch, LlamaModel
+from slora.model.llama import ADDED_GROUP, GROUPS, VOCAB_GROUPS, Batch, LlamaModel
 from slora.model.loader import AdapterError, load_weights, random_weights, strides
 from slora.model.quant import LINEAR_FIELDS, Fp8Weight, quantize_weights
 from slora.runner.batch import BatchBuilder
 from slora.runner.device import resolve_device, resolve_dtype
 from slora.runner.host_tier import HostAdapterTier
-from slora.runner.sampling import Sampler, nonfinite_error
+from slora.runner.sampling import Sampler, finite_rows, nonfinite_error
 
 
 class Flight:
@@ -50,7 +50,8 @@ class Flight:
     the sampler. A graph's logits are its static output, which the next replay overwrites:
     the argmax (or the copy) is taken at launch."""
 
-    def __init__(self, plan: SchedulerPlan, logits: torch.Tensor, pipelined: bool) -> None:
+    def __init__(self, plan: SchedulerPlan, logits: torch.Tensor, pipelined: bool,
+                 vocab: int | None = None) -> None:
         self.plan = plan
         self.tokens = logits.argmax(dim=-1)
         # (a chunk short of its prompt's end samples nothing: its row is not looked at)
@@ -62,7 +63,7 @@ class Flight:
         if tokens_only:
             # A row whose logits are not all finite comes back as -1 and fails alone. The
             # next step's decode rows read `tokens` (a valid id) on the device, not this.
-            host = torch.where(torch.isfinite(logits).all(dim=-1), self.tokens, -1)
+            host = torch.where(finite_rows(logits, vocab), self.tokens, -1)
             self.host = host
             if pipelined and host.is_cuda:
                 self.host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
@@ -131,7 +132,8 @@ class ModelRunner:
                 torch.cuda.empty_cache()
         self.backend = make_backend(config.backend, self.device, config.gemm_max_rows)
         self.backend.tp = tp
-        self.model = LlamaModel(model_config, weights, self.backend, config.block_size, tp)
+        self.model = LlamaModel(model_config, weights, self.backend, config.block_size, tp,
+                                max_added=config.max_added_tokens)
         self.num_pages = self._pool_pages() if tp is None else tp.agree(self._pool_pages())
         # One page more than the allocator hands out: padded rows of a captured batch write
         # their KV there (`scratch_page`), never into a live page.
@@ -156,13 +158,19 @@ class ModelRunner:
         self.tile_rows = tile_rows(self.device, self.dtype)  # prefill kernels' work-tile tokens
         # row strides and output widths of each LoRA module group: fixed by the model
         self.group_shapes = {
-            g: dict(stride_in=strides(model_config, LORA_MODULES[mods[0]])[0],
-                    strides_out=tuple(strides(model_config, LORA_MODULES[m])[1] for m in mods),
-                    out_dims=tuple(model_config.module_dims(LORA_MODULES[m])[1] for m in mods))
-            for g, mods in GROUPS.items()}
+            g: dict(stride_in=strides(model_config, mods[0])[0],
+                    strides_out=tuple(strides(model_config, m)[1] for m in mods),
+                    out_dims=tuple(model_config.module_dims(m)[1] for m in mods))
+            for g, mods in [(g, [LORA_MODULES[i] for i in mods]) for g, mods in GROUPS.items()]
+            + [(g, [m]) for g, m in VOCAB_GROUPS.items()]}
+        # added tokens: rows of hidden, their lm_head rows as A and embedding rows as B^T
+        h = model_config.hidden_size
+        self.group_shapes[ADDED_GROUP] = dict(stride_in=round_up(h, LORA_ALIGN),
+                                              strides_out=(round_up(h, LORA_ALIGN),),
+                                              out_dims=(h,))
         self.batches = BatchBuilder(self.block_size, self.tile_rows, self.group_shapes,
-                                    pin=self.cuda)
-        self.sampler = Sampler(config.seed)
+                                    pin=self.cuda, max_added=config.max_added_tokens)
+        self.sampler = Sampler(config.seed, model_config.vocab_size)
         graphed = self.cuda and config.cuda_graphs and self.backend.name != "torch"
         self.graphs = (self.make_graphs(config.max_num_seqs, config.mixed_graph_tokens)
                        if graphed else None)
@@ -226,14 +234,20 @@ class ModelRunner:
         """(layout, pack) of adapter `name` as this runner's pool and host tier hold it, from
         its full-model `layout` and `pack`: as they are on one device; under tensor
         parallelism the rank's layout and a pack of every rank's shard (slora.distributed).
-        AdapterError for a DoRA adapter under tensor parallelism (its per-channel norms are
-        over the whole weight)."""
+        AdapterError under tensor parallelism for a DoRA adapter (its per-channel norms are
+        over the whole weight) and for LoRA on embed_tokens / lm_head or added tokens (their
+        rows are not sharded)."""
         if self.tp is None:
             return layout, pack
         if layout.dora_modules:
             raise AdapterError(f"adapter {name!r}: DoRA adapters are not served with "
                                f"tensor_parallel_size={self.tp.size} (supported: LoRA "
                                "adapters; DoRA with tensor_parallel_size=1)", adapter=name)
+        if any(layout.vocab_ranks) or layout.added_tokens:
+            raise AdapterError(f"adapter {name!r}: LoRA on embed_tokens / lm_head and added "
+                               f"tokens are not served with tensor_parallel_size={self.tp.size} "
+                               "(supported: LoRA on the linear modules; the vocabulary modules "
+                               "with tensor_parallel_size=1)", adapter=name)
         from slora.core.adapters import AdapterLayout
         from slora.distributed import ShardConfig, sharded_pack
 
@@ -298,7 +312,8 @@ class ModelRunner:
                 logits = self.run(batch, pairs, tokens, loads, prefetch, adapters)
             except Exception as e:
                 raise self.tp.fail(e) from e
-        return None if logits is None else Flight(plan, logits, self.config.async_scheduling)
+        return None if logits is None else Flight(plan, logits, self.config.async_scheduling,
+                                                  self.model_config.vocab_size)
 
     def run(self, batch: Batch | None, pairs, prev_tokens, loads, prefetch,
             adapters: AdapterManager | None) -> torch.Tensor | None:
@@ -345,12 +360,14 @@ class ModelRunner:
         model, pool = self.model, self.pool
         if not ready:
             return model.forward(batch, pool)
-        hidden = model.embed(batch)
+        hidden = None
         for start, end in zip(self.piece_starts, self.piece_starts[1:] + [model.num_layers]):
             if start in ready:
                 torch.cuda.current_stream().wait_event(ready[start])
+            if start == 0:  # (after layer 0's copies: they hold the embedding LoRA)
+                hidden = model.embed(batch, pool)
             hidden = model.layers(batch, pool, hidden, start, end)
-        return model.head(batch, hidden)
+        return model.head(batch, hidden, pool)
 
     @staticmethod
     def _prev_pairs(plan: SchedulerPlan, prev: Flight | None) -> list[tuple[int, int]] | None:

@@ -10,9 +10,12 @@ from slora.request import Request, SamplingParams
 class Sampler:
     """Greedy rows take the argmax the runner computed at launch; sampled rows draw from
     their own generator, seeded by the request's seed or, without one, from `seed`'s stream
-    in the order requests first sample. A request's generator lives until `release`."""
+    in the order requests first sample. A request's generator lives until `release`.
+    `vocab`: the base vocabulary, whose logits must be finite (the columns past it, adapters'
+    added tokens, are -inf where a row's adapter has none)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, vocab: int | None = None) -> None:
+        self.vocab = vocab
         self.generators: dict[str, torch.Generator] = {}  # request id -> its generator
         self.rng = torch.Generator().manual_seed(seed)  # seeds requests without a seed
 
@@ -26,7 +29,7 @@ class Sampler:
         that sample; the others (chunks short of their prompt's end) are left as they are,
         their generators untouched, so chunking does not change a seeded request's draws."""
         tokens = greedy.tolist()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        finite = finite_rows(logits, self.vocab).tolist()
         want_lp = any(r.sampling.logprobs is not None for r in seqs)
         logp = torch.log_softmax(logits, dim=-1) if want_lp else None
         out_lp, errors = [], {}
@@ -78,6 +81,15 @@ class Sampler:
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator."""
         self.generators.pop(request_id, None)
+
+
+def finite_rows(logits: torch.Tensor, vocab: int | None) -> torch.Tensor:
+    """bool [S]: the rows whose logits over the base vocabulary (its first `vocab` columns;
+    None: all) are finite and whose added-token columns hold no NaN or +inf (-inf marks an
+    added token that is not the row's adapter's)."""
+    vocab = logits.shape[1] if vocab is None else vocab
+    base, added = logits[:, :vocab], logits[:, vocab:]
+    return torch.isfinite(base).all(dim=-1) & ~(added.isnan() | (added == float("inf"))).any(-1)
 
 
 def nonfinite_error(req: Request) -> str:

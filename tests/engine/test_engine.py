@@ -248,7 +248,7 @@ def test_the_forward_cut_into_pieces_of_layers_gives_the_same_logits(tiny_model_
     batch = runner.batches.prepare(plan, e.adapters)
     whole = model.forward(batch, runner.pool)
     for cuts in ([0, 1], [0]):
-        hidden = model.embed(batch)
+        hidden = model.embed(batch, runner.pool)
         for start, end in zip(cuts, cuts[1:] + [model.num_layers]):
             hidden = model.layers(batch, runner.pool, hidden, start, end)
-        assert torch.equal(model.head(batch, hidden), whole)
+        assert torch.equal(model.head(batch, hidden, runner.pool), whole)

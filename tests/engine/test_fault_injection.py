@@ -192,12 +192,12 @@ class Fault:
         class PoisonedFlight(flight):
             """A launched step whose logits row of the target request, once, holds poison."""
 
-            def __init__(self, plan, logits, pipelined):
+            def __init__(self, plan, logits, *args):
                 rows = [i for i, r in enumerate(plan.seqs) if r.request_id == fault.rid]
                 if rows and fault._hit():
                     logits = logits.clone()
                     logits[rows[0], ::3] = fault.poison
-                super().__init__(plan, logits, pipelined)
+                super().__init__(plan, logits, *args)
 
         self._mp.setattr(model_runner, "Flight", PoisonedFlight)
 

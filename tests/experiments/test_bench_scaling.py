@@ -75,6 +75,11 @@ def test_byte_counts(bench):
     # DoRA: one more row of d_out elements a module and layer
     assert (bench.adapter_bytes(cfg, 16, LORA_MODULES[:4], 2, dora=True)
             - bench.adapter_bytes(cfg, 16, LORA_MODULES[:4], 2)) == 4 * 4096 * 32 * 2
+    # embed_tokens and lm_head once, beside q/k/v/o: the head's rows whole, one column of the
+    # embedding's A and its B
+    vocab = bench.adapter_bytes(cfg, 16, bench.MODULE_SETS["vocab"], 2)
+    assert vocab - bench.adapter_bytes(cfg, 16, bench.MODULE_SETS["qkvo"], 2) == \
+        16 * ((4096 + 32000) + (1 + 4096)) * 2
     # the 7B's weights minus its (untied) embedding table: ~13.2 GB in bf16
     assert bench.weight_read_bytes(cfg, 2) == cfg.weight_bytes(2) - 32000 * 4096 * 2
     assert 13.0e9 < bench.weight_read_bytes(cfg, 2) < 13.3e9
@@ -185,3 +190,15 @@ def test_long_prompt_part(bench, tiny_model_dir, tmp_path):
     assert row["output_tokens"] == 3 and row["finish"] == "length"
     assert row["steps"] >= 200 // 32 + 2 and row["max_prefill_chunk"] == 32
     assert 0 < row["ttft_s"] <= row["wall_s"] and row["prefill_tok_s"] > 0
+
+
+def test_bench_scaling_decode_with_vocab_lora(bench, tiny_model_dir, tmp_path):
+    """--decode-modules vocab: q/k/v/o with embed_tokens and lm_head, beside q/k/v/o alone."""
+    bench.main(["--part", "decode", "--model", str(tiny_model_dir), "--device", "cpu",
+                "--dtype", "float32", "--num-pages", "256", "--max-num-seqs", "4",
+                "--batches", "2", "--context", "8", "--decode-tokens", "4", "--breakdown", "",
+                "--decode-modules", "qkvo,vocab", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["decode"]
+    assert [r["modules"] for r in rows] == ["qkvo", "vocab"]
+    assert all(r["steps_timed"] >= 1 and r["step_ms"] > 0 for r in rows)
+    assert rows[1]["adapter_bytes"] > rows[0]["adapter_bytes"]

@@ -68,6 +68,16 @@ def _drop_b(d):
     save_file(t, d / "adapter_model.safetensors")
 
 
+def _add_embedding_lora(d):
+    """An embed_tokens LoRA whose A has 7 columns, not the vocabulary's."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(d / "adapter_model.safetensors")
+    p = "base_model.model.model.embed_tokens.lora_embedding_"
+    t.update({p + "A": torch.zeros(4, 7), p + "B": torch.zeros(64, 4)})
+    save_file(t, d / "adapter_model.safetensors")
+
+
 def _bin_not_pickle(d):
     (d / "adapter_model.safetensors").unlink()
     (d / "adapter_model.bin").write_bytes(b"not a pickle")
@@ -77,7 +87,7 @@ BAD = {
     "dora": (dict(config=lambda c: c.update(use_dora=True)), "use_dora"),
     "modules_to_save": (dict(config=lambda c: c.update(modules_to_save=["lm_head"])), "modules_to_save"),
     "bias": (dict(config=lambda c: c.update(bias="all")), "bias"),
-    "embedding_target": (dict(config=lambda c: c.update(target_modules=["embed_tokens"])), "embed_tokens"),
+    "embedding_shape": (dict(files=_add_embedding_lora), "embed_tokens"),
     "rank0": (dict(config=lambda c: c.update(r=0)), "rank"),
     "not_json": (dict(files=lambda d: (d / "adapter_config.json").write_text("{oops")), "JSON"),
     "no_config": (dict(files=lambda d: (d / "adapter_config.json").unlink()), "adapter_config.json"),
@@ -628,7 +638,7 @@ def test_refused_synthetic_adapters_leave_no_buffer(tiny_model_dir):
                         (dict(name="b", rank=True), TypeError),
                         (dict(name="b", rank=0), ValueError),
                         (dict(name="b", rank=4, target_modules=[]), ValueError),
-                        (dict(name="b", rank=4, target_modules=["lm_head"]), ValueError),
+                        (dict(name="b", rank=4, target_modules=["wte"]), ValueError),
                         (dict(name="b", rank=4, seed="abc"), TypeError),
                         (dict(name="b", rank=4, seed=2 ** 64), ValueError)]:
         with pytest.raises(exc):
