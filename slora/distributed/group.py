@@ -213,11 +213,13 @@ class TensorParallel:
         """The input of a LoRA group's shrink on this rank: a column-parallel group's (qkv,
         gate_up) x is the whole hidden state, replicated, and this rank's A holds the hidden
         columns [k h/N, (k+1) h/N): their view of x. A row-parallel group's x is already
-        the rank's own."""
+        the rank's own. A copy where the view would not start on a 16-byte boundary (the
+        CUDA MBGMV's vector loads need one)."""
         if group in ROW_PARALLEL_GROUPS:
             return x
         cols = x.shape[1] // self.size
-        return x[:, self.rank * cols:(self.rank + 1) * cols]
+        view = x[:, self.rank * cols:(self.rank + 1) * cols]
+        return view if view.data_ptr() % 16 == 0 else view.contiguous()
 
     def lora_partials(self, group: str, xa, out: torch.Tensor):
         """(xa, out) for a LoRA group's expand on this rank. Every rank's xa is a partial
