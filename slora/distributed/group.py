@@ -209,17 +209,31 @@ class TensorParallel:
         dist.all_gather(parts, logits.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)[:, :self.vocab.vocab]
 
+    def lora_input(self, group: str, x: torch.Tensor) -> torch.Tensor:
+        """The input of a LoRA group's shrink on this rank: a column-parallel group's (qkv,
+        gate_up) x is the whole hidden state, replicated, and this rank's A holds the hidden
+        columns [k h/N, (k+1) h/N): their view of x. A row-parallel group's x is already
+        the rank's own. A copy where the view would not start on a 16-byte boundary (the
+        CUDA MBGMV's vector loads need one)."""
+        if group in ROW_PARALLEL_GROUPS:
+            return x
+        cols = x.shape[1] // self.size
+        view = x[:, self.rank * cols:(self.rank + 1) * cols]
+        return view if view.data_ptr() % 16 == 0 else view.contiguous()
+
     def lora_partials(self, group: str, xa, out: torch.Tensor):
-        """(xa, out) for a LoRA group's expand on this rank. Row-parallel groups (o, down):
-        xa's partial products summed over the ranks (r floats a token), `out` narrowed to
-        this rank's hidden columns, where B's rows of this rank add the delta into the
-        partial sum the base layer's all-reduce then completes. Column-parallel groups: as
-        they are. xa: a tensor, or a tuple of tensors and Nones (one per kernel)."""
-        if group not in ROW_PARALLEL_GROUPS:
-            return xa, out
+        """(xa, out) for a LoRA group's expand on this rank. Every rank's xa is a partial
+        product over its slice of the input (`lora_input`): summed over the ranks in place
+        (an all-reduce of [T, modules, rank] fp32). Row-parallel groups (o, down): `out`
+        narrowed to this rank's hidden columns, where B's rows of this rank add the delta
+        into the partial sum the base layer's all-reduce then completes; column-parallel
+        groups: `out` is the rank's own columns already. xa: a tensor, or a tuple of tensors
+        and Nones (one per kernel)."""
         for t in (xa if isinstance(xa, tuple) else (xa,)):
             if t is not None:
                 self.all_reduce(t)
+        if group not in ROW_PARALLEL_GROUPS:
+            return xa, out
         cols = out.shape[1] // self.size
         return xa, out[:, self.rank * cols:(self.rank + 1) * cols]
 

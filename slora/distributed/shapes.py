@@ -14,6 +14,8 @@ from slora.config import ConfigError, ModelConfig
 
 ROW_PARALLEL = ("o_proj", "down_proj")
 ROW_PARALLEL_GROUPS = ("o", "down")  # their LoRA groups (slora.model.llama.GROUPS)
+# every other module (q, k, v, gate, up and the fused qkv_proj, gate_up_proj) reads the
+# hidden state: column-parallel
 
 
 def check_degree(cfg: ModelConfig, n: int) -> None:
@@ -45,7 +47,10 @@ def check_degree(cfg: ModelConfig, n: int) -> None:
 class ShardConfig(ModelConfig):
     """Rank `tp_rank`'s view of the model: its own head and intermediate counts, the hidden
     size whole. `module_dims` gives the (d_in, d_out) of this rank's slice of each LoRA
-    module, so the adapter layout, the LoRA groups' shapes and the page size are per rank."""
+    module, so the adapter layout, the LoRA groups' shapes and the page size are per rank:
+    every module's hidden-sized side is split too (a column-parallel module's A input
+    columns, a row-parallel module's B rows), so a rank holds 1/N of each A and each B
+    (k and v's B whole per replicated KV head when there are fewer KV heads than ranks)."""
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -65,7 +70,7 @@ class ShardConfig(ModelConfig):
         d_in, d_out = super().module_dims(module)
         if module in ROW_PARALLEL:  # B: the rank's hidden columns
             return d_in, self.hidden_size // self.tp_size
-        return d_in, d_out
+        return self.hidden_size // self.tp_size, d_out  # A: the rank's hidden columns
 
     def kv_heads(self, full: ModelConfig) -> list[int]:
         """The full model's KV heads this rank holds."""

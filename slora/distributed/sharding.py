@@ -13,13 +13,18 @@ Rank k of N holds:
   last shard padded with zero rows (`VocabShard`).
 - norms (and Qwen3's q/k norms) whole.
 
-LoRA on rank k, for each module (`module_slices`):
-- column-parallel (q, k, v, gate, up): A whole (every rank's input is the full hidden state),
-  B's rows of this rank's outputs: the rank computes its own output columns, no communication.
-- row-parallel (o, down): A's columns of this rank's inputs, so x_k A_k^T is a partial [T, r]
-  product; the ranks sum it (an all-reduce of r floats a token), then B's rows of the hidden
-  columns [k h/N, (k+1) h/N) expand it into those columns of the rank's partial output, which
-  the base layer's all-reduce then sums: each column gets its delta exactly once.
+LoRA on rank k, for each module (`module_slices`): A's input columns of this rank's slice of
+the module's input, B's rows of this rank's slice of its output, so the rank holds 1/N of A
+and of B. x_k A_k^T is a partial [T, r] product; the ranks sum it (an all-reduce of r floats
+a token per module, `TensorParallel.lora_partials`), then B_k expands the sum into the
+rank's output columns:
+- column-parallel (q, k, v, gate, up): the input is the hidden state, whole on every rank;
+  rank k's slice is its hidden columns [k h/N, (k+1) h/N) (`TensorParallel.lora_input`),
+  its output columns the rank's heads or intermediate rows, as the base layer's.
+- row-parallel (o, down): the input is already the rank's own (its heads' attention, its
+  intermediate rows); the output is split on the hidden columns [k h/N, (k+1) h/N): the
+  delta goes into those columns of the rank's partial output, which the base layer's
+  all-reduce then sums, so each column gets its delta exactly once.
 
 So a rank's adapter rows are the rows `AdapterLayout.build(local_config, ranks)` lays out,
 with `local_config` the rank's `ShardConfig` (its module_dims are the per-rank shapes): the
@@ -50,15 +55,15 @@ def _heads(heads: list[int], d: int) -> torch.Tensor:
 
 
 def module_slices(full: ModelConfig, local: ShardConfig) -> dict[str, tuple]:
-    """module -> (A's columns or None for all, B's rows: indices into the full module's d_in
-    and d_out) of this rank's slice, for every module of LORA_MODULES."""
+    """module -> (A's columns, B's rows: indices into the full module's d_in and d_out) of
+    this rank's slice, for every module of LORA_MODULES."""
     k, d = local.tp_rank, full.head_dim
     q = _span(k * local.q_size, local.q_size)
     kv = _heads(local.kv_heads(full), d)
     mlp = _span(k * local.intermediate_size, local.intermediate_size)
-    hidden = _span(k * local.module_dims("o_proj")[1], local.module_dims("o_proj")[1])
-    return {"q_proj": (None, q), "k_proj": (None, kv), "v_proj": (None, kv),
-            "o_proj": (q, hidden), "gate_proj": (None, mlp), "up_proj": (None, mlp),
+    hidden = _span(k * (full.hidden_size // local.tp_size), full.hidden_size // local.tp_size)
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (q, hidden), "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp),
             "down_proj": (mlp, hidden)}
 
 
@@ -141,8 +146,7 @@ def shard_packed(packed: torch.Tensor, full: ModelConfig, layout: AdapterLayout,
         (fa, fb), (ma, mb) = layout.offsets[m], mine.offsets[m]
         a = packed[:, fa:fa + r * s_in].view(L, r, s_in)[:, :, :d_in]
         b = packed[:, fb:fb + r * s_out].view(L, r, s_out)[:, :, :d_out]
-        a = a if cols_a is None else a[:, :, cols_a]
-        b = b[:, :, cols_b]
+        a, b = a[:, :, cols_a], b[:, :, cols_b]
         out[:, ma:ma + r * l_in].view(L, r, l_in)[:, :, :a.shape[2]] = a
         out[:, mb:mb + r * l_out].view(L, r, l_out)[:, :, :b.shape[2]] = b
     return out

@@ -23,7 +23,8 @@ from slora.runner.host_tier import HostAdapterTier, Loads
 def sharded_pack(pack: Callable, full: ModelConfig, layout: AdapterLayout,
                  locals_: list[ShardConfig]) -> Callable:
     """A `pack(page_size, dtype)` that returns every rank's shard [N, layers, pages *
-    page_size] of the adapter `pack` lays out for the full model (`layout`)."""
+    page_size] of the adapter `pack` lays out for the full model (`layout`): each its slice
+    of every A and B (`shard_packed`), 1/N of the adapter up to LORA_ALIGN rounding."""
     def pack_shards(page_size: int, dtype: torch.dtype) -> torch.Tensor:
         packed = pack(page_size, dtype)
         return torch.stack([shard_packed(packed, full, layout, c, page_size) for c in locals_])

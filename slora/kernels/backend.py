@@ -65,8 +65,9 @@ class LoraMeta:
 
 class TorchBackend:
     name = "torch"
-    # Tensor parallelism (slora.distributed.TensorParallel, None on one device): LoRA's
-    # row-parallel groups sum their shrink over the ranks and expand into the rank's columns.
+    # Tensor parallelism (slora.distributed.TensorParallel, None on one device): each rank's
+    # shrink reads its slice of the input (`_lora_x`), the ranks sum the partial products,
+    # and row-parallel groups expand into the rank's hidden columns.
     tp = None
 
     linear = staticmethod(quant.linear)
@@ -110,12 +111,16 @@ class TorchBackend:
 
     _dora_scale = staticmethod(ref.dora_scale)
 
+    def _lora_x(self, x: torch.Tensor, group: str) -> torch.Tensor:
+        """The shrink's input: x, or under tensor parallelism this rank's slice of it."""
+        return x if self.tp is None else self.tp.lora_input(group, x)
+
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         g = meta.groups.get(group)
         if g is None:
             return
         ranks = g.ranks[layer]
-        xa = ref.lora_shrink(x, pool_l, meta.pages, g.offsets_a, ranks, meta.token_slot,
+        xa = ref.lora_shrink(self._lora_x(x, group), pool_l, meta.pages, g.offsets_a, ranks, meta.token_slot,
                              g.stride_in, g.max_rank)
         if self.tp is not None:
             xa, out = self.tp.lora_partials(group, xa, out)
@@ -245,7 +250,7 @@ class TritonBackend(TorchBackend):
         side = self._side_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            xa = self._shrink(x, pool_l, meta, g, layer)
+            xa = self._shrink(self._lora_x(x, group), pool_l, meta, g, layer)
         out = self.linear(x, w, bias)
         main.wait_stream(side)
         xa, cols = (xa, out) if self.tp is None else self.tp.lora_partials(group, xa, out)
@@ -264,7 +269,7 @@ class TritonBackend(TorchBackend):
         step, as one-token MBGMM segments would each fill a whole token tile alone."""
         g = meta.groups.get(group)
         if g is not None:
-            xa = self._shrink(x, pool_l, meta, g, layer)
+            xa = self._shrink(self._lora_x(x, group), pool_l, meta, g, layer)
             if self.tp is not None:
                 xa, out = self.tp.lora_partials(group, xa, out)
             self._expand(xa, out, pool_l, meta, g, layer)

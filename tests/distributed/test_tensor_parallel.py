@@ -290,3 +290,86 @@ def test_nccl_with_graphs_and_async_scheduling_equals_one_gpu(models):
     model, adapters = models("gqa")
     ref = _small_run(model, adapters, 1, device="cuda")
     assert_same(_small_run(model, adapters, 2, device="cuda"), ref)
+
+
+def _config(**shape) -> ModelConfig:
+    return ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=100,
+                                      num_hidden_layers=2, **shape))
+
+
+# Llama-2-7B's and Llama-3-8B's shapes (GQA: 8 KV heads), and a small one none of whose
+# per-rank widths is a multiple of LORA_ALIGN
+PAGE_SHAPES = {
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+               num_key_value_heads=32),
+    "8b_gqa": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                   num_key_value_heads=8),
+    "unaligned": dict(hidden_size=96, intermediate_size=160, num_attention_heads=4,
+                      num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("shape", PAGE_SHAPES)
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_holds_one_nth_of_an_adapter(shape, n):
+    """A rank-16 adapter on all seven modules, per layer, in elements (pages x the pool's
+    page size, both per rank). Bound: each of the 14 A and B row strides is
+    round_up(d / N, LORA_ALIGN) < d / N + LORA_ALIGN, so a rank's rows hold at most
+    elems(1) / N + 14 r LORA_ALIGN elements, and its pages at most one page more:
+        pages(N) P(N) <= elems(1) / N + 14 r LORA_ALIGN + P(N)
+    and exactly pages(1) P(1) / N when every split width is a multiple of LORA_ALIGN and N
+    divides the KV heads (then P(N) = P(1) / N)."""
+    from slora.config import LORA_ALIGN
+
+    cfg, r = _config(**PAGE_SHAPES[shape]), 16
+    ranks = [[r] * len(ALL)] * cfg.num_layers
+    full = AdapterLayout.build(cfg, ranks)
+    views = [ShardConfig.of(cfg, n, k) for k in range(n)]
+    mine = [AdapterLayout.build(v, ranks) for v in views]
+    assert len({lay.elems for lay in mine}) == 1  # one page id, one page on every rank
+    local, lay = views[0], mine[0]
+    held = lay.num_pages(local.page_size(BLOCK)) * local.page_size(BLOCK)
+    one = full.num_pages(cfg.page_size(BLOCK)) * cfg.page_size(BLOCK)
+    assert lay.elems <= full.elems / n + 14 * r * LORA_ALIGN
+    assert held <= full.elems / n + 14 * r * LORA_ALIGN + local.page_size(BLOCK)
+    if shape != "unaligned":
+        assert lay.elems * n == full.elems and held * n == one
+    for name in ALL:  # every module's A and B split: neither held whole
+        d_in, d_out = cfg.module_dims(name)
+        assert local.module_dims(name) == (d_in // n, d_out // n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_ranks_shards_partition_every_a_and_b(n):
+    """Each rank's pages hold its slices of A and B (`module_slices`); together the ranks
+    hold every element of every A and B exactly once (KV heads split, not replicated)."""
+    from slora.distributed.sharding import module_slices, shard_packed
+    from slora.model.loader import strides, synthetic_pack
+
+    cfg = _config(**PAGE_SHAPES["unaligned"])
+    ranks = [[8, 4, 8, 16, 8, 4, 8], [8, 4, 8, 16, 8, 4, 0]]
+    layout = AdapterLayout.build(cfg, ranks)
+    P = cfg.page_size(BLOCK)
+    packed = synthetic_pack(cfg, layout, P, torch.float32, seed=0)
+    L = cfg.num_layers
+    for m, name in enumerate(ALL):
+        r = max(layer[m] for layer in ranks)
+        (fa, fb), (s_in, s_out) = layout.offsets[m], strides(cfg, name)
+        d_in, d_out = cfg.module_dims(name)
+        want_a = packed[:, fa:fa + r * s_in].view(L, r, s_in)[:, :, :d_in]
+        want_b = packed[:, fb:fb + r * s_out].view(L, r, s_out)[:, :, :d_out]
+        got_a, got_b = torch.full_like(want_a, float("nan")), torch.full_like(want_b, float("nan"))
+        for k in range(n):
+            local = ShardConfig.of(cfg, n, k)
+            mine = AdapterLayout.build(local, ranks)
+            shard = shard_packed(packed, cfg, layout, local, local.page_size(BLOCK))
+            assert shard.shape == (L, mine.num_pages(local.page_size(BLOCK))
+                                   * local.page_size(BLOCK))
+            cols_a, cols_b = module_slices(cfg, local)[name]
+            (ma, mb), (l_in, l_out) = mine.offsets[m], strides(local, name)
+            l_d_in, l_d_out = local.module_dims(name)
+            assert (len(cols_a), len(cols_b)) == (l_d_in, l_d_out) == (d_in // n, d_out // n)
+            assert got_a[:, :, cols_a].isnan().all() and got_b[:, :, cols_b].isnan().all()
+            got_a[:, :, cols_a] = shard[:, ma:ma + r * l_in].view(L, r, l_in)[:, :, :l_d_in]
+            got_b[:, :, cols_b] = shard[:, mb:mb + r * l_out].view(L, r, l_out)[:, :, :l_d_out]
+        assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b), name
