@@ -40,6 +40,20 @@ class GroupMeta:
 
 
 @dataclass
+class DecodeSegments:
+    """A decode-only step's rows grouped by adapter (`slora.kernels.segments`): the Triton
+    backend then runs their LoRA through MBGMM, each adapter's tile read once for up to `tile`
+    rows, rather than through MBGMV."""
+
+    rows: torch.Tensor  # int32 [n]: the decode rows with an adapter, grouped by adapter row
+    seg_start: torch.Tensor  # int32 [S+1]: segment i is rows[seg_start[i]:seg_start[i+1]]
+    seg_slot: torch.Tensor  # int32 [S]: its adapter row
+    tiles: torch.Tensor  # int32: the segments' work list (slora.kernels.tiles), tiles of `tile`
+    tile: int
+    programs: int | None = None  # programs walking `tiles` (None: one per tile)
+
+
+@dataclass
 class LoraMeta:
     """Per-step LoRA batch metadata, shared by every layer (see reference.py's docstring).
 
@@ -61,6 +75,8 @@ class LoraMeta:
     # A step with prompts and decode rows: the adapter rows of its first n tokens, for MBGMV
     # (the decode rows; a graph's bucket pads it with -1 over the prompt tokens).
     dec_slot: torch.Tensor | None = None  # int32 [n]
+    # A decode-only step whose LoRA runs by adapter (None: MBGMV, a row at a time)
+    dec_segments: DecodeSegments | None = None
 
 
 class TorchBackend:
@@ -264,8 +280,9 @@ class TritonBackend(TorchBackend):
         return self._side[device]
 
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
-        """Decode rows: MBGMV, one adapter row per token. Prompts: MBGMM over their segments'
-        work tiles. A step with both runs both pairs: decode rows go to MBGMV even in a mixed
+        """Decode rows: MBGMV, one adapter row per token, or (`LoraMeta.dec_segments`, in a
+        decode-only step) MBGMM over the rows grouped by adapter. Prompts: MBGMM over their
+        segments' work tiles. A step with both runs both pairs: decode rows go to MBGMV even in a mixed
         step, as one-token MBGMM segments would each fill a whole token tile alone."""
         g = meta.groups.get(group)
         if g is not None:
@@ -278,8 +295,14 @@ class TritonBackend(TorchBackend):
         """(xa of the decode rows, xa of the prompts), None where the step has none."""
         ranks = g.ranks[layer]
         slot = _decode_slot(meta, x.shape[0])
+        seg = _segments(meta, x.shape[0])
         xa_dec = xa_pre = None
-        if slot is not None:
+        if seg is not None:  # the decode rows by adapter: MBGMM over their segments
+            xa_dec = self._mbgmm.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
+                                             seg.seg_start, seg.seg_slot, g.stride_in,
+                                             g.max_rank, seg.tiles, seg.programs, rows=seg.rows,
+                                             block_m=seg.tile)
+        elif slot is not None:
             xa_dec = self._mbgmv.mbgmv_shrink(x[:slot.shape[0]], pool_l, meta.pages, g.offsets_a,
                                              ranks, slot, g.stride_in, g.max_rank)
         if x.shape[0] != meta.num_decode:
@@ -291,7 +314,12 @@ class TritonBackend(TorchBackend):
     def _expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta, layer: int) -> None:
         ranks = g.ranks[layer]
         xa_dec, xa_pre = xa
-        if xa_dec is not None:
+        seg = _segments(meta, out.shape[0])
+        if seg is not None:
+            self._mbgmm.mbgmm_expand(xa_dec, out, pool_l, meta.pages, g.offsets_b, ranks,
+                                    seg.seg_start, seg.seg_slot, g.out_dims, g.strides_out,
+                                    seg.tiles, seg.programs, rows=seg.rows, block_m=seg.tile)
+        elif xa_dec is not None:
             slot = _decode_slot(meta, out.shape[0])
             self._mbgmv.mbgmv_expand(xa_dec, out[:slot.shape[0]], pool_l, meta.pages, g.offsets_b,
                                     ranks, slot, g.out_dims, g.strides_out)
@@ -331,6 +359,12 @@ def _decode_slot(meta: LoraMeta, rows: int) -> torch.Tensor | None:
     """The adapter rows of a step's decode rows, for MBGMV (None: the step has none): every
     token's in a decode-only step of `rows` tokens, else `dec_slot`."""
     return meta.token_slot if rows == meta.num_decode else meta.dec_slot
+
+
+def _segments(meta: LoraMeta, rows: int) -> DecodeSegments | None:
+    """The decode rows' segments of a decode-only step of `rows` tokens that runs its LoRA by
+    adapter, else None."""
+    return meta.dec_segments if rows == meta.num_decode else None
 
 
 class CudaBackend(TritonBackend):

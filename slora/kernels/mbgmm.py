@@ -3,7 +3,9 @@ from the paged pool (`adapter_pages`).
 
 Semantics: exactly `reference.lora_shrink` / `reference.lora_expand` (the torch twins) with
 token_slot expanded from segments: seg_start int32 [S+1] holds token offsets, seg_slot int32
-[S] the adapter row of each segment's consecutive tokens (-1 = base-only segment).
+[S] the adapter row of each segment's consecutive tokens (-1 = base-only segment). With
+`rows` (int32), segment position m stands for token rows[m]: the decode rows grouped by adapter
+(`slora.kernels.segments`), so one program reads an adapter's tile once for up to BLOCK_M rows.
 
 Tiling, and why:
   * tl.dot on (BLOCK_M tokens x 64) by (64 x BLOCK_R ranks) tiles (shrink) and (BLOCK_M x
@@ -83,15 +85,26 @@ def _span_chunks(work, d_out, fixed):
     return chunks
 
 
+@triton.jit
+def _tokens(rows_ptr, pos, ok, ROWS: tl.constexpr):
+    """The token rows (of x, xa and out) at segment positions `pos`: rows[pos] with ROWS (the
+    decode rows grouped by adapter, `slora.kernels.segments`), else the positions themselves
+    (a prompt's tokens are consecutive)."""
+    if ROWS:
+        return tl.load(rows_ptr + pos, mask=ok, other=0)
+    return pos
+
+
 @triton.jit(do_not_specialize=["stride_pg", "split_k"])
 def _mbgmm_shrink_kernel(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, tiles_ptr,
-    xa_ptr,
+    rows_ptr, xa_ptr,
     stride_x, d_in, stride, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_rt, split_k,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # The work: (token tile, module, rank tile, slice of d_in) items, the slices counted from
     # the step's own tiles (the list's length; a graph's grid is sized for its bucket)
@@ -112,28 +125,29 @@ def _mbgmm_shrink_kernel(
         if (slot >= 0) & (r0 < rank):
             m0 = tl.load(tiles_ptr + 2 + 2 * i)
             m_end = tl.minimum(m0 + BLOCK_M, tl.load(seg_start_ptr + s + 1))
-            _mbgmm_shrink_tile(x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0,
-                               m_end, r0, k_lo, stride_x, d_in, stride, P, stride_pg,
+            _mbgmm_shrink_tile(x_ptr, pool_ptr, pages_ptr, offs_ptr, rows_ptr, xa_ptr, slot, g,
+                               rank, m0, m_end, r0, k_lo, stride_x, d_in, stride, P, stride_pg,
                                stride_of0, stride_of1, G, max_rank, split, k_split,
-                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32, TWO_PAGES)
+                               BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_F32, TWO_PAGES, ROWS)
     pdl.launch_next(PDL)
 
 
 @triton.jit
 def _mbgmm_shrink_tile(
-    x_ptr, pool_ptr, pages_ptr, offs_ptr, xa_ptr, slot, g, rank, m0, m_end, r0, k_lo,
+    x_ptr, pool_ptr, pages_ptr, offs_ptr, rows_ptr, xa_ptr, slot, g, rank, m0, m_end, r0, k_lo,
     stride_x, d_in, stride, P, stride_pg, stride_of0, stride_of1, G, max_rank, split_k, k_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, ranks
-    r0..r0+BLOCK_R-1, d_in slice k_lo..k_lo+k_split-1."""
+    """Segment positions m0..m_end-1 (one tile of a segment on adapter row `slot`), module
+    g, ranks r0..r0+BLOCK_R-1, d_in slice k_lo..k_lo+k_split-1."""
     off_a = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_end
+    offs_m = _tokens(rows_ptr, offs_m, m_ok, ROWS)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < m_end
     r_ok = offs_r < rank
     row_v = off_a + offs_r * stride
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
@@ -166,13 +180,14 @@ def _mbgmm_shrink_tile(
 @triton.jit(do_not_specialize=["stride_pg", "n_chunks"])
 def _mbgmm_expand_kernel(
     xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr,
-    tiles_ptr,
+    tiles_ptr, rows_ptr,
     stride_out, P,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, max_out, n_chunks,
     d0, d1, d2, d3, s0, s1, s2, s3,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, PDL: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # The work: (token tile, module, column span) items, the span sized from the step's own
     # tiles (the list's length; a graph's grid is sized for its bucket)
@@ -194,28 +209,29 @@ def _mbgmm_expand_kernel(
             m0 = tl.load(tiles_ptr + 2 + 2 * i)
             m_end = tl.minimum(m0 + BLOCK_M, tl.load(seg_start_ptr + s + 1))
             n_hi = tl.minimum(n_lo + chunks * BLOCK_N, d_out)
-            _mbgmm_expand_tile(xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank,
-                               m0, m_end, n_lo, n_hi, d_out, stride, col, stride_out, P,
+            _mbgmm_expand_tile(xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, rows_ptr, slot, g,
+                               rank, m0, m_end, n_lo, n_hi, d_out, stride, col, stride_out, P,
                                stride_pg, stride_of0, stride_of1, G, max_rank,
-                               BLOCK_M, BLOCK_R, BLOCK_N, EVEN_N, DOT_F32, TWO_PAGES)
+                               BLOCK_M, BLOCK_R, BLOCK_N, EVEN_N, DOT_F32, TWO_PAGES, ROWS)
     pdl.launch_next(PDL)
 
 
 @triton.jit
 def _mbgmm_expand_tile(
-    xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, slot, g, rank, m0, m_end, n_lo, n_hi, d_out,
-    stride, col, stride_out, P, stride_pg, stride_of0, stride_of1, G, max_rank,
+    xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, rows_ptr, slot, g, rank, m0, m_end, n_lo,
+    n_hi, d_out, stride, col, stride_out, P, stride_pg, stride_of0, stride_of1, G, max_rank,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, TWO_PAGES: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Tokens m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, output
+    """Segment positions m0..m_end-1 (one tile of a segment on adapter row `slot`), module g, output
     columns n_lo..n_hi-1 of the module's d_out (at column `col` of out), BLOCK_N at a time.
     BLOCK_R covers every rank, so xa's tile and each B row's pages load once, before the loop."""
     off_b = tl.load(offs_ptr + slot * stride_of0 + g * stride_of1).to(tl.int32)
     pages_row = pages_ptr + slot.to(tl.int64) * stride_pg
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
     m_ok = offs_m < m_end
+    offs_m = _tokens(rows_ptr, offs_m, m_ok, ROWS)
+    offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     row_v = off_b + offs_r * stride
     i0, p0, p1 = row_pages(pages_row, row_v, d_out, r_ok, P, TWO_PAGES)
@@ -251,7 +267,7 @@ def _dot_min(device: torch.device) -> int:
     return 16 if device.type == "cuda" else 1
 
 
-def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
+def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool, block_m: int | None = None) -> dict:
     """Tiles for MBGMM: BLOCK_M tokens (`tile_rows`: the work list's tile) by BLOCK_R ranks,
     64-wide K (shrink) or N (expand); table entries `mbgmm_shrink` / `mbgmm_expand` (no
     quantities: one rule each). Shrink: BLOCK_R the rank's power of two, at most the table's
@@ -259,9 +275,10 @@ def _mbgmm_cfg(max_rank: int, x: torch.Tensor, shrink: bool) -> dict:
     walks its columns), at least the table's BLOCK_R: where smaller rank tiles compile to more
     registers (fewer programs an SM), small ranks take the larger tile, whose padding is
     masked (it costs dot steps, not bytes). Both at least `_dot_min`. The expand's `maxnreg`
-    caps its registers where the cap compiles without spills (`experiments/compile_check.py`)."""
+    caps its registers where the cap compiles without spills (`experiments/compile_check.py`).
+    `block_m` replaces the work list's tile (the decode rows' segments have their own)."""
     return dict(_cfg(tuning.kind(x.device), _dot_min(x.device), max_rank,
-                     tile_rows(x.device, x.dtype), shrink))
+                     block_m or tile_rows(x.device, x.dtype), shrink))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -283,7 +300,8 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
                  offsets_a: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
                  seg_slot: torch.Tensor, stride: int, max_rank: int,
                  tiles: torch.Tensor | None = None, programs: int | None = None,
-                 split_k: int | None = None) -> torch.Tensor:
+                 split_k: int | None = None, rows: torch.Tensor | None = None,
+                 block_m: int | None = None) -> torch.Tensor:
     """MBGMM shrink (prefill): xa[t, g, :r] = x[t] @ A_g^T for every token t of a segment.
 
     seg_start int32 [S+1] token offsets, seg_slot int32 [S] (-1 = base-only segment, skipped).
@@ -295,6 +313,10 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     list's slots) bounds the tiles taken at once. `split_k` fixes the slices of d_in; 0 counts
     them on the device from the step's tiles (`_split_count`); None is 0 on a GPU, 1 on CPU. The
     slices' partial sums are added atomically into xa.
+    `rows` int32: segment position m stands for token rows[m] (of x, xa and out alike), so
+    segments need not be runs of consecutive tokens: the decode rows grouped by adapter
+    (`slora.kernels.segments`), in tiles of `block_m` positions (default: `tile_rows`). The
+    twin is then `reference.lora_shrink` with token_slot[rows[m]] = seg_slot of m's segment.
     """
     check_meta(x, pool_l, pages, offsets_a, ranks)
     T, d_in = x.shape
@@ -305,7 +327,7 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     xa = torch.zeros(T, G, max_rank, dtype=torch.float32, device=x.device)
     if T == 0 or S == 0 or max_rank == 0:
         return xa
-    cfg = _mbgmm_cfg(max_rank, x, shrink=True)
+    cfg = _mbgmm_cfg(max_rank, x, shrink=True, block_m=block_m)
     tiles = as_tiles(tiles, seg_start, cfg["BLOCK_M"], keep=seg_slot)
     programs = programs or (tiles.shape[0] - 1) // 2
     if programs == 0:
@@ -318,11 +340,12 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     # stay within SHRINK_PROGRAMS, so that many programs (or one an unsplit item) cover them.
     grid = work * split_k if split_k else max(work, SHRINK_PROGRAMS.value)
     _mbgmm_shrink_kernel[(grid,)](
-        x, pool_l, pages, offsets_a, ranks, seg_start, seg_slot, tiles, xa,
+        x, pool_l, pages, offsets_a, ranks, seg_start, seg_slot, tiles,
+        seg_start if rows is None else rows, xa,
         x.stride(0), d_in, stride, pool_l.shape[1],
         pages.stride(0), offsets_a.stride(0), offsets_a.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, n_rt, split_k or 0, BLOCK_K=CHUNK, EVEN_K=d_in % CHUNK == 0,
-        DOT_F32=_dot_f32(x, pool_l), TWO_PAGES=d_in <= pool_l.shape[1],
+        DOT_F32=_dot_f32(x, pool_l), TWO_PAGES=d_in <= pool_l.shape[1], ROWS=rows is not None,
         **pdl.options(x.device), **cfg)
     return xa
 
@@ -331,7 +354,8 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
                  offsets_b: torch.Tensor, ranks: torch.Tensor, seg_start: torch.Tensor,
                  seg_slot: torch.Tensor, out_dims: tuple[int, ...], strides: tuple[int, ...],
                  tiles: torch.Tensor | None = None, programs: int | None = None,
-                 n_span: int | None = None) -> None:
+                 n_span: int | None = None, rows: torch.Tensor | None = None,
+                 block_m: int | None = None) -> None:
     """MBGMM expand (prefill), in place: out[t, cols_g] += xa[t, g, :r] @ B_g^T per segment.
 
     Same segment metadata and work list as `mbgmm_shrink`; same output layout as
@@ -339,7 +363,8 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
     accumulation; fp32 runs in IEEE precision. Work: (token tile, module, column span) items,
     each span walked 64 columns at a time. `programs` (default: the list's slots) bounds the
     tiles taken at once. `n_span` fixes the span (a multiple of 64); 0 sizes it on the device
-    from the step's tiles (`_span_chunks`); None is 0 on a GPU, 64 on CPU.
+    from the step's tiles (`_span_chunks`); None is 0 on a GPU, 64 on CPU. `rows`, `block_m`:
+    as in `mbgmm_shrink`.
     """
     check_meta(out, pool_l, pages, offsets_b, ranks)
     T, G, max_rank = xa.shape
@@ -350,7 +375,7 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
     if T == 0 or S == 0 or max_rank == 0:
         return
     d, s = dims4(out_dims, strides)
-    cfg = _mbgmm_cfg(max_rank, out, shrink=False)
+    cfg = _mbgmm_cfg(max_rank, out, shrink=False, block_m=block_m)
     tiles = as_tiles(tiles, seg_start, cfg["BLOCK_M"], keep=seg_slot)
     programs = programs or (tiles.shape[0] - 1) // 2
     if programs == 0:
@@ -366,8 +391,9 @@ def mbgmm_expand(xa: torch.Tensor, out: torch.Tensor, pool_l: torch.Tensor, page
                 2 * EXPAND_PROGRAMS.value))
     _mbgmm_expand_kernel[(grid,)](
         xa, out, pool_l, pages, offsets_b, ranks, seg_start, seg_slot, tiles,
-        out.stride(0), pool_l.shape[1],
+        seg_start if rows is None else rows, out.stride(0), pool_l.shape[1],
         pages.stride(0), offsets_b.stride(0), offsets_b.stride(1), ranks.stride(0), ranks.stride(1),
         G, max_rank, max_out, (n_span or 0) // CHUNK, *d, *s, BLOCK_N=CHUNK,
         EVEN_N=all(x % CHUNK == 0 for x in out_dims), DOT_F32=_dot_f32(out, pool_l),
-        TWO_PAGES=max_out <= pool_l.shape[1], **pdl.options(out.device), **cfg)
+        TWO_PAGES=max_out <= pool_l.shape[1], ROWS=rows is not None, **pdl.options(out.device),
+        **cfg)

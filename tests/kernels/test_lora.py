@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from slora.kernels import reference as ref  # noqa: E402
+from slora.kernels import segments  # noqa: E402
 from slora.kernels.tiles import tile_rows, token_tiles  # noqa: E402
 from slora.kernels.mbgmm import mbgmm_expand, mbgmm_shrink  # noqa: E402
 from slora.kernels.mbgmv import mbgmv_expand, mbgmv_shrink  # noqa: E402
@@ -40,14 +41,17 @@ def pad(n: int) -> int:
 
 
 class Group:
-    """A random pool with n_a adapters for one module group, laid out per reference.py."""
+    """A random pool with n_a adapters for one module group, laid out per reference.py (ranks
+    drawn from RANKS, or all `rank`; the second adapter lacks the group's last module)."""
 
-    def __init__(self, n_a, d_in, out_dims, dtype, gen, page_size=256, extra_pages=7):
+    def __init__(self, n_a, d_in, out_dims, dtype, gen, page_size=256, extra_pages=7,
+                 rank=None):
         G = len(out_dims)
         self.d_in, self.out_dims = d_in, tuple(out_dims)
         self.stride, self.strides = pad(d_in), tuple(pad(d) for d in out_dims)
         pick = torch.randint(len(RANKS), (n_a, G), generator=gen)
-        ranks = torch.tensor([[RANKS[int(i)] for i in row] for row in pick], dtype=torch.int32)
+        ranks = torch.tensor([[rank or RANKS[int(i)] for i in row] for row in pick],
+                             dtype=torch.int32)
         if n_a > 1 and G > 1:
             ranks[1, G - 1] = 0  # an adapter without the group's last module
         self.max_rank = int(ranks.max())
@@ -288,6 +292,60 @@ def test_mbgmm_shrink_slices_d_in_as_the_device_counts_them():
                              torch.zeros(5, dtype=torch.int32, device=DEVICE), grp.stride,
                              grp.max_rank)
     check_shrink(counted, xa_ref, torch.zeros(5, dtype=torch.int32), grp, torch.float32)
+
+
+def sharing_slots(T, pattern, gen):
+    """Adapter rows of T decode rows: every row its own adapter, all on one, two adapters
+    interleaved, or a mix with base-only rows (one adapter taking most rows)."""
+    if pattern == "distinct":
+        slots = torch.randperm(T, generator=gen)
+    elif pattern == "one":
+        slots = torch.zeros(T, dtype=torch.long)
+    elif pattern == "two":
+        slots = torch.arange(T) % 2
+    else:
+        slots = torch.randint(-1, 3, (T,), generator=gen)
+        slots[: (T + 1) // 2] = 1
+        slots = slots[torch.randperm(T, generator=gen)]
+    return slots.to(torch.int32)
+
+
+@pytest.mark.parametrize("rank", [1, 16, 80])
+@pytest.mark.parametrize("pattern", ["distinct", "one", "two", "mixed"])
+@pytest.mark.parametrize("T", [1, 9])
+def test_segmented_decode_matches_twin(T, pattern, rank):
+    """MBGMM over the decode rows grouped by adapter (`rows`: segment positions are token
+    rows; slora.kernels.segments) computes the twins with the step's own token_slot, for one
+    row or many on an adapter, in tiles of the decode tile, fp32."""
+    gen = torch.Generator().manual_seed(100 * T + rank + len(pattern))
+    d_in, out_dims = GROUPS["qkv"]
+    slots = sharing_slots(T, pattern, gen)
+    n_a = max(3, int(slots.max()) + 1)
+    grp = Group(n_a, d_in, out_dims, torch.float32, gen, rank=rank)
+    tile = segments.decode_tile_rows(torch.device(DEVICE))
+    rows, seg_start, seg_slot, tiles = (torch.tensor(v, dtype=torch.int32, device=DEVICE)
+                                        for v in segments.group_rows(slots.tolist(), tile))
+    slots = slots.to(DEVICE)
+    x = torch.randn(T, d_in, generator=gen).to(DEVICE)
+    seg = dict(rows=rows, block_m=tile)
+
+    xa = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
+                      grp.stride, grp.max_rank, tiles, **seg)
+    xa_ref = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots,
+                             grp.stride, grp.max_rank)
+    check_shrink(xa, xa_ref, slots.cpu(), grp, torch.float32)
+    # two programs taking the tiles in turn, as a graph's fixed grid does: the same
+    xa2 = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
+                       grp.stride, grp.max_rank, tiles, programs=2, **seg)
+    assert torch.equal(xa2, xa)
+
+    out0 = torch.randn(T, sum(out_dims), generator=gen).to(DEVICE)
+    out, out_ref = out0.clone(), out0.clone()
+    mbgmm_expand(xa_ref, out, grp.pool, grp.pages, grp.offsets_b, grp.ranks, seg_start,
+                 seg_slot, out_dims, grp.strides, tiles, programs=2, **seg)
+    ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
+                    out_dims, grp.strides)
+    check_expand(out, out_ref, out0, slots, torch.float32)
 
 
 def test_all_base_rows_cost_nothing_and_change_nothing():
