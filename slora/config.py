@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
+DECODE_LORA = ("auto", "mbgmv", "segments")  # slora.kernels.segments
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICIES = ("fcfs", "cluster", "abort", "fair")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization's values besides None
@@ -147,6 +148,11 @@ class EngineConfig:
     # weights faster than cuBLAS at few rows), cuBLAS past them, which is faster from 64 rows
     # up; 0: cuBLAS always. CPU runs F.linear whatever this is.
     gemm_max_rows: int = 32
+    # A decode-only step's LoRA on the GPU backends: "mbgmv" (each row its own programs),
+    # "segments" (the rows grouped by adapter, each adapter's tiles read once for up to 16
+    # rows: slora.kernels.segments) or "auto", the choice of the GPU's table per step by rows
+    # per adapter (shared adapters take segments, distinct ones MBGMV).
+    decode_lora: str = "auto"
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"
@@ -206,6 +212,7 @@ class EngineConfig:
         need(0 <= self.max_added_tokens <= MAX_ADDED_TOKENS, "max_added_tokens",
              f"must be in [0, {MAX_ADDED_TOKENS}] (the added tokens are rank rows of the LoRA "
              "kernels)")
+        need(self.decode_lora in DECODE_LORA, "decode_lora", f"expected one of {DECODE_LORA}")
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
              f"expected None or one of {QUANTIZATIONS}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")

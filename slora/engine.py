@@ -28,6 +28,7 @@ from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
 from slora.distributed.group import torchrun_rank
 from slora.graphs import warmup_adapters, warmup_steps
+from slora.kernels.segments import PATHS
 from slora.model.llama import modules_of
 from slora.model.loader import AdapterError, PeftAdapter, synthetic_pack
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
@@ -512,17 +513,26 @@ class Engine:
         limit = min(self.config.max_batch_tokens, self.config.max_prefill_chunk
                     or self.config.max_batch_tokens, self.max_model_len - 4)
         graphed, eager = warmup_steps(graphs, limit)
-        batches = [(name, prompts, late) for steps in (graphed, eager)
+        # A decode graph's key holds its LoRA path: with decode_lora "auto" the adapters' graphed
+        # steps run under each path (their rows share one adapter: the table alone would
+        # pick one), each step's decode rows forced onto it (`BatchBuilder.decode_lora`).
+        builder = self.runner.batches
+        mode = builder.decode_lora
+        paths = list(PATHS) if mode == "auto" and graphs is not None else [mode]
+        batches = [(name, prompts, late, paths[0]) for steps in (graphed, eager)
                    for name in names + [None] for prompts, late in steps]
+        batches += [(name, prompts, late, path) for path in paths[1:] for name in names
+                    for prompts, late in graphed]
         if self.runner.device.type == "cuda":  # the largest activations, after the captures
             n = min(self.config.max_num_seqs, cdiv(self.config.max_batch_tokens, limit))
-            batches.append((None, [[1] * limit] * n, []))
+            batches.append((None, [[1] * limit] * n, [], paths[0]))
         sp = SamplingParams(max_tokens=3, ignore_eos=True)
         bar = _progress(len(batches), unit="step", desc="warm-up") if progress else None
         # no prefix caching while warming up: every step runs the shape it is made for
         prefix, self.scheduler.prefix = self.scheduler.prefix, None
         try:
-            for name, prompts, late in batches:
+            for name, prompts, late, path in batches:
+                builder.decode_lora = path
                 need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts + late)
                         + self.adapters.pages_needed(name))
                 if need <= self.allocator.num_free:  # (a pool too small skips the largest)
@@ -538,6 +548,7 @@ class Engine:
                     bar.update()
         finally:
             self.scheduler.prefix = prefix
+            builder.decode_lora = mode
             if bar is not None:
                 bar.close()
             for name in names:

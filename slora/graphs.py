@@ -4,8 +4,10 @@ A step launches a few hundred small kernels; replaying a captured graph removes 
 cost. Two kinds of graph, captured lazily (or by `Engine.warmup`, which runs the steps
 `warmup_steps` names) over static device buffers:
 
-- decode steps, one graph per (batch bucket, rank bucket, adapter-page bucket, DoRA groups,
-  module groups);
+- decode steps, one graph per (LoRA path, batch bucket, rank bucket, adapter-page bucket,
+  DoRA groups, module groups): the path is MBGMV or the rows grouped by adapter
+  (`slora.kernels.segments`, whose segments and work list fill static buffers of the bucket's
+  size);
 - mixed steps (prompts, with or without decode rows) of at most `mixed_tokens` tokens, one per
   (token bucket, sequence bucket, rank bucket, adapter-page bucket, DoRA groups, module
   groups), up to
@@ -57,7 +59,8 @@ import gc
 import torch
 
 from slora.config import LORA_MODULES, TOKEN_BUCKETS, bucket, buckets_up_to, cdiv
-from slora.kernels import GroupMeta, LoraMeta
+from slora.kernels import DecodeSegments, GroupMeta, LoraMeta
+from slora.kernels.segments import decode_tile_rows
 from slora.kernels.tiles import capacity
 from slora.model.llama import ADDED_GROUP, GROUPS, VOCAB_GROUPS, Batch, LlamaModel, groups_of
 
@@ -108,6 +111,7 @@ class StepGraphs:
         self.piece_starts = piece_starts
         self.group_shapes = group_shapes
         self.tile_rows = tile_rows
+        self.decode_tile = decode_tile_rows(self.device)  # (the decode rows' segments' tile)
         self.max_blocks = max_blocks
         self.capture = capture
         self.buckets = buckets_up_to(BATCH_BUCKETS, max_num_seqs)
@@ -156,8 +160,9 @@ class StepGraphs:
         # order: context lengths [B], then for mixed steps the decode kernel's context lengths
         # [B] (Batch.dec_ctx_lens), token adapter rows [T], decode rows' adapter rows [T]
         # (LoraMeta.dec_slot), segment starts [B + 1], segment adapter rows [B], the prompts'
-        # work tiles of prefill attention and of MBGMM (slora.kernels.tiles); then the block
-        # tables [B, blocks]. Every field starts 16-byte aligned: Triton specializes a pointer
+        # work tiles of prefill attention and of MBGMM (slora.kernels.tiles), and for decode
+        # steps whose rows run by adapter (LoraMeta.dec_segments) their rows [B], segment
+        # starts [B + 1], adapter rows [B] and work tiles; then the block tables [B, blocks]. Every field starts 16-byte aligned: Triton specializes a pointer
         # on it, and a graph's kernels should be the variants eager steps run (aligned tensors
         # of their own), or an eager step compiles again while serving.
         self.meta64 = torch.zeros(4, cdiv(T, 2) * 2, dtype=torch.long, device=dev)
@@ -165,7 +170,8 @@ class StepGraphs:
         n_tiles = 1 + 2 * capacity(T, B, self.tile_rows)
         self._sizes32 = {"ctx": B, "dec_ctx": B, "token_slot": T, "dec_slot": T,
                          "q_start": B + 1, "seg_slot": B, "att_tiles": n_tiles,
-                         "lora_tiles": n_tiles}
+                         "lora_tiles": n_tiles, "dec_rows": B, "dec_seg_start": B + 1,
+                         "dec_seg_slot": B, "dec_tiles": 1 + 2 * capacity(B, B, self.decode_tile)}
         self._at32, at = {}, 0  # each field's offset in meta32, a multiple of 4 int32s
         for name, size in self._sizes32.items():
             self._at32[name] = at
@@ -231,7 +237,8 @@ class StepGraphs:
             self.reserve_pages(lora.pages.shape[1])
         if n_tok == b.num_decode:
             t_bucket = s_bucket = bucket(n_tok, self.buckets)
-            key = ("decode", t_bucket, rank_bucket, self.max_pages, dora, groups)
+            kind = "decode" if lora is None or lora.dec_segments is None else "segments"
+            key = (kind, t_bucket, rank_bucket, self.max_pages, dora, groups)
         else:
             t_bucket = bucket(n_tok, self.token_buckets)
             s_bucket = min(bucket(n_seq, self.seq_buckets), t_bucket)
@@ -294,6 +301,11 @@ class StepGraphs:
         h["token_slot"][:t_bucket] = -1
         if b.lora is not None:
             h["token_slot"][:n_tok] = b.lora.token_slot
+            seg = b.lora.dec_segments
+            if seg is not None:  # (padded rows are base-only: in no segment)
+                for name, t in (("dec_rows", seg.rows), ("dec_seg_start", seg.seg_start),
+                                ("dec_seg_slot", seg.seg_slot), ("dec_tiles", seg.tiles)):
+                    h[name][:t.shape[0]] = t
         d = b.num_decode
         if n_tok != d:  # a mixed step's split (see the module docstring)
             logits_index[:n_seq] = b.logits_index
@@ -337,7 +349,7 @@ class StepGraphs:
     def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int,
                       dora: tuple[str, ...], groups: tuple[str, ...]) -> Batch:
         """The static buffers' batch of a graph: LoRA on `groups`, DoRA's rescale on `dora`
-        (a subset of them)."""
+        (a subset of them); `kind` "decode", "segments" (decode rows by adapter) or "mixed"."""
         mixed = kind == "mixed"
         num_decode = 0 if mixed else t_bucket
         # Programs walking the work lists: enough for a bucket of long prompts at one tile
@@ -358,6 +370,12 @@ class StepGraphs:
                     **self.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:s_bucket], token_slot=self.token_slot[:t_bucket],
                             num_decode=num_decode, groups=metas)
+            if kind == "segments":
+                tile = self.decode_tile
+                lora.dec_segments = DecodeSegments(
+                    rows=self.dec_rows[:s_bucket], seg_start=self.dec_seg_start[:s_bucket + 1],
+                    seg_slot=self.dec_seg_slot[:s_bucket], tiles=self.dec_tiles, tile=tile,
+                    programs=min(capacity(s_bucket, s_bucket, tile), cdiv(s_bucket, tile) + 16))
             if mixed:
                 lora.seg_start, lora.seg_slot = self.q_start[:s_bucket + 1], self.seg_slot[:s_bucket]
                 lora.tiles, lora.tile_programs = self.lora_tiles, programs

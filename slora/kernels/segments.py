@@ -28,11 +28,12 @@ import functools
 
 import torch
 
+from slora.config import DECODE_LORA
 from slora.kernels import tuning
 from slora.kernels.tiles import token_tiles
 
-PATHS = ("mbgmv", "segments")
-MODES = ("auto",) + PATHS  # EngineConfig.decode_lora: the table's choice, or one path always
+# EngineConfig.decode_lora: "auto" (the table's choice per step), or one of the paths always
+PATHS = tuple(m for m in DECODE_LORA if m != "auto")
 
 
 def decode_tile_rows(device: torch.device) -> int:

@@ -15,7 +15,8 @@ from slora.config import LORA_MODULES, VOCAB_MODULES, cdiv
 from slora.core.adapters import AdapterLayout, AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.graphs import round_rank
-from slora.kernels import GroupMeta, LoraMeta
+from slora.kernels import DecodeSegments, GroupMeta, LoraMeta
+from slora.kernels import segments, tuning
 from slora.kernels.tiles import token_tiles
 from slora.model.llama import ADDED_GROUP, GROUPS, VOCAB_GROUPS, Batch
 from slora.request import Request
@@ -40,15 +41,22 @@ class BatchBuilder:
     group_shapes: per LoRA module group, its row strides and output widths (fixed by the
     model); pin: pin the adapter-side tensors (on a GPU), so the graphs copy them in without
     waiting for the running step; max_added: EngineConfig.max_added_tokens, the added-token
-    group's rank bucket (the logits' extra columns)."""
+    group's rank bucket (the logits' extra columns); decode_lora: how a decode-only step's LoRA
+    runs (`EngineConfig.decode_lora`: "auto" picks MBGMV or the rows grouped by adapter per
+    step, from `device`'s table, `slora.kernels.segments`; None: MBGMV always, for backends
+    without the choice)."""
 
     def __init__(self, block_size: int, tile_rows: int, group_shapes: dict[str, dict],
-                 pin: bool, max_added: int = 0) -> None:
+                 pin: bool, max_added: int = 0, decode_lora: str | None = None,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.block_size = block_size
         self.max_added = max_added
         self.tile_rows = tile_rows
         self.group_shapes = group_shapes
         self.pin = pin
+        self.decode_lora = decode_lora
+        self.table = tuning.kind(device)
+        self.decode_tile = segments.decode_tile_rows(device)
         self._adapter_side: tuple = (None, None)  # (key, tensors): see lora_meta
 
     def prepare(self, plan: SchedulerPlan, adapters: AdapterManager) -> Batch:
@@ -114,6 +122,8 @@ class BatchBuilder:
             token_slot += [seq_slot[i]] * (q_start[i + 1] - q_start[i])
         meta = LoraMeta(pages=pages, token_slot=torch.tensor(token_slot, dtype=torch.int32),
                         num_decode=num_decode, groups=groups)
+        if num_decode == len(seqs) and self.decode_lora is not None:
+            meta.dec_segments = self.decode_segments(token_slot)
         if num_decode < len(seqs):  # MBGMM: the prompts with an adapter; MBGMV: decode rows
             meta.seg_start = batch.q_start_tensor
             meta.seg_slot = torch.tensor(seq_slot, dtype=torch.int32)
@@ -123,6 +133,15 @@ class BatchBuilder:
             if num_decode:
                 meta.dec_slot = meta.token_slot[:num_decode]
         return meta
+
+    def decode_segments(self, slots: list[int]) -> DecodeSegments | None:
+        """A decode-only step's rows grouped by adapter, when its LoRA runs so (the path
+        `segments.choose_path` gives), else None (MBGMV)."""
+        if segments.choose_path(self.table, self.decode_lora, slots) != "segments":
+            return None
+        rows, seg_start, seg_slot, tiles = (
+            torch.tensor(v, dtype=torch.int32) for v in segments.group_rows(slots, self.decode_tile))
+        return DecodeSegments(rows, seg_start, seg_slot, tiles, self.decode_tile)
 
     def adapter_tensors(self, names: tuple[str, ...], adapters: AdapterManager):
         """Page table [n_a, max_pages] and per-group offsets/ranks of the adapters `names`."""

@@ -168,8 +168,11 @@ class ModelRunner:
         self.group_shapes[ADDED_GROUP] = dict(stride_in=round_up(h, LORA_ALIGN),
                                               strides_out=(round_up(h, LORA_ALIGN),),
                                               out_dims=(h,))
-        self.batches = BatchBuilder(self.block_size, self.tile_rows, self.group_shapes,
-                                    pin=self.cuda, max_added=config.max_added_tokens)
+        self.batches = BatchBuilder(
+            self.block_size, self.tile_rows, self.group_shapes, pin=self.cuda,
+            max_added=config.max_added_tokens,
+            decode_lora=config.decode_lora if self.backend.name != "torch" else None,
+            device=self.device)
         self.sampler = Sampler(config.seed, model_config.vocab_size)
         graphed = self.cuda and config.cuda_graphs and self.backend.name != "torch"
         self.graphs = (self.make_graphs(config.max_num_seqs, config.mixed_graph_tokens)

@@ -37,9 +37,11 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
     prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin"]
     adapters = ["r3", None, "r20", "r3"]
     results = {}
-    for backend in BACKENDS:
+    # the Triton backend's decode LoRA both ways: MBGMV, and the rows grouped by adapter
+    runs = [(b, "auto") for b in BACKENDS] + [("triton", "segments")]
+    for backend, decode_lora in runs:
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype=dtype,
-                                num_pages=48, backend=backend,
+                                num_pages=48, backend=backend, decode_lora=decode_lora,
                                 cuda_graphs=False))
         for n, p in paths.items():
             e.add_adapter(n, p)
@@ -51,8 +53,9 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
         ids += [e.add_request(*job) for job in jobs[2:]]
         while e.has_unfinished():
             done.update({o.request_id: o for o in e.step() if o.finished})
-        results[backend] = [done[i] for i in ids]
-    for a, b in (pair for name in BACKENDS[1:] for pair in zip(results["torch"], results[name])):
+        results[backend, decode_lora] = [done[i] for i in ids]
+    torch_run = results["torch", "auto"]
+    for a, b in (pair for run in runs[1:] for pair in zip(torch_run, results[run])):
         if dtype == "float32":
             assert a.token_ids == b.token_ids
         la = [lp[t] for lp, t in zip(a.logprobs, a.token_ids)]
@@ -66,7 +69,8 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory):
+@pytest.mark.parametrize("decode_lora", ["auto", "segments"])
+def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory, decode_lora):
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
              "r40": adapter_factory(tiny_model_dir, r=40, target_modules="all-linear", seed=1)}
     prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin", "I"]
@@ -74,13 +78,16 @@ def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory):
     results = {}
     for graphs in (False, True):
         e = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="bfloat16",
-                                num_pages=64, cuda_graphs=graphs))
+                                num_pages=64, cuda_graphs=graphs, decode_lora=decode_lora))
         for n, p in paths.items():
             e.add_adapter(n, p)
         sps = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 3, 12, 5, 7)]
         results[graphs] = [o.token_ids for o in e.generate(prompts, sps, adapters=adapters)]
         if graphs:
             assert e.runner.graphs.graphs, "decode steps ran through captured graphs"
+            # (the segmented path's decode graphs hold the rows grouped by adapter)
+            assert ((decode_lora == "segments")
+                    == any(k[0] == "segments" for k in e.runner.graphs.graphs))
             # each step's graph in pieces of consecutive layers (a 2-layer model: 2)
             n = min(GRAPH_PIECES, e.model_config.num_layers)
             assert all(len(pieces) == n for pieces, _, _ in e.runner.graphs.graphs.values())
