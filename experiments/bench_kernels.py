@@ -8,8 +8,12 @@ Measures, in one run:
   2. MBGMV (decode): one q/k/v group of 3 modules, each 4096 -> r -> 4096 (Llama-2-7B's MHA
      shapes), batch T in 1/16/32/64/128/256 x rank 8/16/32/64/128, every token its own adapter, shrink
      + expand. Achieved GB/s over the bytes that must move: x, the T adapters' A and B^T rows,
-     y read and written. Beside it: plain torch, a chunk-granular index_select gather of the
-     same pages + bmm (the metadata that indexes it is built outside the timing);
+     y read and written. Beside it: the rows grouped by adapter (MBGMM over them,
+     slora.kernels.segments) and plain torch, a chunk-granular index_select gather of the
+     same pages + bmm (the metadata that indexes both is built outside the timing).
+     --batches, --ranks pick the shapes; --sharing puts the T tokens on N adapters (a list;
+     0: each its own), the bytes counting each distinct adapter once; --modules 1 times one
+     4096 -> r -> 4096 layer;
   3. MBGMM (prefill): 8 segments x 512 tokens, each its own adapter, the same q/k/v group, ranks
      16 and 64: TFLOP/s and GB/s, beside torch gather + matmul per segment;
   4. paged decode attention (Llama-2-7B: 32 heads, head_dim 128, MHA and GQA 8 KV heads),
@@ -56,7 +60,7 @@ import triton  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import add_out_arg, bench_graph, ceilings, header, write_result  # noqa: E402
-from slora.kernels import mbgmm, mbgmv  # noqa: E402
+from slora.kernels import mbgmm, mbgmv, segments, tuning  # noqa: E402
 from slora.kernels import tiles as tiles_mod  # noqa: E402
 from slora.kernels import reference as ref  # noqa: E402
 from slora.kernels.attention import (  # noqa: E402
@@ -181,13 +185,45 @@ def _cuda_kernels(device):
     return cuda_k
 
 
-def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
-    d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
-    n_a = T  # every token its own adapter
-    est = n_a * r * (3 * d + sum(out_dims)) * 2
+class Segmented:
+    """The decode rows grouped by adapter (slora.kernels.segments) as a kernel module with
+    MBGMV's two calls: MBGMM over the groups of `slots`, built before any timing."""
+
+    def __init__(self, slots, device):
+        self.tile = segments.decode_tile_rows(device)
+        self.rows, self.seg_start, self.seg_slot, self.tiles = (
+            torch.tensor(v, dtype=torch.int32, device=device)
+            for v in segments.group_rows(slots.tolist(), self.tile))
+
+    def _seg(self):
+        return dict(seg_start=self.seg_start, seg_slot=self.seg_slot, tiles=self.tiles,
+                    rows=self.rows, block_m=self.tile)
+
+    def mbgmv_shrink(self, x, pool_l, pages, offa, ranks, slots, stride, r):
+        return mbgmm.mbgmm_shrink(x, pool_l, pages, offa, ranks, stride=stride, max_rank=r,
+                                  **self._seg())
+
+    def mbgmv_expand(self, xa, y, pool_l, pages, offb, ranks, slots, out_dims, strides):
+        mbgmm.mbgmm_expand(xa, y, pool_l, pages, offb, ranks, out_dims=out_dims,
+                           strides=strides, **self._seg())
+
+
+def share_slots(T, n_a, gen):
+    """Adapter rows of T tokens on n_a adapters, round-robin, in a random order."""
+    return (torch.arange(T) % n_a)[torch.randperm(T, generator=gen)].to(torch.int32)
+
+
+def run_mbgmv(T, r, cfg, device, dtype, gen, check=True, adapters=0):
+    """T tokens on `adapters` adapters of rank r (0: every token its own), through MBGMV
+    ("ours") and through the rows grouped by adapter ("seg"); the bytes count each distinct
+    adapter once."""
+    d, out_dims = cfg["hidden"], (cfg["hidden"],) * cfg["modules"]
+    n_a = adapters or T
+    est = n_a * r * (len(out_dims) * d + sum(out_dims)) * 2
     L = layers_for(est, cfg["smoke"])
     P = Pool(n_a, r, d, out_dims, cfg["page_size"], L, dtype, device, gen)
-    slots = torch.randperm(T, generator=gen).to(torch.int32).to(device)
+    slots = (share_slots(T, n_a, gen) if adapters else
+             torch.randperm(T, generator=gen).to(torch.int32)).to(device)
     x = torch.randn(T, d, generator=gen).to(dtype).to(device)
     y = torch.randn(T, sum(out_dims), generator=gen).to(dtype).to(device)
     offa, offb = P.offsets[:, :, 0].contiguous(), P.offsets[:, :, 1].contiguous()
@@ -200,8 +236,10 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
         for l in range(L):
             torch_gather_bmm(x, y, P.pool[l], P, slots)
 
-    # the Triton kernels, and the csrc CUDA ones where cupy runs, each timed
-    impls = {"ours": mbgmv}
+    # the Triton kernels (MBGMV, and MBGMM over the rows grouped by adapter), and the csrc
+    # CUDA ones where cupy runs, each timed
+    seg = Segmented(slots, device)
+    impls = {"ours": mbgmv, "seg": seg}
     cuda_k = _cuda_kernels(device)
     if cuda_k is not None:
         impls["cuda"] = cuda_k
@@ -220,19 +258,22 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True):
         errs["err_torch"] = rel_err(y - y0, y_ref - y0)
         y.copy_(y0)
     t_ours = bench_graph(lambda: [apply(mbgmv, l) for l in range(L)], device) / L
+    t_seg = bench_graph(lambda: [apply(seg, l) for l in range(L)], device) / L
     t_base = bench_graph(base, device) / L
     if cuda_k is not None:
         extra["us_cuda"] = bench_graph(lambda: [apply(cuda_k, l) for l in range(L)], device) / L * 1e3
     el = x.element_size()
     nbytes = x.numel() * el + P.adapter_bytes(n_a) + 2 * y.numel() * el
-    flops = 2 * T * r * (3 * d + sum(out_dims))
+    flops = 2 * T * r * (len(out_dims) * d + sum(out_dims))
+    extra["auto"] = segments.choose_path(tuning.kind(device), "auto", slots.tolist())
     if "us_cuda" in extra:
         extra["GBps_cuda"] = nbytes / extra["us_cuda"] / 1e3
     del P
     if device.type == "cuda":
         extra["GBps_copy_same"] = same_size_copy(nbytes, L, device)
-    return dict(T=T, rank=r, layers=L, bytes=nbytes, flops=flops, **extra, us_ours=t_ours * 1e3,
-                us_torch=t_base * 1e3, GBps_ours=nbytes / t_ours / 1e6,
+    return dict(T=T, rank=r, adapters=n_a, layers=L, bytes=nbytes, flops=flops, **extra,
+                us_ours=t_ours * 1e3, us_seg=t_seg * 1e3, us_torch=t_base * 1e3,
+                GBps_ours=nbytes / t_ours / 1e6, GBps_seg=nbytes / t_seg / 1e6,
                 GBps_torch=nbytes / t_base / 1e6, **errs)
 
 
@@ -700,6 +741,13 @@ def main(argv=None) -> dict:
                          "or through the decode kernels)")
     ap.add_argument("--only", choices=("mbgmv", "attention"),
                     help="only the ceilings and one table: MBGMV (batch x rank) or attention")
+    ints = lambda t: tuple(int(v) for v in t.split(",") if v)  # noqa: E731
+    ap.add_argument("--batches", type=ints, help="MBGMV: tokens (default: 1-256)")
+    ap.add_argument("--ranks", type=ints, help="MBGMV: ranks (default: 8-128)")
+    ap.add_argument("--sharing", type=ints, default=(0,),
+                    help="MBGMV: adapters the tokens share, a list (0: every token its own)")
+    ap.add_argument("--modules", type=int, default=3,
+                    help="MBGMV: modules of the group, each hidden -> r -> hidden (3: q/k/v)")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -718,6 +766,9 @@ def main(argv=None) -> dict:
                          (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],
                    prefill_attn=[(8, 512, 32, 32, 128), (2, 2048, 32, 8, 128)],
                    mixed=(32, 128, 256), mixed_ctx=272, mixed_prompt=128, mixed_heads=32)
+    cfg["modules"] = args.modules
+    cfg["batches"] = args.batches or cfg["batches"]
+    cfg["ranks"] = args.ranks or cfg["ranks"]
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     t_start = time.time()
@@ -751,12 +802,13 @@ def main(argv=None) -> dict:
     res["mbgmv"] = []
     for T in cfg["batches"] if args.only in (None, "mbgmv") else ():
         for r in cfg["ranks"]:
-            row = run_mbgmv(T, r, cfg, device, dtype, gen)
-            res["mbgmv"].append(row)
-            print(f"mbgmv T={T:4d} r={r:4d}: {row['us_ours']:8.2f} us {row['GBps_ours']:7.0f} GB/s"
-                  f" | torch {row['us_torch']:8.2f} us {row['GBps_torch']:7.0f} GB/s"
-                  f" | err {row.get('err_ours', 0):.1e} / {row.get('err_torch', 0):.1e}",
-                  flush=True)
+            for n in sorted({min(n, T) for n in args.sharing}, key=lambda n: n or T):
+                row = run_mbgmv(T, r, cfg, device, dtype, gen, adapters=n)
+                res["mbgmv"].append(row)
+                print(f"mbgmv T={T:4d} r={r:4d} adapters={row['adapters']:4d}: {row['us_ours']:8.2f}"
+                      f" us {row['GBps_ours']:7.0f} GB/s | seg {row['us_seg']:8.2f} us | torch "
+                      f"{row['us_torch']:8.2f} us | err {row.get('err_ours', 0):.1e} / "
+                      f"{row.get('err_seg', 0):.1e} / {row.get('err_torch', 0):.1e}", flush=True)
     res["mbgmm"] = [] if args.only else [run_mbgmm(r, cfg, device, dtype, gen)
                                                for r in cfg["mbgmm_ranks"]]
     if not args.skip_attention and args.only in (None, "attention"):
@@ -773,19 +825,22 @@ def main(argv=None) -> dict:
     print(f"\n{res['device']}, {dtype}; copy {copy:.0f} GB/s, bf16 GEMM "
           f"{res['ceilings']['gemm_bf16_TFLOPs']:.0f} TFLOP/s; results in {path}")
     if res["mbgmv"]:
-        print("MBGMV q/k/v 3 x (4096 -> r -> 4096), every token its own adapter, shrink + expand"
-              if not args.smoke else "MBGMV (smoke shapes)")
+        print(f"MBGMV {cfg['modules']} x ({cfg['hidden']} -> r -> {cfg['hidden']}), T tokens on "
+              "`adapters` adapters, shrink + expand; seg: MBGMM over the rows grouped by "
+              "adapter; auto: the path the table picks")
         print("(%copy: of the 2 GiB copy's rate; %same: of a copy of the same bytes per layer, "
-              "timed alike)")
-        print(f"{'T':>5} {'rank':>5} {'us':>8} {'GB/s':>7} {'%copy':>6} {'%same':>6} | "
-              f"{'torch us':>9} {'GB/s':>7} {'%copy':>6} | {'speedup':>7}")
+              "timed alike; bytes count each distinct adapter once)")
+        print(f"{'T':>5} {'rank':>5} {'adapt':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'%same':>6} | "
+              f"{'seg us':>8} {'%copy':>6} {'auto':>9} | {'torch us':>9} {'%copy':>6} | "
+              f"{'speedup':>7}")
     for w in res["mbgmv"]:
         cu = (f" | csrc {w['us_cuda']:8.2f} us {pct(w['GBps_cuda'])} err {w.get('err_cuda', float('nan')):.1e}"
               if "us_cuda" in w else "")
         same = (f"{100 * w['GBps_ours'] / w['GBps_copy_same']:5.1f}%" if "GBps_copy_same" in w
                 else "    - ")
-        print(f"{w['T']:5d} {w['rank']:5d} {w['us_ours']:8.2f} {w['GBps_ours']:7.0f} "
-              f"{pct(w['GBps_ours'])} {same} | {w['us_torch']:9.2f} {w['GBps_torch']:7.0f} "
+        print(f"{w['T']:5d} {w['rank']:5d} {w['adapters']:6d} {w['us_ours']:8.2f} "
+              f"{w['GBps_ours']:7.0f} {pct(w['GBps_ours'])} {same} | {w['us_seg']:8.2f} "
+              f"{pct(w['GBps_seg'])} {w['auto']:>9} | {w['us_torch']:9.2f} "
               f"{pct(w['GBps_torch'])} | {w['us_torch'] / w['us_ours']:6.2f}x{cu}")
     if res["mbgmm"]:
         print(f"MBGMM prefill {cfg['segments'][0]} x {cfg['segments'][1]} tokens, q/k/v group")

@@ -10,7 +10,9 @@ scaling: S-LoRA's S2 setting (`slora.workload.synthesize`, seed 42): --num-reque
     ignore_eos, max_tokens = output_len); output tok/s and req/s over the whole
     `generate` call. Synthetic adapters target q/k/v/o, then all seven modules. The no-LoRA
     row replays the same lengths with every request on the base model; ratio = lora / no-LoRA.
-    The S2 trace draws popularity before lengths, so every N gets the same lengths.
+    The S2 trace draws popularity before lengths, so every N gets the same lengths. --alpha
+    takes a list (S-LoRA's skewed popularity draws, alpha 0.1-1: most requests on a few
+    adapters), each alpha a row per adapter count; "used" counts the adapters drawn.
     Inter-token latency (ITL): the time between a request's successive tokens as `step()`
     returns them, over every request's tokens after its first; p50, p99 and max per row.
     --max-prefill-chunk C1,C2,...: the rows again at each EngineConfig.max_prefill_chunk (0:
@@ -34,14 +36,22 @@ decode: at batch B in --batches, B requests with --context-token prompts, each o
     per output channel (`ModelConfig.weight_bytes`); the lm_head, KV and adapters stay in
     --dtype.
 
+shared: the decode step when requests share adapters: at batch B in --shared-batches, B
+    requests on N rank --decode-rank q/k/v/o adapters, N in --shared-adapters (0: every
+    request its own), requests assigned round-robin, timed as in decode; beside the no-LoRA
+    row at the same batch, from the same run (vs_none: its step time over the row's).
+--decode-lora: the decode LoRA path of every LoRA row (EngineConfig.decode_lora: auto, mbgmv,
+    segments); a list runs each row under each, MBGMV against the rows grouped by adapter in
+    one call (the engine is made with "auto", whose warm-up captures the graphs of both).
+
 Synthetic adapters share one seed, so adapters of one (rank, modules) shape share one pinned
 host buffer (2000 distinct ones of rank 64 on seven modules would need 640 GB of host memory);
 every adapter still has its own pool pages and every load copies its full size to the device.
 
 Writes bench_scaling.json under --out: the harness's header (GPU, commit, command, ceilings),
 then the rows of each part ("scaling": output_tok_s and ratio; "decode": step_ms, floor_ms and
-ratio). The ceilings are measured for the decode part alone, before the engine sizes its pool:
-scaling's peer is its no-LoRA row. --quantization fp8: the engine's base weights in FP8
+ratio; "shared": those and vs_none). The ceilings are measured for the decode and shared parts
+alone, before the engine sizes its pool: scaling's peer is its no-LoRA row. --quantization fp8: the engine's base weights in FP8
 (EngineConfig.quantization), recorded in the result; the rows keep their names, so gpu_table.py
 sets an FP8 run beside a bf16 one row by row.
 
@@ -51,6 +61,8 @@ sets an FP8 run beside a bf16 one row by row.
         --modules qkvo --max-prefill-chunk 0,512,1024,2048,4096
     python experiments/bench_scaling.py --part long --model experiments/models/llama-3-8b \
         --long-prompt 100000
+    python experiments/bench_scaling.py --part scaling,shared --adapters 2000 --num-requests 400 \
+        --modules qkvo --alpha 0.1,0.5,1 --decode-lora mbgmv,auto
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown ''
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' --quantization fp8
     python experiments/bench_scaling.py --part decode --batches 32 --breakdown '' --dora
@@ -79,7 +91,7 @@ from harness import add_out_arg, ceilings, header, sync, write_result  # noqa: E
 import slora.graphs  # noqa: E402
 import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
-from slora.config import LORA_MODULES, VOCAB_MODULES, ModelConfig  # noqa: E402
+from slora.config import DECODE_LORA, LORA_MODULES, VOCAB_MODULES, ModelConfig  # noqa: E402
 from slora.sim.profile import logged_steps  # noqa: E402
 from slora.workload import synthesize  # noqa: E402
 
@@ -197,10 +209,17 @@ def set_prefill_chunk(eng: Engine, chunk: int) -> None:
 
 # ----------------------------------------------------------------------------- scaling
 
-def s2_trace(args, num_adapters: int):
+def decode_lora(eng: Engine, mode: str) -> None:
+    """Run the engine's next decode steps' LoRA by `mode` (EngineConfig.decode_lora's values),
+    where its backend has the choice (the torch backend has one path)."""
+    if eng.runner.batches.decode_lora is not None:
+        eng.runner.batches.decode_lora = mode
+
+
+def s2_trace(args, num_adapters: int, alpha: float = 1.0):
     lo_in, hi_in = args.input_len
     lo_out, hi_out = args.output_len
-    return synthesize(num_adapters=num_adapters, rate=args.num_requests, cv=1.0, alpha=args.alpha,
+    return synthesize(num_adapters=num_adapters, rate=args.num_requests, cv=1.0, alpha=alpha,
                       duration=1.0, input_len=(lo_in, hi_in), output_len=(lo_out, hi_out),
                       ranks=args.ranks, seed=args.seed)
 
@@ -339,30 +358,36 @@ def part_scaling(eng: Engine, args) -> list[dict]:
     print(f"scaling: warm-up {t:.1f} s", flush=True)
     base_trace = s2_trace(args, 0)
     ref_lens = [(r.prompt_len, r.output_len) for r in base_trace.requests]
-    points = [(base_trace, "none")] + [(s2_trace(args, n), m) for m in args.modules
-                                       for n in args.adapters]
+    points = [(base_trace, "none", 1.0, None)] + [
+        (s2_trace(args, n, a), m, a, mode) for mode in args.decode_lora for m in args.modules
+        for n in args.adapters for a in args.alpha]
     rows = []
     for chunk in args.max_prefill_chunk or [eng.config.max_prefill_chunk]:
         set_prefill_chunk(eng, chunk)
         base = None
-        for trace, key in points:
+        for trace, key, alpha, mode in points:
+            if mode is not None:
+                decode_lora(eng, mode)
             row = scaling_row(eng, args, trace, key, ref_lens)
+            row.update(alpha=alpha, decode_lora=mode)
             base = base or row  # the no-LoRA row at this chunk size
             row["ratio"] = row["output_tok_s"] / base["output_tok_s"]
             rows.append(row)
-            print(f"scaling: chunk {chunk}, {row['adapters']} adapters, modules {key}: "
-                  f"{row['output_tok_s']:.0f} tok/s {row['req_s']:.2f} req/s, ITL p99 "
-                  f"{row['itl_p99_ms']:.1f} ms ({row['wall_s']:.1f} s; "
-                  f"{time.perf_counter() - t0:.0f} s into the part)", flush=True)
+            print(f"scaling: chunk {chunk}, {row['adapters']} adapters, modules {key}, alpha "
+                  f"{alpha}, decode LoRA {mode}: {row['output_tok_s']:.0f} tok/s "
+                  f"{row['req_s']:.2f} req/s, ITL p99 {row['itl_p99_ms']:.1f} ms "
+                  f"({row['wall_s']:.1f} s; {time.perf_counter() - t0:.0f} s into the part)",
+                  flush=True)
+    decode_lora(eng, eng.config.decode_lora)
     print(f"\nS2 offline throughput, {args.num_requests} requests, lengths in "
-          f"{args.input_len}/{args.output_len}, ranks {args.ranks}, alpha {args.alpha}")
-    print(f"{'chunk':>6}{'adapters':>9}{'modules':>8}{'used':>6}{'tok/s':>9}{'req/s':>8}{'ratio':>7}"
-          f"{'ITL p50':>8}{'p99':>7}{'max ms':>7}"
+          f"{args.input_len}/{args.output_len}, ranks {args.ranks}")
+    print(f"{'chunk':>6}{'adapters':>9}{'modules':>8}{'alpha':>6}{'path':>9}{'used':>6}"
+          f"{'tok/s':>9}{'req/s':>8}{'ratio':>7}{'ITL p50':>8}{'p99':>7}{'max ms':>7}"
           f"{'loads':>7}{'evict':>7}{'preempt':>8}{'wall s':>8}{'steps':>7}{'mixed':>7}"
           f"{'mixed s':>8}{'eager':>6}{'eager s':>8}{'graphs':>7}{'compiles':>9}{'longest ms':>11}")
     for r in rows:
-        print(f"{r['max_prefill_chunk']:>6}{r['adapters']:>9}{r['modules']:>8}"
-              f"{r['adapters_used']:>6}{r['output_tok_s']:>9.0f}"
+        print(f"{r['max_prefill_chunk']:>6}{r['adapters']:>9}{r['modules']:>8}{r['alpha']:>6}"
+              f"{r['decode_lora'] or '-':>9}{r['adapters_used']:>6}{r['output_tok_s']:>9.0f}"
               f"{r['req_s']:>8.2f}{r['ratio']:>7.3f}{r['itl_p50_ms']:>8.1f}{r['itl_p99_ms']:>7.1f}"
               f"{r['itl_max_ms']:>7.0f}{r['adapter_loads']:>7}"
               f"{r['adapter_evictions']:>7}{r['preemptions']:>8}{r['wall_s']:>8.1f}"
@@ -385,14 +410,18 @@ def part_scaling(eng: Engine, args) -> list[dict]:
 
 # ----------------------------------------------------------------------------- decode
 
-def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float) -> dict:
+def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float,
+               adapters: int = 0) -> dict:
+    """Decode steps of `batch` requests on `adapters` adapters of `modules_key` (0: one each),
+    assigned round-robin; the byte floor counts each distinct adapter once."""
     modules, dora = module_set(modules_key)
     cfg, dev = eng.model_config, eng.runner.device
     nbytes = eng.runner.pool.element_size()
-    ranks = {f"dec-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
+    n = adapters or batch
+    ranks = {f"dec-{i}": args.decode_rank for i in range(n)} if modules is not None else {}
     add_adapters(eng, ranks, modules, dora)
     sp = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
-    names = list(ranks) or [None] * batch
+    names = [f"dec-{i % n}" for i in range(batch)] if ranks else [None] * batch
     for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
         eng.add_request(p, sp, adapter=name)
     log, timed = StepLog(eng), []
@@ -420,6 +449,7 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
     floor_ms = (weights + kv + lora) / (copy_GBps * 1e9) * 1e3
     step_ms = statistics.median(s["step_ms"] for s in timed)
     return {"batch": batch, "modules": modules_key, "rank": args.decode_rank if modules else 0,
+            "adapters": len(ranks),
             "steps_timed": len(timed), "ctx_mean": kv_tokens / batch, "step_ms": step_ms,
             "execute_ms": (None if eng.config.async_scheduling
                            else statistics.median(s["execute_ms"] for s in timed)),
@@ -619,16 +649,48 @@ def part_long(eng: Engine, args) -> dict:
     return row
 
 
+def part_shared(eng: Engine, args, copy_GBps: float) -> list[dict]:
+    """The shared-adapter decode table: per batch, the no-LoRA row, then q/k/v/o rows on
+    each --shared-adapters count under each --decode-lora path."""
+    t0 = time.perf_counter()
+    rows = []
+    for b in args.shared_batches:
+        none = decode_row(eng, args, b, "none", copy_GBps)
+        rows.append({**none, "decode_lora": None, "vs_none": 1.0})
+        for mode in args.decode_lora:
+            decode_lora(eng, mode)
+            for n in args.shared_adapters:
+                r = decode_row(eng, args, b, "qkvo", copy_GBps, adapters=n)
+                rows.append({**r, "decode_lora": mode, "vs_none": r["step_ms"] / none["step_ms"]})
+                print(f"shared: batch {b}, {r['adapters']} adapters, {mode}: {r['step_ms']:.2f} "
+                      f"ms/step, no LoRA {none['step_ms']:.2f} ({time.perf_counter() - t0:.0f} s "
+                      "into the part)", flush=True)
+    decode_lora(eng, eng.config.decode_lora)
+    print(f"\ndecode step with shared adapters, q/k/v/o rank {args.decode_rank}, context "
+          f"~{args.context}; vs none: its time over the no-LoRA step's (same batch, same run)")
+    print(f"{'batch':>6}{'adapters':>9}{'path':>9}{'ms/step':>9}{'vs none':>8}{'floor ms':>9}"
+          f"{'ratio':>7}{'LoRA GB':>8}{'tok/s':>8}")
+    for r in rows:
+        print(f"{r['batch']:>6}{r['adapters']:>9}{r['decode_lora'] or '-':>9}{r['step_ms']:>9.2f}"
+              f"{r['vs_none']:>8.3f}{r['floor_ms']:>9.2f}{r['ratio']:>7.2f}"
+              f"{r['adapter_bytes'] / 1e9:>8.3f}{r['tok_s']:>8.0f}")
+    return rows
+
+
 # ----------------------------------------------------------------------------- main
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("scaling", "decode", "long", "all"), default="all",
-                    help="all: scaling and decode (long: by itself)")
+    ap.add_argument("--part", type=lambda t: t.split(","), default=["all"],
+                    help="of scaling,decode,shared,long (all: scaling and decode)")
     ap.add_argument("--model", default=str(MODELS / "llama-2-7b"),
                     help="a model dir (config.json is enough)")
     ap.add_argument("--device", default="cuda")
@@ -649,7 +711,8 @@ def parse_args(argv=None):
                     help="scaling: target module sets, of qkvo,all (each beside the no-LoRA row)")
     ap.add_argument("--ranks", type=ints, default=[64, 32, 16, 8],
                     help="scaling: ranks, round-robin over adapters")
-    ap.add_argument("--alpha", type=float, default=1.0, help="scaling: popularity (1 = uniform)")
+    ap.add_argument("--alpha", type=floats, default=[1.0],
+                    help="scaling: popularity, a list (1 = uniform; smaller: more skewed)")
     ap.add_argument("--num-requests", type=int, default=600, help="scaling: requests per row")
     ap.add_argument("--input-len", type=ints, default=[8, 511], help="scaling: lo,hi (inclusive)")
     ap.add_argument("--output-len", type=ints, default=[8, 511], help="scaling: lo,hi (inclusive)")
@@ -667,6 +730,13 @@ def parse_args(argv=None):
     ap.add_argument("--decode-modules", type=lambda s: s.split(","), default=["none", "qkvo", "all"],
                     help="decode: module sets, of none,qkvo,all,vocab (vocab: q/k/v/o with "
                          "embed_tokens and lm_head)")
+    ap.add_argument("--shared-batches", type=ints, default=[32, 128],
+                    help="shared: batch sizes")
+    ap.add_argument("--shared-adapters", type=ints, default=[1, 4, 0],
+                    help="shared: adapters the batch's requests share (0: one each)")
+    ap.add_argument("--decode-lora", type=lambda t: t.split(","), default=["auto"],
+                    help="the LoRA rows' decode path, a list of auto,mbgmv,segments "
+                         "(EngineConfig.decode_lora): each LoRA row runs under each")
     ap.add_argument("--breakdown", type=ints, default=[32],
                     help="decode: batch sizes to profile kernel by kernel (empty: none)")
     ap.add_argument("--breakdown-modules", type=lambda s: s.split(","), default=["none", "qkvo"],
@@ -716,9 +786,19 @@ def parse_args(argv=None):
         if set(getattr(args, opt)) - set(MODULE_SETS) - set(extra):
             ap.error(f"--{opt.replace('_', '-')} {','.join(getattr(args, opt))}: choose from "
                      f"{','.join(list(MODULE_SETS) + extra)}")
+    if "all" in args.part:
+        args.part = sorted(set(args.part) - {"all"} | {"scaling", "decode"})
+    if set(args.part) - {"scaling", "decode", "shared", "long"}:
+        ap.error(f"--part {','.join(args.part)}: choose from scaling,decode,shared,long,all")
+    if set(args.decode_lora) - set(DECODE_LORA):
+        ap.error(f"--decode-lora {','.join(args.decode_lora)}: choose from "
+                 f"{','.join(DECODE_LORA)}")
+    if "shared" in args.part and max(args.shared_batches) > args.max_num_seqs:
+        ap.error(f"--shared-batches {max(args.shared_batches)} exceeds --max-num-seqs "
+                 f"{args.max_num_seqs}")
     if set(args.modules) - {"qkvo", "all"}:
         ap.error(f"--modules {','.join(args.modules)}: choose from qkvo,all")
-    if max(args.batches) > args.max_num_seqs:
+    if "decode" in args.part and max(args.batches) > args.max_num_seqs:
         ap.error(f"--batches {max(args.batches)} exceeds --max-num-seqs {args.max_num_seqs}")
     return args
 
@@ -730,7 +810,7 @@ def main(argv=None) -> dict:
     if args.graph_pieces is not None:
         slora.graphs.GRAPH_PIECES = args.graph_pieces  # read when the engine is made
     slora.kernels.pdl.ENABLED = args.pdl  # read at each launch and capture
-    ceil = ceilings(device) if args.part in ("decode", "all") else {}
+    ceil = ceilings(device) if {"decode", "shared"} & set(args.part) else {}
     if ceil:
         print("ceilings:", ceil, flush=True)
     eng = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device,
@@ -752,11 +832,13 @@ def main(argv=None) -> dict:
               "model": args.model, "device": args.device, "dtype": args.dtype,
               "quantization": args.quantization, "pages": eng.runner.num_pages, "page_bytes": eng.runner.page_bytes,
               "args": vars(args)}
-    if args.part in ("scaling", "all"):
+    if "scaling" in args.part:
         result["scaling"] = part_scaling(eng, args)
-    if args.part == "long":
+    if "long" in args.part:
         result["long"] = part_long(eng, args)
-    if args.part in ("decode", "all"):
+    if "shared" in args.part:
+        result["shared"] = part_shared(eng, args, ceil["copy_GBps"])
+    if "decode" in args.part:
         result["decode"] = part_decode(eng, args, ceil["copy_GBps"])
         result["breakdown"] = []
         for b in args.breakdown:

@@ -12,7 +12,8 @@ long/bench_scaling.json (one long prompt), pytest.log and commit.txt, any of the
 Only fields that these files have always carried are read (the rows' gen_tok_s and
 decode_tok_s; scaling rows' output_tok_s; decode rows' step_ms and floor_ms; ceilings;
 bench_fp8's rows; chunk and long rows, which only trees with chunked prefill write), so that
-a run of an older tree compares with a current one.
+a run of an older tree compares with a current one; rows with a popularity alpha, a decode
+LoRA path or shared adapters (bench_scaling's) are named by them.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
     base = next((r for r in s2 if r["adapters"] == 0), None)
     for r in s2:
         if base and r["adapters"]:
-            out.append((f"S2 {r['modules']}, {r['adapters']} adapters: tok/s", r["output_tok_s"],
-                        base["output_tok_s"], "no LoRA"))
+            out.append((f"S2 {r['modules']}, {r['adapters']} adapters{_variant(r)}: tok/s",
+                        r["output_tok_s"], base["output_tok_s"], "no LoRA"))
     chunk = (run["chunk"] or {}).get("scaling") or []
     whole = {(r["adapters"], r["modules"]): r for r in chunk if r["max_prefill_chunk"] == 0}
     for r in chunk:
@@ -88,6 +89,14 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
         r = run["long"]["long"]
         out.append((f"{r['prompt_tokens']}-token prompt: prompt tok/s", r["prefill_tok_s"],
                     float("nan"), "-"))
+    for d in (run["s2"], run["decode"]):  # the shared-adapter decode table, where run
+        none = {}
+        for r in (d or {}).get("shared") or []:
+            if r["modules"] == "none":
+                none[r["batch"]] = r
+            elif r["batch"] in none:
+                out.append((f"decode batch {r['batch']}, {r['adapters']} adapters{_variant(r)}: "
+                            "ms/step", r["step_ms"], none[r["batch"]]["step_ms"], "no LoRA"))
     for r in (run["decode"] or {}).get("decode") or []:
         out.append((f"decode batch {r['batch']}, {r['modules']}: ms/step", r["step_ms"],
                     r["floor_ms"], "byte floor"))
@@ -107,6 +116,13 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
         out.append(("bf16 GEMM TFLOP/s (8192^3)", c["gemm_bf16_TFLOPs"],
                     sheet[1] if sheet else float("nan"), "datasheet"))
     return out
+
+
+def _variant(row: dict) -> str:
+    """A LoRA row's popularity alpha (when not uniform) and decode LoRA path (when set)."""
+    alpha = row.get("alpha", 1.0)
+    path = row.get("decode_lora")
+    return (f", alpha {alpha:g}" if alpha != 1.0 else "") + (f", {path}" if path else "")
 
 
 def num(x: float) -> str:

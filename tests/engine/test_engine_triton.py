@@ -158,11 +158,13 @@ def _staggered_run(e, paths, max_tokens=(7, 3, 9, 5, 6)):
     return [done[i].token_ids for i in ids]
 
 
-def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
+@pytest.mark.parametrize("decode_lora", ["auto", "segments"])
+def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory, decode_lora):
     """The static, padded buffers the CUDA graphs replay over (slora.graphs.StepGraphs), run
     eagerly here (capture=False: on CPU there are no graphs; on a GPU too, as the same
     check), give the eager batch's tokens.
-    Decode steps pad rows to a batch bucket; mixed steps pad tokens to a token bucket and
+    Decode steps pad rows to a batch bucket (with decode_lora "segments", their rows grouped
+    by adapter in the bucket's segment buffers); mixed steps pad tokens to a token bucket and
     sequences to a sequence bucket, the prefill kernels walking the prompts' work tiles."""
 
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
@@ -170,7 +172,8 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
     results = {}
     for graphs in (False, True):
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
-                                num_pages=48, backend="triton", cuda_graphs=False))
+                                num_pages=48, backend="triton", cuda_graphs=False,
+                                decode_lora=decode_lora))
         captured = []  # the module groups of each graph, as it is made
         if graphs:
             g = e.runner.graphs = e.runner.make_graphs(e.config.max_num_seqs, mixed_tokens=48,
@@ -180,7 +183,10 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
         results[graphs] = _staggered_run(e, paths)
         if graphs:
             kinds = {key[0] for key in e.runner.graphs.graphs}
-            assert kinds == {"decode", "mixed"}, kinds
+            # ("auto" groups the rows of the decode steps whose rows share adapters enough,
+            # by the table; "segments" those of every decode step with an adapter)
+            assert "mixed" in kinds and kinds <= {"decode", "mixed", "segments"}, kinds
+            assert ("segments" in kinds) >= (decode_lora == "segments"), kinds
             # a mixed bucket pads both: more tokens and more sequences than any step had
             mixed = [k for k in e.runner.graphs.graphs if k[0] == "mixed"]
             assert all(k[1] in (16, 32, 48) and k[2] in (4, 16) for k in mixed)
@@ -221,6 +227,23 @@ def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
     mixed = {k[1:3] for k in e.runner.graphs.graphs if k[0] == "mixed"}
     assert mixed == {(16, 4), (32, 4)}
     assert {k[1] for k in e.runner.graphs.graphs if k[0] == "decode"} == {1, 2, 4}
+
+
+def test_warmup_captures_both_decode_lora_paths(tiny_model_dir):
+    """With decode_lora "auto" the path of a decode step's LoRA is chosen per step, and a
+    decode graph is keyed by it: the warm-up captures each adapter bucket under MBGMV and
+    under the rows grouped by adapter (the base model's under MBGMV: it has no LoRA)."""
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
+                            num_pages=64, backend="triton", cuda_graphs=False, max_num_seqs=2,
+                            mixed_graph_tokens=0))
+    e.add_synthetic_adapter("a", 8, ["q_proj", "v_proj"])
+    e.runner.graphs = e.runner.make_graphs(2, capture=False)
+    e.warmup()
+    gc.unfreeze()
+    assert e.runner.batches.decode_lora == "auto"  # (set back after the forced steps)
+    decode = {k[:3] for k in e.runner.graphs.graphs if k[0] != "mixed"}
+    assert decode == {(kind, b, r) for kind in ("decode", "segments") for b in (1, 2)
+                      for r in (16,)} | {("decode", 1, 0), ("decode", 2, 0)}
 
 
 def test_warmup_captures_every_mixed_bucket_a_step_can_reach(tiny_model_dir):

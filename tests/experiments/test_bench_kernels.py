@@ -54,3 +54,17 @@ def test_only_one_table_smoke(bench, tmp_path):
         assert bool(res["mbgmv"]) == (only == "mbgmv")
         for r in res[only]:
             assert r.get("err_ours", r.get("err")) < 1e-4
+
+
+def test_mbgmv_sharing_smoke(bench, tmp_path):
+    """--sharing: the tokens on one adapter, on two, each on its own, through MBGMV and the
+    rows grouped by adapter, both matching the reference; the bytes count each distinct
+    adapter once; `auto` names the path the table picks."""
+    res = bench.main(["--smoke", "--only", "mbgmv", "--batches", "4", "--ranks", "8",
+                      "--sharing", "1,2,0", "--modules", "1", "--out", str(tmp_path)])
+    rows = res["mbgmv"]
+    assert [(r["T"], r["rank"], r["adapters"]) for r in rows] == [(4, 8, 1), (4, 8, 2), (4, 8, 4)]
+    for r in rows:
+        assert r["err_ours"] < 1e-4 and r["err_seg"] < 1e-4 and r["us_seg"] > 0
+    assert rows[0]["auto"] == "segments" and rows[-1]["auto"] == "mbgmv"
+    assert rows[2]["bytes"] - rows[0]["bytes"] == 3 * (rows[1]["bytes"] - rows[0]["bytes"])

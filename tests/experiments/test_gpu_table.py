@@ -121,3 +121,21 @@ def test_chunk_rows_sit_beside_the_unchunked_row(gpu_table, tmp_path):
     assert not any("chunk 0" in what for what in got)
     assert got["100000-token prompt: prompt tok/s"][0] == 9000.0
     assert "chunk 1024: ITL p99 ms" in gpu_table.table([gpu_table.load(str(path))])
+
+
+def test_popularity_path_and_shared_rows_are_named_by_them(gpu_table, tmp_path):
+    """bench_scaling's S2 rows at a popularity alpha and decode LoRA path, and its shared-
+    adapter decode table (each row beside the no-LoRA row of its batch), in one run."""
+    path = write_run(tmp_path / "new")
+    s2 = json.loads((path / "s2/bench_scaling.json").read_text())
+    s2["scaling"].append({"adapters": 2000, "modules": "qkvo", "output_tok_s": 7000.0,
+                          "alpha": 0.1, "decode_lora": "mbgmv"})
+    s2["shared"] = [{"batch": 32, "modules": "none", "adapters": 0, "step_ms": 10.0,
+                     "decode_lora": None},
+                    {"batch": 32, "modules": "qkvo", "adapters": 4, "step_ms": 11.0,
+                     "decode_lora": "auto"}]
+    (path / "s2/bench_scaling.json").write_text(json.dumps(s2))
+    got = {what: (fig, peer, name) for what, fig, peer, name in gpu_table.rows(gpu_table.load(str(path)))}
+    assert got["S2 qkvo, 2000 adapters: tok/s"] == (6800.0, 8000.0, "no LoRA")
+    assert got["S2 qkvo, 2000 adapters, alpha 0.1, mbgmv: tok/s"] == (7000.0, 8000.0, "no LoRA")
+    assert got["decode batch 32, 4 adapters, auto: ms/step"] == (11.0, 10.0, "no LoRA")
