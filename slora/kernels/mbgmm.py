@@ -316,7 +316,7 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     `rows` int32: segment position m stands for token rows[m] (of x, xa and out alike), so
     segments need not be runs of consecutive tokens: the decode rows grouped by adapter
     (`slora.kernels.segments`), in tiles of `block_m` positions (default: `tile_rows`). The
-    twin is then `reference.lora_shrink` with token_slot[rows[m]] = seg_slot of m's segment.
+    twin is then `reference.lora_shrink` with `reference.segments_token_slot`'s token_slot.
     """
     check_meta(x, pool_l, pages, offsets_a, ranks)
     T, d_in = x.shape

@@ -30,6 +30,9 @@ Batch metadata for LoRA (`LoraMeta`, built by the runner once per step, shared b
     ranks      int32 [L, n_a, 7]        rank of each module in each layer (0 = no LoRA there)
     token_slot int32 [T]                adapter row in `pages` for each token, -1 = base model
     offsets_d  int64 [n_a, G]           (DoRA batches) a group's DoRA rows, -1 = none
+A decode-only step may carry its rows grouped by adapter (`segments_token_slot` maps them back):
+    rows int32 [n], seg_start int32 [S+1], seg_slot int32 [S]: rows[seg_start[i]:seg_start[i+1]]
+    use adapter row seg_slot[i]; rows not listed are base-only
 
 DoRA: a DoRA module m also stores one row of d_out(m) elements, at offset_d[m], holding
     d_m = magnitude_m / ||W_m + B_m A_m||_row - 1        (per output channel, computed at load)
@@ -144,6 +147,16 @@ def _adapter_rows(token_slot: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """(slot, the token rows that use it) for each adapter row in the batch (base rows: none)."""
     return [(s, (token_slot == s).nonzero().squeeze(1))
             for s in torch.unique(token_slot).tolist() if s >= 0]
+
+
+def segments_token_slot(rows: torch.Tensor, seg_start: torch.Tensor, seg_slot: torch.Tensor,
+                        num_tokens: int) -> torch.Tensor:
+    """The token_slot [num_tokens] that decode rows grouped by adapter stand for: the twins of
+    the kernels over the groups are `lora_shrink` / `lora_expand` with it."""
+    token_slot = torch.full((num_tokens,), -1, dtype=torch.int32, device=rows.device)
+    lens = (seg_start[1:] - seg_start[:-1]).long()
+    token_slot[rows.long()] = torch.repeat_interleave(seg_slot, lens).to(torch.int32)
+    return token_slot
 
 
 def lora_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,

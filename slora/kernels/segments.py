@@ -12,9 +12,9 @@ step takes is data, table entry `decode_lora` (`choose_path`), by `rows` (decode
 adapter) and `rows_per_adapter` (rows over the distinct adapters among them, rounded down).
 
 Semantics: both paths compute `reference.lora_shrink` / `reference.lora_expand` with the
-step's token_slot; the segments are another view of it (token_slot[rows[m]] is the adapter
-row of position m's segment; rows not listed are base-only). xa is indexed by token row on
-both paths.
+step's token_slot; the segments are another view of it (`reference.segments_token_slot`:
+token_slot[rows[m]] is the adapter row of position m's segment; rows not listed are
+base-only). xa is indexed by token row on both paths.
 
 In a CUDA graph (`slora.graphs`) the segments live in preallocated buffers of the bucket's
 size: rows [B], seg_start [B + 1], seg_slot [B] and the work list (`tiles.capacity(B, B,

@@ -326,6 +326,8 @@ def test_segmented_decode_matches_twin(T, pattern, rank):
     rows, seg_start, seg_slot, tiles = (torch.tensor(v, dtype=torch.int32, device=DEVICE)
                                         for v in segments.group_rows(slots.tolist(), tile))
     slots = slots.to(DEVICE)
+    # the grouping stands for the step's token_slot (the twins' input)
+    assert torch.equal(ref.segments_token_slot(rows, seg_start, seg_slot, T), slots)
     x = torch.randn(T, d_in, generator=gen).to(DEVICE)
     seg = dict(rows=rows, block_m=tile)
 
