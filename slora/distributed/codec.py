@@ -15,10 +15,10 @@ import struct
 
 import torch
 
-from slora.kernels import GroupMeta, LoraMeta
+from slora.kernels import DecodeSegments, GroupMeta, LoraMeta
 from slora.model.llama import Batch
 
-CLASSES = (Batch, LoraMeta, GroupMeta)  # the dataclasses a message may hold
+CLASSES = (Batch, LoraMeta, GroupMeta, DecodeSegments)  # the dataclasses a message may hold
 DTYPES = (torch.int64, torch.int32, torch.float32, torch.float16, torch.bfloat16, torch.uint8,
           torch.bool, torch.int16, torch.int8, torch.float64)
 NONE, FALSE, TRUE, INT, FLOAT, STR, TENSOR, SAME, LIST, TUPLE, DICT, OBJ = range(12)

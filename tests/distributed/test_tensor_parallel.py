@@ -28,7 +28,7 @@ from slora.config import ConfigError, ModelConfig
 from slora.core.adapters import AdapterLayout
 from slora.distributed import ShardConfig, check_degree
 from slora.distributed.codec import decode, encode
-from slora.kernels import GroupMeta, LoraMeta
+from slora.kernels import DecodeSegments, GroupMeta, LoraMeta
 from slora.model.llama import Batch
 from slora.model.loader import AdapterError, PeftAdapter
 from tests.conftest import _tokenizer, make_adapter
@@ -254,6 +254,12 @@ def test_step_messages_round_trip():
         assert got.dtype == want.dtype and torch.equal(got, want)
     g = b.lora.groups["o"]
     assert torch.equal(g.ranks, group.ranks) and g.out_dims == (32,) and g.max_rank == 16
+    # a decode step's rows grouped by adapter (slora.kernels.segments) travel too
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    lora.dec_segments = DecodeSegments(i32(0, 2), i32(0, 2), i32(0), i32(1, 0, 0), 16)
+    seg = decode(encode(lora)).dec_segments
+    assert torch.equal(seg.rows, i32(0, 2)) and torch.equal(seg.tiles, i32(1, 0, 0))
+    assert seg.tile == 16 and seg.programs is None
     with pytest.raises(TypeError, match="cannot carry"):
         encode(object())
 
