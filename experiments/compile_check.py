@@ -69,6 +69,19 @@ DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3"
 def variants():
     """(name, kernel, argument types, constexprs, options) of each variant to compile."""
     opts = dict(num_warps=4)
+    # MBGMM over the prompts' tiles of 64 tokens, and over the decode rows grouped by adapter
+    # (slora.kernels.segments, `rows`) in tiles of 16 rows
+    mbgmm_variants = [
+        (f"mbgmm {kind}{what}", kernel, LORA, dict(constexprs, BLOCK_M=rows, ROWS=indirect),
+         options)
+        for what, rows, indirect in (("", 64, False), (", decode rows", 16, True))
+        for kind, kernel, constexprs, options in (
+            ("shrink", mbgmm._mbgmm_shrink_kernel,
+             dict(BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False),
+             dict(opts, num_warps=8, num_stages=3)),
+            ("expand", mbgmm._mbgmm_expand_kernel,
+             dict(BLOCK_R=64, BLOCK_N=64, EVEN_N=True, DOT_F32=False, TWO_PAGES=True),
+             dict(opts, num_stages=2, maxnreg=128)))]
     base = [
         ("mbgmv shrink [4 x 32]", mbgmv._mbgmv_shrink_kernel, LORA,
          dict(BLOCK_R=4, CH=32, EVEN_K=True, PRE=False), opts),
@@ -80,19 +93,7 @@ def variants():
          dict(BLOCK_R=4, CHN=4, EVEN_N=True, PRE=True), opts),
         ("dora rescale", dora._dora_scale_kernel, LORA,
          dict(HAS_BIAS=True, CHN=dora.CHN, EVEN_N=True), dict(opts, num_warps=dora.NUM_WARPS)),
-        ("mbgmm shrink", mbgmm._mbgmm_shrink_kernel, LORA,
-         dict(BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False, ROWS=False),
-         dict(opts, num_warps=8, num_stages=3)),
-        ("mbgmm expand", mbgmm._mbgmm_expand_kernel, LORA,
-         dict(BLOCK_M=64, BLOCK_R=64, BLOCK_N=64, EVEN_N=True, DOT_F32=False, TWO_PAGES=True,
-              ROWS=False), dict(opts, num_stages=2, maxnreg=128)),
-        # the decode rows grouped by adapter (slora.kernels.segments): tiles of 16 rows
-        ("mbgmm shrink, decode rows", mbgmm._mbgmm_shrink_kernel, LORA,
-         dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=64, EVEN_K=True, DOT_F32=False, ROWS=True),
-         dict(opts, num_warps=8, num_stages=3)),
-        ("mbgmm expand, decode rows", mbgmm._mbgmm_expand_kernel, LORA,
-         dict(BLOCK_M=16, BLOCK_R=64, BLOCK_N=64, EVEN_N=True, DOT_F32=False, TWO_PAGES=True,
-              ROWS=True), dict(opts, num_stages=2, maxnreg=128)),
+        *mbgmm_variants,
         ("decode attention", attention._decode_kernel, ATTN,
          dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
               ROPE=False, **PLAIN), dict(opts, num_stages=2)),
