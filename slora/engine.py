@@ -59,7 +59,12 @@ class Engine:
 
             serve_torchrun(config)
             raise SystemExit(0)
-        self.runner = ModelRunner(config, self.model_config, config.model)
+        tp = None
+        if config.tensor_parallel_size > 1:  # rank 0 starts the group: workers run the rest
+            from slora.distributed.worker import launch
+
+            tp = launch(config, self.model_config)
+        self.runner = ModelRunner(config, self.model_config, config.model, tp=tp)
         self.allocator = PageAllocator(self.runner.num_pages)
         self.adapters = AdapterManager(self.allocator, config.host_cache_bytes)
         self.scheduler = Scheduler(config, self.allocator, self.adapters)

@@ -4,7 +4,7 @@
     ranks 1..N-1  workers (`slora.distributed.worker`): each step, the message rank 0
                   broadcasts, the adapter shards rank 0 scatters, then the same forward
 
-Rank 0 spawns the workers (`TensorParallel.launch`, torch.multiprocessing's spawn), or, under
+Rank 0 spawns the workers (`worker.launch`, torch.multiprocessing's spawn), or, under
 `torchrun` (RANK / WORLD_SIZE set), every process joins the group torchrun set up and ranks
 above 0 become workers. Two process groups: `group` runs the model's collectives (NCCL on
 CUDA, gloo on CPU: the same code either way) with a bounded timeout; `control`, always gloo
@@ -72,9 +72,10 @@ class TensorParallel:
 
     # -- start and stop
     @classmethod
-    def launch(cls, config, device: torch.device) -> "TensorParallel":
+    def launch(cls, config, device: torch.device, worker_main) -> "TensorParallel":
         """Rank 0 of a new group of `config.tensor_parallel_size` ranks: under torchrun, the
-        group torchrun set up; else N-1 spawned workers on this host (127.0.0.1)."""
+        group torchrun set up; else N-1 spawned workers on this host (127.0.0.1), each
+        running `worker_main(config, rank, size, address)` (slora.distributed.worker's)."""
         n = config.tensor_parallel_size
         if torchrun_rank() is not None:
             world = int(os.environ["WORLD_SIZE"])
@@ -85,8 +86,6 @@ class TensorParallel:
         if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + n:
             raise ValueError(f"EngineConfig.tensor_parallel_size={n} needs {n} GPUs from "
                              f"{device}; this machine has {torch.cuda.device_count()}")
-        from slora.distributed.worker import worker_main
-
         store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
                               timeout=START_TIMEOUT)
         address = ("127.0.0.1", store.port)

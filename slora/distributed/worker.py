@@ -16,6 +16,15 @@ from slora.distributed.group import JOINED, START_TIMEOUT, TensorParallel
 from slora.runner.device import resolve_device
 
 
+def launch(config: EngineConfig, model_config: ModelConfig) -> TensorParallel:
+    """Rank 0's start of the group: checks that the model splits over the degree (before any
+    process starts), then joins torchrun's group or spawns the workers (`worker_main`)."""
+    from slora.distributed.shapes import check_degree
+
+    check_degree(model_config, config.tensor_parallel_size)
+    return TensorParallel.launch(config, resolve_device(config.device), worker_main)
+
+
 def worker_main(config: EngineConfig, rank: int, size: int, address: tuple[str, int]) -> None:
     """The spawned worker's entry point: joins rank 0's store at `address`; exit code 0 when
     rank 0 closed the group, 1 (with the traceback on stderr) when the worker failed."""

@@ -85,17 +85,16 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: str,
                  tp=None) -> None:
-        """tp: this rank's `TensorParallel` (a worker's); None on rank 0, which starts the
-        group itself when config.tensor_parallel_size > 1."""
+        """tp: this rank's `TensorParallel` (slora.distributed.worker.launch's on rank 0),
+        required when config.tensor_parallel_size > 1."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         full_config = model_config
-        if tp is None and config.tensor_parallel_size > 1:
-            from slora.distributed import TensorParallel, check_degree
-
-            check_degree(model_config, config.tensor_parallel_size)  # before any spawn
-            tp = TensorParallel.launch(config, self.device)
+        if (tp is None) != (config.tensor_parallel_size == 1):
+            raise ValueError(f"ModelRunner: tensor_parallel_size="
+                             f"{config.tensor_parallel_size} needs a TensorParallel group "
+                             "(slora.distributed.worker.launch), and 1 none")
         self.tp = tp
         if tp is not None:
             from slora.distributed import ShardConfig

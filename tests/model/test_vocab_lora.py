@@ -247,7 +247,9 @@ def test_added_tokens_in_one_batch_match_peft(added, backend):
     sp = SamplingParams(max_tokens=new, ignore_eos=True, logprobs=2)
     outs = run_staggered(engine, jobs, sp)
     if backend == "triton":
-        assert ("qkv", "embed", "lm_head", "added") in {k[-1] for k in engine.runner.graphs.graphs}
+        # a captured graph serves the vocabulary paths (one whose groups cover the batch's)
+        want = {"qkv", "embed", "lm_head", "added"}
+        assert any(want <= set(k[-1]) for k in engine.runner.graphs.graphs)
     produced = set()
     for (prompt, name), out in zip(jobs, outs):
         ids = engine.tokenizer_of(name).encode(prompt)
