@@ -136,8 +136,8 @@ class TorchBackend:
         if g is None:
             return
         ranks = g.ranks[layer]
-        xa = ref.lora_shrink(self._lora_x(x, group), pool_l, meta.pages, g.offsets_a, ranks, meta.token_slot,
-                             g.stride_in, g.max_rank)
+        xa = ref.lora_shrink(self._lora_x(x, group), pool_l, meta.pages, g.offsets_a, ranks,
+                             meta.token_slot, g.stride_in, g.max_rank)
         if self.tp is not None:
             xa, out = self.tp.lora_partials(group, xa, out)
         ref.lora_expand(xa, out, pool_l, meta.pages, g.offsets_b, ranks, meta.token_slot,
