@@ -351,12 +351,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="launch each step before collecting the last, so the host's work "
                    "overlaps the GPU's. Default: on with CUDA, off on CPU; simulate: the order "
                    "its profile was measured in (another draws a warning)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   help="keep full KV pages for later requests with the same adapter, salt and "
+                   "prefix (default: on; pages nobody finds again are reclaimed before idle "
+                   "adapters)")
 
 
 def _engine_options(args) -> dict:
     keys = ("device", "dtype", "quantization", "num_pages", "max_num_seqs", "max_batch_tokens",
             "max_prefill_chunk", "policy", "backend", "load_format", "slo_ttft_s",
-            "mixed_graph_tokens", "async_scheduling", "gemm_max_rows")
+            "mixed_graph_tokens", "async_scheduling", "gemm_max_rows", "enable_prefix_caching")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

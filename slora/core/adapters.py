@@ -6,9 +6,9 @@ used); the runner holds the tensors and performs the copies the scheduler's plan
 Device tier: a resident adapter owns `num_pages` pages of the shared pool. Running requests
 hold references; an adapter with references is never evicted. Idle resident adapters (kept
 warm for future requests, or prefetched) are reclaimable: they sit in the allocator's one
-least-recently-used order beside the prefix cache's cached KV pages
-(`PageAllocator.evict_for`), and are evicted in that order when the pool needs pages, for KV or
-for another adapter.
+eviction order beside the prefix cache's cached KV pages (`PageAllocator.evict_for`: after
+cached pages no second request found, least recently used first among the rest), and are
+evicted in that order when the pool needs pages, for KV or for another adapter.
 
 Identity: `AdapterInfo.identity` names the adapter's content (a digest of its weights and
 config, or a synthetic adapter's shape and seed), not its name: the prefix cache keys KV by it,
@@ -175,7 +175,7 @@ class AdapterManager:
         self.allocator = allocator
         self.host_cache_bytes = host_cache_bytes
         self.adapters: dict[str, AdapterInfo] = {}
-        # idle (resident, refcount 0) adapters live in allocator.lru, keyed by name
+        # idle (resident, refcount 0) adapters are protected in the allocator's order, by name
         allocator.reclaimers[str] = self._reclaim
         self._host: OrderedDict[str, int] = OrderedDict()  # name -> bytes; LRU first
         self.resident: set[str] = set()  # names holding device pages (kept by load / _evict)
@@ -305,7 +305,7 @@ class AdapterManager:
         return pages
 
     def idle_pages(self) -> int:
-        return sum(n for k, n in self.allocator.lru.items() if isinstance(k, str))
+        return sum(n for k, n in self.allocator.order() if isinstance(k, str))
 
     # -- host tier
     def on_host(self, name: str) -> bool:

@@ -10,16 +10,22 @@ request holds, `slora.core.prefix`). Invariant, checked by `check()` and kept by
 Allocation returns None when the pool cannot satisfy it; the caller (the scheduler)
 decides what to evict or preempt. Nothing here raises on an ordinary shortage.
 
-Reclaimable space, in one least-recently-used order (`evict_for`): idle resident adapters
-(keyed by name, a str) and cached KV pages (keyed by page id, an int). Their owners put them in
-the order when they become idle (`idle`), take them out when used again (`busy`), and
-register how a victim of their key type is given back (`reclaimers`).
+Reclaimable space, in one segmented least-recently-used order (`evict_for`): idle resident
+adapters (keyed by name, a str) and cached KV pages (keyed by page id, an int). Holders that were
+never reused (a cached page no second request found) are on probation and are reclaimed first,
+least recently used first; then the protected holders (idle adapters, cached pages that were
+found again), least recently used first. So a pool full of prompt pages nobody shares gives them
+up before any idle adapter, as if caching were off, while a shared prefix, once found, competes
+with adapters by recency alone. Owners put holders in the order when they become idle (`idle`),
+take them out when used again (`busy`), and register how a victim of their key type is given
+back (`reclaimers`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from typing import Callable, Collection, Hashable
+from typing import Callable, Collection, Hashable, Iterator
 
 KV = "kv"
 ADAPTER = "adapter"
@@ -35,9 +41,11 @@ class PageAllocator:
         self._free = list(range(num_pages - 1, -1, -1))
         self._owner: dict[int, str] = {}
         self.used = {KV: 0, ADAPTER: 0, CACHED: 0}
-        # Reclaimable holders, least recently used first: key -> the pages it would free.
+        # Reclaimable holders, least recently used first: key -> the pages it would free;
+        # on probation (never reused), then protected. A key is in at most one of them.
+        self.probation: OrderedDict[Hashable, int] = OrderedDict()
         self.lru: OrderedDict[Hashable, int] = OrderedDict()
-        self.lru_pages = 0
+        self.lru_pages = 0  # pages both would free
         # key type -> the function that evicts a holder of that type and frees its pages
         self.reclaimers: dict[type, Callable[[Hashable], None]] = {}
 
@@ -75,20 +83,26 @@ class PageAllocator:
         used[kind] += len(pages)
 
     # -- the one eviction order
-    def idle(self, key: Hashable, pages: int) -> None:
-        """`key` (holding `pages` pages) is reclaimable, most recently used: evicted last."""
-        old = self.lru.pop(key, 0)
-        self.lru[key] = pages
-        self.lru_pages += pages - old
+    def idle(self, key: Hashable, pages: int, probation: bool = False) -> None:
+        """`key` (holding `pages` pages) is reclaimable, the most recently used of its segment:
+        on probation (`probation`, reclaimed before every protected holder) or protected."""
+        self.busy(key)
+        (self.probation if probation else self.lru)[key] = pages
+        self.lru_pages += pages
 
     def busy(self, key: Hashable) -> None:
         """`key` is in use again: not reclaimable (nothing if it was not)."""
-        self.lru_pages -= self.lru.pop(key, 0)
+        self.lru_pages -= self.lru.pop(key, 0) + self.probation.pop(key, 0)
 
     def touch(self, key: Hashable) -> None:
-        """Mark a reclaimable `key` as recently used."""
-        if key in self.lru:
-            self.lru.move_to_end(key)
+        """Mark a reclaimable `key` as recently used, in its segment."""
+        for segment in (self.probation, self.lru):
+            if key in segment:
+                segment.move_to_end(key)
+
+    def order(self) -> Iterator[tuple[Hashable, int]]:
+        """Every reclaimable holder and its pages, in reclaim order."""
+        return itertools.chain(self.probation.items(), self.lru.items())
 
     def evict_for(self, n: int, keep: Collection[Hashable] = ()) -> list[Hashable] | None:
         """Reclaim holders (least recently used first, never those in `keep`) until n pages
@@ -100,7 +114,7 @@ class PageAllocator:
         if free + self.lru_pages < n:
             return None
         victims = []
-        for key, pages in self.lru.items():
+        for key, pages in self.order():
             if key in keep:
                 continue
             victims.append(key)
@@ -120,4 +134,5 @@ class PageAllocator:
             f"page accounting broken: free {len(self._free)} + kv {used[KV]} + adapter "
             f"{used[ADAPTER]} + cached {used[CACHED]} != total {self.total}")
         assert len(self._owner) == used[KV] + used[ADAPTER] + used[CACHED]
-        assert self.lru_pages == sum(self.lru.values())
+        assert self.lru_pages == sum(n for _, n in self.order())
+        assert not self.lru.keys() & self.probation.keys()

@@ -13,13 +13,16 @@ collision of it; a page found holds exactly the KV its request would compute.
 
 Page states (`slora.core.pages`): a page a running request holds is KV, shared by every
 request whose block table lists it (`_refs` counts them for pages that were ever cached); a
-cached page no request holds is CACHED and reclaimable, in the allocator's one LRU order
-beside idle adapters; a cached page is evicted (its digest forgotten, the page freed) when that
-order reaches it. Invariants:
+cached page no request holds is CACHED and reclaimable, in the allocator's one eviction order
+beside idle adapters: on probation until a request other than the one that computed it takes it
+(`take`), protected from then on, so prompt pages nobody shares are reclaimed before idle
+adapters; a cached page is evicted (its digest forgotten, the page freed) when that order
+reaches it. Invariants:
 - `_page_of` and `_digest_of` are inverse maps over the cached pages (held or not);
 - a page in `_refs` with count 0 is CACHED and in the allocator's LRU; any other page in
   `_refs` is KV; a held page that leaves the cache (`forget`, `reset`) stays in `_refs` until
-  its last holder releases it, and is then freed.
+  its last holder releases it, and is then freed;
+- `_reused` holds only cached pages.
 
 The scheduler decides when: a request looks its prefix up at admission (`match`: at most its
 tokens less one, so the last prompt token is always computed and its logits exist), registers
@@ -46,6 +49,7 @@ class PrefixCache:
         self._page_of: dict[bytes, int] = {}  # digest -> its cached page
         self._digest_of: dict[int, bytes] = {}  # cached page -> its digest
         self._refs: dict[int, int] = {}  # page ever cached -> running requests holding it
+        self._reused: set[int] = set()  # cached pages a request has taken (found again)
         self._roots: dict[tuple, bytes] = {}  # (identity, salt) -> root digest
         self.query_tokens = 0  # tokens of admitted requests looked up
         self.hit_tokens = 0  # of which found cached (not computed)
@@ -93,6 +97,7 @@ class PrefixCache:
     def take(self, req: Request, pages: list[int]) -> None:
         """`req` holds the cached `pages` (`match`'s) as its first pages; counts the hit."""
         refs, alloc = self._refs, self.allocator
+        self._reused.update(pages)
         for p in pages:
             if refs[p] == 0:
                 alloc.busy(p)
@@ -125,8 +130,9 @@ class PrefixCache:
 
     def release(self, pages: list[int]) -> None:
         """A request gives its pages back, tail first: cached pages it was the last to hold
-        become reclaimable (most recently used), the others are freed."""
-        refs, alloc, digest_of = self._refs, self.allocator, self._digest_of
+        become reclaimable (the most recently used of their segment: on probation unless
+        found again), the others are freed."""
+        refs, alloc, digest_of, reused = self._refs, self.allocator, self._digest_of, self._reused
         free = []
         for p in reversed(pages):
             count = refs.get(p)
@@ -137,7 +143,7 @@ class PrefixCache:
             elif p in digest_of:
                 refs[p] = 0
                 alloc.retag([p], CACHED)
-                alloc.idle(p, 1)
+                alloc.idle(p, 1, probation=p not in reused)
             else:  # left the cache while held: its last holder frees it
                 del refs[p]
                 free.append(p)
@@ -150,6 +156,7 @@ class PrefixCache:
             d = self._digest_of.pop(p, None)
             if d is not None:
                 del self._page_of[d]
+                self._reused.discard(p)
 
     def reset(self) -> int:
         """Forget every cached page: those no request holds are freed now, held ones when
@@ -164,6 +171,7 @@ class PrefixCache:
         """The allocator reclaims a cached page no request holds."""
         del self._page_of[self._digest_of.pop(page)]
         del self._refs[page]
+        self._reused.discard(page)
         self.allocator.busy(page)
         self.allocator.free([page])
 
@@ -178,7 +186,10 @@ class PrefixCache:
         assert all(self._page_of[d] == p for p, d in self._digest_of.items())
         idle = sum(1 for n in self._refs.values() if n == 0)
         assert idle == self.allocator.used[CACHED] == sum(
-            1 for k in self.allocator.lru if isinstance(k, int))
+            1 for k, _ in self.allocator.order() if isinstance(k, int))
+        assert self._reused <= self._digest_of.keys()
+        assert all(p in self.allocator.probation for p, n in self._refs.items()
+                   if n == 0 and p not in self._reused)
         assert all(p in self._digest_of for p, n in self._refs.items() if n == 0)
 
 

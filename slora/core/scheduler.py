@@ -23,8 +23,9 @@ order within `schedule`:
    that preempted in 1 admits nothing while other requests still run (as vLLM).
    With prefix caching a request first looks its prefix up (`slora.core.prefix`): the pages
    found are its first pages, not computed again, and only the rest count against the budget
-   and take pages. Room comes from one least-recently-used order over idle adapters and
-   cached KV pages no request holds (`PageAllocator.evict_for`), in 1 and 4 too.
+   and take pages. Room comes from one eviction order over idle adapters and cached KV
+   pages no request holds (`PageAllocator.evict_for`: cached pages never found again first,
+   then least recently used first), in 1 and 4 too.
 4. Prefetch: adapters of the next waiting requests are loaded ahead of admission, evicting
    idle adapters the window does not need if it must, while at least `prefetch_reserve`
    pages stay free; their copy overlaps this step's compute.

@@ -77,6 +77,8 @@ ENGINE_HELP = {
                      "(0: cuBLAS always)",
     "load_format": "dummy: random weights from config.json alone (benchmarks)",
     "seed": "the engine's random seed",
+    "enable_prefix_caching": "keep full KV pages for later requests with the same adapter, "
+                             "salt and prefix",
     "max_logprobs": "the most top log-probs a request may ask for",
     "tensor_parallel_size": "devices the model is sharded over, one process each",
 }

@@ -552,10 +552,10 @@ class _QuietRun:
 
 
 def _cached_front(allocator: PageAllocator, n: int) -> bool:
-    """Whether the first n holders of the pool's LRU order are cached KV pages (page ids), so
-    that reclaiming them for a quiet step's new blocks evicts no adapter."""
-    keys = list(itertools.islice(allocator.lru, n))
-    return len(keys) == n and all(type(k) is int for k in keys)
+    """Whether the first n holders of the pool's eviction order are cached KV pages (page
+    ids), so that reclaiming them for a quiet step's new blocks evicts no adapter."""
+    keys = list(itertools.islice(allocator.order(), n))
+    return len(keys) == n and all(type(k) is int for k, _ in keys)
 
 
 def _settle_tokens(req: Request, decoded: int, asynchronous: bool, final: bool) -> None:

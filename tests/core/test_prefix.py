@@ -1,4 +1,5 @@
-"""Prefix caching in the scheduler: shared pages, one LRU over cached KV and idle adapters.
+"""Prefix caching in the scheduler: shared pages, one eviction order over cached KV and idle
+adapters (cached pages never found again first, then least recently used first).
 
 A fake runner keeps a shadow of the pool: each KV slot it writes holds what determines that
 token's KV (the adapter's identity, the request's salt, every token up to it), and each step
@@ -47,7 +48,8 @@ class Sim:
         head = self.sched.waiting[0] if self.sched.waiting else None
         need = head and (-(-head.num_tokens // BS)
                          + self.adapters.pages_needed(head.adapter))
-        room = self.alloc.num_free + self.alloc.lru_pages - self.alloc.lru.get(head and head.adapter, 0)
+        held = dict(self.alloc.order()).get(head and head.adapter, 0)
+        room = self.alloc.num_free + self.alloc.lru_pages - held
         plan = self.sched.schedule(now)
         if idle_before and head is not None and need <= room:
             # admission never fails while reclaimable pages make room (fcfs: the head first)
@@ -118,45 +120,34 @@ def test_readding_a_name_with_other_content_misses():
     assert sim.sched.stats()["prefix_hit_tokens"] == 8
 
 
-def test_cached_pages_and_idle_adapters_share_one_lru_order():
-    """Tight pool: cached KV pages and idle adapters are reclaimed strictly least recently
-    used first, whichever kind they are, and every request ends."""
+def test_unshared_pages_go_first_then_cached_pages_and_adapters_by_recency():
+    """Tight pool: cached KV pages no second request found are reclaimed first (as if caching
+    were off, no idle adapter leaves for them); pages found again and idle adapters are then
+    reclaimed strictly least recently used first, whichever kind they are; every request
+    ends."""
     sim = Sim(12, {"a": 3, "b": 3})
     sim.run([_req(0, range(2, 11), "a", max_tokens=1)])  # 2 cached pages, then idle "a"
     sim.run([_req(1, range(20, 25), "b", max_tokens=1)])  # 1 cached page, then idle "b"
-    order = list(sim.alloc.lru)
-    kinds = ["page" if isinstance(k, int) else k for k in order]
-    # a request releases its pages tail first, then its adapter
-    assert kinds == ["page", "page", "a", "page", "b"]
+    # a request releases its pages tail first, then its adapter; nothing found yet
+    probation, protected = list(sim.alloc.probation), list(sim.alloc.lru)
+    assert all(isinstance(k, int) for k in probation) and len(probation) == 3
+    assert protected == ["a", "b"]
     assert sim.alloc.num_free == 12 - 2 - 3 - 1 - 3 == 3
-    # 3 free pages; a base prompt of 6 pages takes the 3 least recently used holders' room
-    sim.run([_req(2, range(30, 54), None, max_tokens=1)])
-    assert list(sim.alloc.lru)[:2] == [order[3], "b"]
+    # request 2 finds request 1's page: protected from then on, released before its adapter
+    sim.run([_req(2, range(20, 25), "b", max_tokens=1)])
+    assert sim.sched.stats()["prefix_hit_tokens"] == 4
+    found = probation[2]
+    assert list(sim.alloc.lru) == ["a", found, "b"]
+    assert list(sim.alloc.probation) == probation[:2]
+    # a base prompt of 6 pages, 3 free: request 0's 2 unshared pages go before any adapter,
+    # then "a", the least recently used protected holder
+    sim.run([_req(3, range(30, 54), None, max_tokens=1)])
     assert not sim.adapters.adapters["a"].resident and sim.adapters.adapters["b"].resident
     assert sim.adapters.evictions == 1
-    # the pages of request 0 are gone, request 1's page is still found (and kept while
-    # request 3 makes room from request 2's pages, the least recently used now)
-    sim.run([_req(4, range(20, 25), "b"), _req(3, range(2, 11), "a")])
-    assert sim.sched.stats()["prefix_hit_tokens"] == 4
-
-
-def test_reset_and_forget_on_error():
-    sim = Sim(32, {})
-    sim.run([_req(0, range(2, 11))])
-    assert sim.sched.stats()["pages_cached"] == 2
-    assert sim.sched.reset_prefix_cache() == 2
-    assert sim.alloc.used[CACHED] == 0 and sim.alloc.num_free == 32
-    # a request that fails takes the pages it computed out of the cache
-    req = _req(1, range(2, 11), max_tokens=5)
-    sim.sched.add(req)
-    sim.step()
-    assert sim.sched.prefix.num_cached == 2  # committed once its prompt ran
-    sim.sched.fail([req], "boom", 0.0)
-    sim.check()
-    assert sim.sched.prefix.num_cached == 0 and sim.alloc.num_free == 32
-
-
-def test_prefix_cache_off_keeps_no_pages():
+    assert list(sim.alloc.lru)[:2] == [found, "b"]
+    # request 0's pages are gone, request 1's page is still found
+    sim.run([_req(5, range(20, 25), "b"), _req(4, range(2, 11), "a")])
+    assert sim.sched.stats()["prefix_hit_tokens"] == 8
     sim = Sim(32, {}, enable_prefix_caching=False)
     sim.run([_req(0, range(2, 11)), _req(1, range(2, 11))])
     sim.run([_req(2, range(2, 11))])
@@ -179,7 +170,8 @@ def test_page_states_unit():
     assert (alloc.used[KV], alloc.used[CACHED], alloc.num_free) == (2, 0, 6)
     cache.release(hits)
     assert (alloc.used[KV], alloc.used[CACHED]) == (0, 2)
-    assert list(alloc.lru) == hits[::-1]  # tail first: evicted before the head
+    # found again (taken by b): protected, tail first: evicted before the head
+    assert list(alloc.lru) == hits[::-1] and not alloc.probation
     assert alloc.evict_for(7) == [hits[1]]
     cache.check()
     alloc.check()

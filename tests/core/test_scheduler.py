@@ -366,7 +366,7 @@ def _chunked_run(jobs, num_pages, sizes, max_batch_tokens, chunk, check=None, pr
     for name, pages in sizes.items():
         adapters.register(AdapterInfo(name, pages, pages * 100, "synthetic"))
     sched = Scheduler(cfg, alloc, adapters)
-    todo = sorted(jobs)
+    todo = sorted(jobs, key=lambda job: job[0])  # by arrival (adapters may be None)
     reqs = []
     for t in range(5000):
         while todo and todo[0][0] <= t:
