@@ -166,15 +166,19 @@ class Engine:
     # -- requests
     def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    cache_prefix: bool = True) -> str:
         """Queue one request; returns its id. Bad input raises here and queues nothing:
         KeyError for an unknown adapter, ValueError for an empty prompt, token ids that are
         not ints of the vocabulary, sampling the engine cannot serve, a request id in use, or
         a cache_salt that is not a non-empty str.
         A prompt too long for the model or the pool is returned as a failed output.
-        `cache_salt` (vLLM's): requests with different salts never share prefix-cache pages."""
-        return self._queue(self._request(prompt, sampling, adapter, request_id, arrival_time,
-                                         cache_salt))
+        `cache_salt` (vLLM's): requests with different salts never share prefix-cache pages.
+        `cache_prefix=False`: the request skips the prefix cache (no lookup, its pages are
+        not offered), for a prompt known to share nothing, such as a replay's random ids."""
+        req = self._request(prompt, sampling, adapter, request_id, arrival_time, cache_salt)
+        req.cache_prefix = bool(cache_prefix)
+        return self._queue(req)
 
     def _request(self, prompt: Prompt, sampling: SamplingParams | None, adapter: str | None,
                  request_id: str | None, arrival_time: float | None,

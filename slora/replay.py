@@ -50,7 +50,8 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
 
     vocab_size: prompts given as `prompt_len` become that many token ids drawn uniformly from
         [0, vocab_size) with `seed` (the content does not matter to throughput; greedy decoding
-        with `ignore_eos` makes every request produce exactly `output_len` tokens).
+        with `ignore_eos` makes every request produce exactly `output_len` tokens); they share
+        no prefix with any other request, so they skip the prefix cache (`cache_prefix`).
     Every request ends as a record: completed, failed with the engine's reason, or failed because
     the engine refused it at submission (ValueError) or never reported it finished.
     progress: a bar over the requests, one tick as each ends, named `label` (what runs:
@@ -71,10 +72,14 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
             now = max(clock() - start, pending[0].arrival_time)
         while pending and pending[0].arrival_time <= now:
             req = pending.popleft()
-            prompt = req.prompt if req.prompt is not None else _random_ids(rng, req.prompt_len, vocab_size)
+            # a prompt of the trace as given; a length alone, random ids that share no
+            # prefix with any other request (so they skip the prefix cache)
+            given = req.prompt is not None
+            prompt = req.prompt if given else _random_ids(rng, req.prompt_len, vocab_size)
             try:
                 rid = engine.add_request(prompt, SamplingParams(max_tokens=req.output_len, ignore_eos=True),
-                                         adapter=req.adapter, arrival_time=start + req.arrival_time)
+                                         adapter=req.adapter, arrival_time=start + req.arrival_time,
+                                         cache_prefix=given)
             except ValueError as e:
                 rejected.append(_failed(req, f"rejected at submission: {e}"))
                 bar.update(1)

@@ -99,7 +99,8 @@ class Request:
     preemption both reset and the prompt plus the tokens generated so far are recomputed
     (the request keeps its output tokens: recompute reproduces the same KV).
 
-    Prefix caching (`slora.core.prefix`): `cache_salt` enters its pages' digest chain;
+    Prefix caching (`slora.core.prefix`): `cache_salt` enters its pages' digest chain; a
+    request with `cache_prefix` False neither looks its prefix up nor offers its pages;
     `block_digests` are the digests of its first full pages; its first `num_cached_pages`
     pages have been found in or offered to the cache; `num_cached_tokens` were found cached at
     its last admission (not computed).
@@ -133,6 +134,7 @@ class Request:
     # PENDING until their step is collected (EngineConfig.async_scheduling)
     num_pending: int = 0
     cache_salt: str | None = None
+    cache_prefix: bool = True
     block_digests: list[bytes] = field(default_factory=list)
     num_cached_pages: int = 0
     num_cached_tokens: int = 0

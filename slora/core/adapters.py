@@ -285,8 +285,9 @@ class AdapterManager:
             return victims
         return [v for v in victims if isinstance(v, str)]
 
-    def _reclaim(self, name: str) -> None:
-        self.allocator.free(self._evict(name))
+    def _reclaim(self, names: list[str]) -> None:
+        for name in names:
+            self.allocator.free(self._evict(name))
 
     def unload(self, name: str) -> list[int]:
         """Make an idle resident adapter not resident, as a load that failed leaves it (not

@@ -17,8 +17,8 @@ least recently used first; then the protected holders (idle adapters, cached pag
 found again), least recently used first. So a pool full of prompt pages nobody shares gives them
 up before any idle adapter, as if caching were off, while a shared prefix, once found, competes
 with adapters by recency alone. Owners put holders in the order when they become idle (`idle`),
-take them out when used again (`busy`), and register how a victim of their key type is given
-back (`reclaimers`).
+take them out when used again (`busy`), and register how victims of their key type are given
+back (`reclaimers`: called with each run of consecutive victims of that type, in order).
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ class PageAllocator:
         self.probation: OrderedDict[Hashable, int] = OrderedDict()
         self.lru: OrderedDict[Hashable, int] = OrderedDict()
         self.lru_pages = 0  # pages both would free
-        # key type -> the function that evicts a holder of that type and frees its pages
-        self.reclaimers: dict[type, Callable[[Hashable], None]] = {}
+        # key type -> the function that evicts holders of that type (a list of keys, in reclaim
+        # order) and frees their pages
+        self.reclaimers: dict[type, Callable[[list], None]] = {}
 
     @property
     def num_free(self) -> int:
@@ -94,6 +95,22 @@ class PageAllocator:
         """`key` is in use again: not reclaimable (nothing if it was not)."""
         self.lru_pages -= self.lru.pop(key, 0) + self.probation.pop(key, 0)
 
+    def idle_pages(self, pages: list[int], protected: Collection[int]) -> None:
+        """`idle` for each of `pages` in turn, holders of one page each that were not
+        reclaimable (cached KV pages no request holds now): protected if in `protected`,
+        else on probation."""
+        probation, lru = self.probation, self.lru
+        for p in pages:
+            (lru if p in protected else probation)[p] = 1
+        self.lru_pages += len(pages)
+
+    def busy_pages(self, pages: list[int]) -> None:
+        """`busy` for each of `pages`, holders of one page each (cached KV pages)."""
+        probation, lru, n = self.probation, self.lru, 0
+        for p in pages:
+            n += probation.pop(p, 0) or lru.pop(p, 0)
+        self.lru_pages -= n
+
     def touch(self, key: Hashable) -> None:
         """Mark a reclaimable `key` as recently used, in its segment."""
         for segment in (self.probation, self.lru):
@@ -123,9 +140,13 @@ class PageAllocator:
                 break
         if free < n:
             return None
-        reclaimers = self.reclaimers
-        for key in victims:
-            reclaimers[type(key)](key)  # takes it out of `lru` (busy) and frees its pages
+        reclaimers, run = self.reclaimers, []
+        for key in victims:  # each run of one type at once; each takes its keys out (busy)
+            if run and type(key) is not type(run[0]):
+                reclaimers[type(run[0])](run)
+                run = []
+            run.append(key)
+        reclaimers[type(run[0])](run)
         return victims
 
     def check(self) -> None:

@@ -132,8 +132,8 @@ class PrefixCache:
         """A request gives its pages back, tail first: cached pages it was the last to hold
         become reclaimable (the most recently used of their segment: on probation unless
         found again), the others are freed."""
-        refs, alloc, digest_of, reused = self._refs, self.allocator, self._digest_of, self._reused
-        free = []
+        refs, digest_of = self._refs, self._digest_of
+        free, cached = [], []
         for p in reversed(pages):
             count = refs.get(p)
             if count is None:
@@ -142,11 +142,13 @@ class PrefixCache:
                 refs[p] = count - 1
             elif p in digest_of:
                 refs[p] = 0
-                alloc.retag([p], CACHED)
-                alloc.idle(p, 1, probation=p not in reused)
+                cached.append(p)
             else:  # left the cache while held: its last holder frees it
                 del refs[p]
                 free.append(p)
+        alloc = self.allocator
+        alloc.retag(cached, CACHED)
+        alloc.idle_pages(cached, self._reused)
         alloc.free(free)
 
     def forget(self, pages: list[int]) -> None:
@@ -162,18 +164,19 @@ class PrefixCache:
         """Forget every cached page: those no request holds are freed now, held ones when
         released. Returns the pages freed now."""
         idle = [p for p, n in self._refs.items() if n == 0]
-        for p in idle:
-            self._evict(p)
+        self._evict(idle)
         self.forget(list(self._digest_of))
         return len(idle)
 
-    def _evict(self, page: int) -> None:
-        """The allocator reclaims a cached page no request holds."""
-        del self._page_of[self._digest_of.pop(page)]
-        del self._refs[page]
-        self._reused.discard(page)
-        self.allocator.busy(page)
-        self.allocator.free([page])
+    def _evict(self, pages: list[int]) -> None:
+        """The allocator reclaims cached pages no request holds."""
+        page_of, digest_of, refs, reused = self._page_of, self._digest_of, self._refs, self._reused
+        for p in pages:
+            del page_of[digest_of.pop(p)]
+            del refs[p]
+        reused.difference_update(pages)
+        self.allocator.busy_pages(pages)
+        self.allocator.free(pages)
 
     # -- state
     @property

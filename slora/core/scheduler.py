@@ -321,7 +321,7 @@ class Scheduler:
             plan.adapter_loads.append((name, self.adapters.load(name)))
         if name:
             self.adapters.acquire(name)
-        if self.prefix is not None:
+        if self._caches(req):
             self.prefix.take(req, hits)
         req.block_table = hits + self.allocator.alloc(kv, KV)
         req.num_computed = len(hits) * self.block_size
@@ -333,9 +333,13 @@ class Scheduler:
         identity = "base" if info is None else info.identity or f"name:{info.name}"
         return self.prefix.root(identity, req.cache_salt)
 
+    def _caches(self, req: Request) -> bool:
+        """Whether `req` uses the prefix cache."""
+        return self.prefix is not None and req.cache_prefix
+
     def _match(self, req: Request) -> list[int]:
         """The cached pages of `req`'s prefix ([] without prefix caching)."""
-        if self.prefix is None:
+        if not self._caches(req):
             return []
         return self.prefix.match(req, self._root(req))
 
@@ -344,7 +348,7 @@ class Scheduler:
         its computed full pages of known tokens; otherwise (it failed: its KV may be wrong)
         the pages it computed leave the cache."""
         prefix, table = self.prefix, req.block_table
-        if prefix is None:
+        if not self._caches(req):
             self.allocator.free(table)
         else:
             if keep:
@@ -422,7 +426,7 @@ class Scheduler:
             assert req.num_pending == 0 and 0 < n <= req.num_new, (req, n)
             req.num_computed += n
             assert req.num_computed <= block_size * len(req.block_table) or req.finished, req
-            if prefix is not None:  # its full pages so far: queued on the device, found from now
+            if prefix is not None and req.cache_prefix:  # its full pages so far: queued, found
                 prefix.commit(req, self._root(req), req.num_computed)
             if req.request_id in partial:
                 continue  # mid-prompt: samples nothing, the next chunk follows

@@ -27,14 +27,13 @@ The cyclic garbage collector is paused while a fleet runs: it makes no reference
 each full pass would walk its millions of requests and records.
 
 Prompt token ids are a shared list of FAKE_TOKEN per length: the simulator reads only their
-count (`simulate` draws random ids, as a replay does; the timing is the same), and each such
-request has its own prefix-cache salt, so that, as random prompts, they share no cached page
-(a preempted request still finds its own). Token-id prompts of the trace are shared as given.
+count (`simulate` draws random ids, as a replay does; the timing is the same), and such a
+request skips the prefix cache, as a replay's random prompt does (`cache_prefix=False`).
+Token-id prompts of the trace are looked up and cached as given.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import multiprocessing
 import time
@@ -78,7 +77,6 @@ class Replica:
         self._ranks = ranks
         self._default_rank = default_rank
         self._prompts: dict[int, list[int]] = {}  # length -> the shared fake prompt
-        self._salts = itertools.count()  # a fake prompt's own prefix-cache salt
         self._sampling: dict[int, SamplingParams] = {}  # output_len -> its (frozen) params
 
     def deliver(self, req: TraceRequest) -> None:
@@ -149,7 +147,7 @@ class Replica:
         try:
             rid = self.engine.add_request(prompt, sampling, adapter=req.adapter,
                                           arrival_time=req.arrival_time,
-                                          cache_salt=None if own else str(next(self._salts)))
+                                          cache_prefix=own)
         except ValueError as e:
             self.rejected.append(_failed(req, f"rejected at submission: {e}"))
             self.missed += 1

@@ -214,9 +214,11 @@ class SimEngine:
     # -- requests
     def add_request(self, prompt: list[int], sampling: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    cache_prefix: bool = True) -> str:
         """Queue one request (token ids only). A prompt too long for the model or the pool
-        fails, reported at the next step, as in the engine."""
+        fails, reported at the next step, as in the engine (`Engine.add_request`'s
+        arguments)."""
         sampling = sampling or SamplingParams()
         if adapter is not None:
             self.adapters.get(adapter)
@@ -226,7 +228,8 @@ class SimEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         req = Request(rid, prompt, sampling, adapter,
                       self.clock.now if arrival_time is None else arrival_time,
-                      max_len=self.max_model_len, cache_salt=cache_salt)
+                      max_len=self.max_model_len, cache_salt=cache_salt,
+                      cache_prefix=cache_prefix)
         if len(prompt) >= self.max_model_len:
             req.status = RequestStatus.FINISHED
             req.finish_reason = "error"
@@ -464,10 +467,19 @@ class _QuietRun:
                 short = len(grow) - allocator.num_free
                 if short > 0 and not _cached_front(allocator, short):
                     break
-                for r in grow:  # (`Scheduler._grow`: one page each, reclaimed LRU first)
-                    if short > 0 and not allocator.num_free:
-                        allocator.evict_for(1)
-                    reqs[r].block_table += alloc(1, KV)
+                # (`Scheduler._grow`: one page each, in order; a free one, else the next
+                # reclaimed, the same pages as one at a time)
+                if short > 0:
+                    cut = len(grow) - short
+                    for r in grow[:cut]:
+                        reqs[r].block_table += alloc(1, KV)
+                    allocator.evict_for(short)
+                    grow = grow[cut:]
+                    for r, page in zip(grow, alloc(short, KV)[::-1]):
+                        reqs[r].block_table.append(page)
+                else:
+                    for r in grow:
+                        reqs[r].block_table += alloc(1, KV)
             rows = self.rows
             dt = decode_time(rows, self.ctx + rows * i, len(names) - (None in names), self.lora)
             busy += dt

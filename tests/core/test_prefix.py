@@ -212,3 +212,19 @@ def test_random_sharing_keeps_invariants_and_reads_only_own_kv(data, num_pages, 
     assert sim.alloc.used[KV] == 0
     stats = sim.sched.stats()
     assert stats["prefix_hit_tokens"] <= stats["prefix_query_tokens"]
+
+
+def test_a_request_that_skips_the_cache_neither_finds_nor_offers_pages():
+    sim = Sim(64, {})
+    prompt = list(range(2, 2 + 9))
+    skip = _req(1, prompt)
+    skip.cache_prefix = False
+    sim.run([skip])  # offers nothing: its pages are freed at its end
+    assert sim.sched.stats()["prefix_cached_pages"] == 0 and sim.alloc.num_free == 64
+    sim.run([_req(2, prompt)])  # cached now
+    skip = _req(3, prompt)
+    skip.cache_prefix = False
+    sim.run([skip, _req(4, prompt)])
+    stats = sim.sched.stats()
+    assert stats["prefix_hit_tokens"] == 8  # request 4 only
+    assert stats["prefix_query_tokens"] == len(prompt) * 2  # requests 2 and 4

@@ -35,7 +35,8 @@ class ScriptedEngine:
         self.running, self.max_tokens = {}, {}
         self.submitted = []
 
-    def add_request(self, prompt, sampling, adapter=None, request_id=None, arrival_time=None):
+    def add_request(self, prompt, sampling, adapter=None, request_id=None, arrival_time=None,
+                    cache_prefix=True):
         if len(prompt) > self.max_prompt:
             raise ValueError(f"prompt of {len(prompt)} tokens exceeds {self.max_prompt}")
         rid = f"r{len(self.submitted)}"
