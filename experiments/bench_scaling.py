@@ -803,6 +803,21 @@ def parse_args(argv=None):
     return args
 
 
+def engine_config(args) -> EngineConfig:
+    """The engine `args` describe: random weights of --model's shapes."""
+    return EngineConfig(model=args.model, load_format="dummy", device=args.device,
+                        dtype=args.dtype, quantization=args.quantization,
+                        num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+                        max_batch_tokens=args.max_batch_tokens,
+                        async_scheduling=args.async_scheduling,
+                        enable_prefix_caching=args.prefix_caching,
+                        **({} if not args.max_prefill_chunk
+                           else {"max_prefill_chunk": args.max_prefill_chunk[0]}),
+                        **({} if args.gemm_rows is None else {"gemm_max_rows": args.gemm_rows}),
+                        **({} if args.mixed_graph_tokens is None
+                           else {"mixed_graph_tokens": args.mixed_graph_tokens}))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -813,18 +828,7 @@ def main(argv=None) -> dict:
     ceil = ceilings(device) if {"decode", "shared"} & set(args.part) else {}
     if ceil:
         print("ceilings:", ceil, flush=True)
-    eng = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device,
-                              dtype=args.dtype, quantization=args.quantization,
-                              num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
-                              max_batch_tokens=args.max_batch_tokens,
-                              async_scheduling=args.async_scheduling,
-                              enable_prefix_caching=args.prefix_caching,
-                              **({} if not args.max_prefill_chunk
-                                 else {"max_prefill_chunk": args.max_prefill_chunk[0]}),
-                              **({} if args.gemm_rows is None
-                                 else {"gemm_max_rows": args.gemm_rows}),
-                              **({} if args.mixed_graph_tokens is None
-                                 else {"mixed_graph_tokens": args.mixed_graph_tokens})))
+    eng = Engine(engine_config(args))
     print(f"engine: {args.quantization or args.dtype} weights, {eng.runner.num_pages} pages of "
           f"{eng.runner.page_bytes / 1e6:.1f} MB "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
