@@ -336,7 +336,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-tokens", type=int, help="most tokens computed in a step")
     g.add_argument("--max-prefill-chunk", type=int,
                    help="chunked prefill: most prompt tokens a step computes, longer prompts "
-                   "cut in chunks over steps (default 512; 0: prompts run whole)")
+                   "cut in chunks over steps (default 2048; 0: prompts run whole; smaller: lower "
+                   "inter-token latency, lower throughput, see docs/performance.md)")
     g.add_argument("--policy", choices=POLICIES, help="queue order (default fcfs)")
     g.add_argument("--backend", choices=BACKENDS, help="kernels (default auto)")
     g.add_argument("--load-format", choices=("auto", "dummy"),

@@ -115,7 +115,7 @@ class EngineConfig:
     cpu_pool_gb: float = 1.0
     max_num_seqs: int = 256
     max_batch_tokens: int = 8192
-    max_prefill_chunk: int = 512
+    max_prefill_chunk: int = 2048
     max_model_len: int | None = None
     backend: str = "auto"
     host_cache_gb: float = 8.0

@@ -517,10 +517,11 @@ class Engine:
             self.add_synthetic_adapter(names[-1], r, modules_of(groups), dora=dora)
         if graphs is not None and names:  # the widest page table, set once
             graphs.reserve_pages(max(self.adapters.get(n).num_pages for n in names))
-        # a warm-up prompt runs in one step: within the step's prompt budget (graph buckets
-        # that only chunks beside decode rows reach are captured on first use)
-        limit = min(self.config.max_batch_tokens, self.config.max_prefill_chunk
-                    or self.config.max_batch_tokens, self.max_model_len - 4)
+        # A warm-up prompt runs in one step: the steps run with prompts whole (chunking off),
+        # so one step's prompts reach every mixed graph bucket, those that serving reaches
+        # only with a chunk beside decode rows included.
+        cfg = self.config
+        limit = min(cfg.max_batch_tokens, self.max_model_len - 4)
         graphed, eager = warmup_steps(graphs, limit)
         # A decode graph's key holds its LoRA path: with decode_lora "auto" the adapters' graphed
         # steps run under each path (their rows share one adapter: the table alone would
@@ -532,15 +533,19 @@ class Engine:
                    for name in names + [None] for prompts, late in steps]
         batches += [(name, prompts, late, path) for path in paths[1:] for name in names
                     for prompts, late in graphed]
-        if self.runner.device.type == "cuda":  # the largest activations, after the captures
-            n = min(self.config.max_num_seqs, cdiv(self.config.max_batch_tokens, limit))
-            batches.append((None, [[1] * limit] * n, [], paths[0]))
+        largest = []  # the largest activations, after the captures: prompts as serving cuts them
+        if self.runner.device.type == "cuda":
+            chunk = min(limit, cfg.max_prefill_chunk or limit)
+            largest = [(None, [[1] * chunk] * min(cfg.max_num_seqs, cdiv(cfg.max_batch_tokens,
+                                                                          chunk)), [], paths[0])]
         sp = SamplingParams(max_tokens=3, ignore_eos=True)
-        bar = _progress(len(batches), unit="step", desc="warm-up") if progress else None
+        bar = _progress(len(batches) + len(largest), unit="step", desc="warm-up") if progress else None
         # no prefix caching while warming up: every step runs the shape it is made for
         prefix, self.scheduler.prefix = self.scheduler.prefix, None
+        whole = cfg.replace(max_prefill_chunk=0)
         try:
-            for name, prompts, late, path in batches:
+            for i, (name, prompts, late, path) in enumerate(batches + largest):
+                self.scheduler.config = whole if i < len(batches) else cfg
                 builder.decode_lora = path
                 need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts + late)
                         + self.adapters.pages_needed(name))
@@ -557,6 +562,7 @@ class Engine:
                     bar.update()
         finally:
             self.scheduler.prefix = prefix
+            self.scheduler.config = cfg
             builder.decode_lora = mode
             if bar is not None:
                 bar.close()

@@ -171,9 +171,11 @@ class Scheduler:
         block_size, decode = self.block_size, plan.decode
         queue = list(self.running)
         for req in queue:
-            if req.num_pending and req.at_length():
-                continue  # ends once its running step is collected: no room for another token
-            tokens = len(req.prompt_token_ids) + len(req.output_token_ids)  # req.num_tokens
+            out = len(req.output_token_ids)
+            tokens = len(req.prompt_token_ids) + out  # req.num_tokens
+            if req.num_pending and (out >= req.sampling.max_tokens or tokens >= req.max_len):
+                continue  # at its length (`at_length`): it ends once its running step is
+                # collected, no room for another token
             if tokens - req.num_computed > 1:
                 continue  # still prefilling: its pages are held (`_reserve`), its chunk is next
             if tokens > block_size * len(req.block_table):  # a page is needed

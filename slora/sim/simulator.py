@@ -356,13 +356,13 @@ class SimEngine:
         by_phase: list[list[int]] = [[] for _ in range(block_size)]  # rows by block phase
         first_of = []
         for row, req in enumerate(running):
-            if req.num_pending != pending or req.num_new != 1:  # (a prompt still prefilling)
+            out = len(req.output_token_ids)
+            tokens = len(req.prompt_token_ids) + out
+            if req.num_pending != pending or tokens - req.num_computed != 1:  # (prefilling)
                 return None
             sampling = req.sampling
             if sampling.stop_token_ids or not (sampling.ignore_eos or not req.eos_token_ids):
                 return None
-            out = len(req.output_token_ids)
-            tokens = len(req.prompt_token_ids) + out
             first = block_size * len(req.block_table) + 1 - tokens  # the step needing a block
             if first < 0:
                 return None  # (more than one block due: no steady decode)
@@ -471,15 +471,15 @@ class _QuietRun:
                 # reclaimed, the same pages as one at a time)
                 if short > 0:
                     cut = len(grow) - short
-                    for r in grow[:cut]:
-                        reqs[r].block_table += alloc(1, KV)
+                    for r, page in zip(grow[:cut], alloc(cut, KV)):
+                        reqs[r].block_table.append(page)
                     allocator.evict_for(short)
                     grow = grow[cut:]
                     for r, page in zip(grow, alloc(short, KV)[::-1]):
                         reqs[r].block_table.append(page)
                 else:
-                    for r in grow:
-                        reqs[r].block_table += alloc(1, KV)
+                    for r, page in zip(grow, alloc(len(grow), KV)):
+                        reqs[r].block_table.append(page)
             rows = self.rows
             dt = decode_time(rows, self.ctx + rows * i, len(names) - (None in names), self.lora)
             busy += dt

@@ -73,7 +73,8 @@ def logged_steps(engine, allocs: bool = False):
     features and the adapter copies it made (bytes of each blocking load and prefetch); yields
     the list the steps are appended to, in launch order. Three notes for finding stalls,
     which no fit reads: `gc_s`, the garbage collector's time within the step's seconds,
-    `graphs`, the CUDA graphs captured within them (a bucket the warm-up missed), and
+    `graphs`, the CUDA graphs captured within them (a bucket the warm-up missed; their keys in
+`graph_keys`), and
     `compiles`, the Triton kernels compiled within them (a new specialization: a class of an
     integer argument, a pointer's alignment or a constexpr the warm-up did not meet), each as
     Triton writes its name and specialization. `allocs` (CUDA; off by default, as reading the
@@ -120,6 +121,8 @@ def logged_steps(engine, allocs: bool = False):
     def entry(start, end, record):
         e = {"seconds": end[0] - start[0], **record, "gc_s": end[1] - start[1],
              "graphs": end[2] - start[2], "compiles": compiled[start[3]:end[3]]}
+        if end[2] > start[2]:  # which graphs: their keys, as captured
+            e["graph_keys"] = [repr(k) for k in list(engine.runner.graphs.graphs)[start[2]:end[2]]]
         if alloc_stats:
             d = [b - a for a, b in zip(start[4], end[4])]
             e["allocs"] = {"device": d[0], "host": d[1], "host_ms": d[2] / 1e3}

@@ -403,3 +403,27 @@ def test_few_rows_gemm_in_the_engine_gives_the_twins_tokens(tiny_model_dir, adap
         tokens[backend] = [o.token_ids for o in outs]
     assert calls, "the kernel ran"
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_warmup_reaches_the_mixed_buckets_past_the_chunk(tiny_model_dir):
+    """A chunk beside decode rows makes a mixed step of more tokens than the chunk (here 32
+    prompt tokens and one decode row); the warm-up runs its prompts whole, reaching every mixed
+    graph bucket, so serving with a chunk under `mixed_graph_tokens` captures no graph."""
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=256, cuda_graphs=False, max_num_seqs=16,
+                            max_prefill_chunk=32))
+    e.add_synthetic_adapter("a", 8)
+    graphs = e.runner.graphs = e.runner.make_graphs(16, mixed_tokens=64, capture=False)
+    replay = graphs.replay  # (the twins give NaN in padded rows: this test counts graphs)
+    graphs.replay = lambda step, ready=None: torch.nan_to_num(replay(step, ready))
+    e.warmup()
+    gc.unfreeze()
+    warmed = set(graphs.graphs)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    e.add_request([5, 6, 7], sp, "a")
+    e.step()
+    e.step()
+    e.add_request(list(range(3, 43)), sp, "a")  # a 32-token chunk beside one decode row
+    while e.has_unfinished():
+        e.step()
+    assert set(graphs.graphs) == warmed, set(graphs.graphs) - warmed
