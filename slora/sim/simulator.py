@@ -351,6 +351,10 @@ class SimEngine:
         # finishes at step end's resolve (a row at its length is left out of the plan);
         # sync: a row decodes in steps 0 .. end and finishes at step end's update
         pending, last = (1, 0) if asynchronous else (0, 1)
+        tail = running[-1]  # the latest admitted: the row most likely still prefilling
+        if (tail.num_pending != pending or len(tail.prompt_token_ids)
+                + len(tail.output_token_ids) - tail.num_computed != 1):
+            return None
         block_size = self.config.block_size
         tokens0, end_of, fresh = [], [], []
         by_phase: list[list[int]] = [[] for _ in range(block_size)]  # rows by block phase
