@@ -201,12 +201,23 @@ class Scheduler:
         if not cfg.max_prefill_chunk:
             return budget
         budget = min(budget, cfg.max_prefill_chunk)
-        for req in self.running:
+        for req in self.prefilling():
             if budget <= 0:
                 break
-            if req.num_new > 1:  # (the decode rows have 1; so does a request pending its token)
-                budget -= self._add_prefill(plan, req, budget)
+            budget -= self._add_prefill(plan, req, budget)
         return budget
+
+    def prefilling(self) -> list[Request]:
+        """The running requests still prefilling (more than one token to compute; a decode
+        row, or a request pending its token, has one), in admission order. They are a suffix
+        of `running`: chunks go to them in admission order, and a request is admitted only
+        with the budget that all of them left, so none finishes its prompt before one admitted
+        earlier; preemption takes the last. Found from the end, in time of their number."""
+        running = self.running
+        i = len(running)
+        while i and running[i - 1].num_new > 1:
+            i -= 1
+        return running[i:]
 
     def _add_prefill(self, plan: SchedulerPlan, req: Request, budget: int) -> int:
         """Put `req`'s next chunk, at most `budget` tokens, in the plan; returns its size. The

@@ -382,6 +382,8 @@ def _chunked_run(jobs, num_pages, sizes, max_batch_tokens, chunk, check=None, pr
         toks = [(int(r.request_id) * 31 + r.num_tokens * 7) % 50 + 2 for r in plan.seqs]
         sched.update(plan, toks, [None] * len(toks), float(t))
         alloc.check()
+        # the requests still prefilling are a suffix of the running list (`prefilling`)
+        assert sched.prefilling() == [r for r in sched.running if r.num_new > 1]
         if not todo and not sched.has_unfinished():
             break
     assert not sched.has_unfinished() and alloc.used["kv"] == 0
