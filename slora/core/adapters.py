@@ -178,6 +178,7 @@ class AdapterManager:
         # idle (resident, refcount 0) adapters are protected in the allocator's order, by name
         allocator.reclaimers[str] = self._reclaim
         self._host: OrderedDict[str, int] = OrderedDict()  # name -> bytes; LRU first
+        self.pages_of: dict[str | None, int] = {None: 0}  # registered name -> its num_pages
         self.resident: set[str] = set()  # names holding device pages (kept by load / _evict)
         self._sharing: dict[Hashable, int] = {}  # AdapterInfo.shared -> registered adapters
         self.host_bytes = 0
@@ -205,6 +206,7 @@ class AdapterManager:
             raise ValueError(f"adapter {info.name!r} needs {info.num_pages} pages but the pool has "
                              f"only {self.allocator.total}; raise num_pages or use a smaller rank")
         self.adapters[info.name] = info
+        self.pages_of[info.name] = info.num_pages
         if info.shared is not None:
             self._sharing[info.shared] = self._sharing.get(info.shared, 0) + 1
 
@@ -221,6 +223,7 @@ class AdapterManager:
         freed = self._evict(name) if info.resident else []
         self.drop_host(name)
         del self.adapters[name]
+        del self.pages_of[name]
         if info.shared is not None:
             self._sharing[info.shared] -= 1
             if not self._sharing[info.shared]:

@@ -158,9 +158,9 @@ class Scheduler:
         decode = plan.decode
         if len(decode) < 2:
             return
-        adapters = self.adapters.adapters
+        pages_of = self.adapters.pages_of
         # the keys made in one pass and the rows sorted by index on them (no call per row)
-        pages = [adapters[r.adapter].num_pages if r.adapter else 0 for r in decode]
+        pages = [pages_of[r.adapter] for r in decode]
         order = sorted(range(len(decode)), key=pages.__getitem__, reverse=True)
         decode[:] = [decode[i] for i in order]
 

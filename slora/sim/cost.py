@@ -106,32 +106,15 @@ MIN_STEP_S = 1e-6  # a step always advances the clock, so an idle-looking loop c
 _DECODE = ("const", "decode_seqs", "decode_ctx", "adapters", "lora_decode", "lora")
 
 
-class AdapterPages(dict):
-    """Adapter name -> its pool pages (None, the base model: 0), filled from an
-    `AdapterManager`'s registry on first use. A registered adapter's page count never changes,
-    so one of these serves a simulated engine's whole run."""
-
-    def __init__(self, infos: dict) -> None:
-        super().__init__({None: 0})
-        self._infos = infos
-
-    def __missing__(self, name: str) -> int:
-        pages = self[name] = self._infos[name].num_pages
-        return pages
-
-
-def plan_features(plan, adapters, graph_tokens: int = 0,
-                  pages: AdapterPages | None = None) -> tuple[float, ...]:
+def plan_features(plan, adapters, graph_tokens: int = 0) -> tuple[float, ...]:
     """The FEATURES of a `SchedulerPlan` (between schedule and update: each prefill row's
     tokens are its chunk, `plan.chunks`, from its `num_computed` on).
 
-    `adapters` is the `AdapterManager` (for each adapter's page count; `pages`, when given, is
-    an `AdapterPages` of it, kept across steps: a simulation computes this for every step).
+    `adapters` is the `AdapterManager` (for each adapter's page count, `pages_of`).
     `graph_tokens`: the engine's `mixed_graph_tokens`; a step with prompts and at most that
     many tokens replays a CUDA graph, so it is not `eager`.
     """
-    if pages is None:
-        pages = AdapterPages(adapters.adapters)
+    pages = adapters.pages_of
     names = set()
     add = names.add
     prefill_tokens = prefill_attn = lora_prefill = 0

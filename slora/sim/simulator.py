@@ -41,7 +41,7 @@ from slora.core.scheduler import Scheduler, SchedulerPlan
 from slora.metrics import result_dict, summarize
 from slora.replay import replay
 from slora.request import PENDING, Request, RequestOutput, RequestStatus, SamplingParams
-from slora.sim.cost import AdapterPages, CostModel, Profile, plan_features
+from slora.sim.cost import CostModel, Profile, plan_features
 from slora.workload import Trace
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # Engine.add_synthetic_adapter's
@@ -120,16 +120,9 @@ class SimRunner:
     def __init__(self, cost: CostModel, graph_tokens: int = 0) -> None:
         self.cost = cost
         self.graph_tokens = graph_tokens  # EngineConfig.mixed_graph_tokens (see plan_features)
-        self._pages: AdapterPages | None = None  # of the AdapterManager it times steps for
         self.busy_s = 0.0
         self.copy_s = 0.0
         self.disk_s = 0.0
-
-    def adapter_pages(self, adapters: AdapterManager) -> AdapterPages:
-        """The page counts of `adapters`' registry (the one manager this runner times)."""
-        if self._pages is None:
-            self._pages = AdapterPages(adapters.adapters)
-        return self._pages
 
     def step_time(self, plan: SchedulerPlan, adapters: AdapterManager) -> float:
         cost, infos = self.cost, adapters.adapters
@@ -145,7 +138,7 @@ class SimRunner:
                 else:
                     blocking += cost.copy_time(nbytes)
         forward = 0.0 if plan.empty else cost.forward_time(
-            plan_features(plan, adapters, self.graph_tokens, self.adapter_pages(adapters)))
+            plan_features(plan, adapters, self.graph_tokens))
         dt = cost.step_time(forward, blocking, prefetch, disk)
         self.busy_s += dt
         self.copy_s += blocking + prefetch
@@ -414,7 +407,7 @@ class _QuietRun:
         self.tokens0, self.end_of, self.first_of, self.by_phase = tokens0, end_of, first_of, by_phase
         self.fresh = fresh
         self.asynchronous, self.last = asynchronous, last
-        pages = sim.runner.adapter_pages(sim.adapters)
+        pages = sim.adapters.pages_of
         self.adapter_of = [req.adapter for req in self.reqs]
         self.page_of = list(map(pages.__getitem__, self.adapter_of))
         self.by_end = sorted(range(len(self.reqs)), key=end_of.__getitem__)

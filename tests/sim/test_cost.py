@@ -113,7 +113,7 @@ def test_steps_that_replay_mixed_graphs_are_not_eager():
     pre = SimpleNamespace(request_id="p", num_computed=0, adapter="a")
     dec = SimpleNamespace(prompt_token_ids=[1] * 5, output_token_ids=[2], adapter=None)
     plan = SimpleNamespace(prefill=[pre], decode=[dec, dec], chunks={"p": 10})
-    adapters = SimpleNamespace(adapters={"a": SimpleNamespace(num_pages=3)})
+    adapters = SimpleNamespace(pages_of={None: 0, "a": 3})
     idx = {k: FEATURES.index(k) for k in ("eager", "eager_lora", "eager_adapters", "lora")}
     for graph_tokens, eager in ((0, 1.0), (11, 1.0), (12, 0.0), (64, 0.0)):
         f = plan_features(plan, adapters, graph_tokens)
@@ -150,7 +150,7 @@ def test_decode_time_is_the_step_time_of_a_decode_only_plan():
 
     rng = random.Random(0)
     pages = {f"a{i}": 1 + i % 7 for i in range(9)}
-    manager = SimpleNamespace(adapters={n: SimpleNamespace(num_pages=k) for n, k in pages.items()})
+    manager = SimpleNamespace(pages_of={None: 0, **pages})
     for _ in range(200):
         reqs = [Request(str(i), [0] * rng.randrange(1, 90), SamplingParams(), rng.choice(
             [None, *pages]), 0.0) for i in range(rng.randrange(1, 30))]
@@ -177,7 +177,7 @@ def test_a_chunk_is_charged_its_tokens_and_its_context():
     chunk = SimpleNamespace(request_id="c", num_computed=30, adapter="a")
     whole = SimpleNamespace(request_id="w", num_computed=0, adapter=None)
     plan = SimpleNamespace(prefill=[chunk, whole], decode=[], chunks={"c": 10, "w": 7})
-    adapters = SimpleNamespace(adapters={"a": SimpleNamespace(num_pages=3)})
+    adapters = SimpleNamespace(pages_of={None: 0, "a": 3})
     f = dict(zip(FEATURES, plan_features(plan, adapters)))
     assert f["prefill_tokens"] == 17
     assert f["prefill_attn"] == 10 * 40 + 7 * 7
