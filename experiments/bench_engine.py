@@ -59,7 +59,7 @@ def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, device=
     ps = prompts(batch, prompt_len, eng.model_config.vocab_size)
     sp = SamplingParams(max_tokens=gen_len, ignore_eos=True)
     eng.generate(ps, SamplingParams(max_tokens=4, ignore_eos=True), adapters=names)  # warm-up
-    # the timed call computes every prompt again, in the warm-up's steps (graphs captured)
+    # the timed call computes every prompt again, in the steps the warm-up call ran
     eng.reset_prefix_cache()
     sync(device)
     t0 = time.perf_counter()

@@ -176,18 +176,19 @@ class Engine:
         `cache_salt` (vLLM's): requests with different salts never share prefix-cache pages.
         `cache_prefix=False`: the request skips the prefix cache (no lookup, its pages are
         not offered), for a prompt known to share nothing, such as a replay's random ids."""
-        req = self._request(prompt, sampling, adapter, request_id, arrival_time, cache_salt)
-        req.cache_prefix = bool(cache_prefix)
-        return self._queue(req)
+        return self._queue(self._request(prompt, sampling, adapter, request_id, arrival_time,
+                                         cache_salt, cache_prefix))
 
     def _request(self, prompt: Prompt, sampling: SamplingParams | None, adapter: str | None,
                  request_id: str | None, arrival_time: float | None,
-                 cache_salt: str | None = None) -> Request:
+                 cache_salt: str | None = None, cache_prefix: bool = True) -> Request:
         """A validated request, not queued yet."""
         if self.runner.dead:
             raise RuntimeError(self.runner.dead)
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise ValueError(f"cache_salt={cache_salt!r}: expected None or a non-empty str")
+        if not isinstance(cache_prefix, bool):
+            raise ValueError(f"cache_prefix={cache_prefix!r}: expected True or False")
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
@@ -205,7 +206,7 @@ class Engine:
         return Request(rid, ids, sampling, adapter,
                        arrival_time if arrival_time is not None else time.monotonic(),
                        eos_token_ids=self.eos_token_ids, max_len=self.max_model_len,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, cache_prefix=cache_prefix)
 
     def _queue(self, req: Request) -> str:
         rid, ids = req.request_id, req.prompt_token_ids

@@ -172,15 +172,12 @@ class Request:
     def check_stop(self) -> str | None:
         """Finish reason after the last known token (stop strings are the engine's job)."""
         n = len(self.output_token_ids) - self.num_pending
-        last, sampling = self.output_token_ids[n - 1], self.sampling
-        if not sampling.ignore_eos and last in self.eos_token_ids:
+        last = self.output_token_ids[n - 1]
+        if not self.sampling.ignore_eos and last in self.eos_token_ids:
             return "stop"
-        if last in sampling.stop_token_ids:
+        if last in self.sampling.stop_token_ids:
             return "stop"
-        # (`at_length(n)`, inline: this runs for every row of every step)
-        if n >= sampling.max_tokens or len(self.prompt_token_ids) + n >= self.max_len:
-            return "length"
-        return None
+        return "length" if self.at_length(n) else None
 
     def at_length(self, n_out: int | None = None) -> bool:
         """Whether `n_out` output tokens (default: all, pending ones too) reach max_tokens or

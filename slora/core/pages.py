@@ -84,11 +84,11 @@ class PageAllocator:
         used[kind] += len(pages)
 
     # -- the one eviction order
-    def idle(self, key: Hashable, pages: int, probation: bool = False) -> None:
-        """`key` (holding `pages` pages) is reclaimable, the most recently used of its segment:
-        on probation (`probation`, reclaimed before every protected holder) or protected."""
+    def idle(self, key: Hashable, pages: int) -> None:
+        """`key` (holding `pages` pages) is reclaimable, protected, most recently used: evicted
+        last. (Pages on probation come in through `idle_pages`.)"""
         self.busy(key)
-        (self.probation if probation else self.lru)[key] = pages
+        self.lru[key] = pages
         self.lru_pages += pages
 
     def busy(self, key: Hashable) -> None:

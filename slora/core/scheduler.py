@@ -171,11 +171,9 @@ class Scheduler:
         block_size, decode = self.block_size, plan.decode
         queue = list(self.running)
         for req in queue:
-            out = len(req.output_token_ids)
-            tokens = len(req.prompt_token_ids) + out  # req.num_tokens
-            if req.num_pending and (out >= req.sampling.max_tokens or tokens >= req.max_len):
-                continue  # at its length (`at_length`): it ends once its running step is
-                # collected, no room for another token
+            if req.num_pending and req.at_length():
+                continue  # ends once its running step is collected: no room for another token
+            tokens = len(req.prompt_token_ids) + len(req.output_token_ids)  # req.num_tokens
             if tokens - req.num_computed > 1:
                 continue  # still prefilling: its pages are held (`_reserve`), its chunk is next
             if tokens > block_size * len(req.block_table):  # a page is needed
@@ -439,7 +437,7 @@ class Scheduler:
             assert req.num_pending == 0 and 0 < n <= req.num_new, (req, n)
             req.num_computed += n
             assert req.num_computed <= block_size * len(req.block_table) or req.finished, req
-            if prefix is not None and req.cache_prefix:  # its full pages so far: queued, found
+            if self._caches(req):  # its full pages so far: queued on the device, found from now
                 prefix.commit(req, self._root(req), req.num_computed)
             if req.request_id in partial:
                 continue  # mid-prompt: samples nothing, the next chunk follows

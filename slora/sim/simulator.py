@@ -344,10 +344,6 @@ class SimEngine:
         # finishes at step end's resolve (a row at its length is left out of the plan);
         # sync: a row decodes in steps 0 .. end and finishes at step end's update
         pending, last = (1, 0) if asynchronous else (0, 1)
-        tail = running[-1]  # the latest admitted: the row most likely still prefilling
-        if (tail.num_pending != pending or len(tail.prompt_token_ids)
-                + len(tail.output_token_ids) - tail.num_computed != 1):
-            return None
         block_size = self.config.block_size
         tokens0, end_of, fresh = [], [], []
         by_phase: list[list[int]] = [[] for _ in range(block_size)]  # rows by block phase
@@ -466,16 +462,12 @@ class _QuietRun:
                     break
                 # (`Scheduler._grow`: one page each, in order; a free one, else the next
                 # reclaimed, the same pages as one at a time)
+                cut = len(grow) - max(short, 0)
+                for r, page in zip(grow[:cut], alloc(cut, KV)):
+                    reqs[r].block_table.append(page)
                 if short > 0:
-                    cut = len(grow) - short
-                    for r, page in zip(grow[:cut], alloc(cut, KV)):
-                        reqs[r].block_table.append(page)
                     allocator.evict_for(short)
-                    grow = grow[cut:]
-                    for r, page in zip(grow, alloc(short, KV)[::-1]):
-                        reqs[r].block_table.append(page)
-                else:
-                    for r, page in zip(grow, alloc(len(grow), KV)):
+                    for r, page in zip(grow[cut:], alloc(short, KV)[::-1]):
                         reqs[r].block_table.append(page)
             rows = self.rows
             dt = decode_time(rows, self.ctx + rows * i, len(names) - (None in names), self.lora)

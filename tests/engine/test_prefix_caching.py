@@ -110,4 +110,6 @@ def test_cache_salts_keep_tenants_apart_and_reset_forgets(tiny_model_dir):
     assert engine.stats()["pages_cached"] == 0 and hit("t1") == 0
     with pytest.raises(ValueError, match="cache_salt"):
         engine.add_request(prompt, SP, cache_salt="")
+    with pytest.raises(ValueError, match="cache_prefix"):
+        engine.add_request(prompt, SP, cache_prefix="no")
     _check(engine)
