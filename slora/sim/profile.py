@@ -14,12 +14,16 @@ scheduling, batch metadata, the forward, sampling and output building are all in
    `EngineConfig.async_scheduling` the steps are timed in its order, between collections
    (`slora.sim.steplog.logged_steps`), and the profile says so (`Profile.async_scheduling`):
    simulate in the order the profile was measured in.
-2. Steps of serving: a short synthetic trace replayed on the wall clock (`measure_serving`),
+2. Steps over context already in the pages (`measure_context`): a long prompt's later chunks,
+   and prompts whose prefix the prefix cache holds, whose new tokens attend to more context
+   than they are; the grid's whole prompts alone would leave the attention term to the
+   shortest contexts.
+3. Steps of serving: a short synthetic trace replayed on the wall clock (`measure_serving`),
    for the steps a server runs that the grid's batches, arriving together, do not.
-3. Host -> device copies of adapters of each rank into their pool pages, and host-cache misses
+4. Host -> device copies of adapters of each rank into their pool pages, and host-cache misses
    (the runner's read-and-pack path; for synthetic adapters that is the pinned host copy),
    fitted as overhead + bytes / bandwidth.
-4. Prefetch overlap: a decode step timed alone, with an adapter copy injected as prefetch, and
+5. Prefetch overlap: a decode step timed alone, with an adapter copy injected as prefetch, and
    the copy alone; the overlap fraction is how much of the shorter one hides under the other.
 
 Then `cost.fit_max` gives the coefficients. With `progress`, each of these shows a tqdm bar
@@ -41,7 +45,7 @@ from slora.replay import register_adapters, replay
 from slora.sim.cost import CostModel, Profile, fit_bandwidth, fit_max, sample_row
 from slora.sim.steplog import PlanTap, logged_steps, read_step_log, write_step_log
 
-__all__ = ["Grid", "GPU_GRID", "CPU_GRID", "measure_steps", "measure_serving",
+__all__ = ["Grid", "GPU_GRID", "CPU_GRID", "measure_steps", "measure_context", "measure_serving",
            "measure_transfers", "measure_overlap", "profile_engine", "run_profile",
            # the step log, which calibration reads its steps with (slora.sim.steplog)
            "PlanTap", "logged_steps", "read_step_log", "write_step_log"]
@@ -69,6 +73,13 @@ class Grid:
     serve_adapters: int = 500
     serve_lengths: tuple[int, int] = (8, 511)
     serve_max_steps: int = 600
+    # steps over context already in the pages (see measure_context): single prompts of these
+    # lengths, prefilled in the engine's chunks; and batches of `cached_batches` requests of
+    # `cached_new` new tokens each after a cached prefix of each of `cached_prefixes` tokens
+    long_prompts: tuple[int, ...] = (4096, 8192)
+    cached_prefixes: tuple[int, ...] = (512, 2048)
+    cached_batches: tuple[int, ...] = (1, 8, 32)
+    cached_new: int = 64
 
 
 GPU_GRID = Grid()
@@ -76,7 +87,8 @@ GPU_GRID = Grid()
 CPU_GRID = Grid(batches=(1, 2, 4, 8, 16), prompt_lens=(4, 16, 48), ranks=(4, 8, 16), decode_steps=3,
                 max_case_tokens=2048, max_adapters=16, transfer_repeats=3, overlap_repeats=3,
                 serve_s=1.5, serve_rate=40.0, serve_adapters=8, serve_lengths=(8, 48),
-                serve_max_steps=200)
+                serve_max_steps=200, long_prompts=(96,), cached_prefixes=(32,),
+                cached_batches=(1, 4), cached_new=8)
 
 
 def _sync(engine) -> None:
@@ -207,6 +219,50 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
                 bar.update()
             else:
                 log(f"  case {i + 1}/{len(cases)}: {case}")
+    return samples
+
+
+def measure_context(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 1,
+                    progress: bool = False) -> list[dict]:
+    """Step samples whose prompts attend to context already in their pages: each of
+    `grid.long_prompts` alone, prefilled in the engine's chunks (`max_prefill_chunk`), each
+    chunk over the ones before it; then, with prefix caching on, for each prefix length in
+    `grid.cached_prefixes` one request computes the prefix and batches of `cached_batches`
+    requests follow, each the prefix and `cached_new` tokens of its own, so a step computes
+    few tokens over a long context. Each case runs on the base model and on one adapter.
+    Cases beyond the model's length or half the free pool are skipped; steps that copied an
+    adapter are left out, as in the grid. `progress`: a bar over the cases."""
+    from slora.request import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    adapter = _profile_adapters(engine, grid)[0]
+    room = engine.allocator.num_free * engine.config.block_size // 2
+    fits = lambda tokens, longest: tokens <= room and longest + 2 < engine.max_model_len  # noqa: E731
+    cases = [("long", n, 0, 1) for n in grid.long_prompts if fits(n, n)]
+    if engine.config.enable_prefix_caching:
+        cases += [("cached", grid.cached_new, c, n) for c in grid.cached_prefixes
+                  for n in grid.cached_batches
+                  if fits(c + n * (c + grid.cached_new), c + grid.cached_new)]
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    samples = []
+    with logged_steps(engine) as steps, _bar(2 * len(cases), "profile: long context", "case",
+                                             progress) as bar:
+        for kind, new, cached, n in cases:
+            for name in (None, adapter):
+                prefix = tokens(cached)
+                if cached:  # computes the prefix, cached for the batch
+                    engine.generate([prefix + tokens(new)], sp, adapters=[name])
+                done = len(steps)
+                engine.generate([prefix + tokens(new) for _ in range(n)], sp, adapters=[name] * n)
+                samples += [{"features": s["features"], "seconds": s["seconds"],
+                             "case": {"step": kind, "batch": n, "prompt_len": cached + new,
+                                      "cached": cached, "mix": "base" if name is None else "one"}}
+                            for s in steps[done:] if not s["copies"]]
+                bar.update()
+    engine.reset_prefix_cache()  # the cases' prefixes are no later step's
+    log(f"  {len(cases)} long-context cases: {len(samples)} steps")
     return samples
 
 
@@ -373,8 +429,9 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
 
     The engine should be fresh (nothing queued); profiling adapters named `__profile_<j>` are
     registered on it. `log` gets the header, the measured copies and overlap and the fit's
-    errors; `progress` shows a labelled bar over each of the five measurements in turn (the
-    engine's warm-up, the grid's cases, the serving trace, the copies, the overlap steps).
+    errors; `progress` shows a labelled bar over each of the six measurements in turn (the
+    engine's warm-up, the grid's cases, the long-context cases, the serving trace, the
+    copies, the overlap steps).
     """
     import json
 
@@ -385,6 +442,8 @@ def profile_engine(engine, grid: Grid | None = None, model_name: str | None = No
     heading = (lambda _: None) if progress else log  # the bars name each measurement
     heading("steps over the grid of batch shapes")
     samples = measure_steps(engine, grid, log, progress=progress)
+    heading("steps over long context")
+    samples += measure_context(engine, grid, log, progress=progress)
     heading("serving steps")
     samples += measure_serving(engine, grid, log, progress=progress)
     heading("adapter copies")

@@ -21,7 +21,18 @@ def test_profile_round_trips_and_fits_the_cpu(cpu_profile, tmp_path):
     # other features than the constant, even leave the constant 0)
     assert all(p.cost.forward_time(tuple(s["features"][k] for k in FEATURES)) > 0
                for s in p.samples)
-    assert {s["case"]["step"] for s in p.samples} == {"prefill", "mixed", "decode", "serve"}
+    assert {s["case"]["step"] for s in p.samples} == {"prefill", "mixed", "decode", "long",
+                                                      "cached", "serve"}
+    # a cached prefix's batch computes its new tokens alone, over the prefix's context too
+    cached = [s for s in p.samples if s["case"]["step"] == "cached"]
+    assert {(s["case"]["batch"], s["case"]["mix"]) for s in cached} == {
+        (n, mix) for n in (1, 4) for mix in ("base", "one")}
+    for s in cached:
+        f, n = s["features"], s["case"]["batch"]
+        if f["prefill_tokens"]:
+            assert f["prefill_tokens"] == 8 * n and f["prefill_attn"] == n * 8 * (32 + 8)
+    assert any(s["features"]["prefill_tokens"] == 96 for s in p.samples
+               if s["case"]["step"] == "long")
     serve = [s for s in p.samples if s["case"]["step"] == "serve"]
     # a served trace's steps: every one with prompts, the decode ones capped (CPU_GRID's 200)
     decode = [s for s in serve if not s["features"]["prefill_tokens"]]
@@ -33,11 +44,12 @@ def test_profile_round_trips_and_fits_the_cpu(cpu_profile, tmp_path):
     assert {"model", "gpu", "coeffs", "h2d_gbps", "disk_gbps", "samples"} <= set(keys)
 
 
-# A grid of few cases (both mixes with adapters, both late-arrival shapes) and no serving steps:
+# A grid of few cases (both mixes with adapters, both late-arrival shapes), no long-context cases
+# and no serving steps:
 # the async-order tests profile an engine in a second or two.
 SMALL_GRID = dict(batches=(1, 4), prompt_lens=(4, 16), mixes=("base", "distinct"), ranks=(4, 8),
                   decode_steps=3, max_case_tokens=2048, max_adapters=4, transfer_repeats=1,
-                  overlap_repeats=1, serve_s=0.0)
+                  overlap_repeats=1, serve_s=0.0, long_prompts=(), cached_prefixes=())
 
 
 def _cases(samples):
@@ -73,11 +85,12 @@ def test_profiling_shows_a_labelled_bar_for_each_measurement(tiny_model_dir, cap
     engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                                  num_pages=256))
     grid = Grid(**{**SMALL_GRID, "serve_s": 0.2, "serve_rate": 20.0, "serve_adapters": 2,
-                   "serve_lengths": (4, 8)})
+                   "serve_lengths": (4, 8), "long_prompts": (24,)})
     lines = []
     profile_engine(engine, grid, "tiny", log=lines.append, progress=True)
     err = capsys.readouterr().err
-    for label in ("warm-up", "profile: batch shapes", "profile: serving trace",
+    for label in ("warm-up", "profile: batch shapes", "profile: long context",
+                  "profile: serving trace",
                   "profile: adapter copies", "profile: prefetch overlap"):
         assert f"{label}: 100%" in err, label
     # the bars stand for the per-case lines; the results are still logged
