@@ -36,6 +36,7 @@ import platform
 import random
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -76,7 +77,7 @@ class Grid:
     # steps over context already in the pages (see measure_context): single prompts of these
     # lengths, prefilled in the engine's chunks; and batches of `cached_batches` requests of
     # `cached_new` new tokens each after a cached prefix of each of `cached_prefixes` tokens
-    long_prompts: tuple[int, ...] = (4096, 8192)
+    long_prompts: tuple[int, ...] = (3584, 8192)
     cached_prefixes: tuple[int, ...] = (512, 2048)
     cached_batches: tuple[int, ...] = (1, 8, 32)
     cached_new: int = 64
@@ -164,7 +165,8 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
                   progress: bool = False) -> list[dict]:
     """Step samples over `grid`: [{"features": {...}, "seconds": t, "case": ...}, ...].
 
-    Steps are timed by `logged_steps`, so with async scheduling each is timed as the device
+    Each case's prompts run whole (`_whole_prompts`), so its steps are the prefill, mixed and
+    decode steps the case is made of; `measure_context` measures chunks. Steps are timed by `logged_steps`, so with async scheduling each is timed as the device
     runs it, between collections. Either way a case's steps come out in launch order: its
     prefill, its mixed step (when part of the batch arrived late), then decode.
     `progress`: bars over the warm-up's steps and the grid's cases (instead of a line per
@@ -185,7 +187,7 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
              if n * (plen + grid.decode_steps + bs) <= min(grid.max_case_tokens, free_tokens // 2)
              and plen + grid.decode_steps + 1 < engine.max_model_len]
     bar = _bar(len(cases), "profile: batch shapes", "case", progress)
-    with logged_steps(engine) as steps, bar:
+    with _whole_prompts(engine), logged_steps(engine) as steps, bar:
         for i, (n, plen, mix) in enumerate(cases):
             adapters = [None] * n if mix == "base" else (
                 [names[i % len(names)]] * n if mix == "one"
@@ -222,6 +224,22 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
     return samples
 
 
+@contextmanager
+def _whole_prompts(engine):
+    """Within the block the scheduler runs prompts whole (`max_prefill_chunk` 0) and without
+    the prefix cache, so a grid case's steps are the prefill, mixed and decode steps it names.
+    Chunks would split its prompts over steps of other shapes, and with async scheduling a
+    chunk step's host time can land in the interval of the step before it (`logged_steps`
+    times steps between collections)."""
+    sched = engine.scheduler
+    config, prefix = sched.config, sched.prefix
+    sched.config, sched.prefix = config.replace(max_prefill_chunk=0), None
+    try:
+        yield
+    finally:
+        sched.config, sched.prefix = config, prefix
+
+
 def measure_context(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 1,
                     progress: bool = False) -> list[dict]:
     """Step samples whose prompts attend to context already in their pages: each of
@@ -237,7 +255,7 @@ def measure_context(engine, grid: Grid, log: Callable[[str], None] = print, seed
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     adapter = _profile_adapters(engine, grid)[0]
-    room = engine.allocator.num_free * engine.config.block_size // 2
+    room = engine.allocator.num_free * engine.config.block_size // 2  # (no page cached yet)
     fits = lambda tokens, longest: tokens <= room and longest + 2 < engine.max_model_len  # noqa: E731
     cases = [("long", n, 0, 1) for n in grid.long_prompts if fits(n, n)]
     if engine.config.enable_prefix_caching:
