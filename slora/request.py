@@ -91,7 +91,7 @@ class RequestMetrics:
     finish_time: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One sequence's state through the engine.
 
@@ -112,6 +112,9 @@ class Request:
     num_computed chunk by chunk (`Scheduler.advance`) and only the chunk that reaches
     num_tokens samples a token; a request with pending tokens is decoding (num_new 1), never
     prefilling.
+
+    Slotted (no per-instance dict): the scheduler and the simulator read its fields for every
+    running request at every step, and a slot is the smallest and quickest to reach.
     """
 
     request_id: str
@@ -120,7 +123,7 @@ class Request:
     adapter: str | None
     arrival_time: float
     eos_token_ids: tuple[int, ...] = ()
-    max_len: int = 1 << 30  # the engine's max_model_len
+    max_len: int = 1 << 30  # the engine's max_model_len (lowered through `cap_length`)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -139,10 +142,19 @@ class Request:
     num_cached_pages: int = 0
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(init=False)
+    # output tokens at which it is at its length: max_tokens, or fewer when the prompt and
+    # they would reach max_len (`at_length`; kept by `cap_length`)
+    max_output: int = field(init=False)
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"
         self.metrics = RequestMetrics(self.arrival_time)
+        self.cap_length(self.max_len)
+
+    def cap_length(self, max_len: int) -> None:
+        """Lower its limit on prompt plus output tokens to `max_len` (if lower)."""
+        self.max_len = min(self.max_len, max_len)
+        self.max_output = min(self.sampling.max_tokens, self.max_len - len(self.prompt_token_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -181,9 +193,8 @@ class Request:
 
     def at_length(self, n_out: int | None = None) -> bool:
         """Whether `n_out` output tokens (default: all, pending ones too) reach max_tokens or
-        the model's length."""
-        n = len(self.output_token_ids) if n_out is None else n_out
-        return n >= self.sampling.max_tokens or len(self.prompt_token_ids) + n >= self.max_len
+        the model's length (`max_output`)."""
+        return (len(self.output_token_ids) if n_out is None else n_out) >= self.max_output
 
 
 PENDING = -1  # an output token whose step is still running (its value is on the device)

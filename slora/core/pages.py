@@ -39,7 +39,7 @@ class PageAllocator:
         self.total = num_pages
         # A stack: freed pages are reused first (warm in caches), the order is deterministic.
         self._free = list(range(num_pages - 1, -1, -1))
-        self._owner: dict[int, str] = {}
+        self._owner: list[str | None] = [None] * num_pages  # page id -> its kind; None: free
         self.used = {KV: 0, ADAPTER: 0, CACHED: 0}
         # Reclaimable holders, least recently used first: key -> the pages it would free;
         # on probation (never reused), then protected. A key is in at most one of them.
@@ -62,16 +62,19 @@ class PageAllocator:
         cut = len(free) - n
         pages = free[cut:][::-1]  # popped from the end, one at a time
         del free[cut:]
-        self._owner.update(dict.fromkeys(pages, kind))
+        owner = self._owner
+        for p in pages:
+            owner[p] = kind
         self.used[kind] += n
         return pages
 
     def free(self, pages: list[int]) -> None:
         owner, used, free = self._owner, self.used, self._free  # (once a finish, per page)
         for p in pages:
-            kind = owner.pop(p, None)
+            kind = owner[p]
             if kind is None:
                 raise ValueError(f"PageAllocator.free: page {p} is not allocated (double free?)")
+            owner[p] = None
             used[kind] -= 1
             free.append(p)
 
@@ -154,6 +157,6 @@ class PageAllocator:
         assert len(self._free) + used[KV] + used[ADAPTER] + used[CACHED] == self.total, (
             f"page accounting broken: free {len(self._free)} + kv {used[KV]} + adapter "
             f"{used[ADAPTER]} + cached {used[CACHED]} != total {self.total}")
-        assert len(self._owner) == used[KV] + used[ADAPTER] + used[CACHED]
+        assert self.total - self._owner.count(None) == used[KV] + used[ADAPTER] + used[CACHED]
         assert self.lru_pages == sum(n for _, n in self.order())
         assert not self.lru.keys() & self.probation.keys()

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import compress, count, islice, repeat
+from operator import attrgetter, is_
 
 from slora.config import EngineConfig, cdiv
 from slora.core.adapters import AdapterManager
@@ -109,7 +110,7 @@ class Scheduler:
         """Queue a request. One that could never fit the pool is failed at once (see update)."""
         adapter_pages = self.adapters.adapters[req.adapter].num_pages if req.adapter else 0
         pool_tokens = (self.allocator.total - adapter_pages) * self.block_size
-        req.max_len = min(req.max_len, pool_tokens)
+        req.cap_length(pool_tokens)
         self.waiting.append(req)
 
     def abort(self, req: Request, reason: str = "abort", now: float = 0.0) -> None:
@@ -158,11 +159,11 @@ class Scheduler:
         decode = plan.decode
         if len(decode) < 2:
             return
-        pages_of = self.adapters.pages_of
-        # the keys made in one pass and the rows sorted by index on them (no call per row)
-        pages = [pages_of[r.adapter] for r in decode]
+        # the keys made in one pass and the rows sorted by index on them (no Python-level
+        # call or loop per row)
+        pages = list(map(self.adapters.pages_of.__getitem__, map(_adapter_of, decode)))
         order = sorted(range(len(decode)), key=pages.__getitem__, reverse=True)
-        decode[:] = [decode[i] for i in order]
+        decode[:] = map(decode.__getitem__, order)
 
     def _schedule_running(self, plan: SchedulerPlan, now: float) -> None:
         # Runs once per step over every running request: kept lean (no call when no page is
@@ -519,12 +520,15 @@ class Scheduler:
         }
 
 
+_adapter_of = attrgetter("adapter")  # a request's adapter name
+
+
 def _remove(items, item) -> None:
     """Remove `item` from a list or deque by identity. (`list.remove` compares by ==, and a
     Request's dataclass __eq__ builds and compares tuples of all its fields for every request
-    before the one sought: costly over a batch of hundreds, once a step.)"""
-    for i, x in enumerate(items):
-        if x is item:
-            del items[i]
-            return
-    raise ValueError(f"{item!r} is not in the list")
+    before the one sought: costly over a batch of hundreds, once a step.) The first index
+    where `x is item`, found by C iterators (no Python-level loop)."""
+    i = next(compress(count(), map(is_, items, repeat(item))), None)
+    if i is None:
+        raise ValueError(f"{item!r} is not in the list")
+    del items[i]

@@ -359,11 +359,8 @@ class SimEngine:
             first = block_size * len(req.block_table) + 1 - tokens  # the step needing a block
             if first < 0:
                 return None  # (more than one block due: no steady decode)
-            end = sampling.max_tokens - out
-            if req.max_len - tokens < end:
-                end = req.max_len - tokens
             tokens0.append(tokens)
-            end_of.append(end - last)
+            end_of.append(req.max_output - out - last)  # (`Request.at_length`)
             first_of.append(first)
             by_phase[first % block_size].append(row)
             if out == pending:
@@ -533,14 +530,15 @@ class _QuietRun:
         asynchronous = self.asynchronous
         tail = [FAKE_TOKEN] * taken + [PENDING] if asynchronous else [FAKE_TOKEN] * taken
         cut = -1 if asynchronous else 1 << 62  # async: the flight's pending token; sync: none
-        policy = sim.scheduler.policy
-        counts = type(policy).served is not Policy.served
         running = sim.scheduler.running
+        # every row still running decoded in each step taken: its computed count, one short
+        # of its tokens when the run began, grows by as many as its tokens
         for req in running:
-            out = req.output_token_ids
-            out[cut:] = tail
-            req.num_computed = len(req.prompt_token_ids) + len(out) - 1
-            if counts:
+            req.output_token_ids[cut:] = tail
+            req.num_computed += taken
+        policy = sim.scheduler.policy
+        if type(policy).served is not Policy.served:
+            for req in running:
                 _serve(policy, req, taken)
         self.settled = taken
         if asynchronous:
