@@ -309,6 +309,7 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     if modules is not None:
         remove_adapters(eng, trace.adapters)
     out_toks = sum(len(o.token_ids) for o in outs)
+    itl = times.stats()
     if traced is not None:
         # the timeline and every step's features, for finding where a row's time goes
         out, tag = Path(args.out), f"{len(trace.adapters) if modules is not None else 0}-{modules_key}"
@@ -322,7 +323,7 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     return {
         "adapters": len(trace.adapters) if modules is not None else 0,
         "modules": modules_key, "max_prefill_chunk": eng.config.max_prefill_chunk,
-        "requests": len(outs), **times.stats(),
+        "requests": len(outs), **itl,
         "adapters_used": len(trace.adapter_names()) if modules is not None else 0,
         "prompt_tokens": sum(n for n, _ in lens), "output_tokens": out_toks,
         "wall_s": wall, "output_tok_s": out_toks / wall, "req_s": len(outs) / wall,
@@ -332,21 +333,48 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         "captures": sum(s["graphs"] for s in steps), "gc_s": sum(s["gc_s"] for s in steps),
         "compiles": [k for s in steps for k in s["compiles"]],
         "longest": [{"ms": s["seconds"] * 1e3, "compiles": s["compiles"],
-                     "allocs": s.get("allocs"), **s["features"]}
+                     "allocs": s.get("allocs"), **_copies(s), **s["features"]}
                     for s in sorted(steps, key=lambda s: -s["seconds"])[:5]],
+        "tail": _tail(steps, itl["itl_p99_ms"]),
         "not_length": sum(o.finish_reason != "length" for o in outs),
         **{k: after[k] - before[k] for k in ("adapter_loads", "adapter_evictions", "preemptions")},
     }
 
 
+def _copies(step: dict) -> dict:
+    """A logged step's adapter copies (blocking loads, prefetches: count and MB) and its
+    garbage-collector time."""
+    loads, prefetch = step.get("load_bytes") or [], step.get("prefetch_bytes") or []
+    return {"loads": len(loads), "load_mb": sum(loads) / 1e6, "prefetches": len(prefetch),
+            "prefetch_mb": sum(prefetch) / 1e6, "gc_ms": step.get("gc_s", 0.0) * 1e3}
+
+
+def _tail(steps: list[dict], p99_ms: float) -> dict:
+    """The steps that make the inter-token latency's tail: those at least as long as its p99,
+    counted by what they hold (prompt tokens, blocking adapter loads, prefetches) and split by
+    kind, with their mean time."""
+    slow = [s for s in steps if p99_ms and s["seconds"] * 1e3 >= p99_ms]
+    kinds = {"with_prompts": lambda s: s["features"]["prefill_tokens"] > 0,
+             "with_loads": lambda s: bool(s.get("load_bytes")),
+             "with_prefetch": lambda s: bool(s.get("prefetch_bytes")),
+             "decode_only_no_copies": lambda s: not (s["features"]["prefill_tokens"]
+                                                     or s.get("load_bytes")
+                                                     or s.get("prefetch_bytes"))}
+    return {"steps": len(slow),
+            "mean_ms": sum(s["seconds"] for s in slow) * 1e3 / len(slow) if slow else 0.0,
+            **{k: sum(map(test, slow)) for k, test in kinds.items()}}
+
+
 def _stall(step: dict) -> str:
-    """One of the longest steps, for the table's notes: its time, tokens and, on CUDA, the
-    allocator growth within it."""
+    """One of the longest steps, for the table's notes: its time, tokens, the adapter copies
+    it made and, on CUDA, the allocator growth within it."""
     a = step.get("allocs")
     grew = (f", cudaMalloc x{a['device']}, pinned blocks x{a['host']} ({a['host_ms']:.1f} ms)"
             if a else "")
+    copies = "".join(f", {step[n]} {n} ({step[mb]:.0f} MB)"
+                     for n, mb in (("loads", "load_mb"), ("prefetches", "prefetch_mb")) if step.get(n))
     return (f"{step['ms']:.0f} ms ({step['prefill_tokens']} prompt tokens, "
-            f"{step['decode_seqs']} decode rows{grew})")
+            f"{step['decode_seqs']} decode rows{copies}{grew})")
 
 
 def part_scaling(eng: Engine, args) -> list[dict]:
@@ -405,6 +433,11 @@ def part_scaling(eng: Engine, args) -> list[dict]:
                   + ", ".join(sorted({c.split("[")[0] for c in r["compiles"]})))
         print(f"  longest steps, {r['adapters']} adapters {r['modules']}: "
               + "; ".join(_stall(s) for s in r["longest"][:3]))
+        t = r["tail"]
+        print(f"  steps at or past the ITL p99, chunk {r['max_prefill_chunk']}, {r['adapters']} "
+              f"adapters {r['modules']}: {t['steps']} (mean {t['mean_ms']:.1f} ms): "
+              f"{t['with_prompts']} with prompts, {t['with_loads']} with adapter loads, "
+              f"{t['with_prefetch']} with prefetches, {t['decode_only_no_copies']} decode alone")
     return rows
 
 

@@ -111,6 +111,20 @@ def test_stall_note_names_the_allocator_growth(bench):
     step["allocs"] = {"device": 2, "host": 3, "host_ms": 41.25}
     assert bench._stall(step) == ("356 ms (7987 prompt tokens, 162 decode rows, cudaMalloc x2, "
                                   "pinned blocks x3 (41.2 ms))")
+    step.update(allocs=None, **bench._copies({"load_bytes": [2e6, 3e6], "prefetch_bytes": []}))
+    assert bench._stall(step) == "356 ms (7987 prompt tokens, 162 decode rows, 2 loads (5 MB))"
+
+
+def test_tail_counts_the_steps_past_the_p99(bench):
+    def step(ms, prompt=0, loads=(), prefetch=()):
+        return {"seconds": ms / 1e3, "features": {"prefill_tokens": prompt},
+                "load_bytes": list(loads), "prefetch_bytes": list(prefetch)}
+    steps = [step(20), step(20), step(40, prompt=256), step(50, loads=[1]), step(60, prefetch=[1]),
+             step(45)]
+    assert bench._tail(steps, 40.0) == {"steps": 4, "mean_ms": 48.75, "with_prompts": 1,
+                                        "with_loads": 1, "with_prefetch": 1,
+                                        "decode_only_no_copies": 1}
+    assert bench._tail(steps, 0.0)["steps"] == 0
 
 
 def test_trace_steps_prints_where_the_first_steps_went(bench, tiny_model_dir, tmp_path, capsys):
