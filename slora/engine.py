@@ -541,29 +541,33 @@ class Engine:
                                                                           chunk)), [], paths[0])]
         sp = SamplingParams(max_tokens=3, ignore_eos=True)
         bar = _progress(len(batches) + len(largest), unit="step", desc="warm-up") if progress else None
-        # no prefix caching while warming up: every step runs the shape it is made for
-        prefix, self.scheduler.prefix = self.scheduler.prefix, None
-        whole = cfg.replace(max_prefill_chunk=0)
-        try:
-            for i, (name, prompts, late, path) in enumerate(batches + largest):
-                self.scheduler.config = whole if i < len(batches) else cfg
-                builder.decode_lora = path
-                need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts + late)
-                        + self.adapters.pages_needed(name))
-                if need <= self.allocator.num_free:  # (a pool too small skips the largest)
-                    for p in prompts:
+
+        def run(name, prompts, late, path):
+            builder.decode_lora = path
+            need = (sum(cdiv(len(p) + 3, self.config.block_size) for p in prompts + late)
+                    + self.adapters.pages_needed(name))
+            if need <= self.allocator.num_free:  # (a pool too small skips the largest)
+                for p in prompts:
+                    self.add_request(p, sp, name)
+                if late:
+                    self.step()
+                    for p in late:
                         self.add_request(p, sp, name)
-                    if late:
-                        self.step()
-                        for p in late:
-                            self.add_request(p, sp, name)
-                    while self.has_unfinished():
-                        self.step()
-                if bar is not None:
-                    bar.update()
+                while self.has_unfinished():
+                    self.step()
+            if bar is not None:
+                bar.update()
+
+        sched = self.scheduler
+        try:
+            # no prefix caching while warming up: every step runs the shape it is made for
+            with sched.prefix_cache_off():
+                with sched.prompts_whole():
+                    for batch in batches:
+                        run(*batch)
+                for batch in largest:
+                    run(*batch)
         finally:
-            self.scheduler.prefix = prefix
-            self.scheduler.config = cfg
             builder.decode_lora = mode
             if bar is not None:
                 bar.close()

@@ -37,6 +37,7 @@ Pure Python over ints: no torch. The simulator drives this class unchanged.
 from __future__ import annotations
 
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import compress, count, islice, repeat
 from operator import attrgetter, is_
@@ -112,6 +113,27 @@ class Scheduler:
         pool_tokens = (self.allocator.total - adapter_pages) * self.block_size
         req.cap_length(pool_tokens)
         self.waiting.append(req)
+
+    @contextmanager
+    def prompts_whole(self):
+        """Within the block, prompts run whole (`max_prefill_chunk` 0): each step's prompts are
+        the shape its requests make, not cut to the chunk. The config is restored after."""
+        config = self.config
+        self.config = config.replace(max_prefill_chunk=0)
+        try:
+            yield
+        finally:
+            self.config = config
+
+    @contextmanager
+    def prefix_cache_off(self):
+        """Within the block, no request looks up or offers prefix-cache pages; the cache keeps
+        what it held, for after."""
+        prefix, self.prefix = self.prefix, None
+        try:
+            yield
+        finally:
+            self.prefix = prefix
 
     def abort(self, req: Request, reason: str = "abort", now: float = 0.0) -> None:
         if not req.finished:

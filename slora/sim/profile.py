@@ -36,7 +36,6 @@ import platform
 import random
 import statistics
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -165,9 +164,10 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
                   progress: bool = False) -> list[dict]:
     """Step samples over `grid`: [{"features": {...}, "seconds": t, "case": ...}, ...].
 
-    Each case's prompts run whole (`_whole_prompts`), so its steps are the prefill, mixed and
-    decode steps the case is made of; `measure_context` measures chunks. Steps are timed by `logged_steps`, so with async scheduling each is timed as the device
-    runs it, between collections. Either way a case's steps come out in launch order: its
+    Each case's prompts run whole (`Scheduler.prompts_whole`), so its steps are the prefill,
+    mixed and decode steps the case is made of; `measure_context` measures chunks. Steps are
+    timed by `logged_steps`, so with async scheduling each is timed as the device runs it,
+    between collections. Either way a case's steps come out in launch order: its
     prefill, its mixed step (when part of the batch arrived late), then decode.
     `progress`: bars over the warm-up's steps and the grid's cases (instead of a line per
     case)."""
@@ -187,7 +187,12 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
              if n * (plen + grid.decode_steps + bs) <= min(grid.max_case_tokens, free_tokens // 2)
              and plen + grid.decode_steps + 1 < engine.max_model_len]
     bar = _bar(len(cases), "profile: batch shapes", "case", progress)
-    with _whole_prompts(engine), logged_steps(engine) as steps, bar:
+    # Prompts whole and no prefix cache, so a case's steps are the prefill, mixed and decode
+    # steps it names: chunks would split its prompts over steps of other shapes, and with
+    # async scheduling a chunk step's host time can land in the interval of the step before
+    # it (`logged_steps` times steps between collections).
+    sched = engine.scheduler
+    with sched.prefix_cache_off(), sched.prompts_whole(), logged_steps(engine) as steps, bar:
         for i, (n, plen, mix) in enumerate(cases):
             adapters = [None] * n if mix == "base" else (
                 [names[i % len(names)]] * n if mix == "one"
@@ -222,22 +227,6 @@ def measure_steps(engine, grid: Grid, log: Callable[[str], None] = print, seed: 
             else:
                 log(f"  case {i + 1}/{len(cases)}: {case}")
     return samples
-
-
-@contextmanager
-def _whole_prompts(engine):
-    """Within the block the scheduler runs prompts whole (`max_prefill_chunk` 0) and without
-    the prefix cache, so a grid case's steps are the prefill, mixed and decode steps it names.
-    Chunks would split its prompts over steps of other shapes, and with async scheduling a
-    chunk step's host time can land in the interval of the step before it (`logged_steps`
-    times steps between collections)."""
-    sched = engine.scheduler
-    config, prefix = sched.config, sched.prefix
-    sched.config, sched.prefix = config.replace(max_prefill_chunk=0), None
-    try:
-        yield
-    finally:
-        sched.config, sched.prefix = config, prefix
 
 
 def measure_context(engine, grid: Grid, log: Callable[[str], None] = print, seed: int = 1,

@@ -74,9 +74,9 @@ def logged_steps(engine, allocs: bool = False):
     the list the steps are appended to, in launch order. Three notes for finding stalls,
     which no fit reads: `gc_s`, the garbage collector's time within the step's seconds,
     `graphs`, the CUDA graphs captured within them (a bucket the warm-up missed; their keys
-    in `graph_keys`), and `compiles`, the Triton kernels compiled within them (a new specialization: a class of an
-    integer argument, a pointer's alignment or a constexpr the warm-up did not meet), each as
-    Triton writes its name and specialization. `allocs` (CUDA; off by default, as reading the
+    in `graph_keys`), and `compiles`, the Triton kernels compiled within them (a new
+    specialization: a class of an integer argument, a pointer's alignment or a constexpr the
+    warm-up did not meet), each as Triton writes its name and specialization. `allocs` (CUDA; off by default, as reading the
     allocators' statistics costs each step tens of microseconds) adds a fourth: `allocs`, the
     device allocator's cudaMalloc calls and the pinned host allocator's new blocks within the
     step, with the milliseconds those host allocations took.

@@ -337,6 +337,24 @@ def test_a_request_whose_tokens_are_pending_is_not_admitted():
     assert sched.schedule(0.0).prefill == [req]
 
 
+def test_prompts_whole_and_prefix_cache_off_hold_within_their_block_only():
+    """The settings a warm-up and a profile run under: within the blocks a 40-token prompt runs
+    in one step past the chunk of 16 and finds no cached page; after them the chunk and the
+    cache are back, even when the block raised."""
+    alloc = PageAllocator(64)
+    cfg = Cfg(block_size=4, num_pages=64, max_batch_tokens=64, max_prefill_chunk=16)
+    sched = Scheduler(cfg, alloc, AdapterManager(alloc, 0))
+    cache = sched.prefix
+    assert cache is not None
+    with pytest.raises(RuntimeError):
+        with sched.prefix_cache_off(), sched.prompts_whole():
+            assert sched.prefix is None and sched.config.max_prefill_chunk == 0
+            sched.add(Request("r", list(range(1, 41)), SamplingParams(max_tokens=2), None, 0.0))
+            assert sched.schedule(0.0).chunks == {"r": 40}
+            raise RuntimeError("left the block")
+    assert sched.prefix is cache and sched.config is cfg
+
+
 def test_decode_rows_come_largest_adapter_first():
     """Decode rows are ordered by adapter size (pages), largest first, base-only rows last, and
     rows of equal size keep the running order (MBGMV's expand starts the longest rows first);
