@@ -308,6 +308,10 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     after = eng.stats()
     if modules is not None:
         remove_adapters(eng, trace.adapters)
+    failed = [o for o in outs if o.finish_reason == "error"]
+    if failed:
+        raise RuntimeError(f"scaling: {len(failed)} of {len(outs)} requests failed, the first "
+                           f"with: {failed[0].error}")
     out_toks = sum(len(o.token_ids) for o in outs)
     itl = times.stats()
     if traced is not None:
@@ -377,13 +381,25 @@ def _stall(step: dict) -> str:
             f"{step['decode_seqs']} decode rows{copies}{grew})")
 
 
+def graph_pool_gib() -> float:
+    """GiB the CUDA graphs' private memory pools hold (segments of this device's allocator
+    owned by a pool other than the default one)."""
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)) / 2**30
+
+
 def part_scaling(eng: Engine, args) -> list[dict]:
     t0 = time.perf_counter()
     if args.max_prefill_chunk:
         set_prefill_chunk(eng, 0)  # the warm-up's prompts whole: every graph bucket, every size
     # kernel compiles and every graph (each bucket, base and each rank and module set) off the clock
     t = eng.warmup(ranks=args.ranks, modules=[MODULE_SETS[m] for m in args.modules])
-    print(f"scaling: warm-up {t:.1f} s", flush=True)
+    mem = ""
+    if eng.runner.device.type == "cuda":  # what the graphs and activations left free
+        free, total = torch.cuda.mem_get_info(eng.runner.device)
+        mem = (f"; {free / 2**30:.1f} of {total / 2**30:.1f} GiB free, graph pools "
+               f"{graph_pool_gib():.2f} GiB")
+    print(f"scaling: warm-up {t:.1f} s{mem}", flush=True)
     base_trace = s2_trace(args, 0)
     ref_lens = [(r.prompt_len, r.output_len) for r in base_trace.requests]
     points = [(base_trace, "none", 1.0, None)] + [

@@ -152,6 +152,10 @@ class StepGraphs:
         # A fresh private pool: once the dropped graphs release the old one, capturing into
         # it again trips an internal assert of PyTorch's allocator.
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        # One stream for every capture: the allocator hands a freed block of the pool only to
+        # allocations on the stream that freed it, so captures on streams of their own would
+        # each add their whole working set to the pool.
+        self._capture_stream = torch.cuda.Stream(self.device) if self.capture else None
         self.max_pages = max_pages
         scratch = self.scratch_page
         # Per-token and per-sequence inputs live in two device buffers (int64, int32), each
@@ -192,6 +196,10 @@ class StepGraphs:
                                 h32[self._tables_at:].view(B, self.max_blocks)))
         self._turn = 0
         self._arange = torch.arange(B, device=dev)  # a decode batch's logits rows
+        # Every graph's logits, in one buffer: a graph's output stays allocated in the graphs'
+        # memory pool for as long as the graph lives, so per-graph logits would hold
+        # (graphs x rows x vocabulary) floats; a step's logits are used before the next replay.
+        self.logits = torch.empty(B, self.model.logits_width, dtype=torch.float32, device=dev)
         self._filled_lora = None  # the adapter-side tensors last copied in (see _fill)
         self.pages = torch.zeros(B, max_pages, **i32)
         # per module group: offsets of A and B^T rows [B, G], ranks [L, B, G], DoRA rows [B, G]
@@ -401,7 +409,7 @@ class StepGraphs:
         model, pool = self.model, self.pool
         if not self.capture:
             return None, None, batch
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles the Triton kernels for these shapes
             model.forward(batch, pool)
@@ -425,7 +433,8 @@ class StepGraphs:
                         hidden = model.embed(batch, pool)
                     hidden = model.layers(batch, pool, hidden, start, end)
                     if end == model.num_layers:
-                        logits = model.head(batch, hidden, pool)
+                        logits = model.head(batch, hidden, pool,
+                                            out=self.logits[:len(batch.logits_index)])
                 finally:
                     pieces[-1].capture_end()
         torch.cuda.current_stream().wait_stream(stream)

@@ -47,12 +47,14 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: t
     for k0 in range(0, K, BLOCK_K):
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+    # (IEEE-rounded divisions, as the twin's: `/` is an approximate division in Triton, which
+    # can round an element to the neighbouring E4M3 value)
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         ok = k0 + offs < K
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-        q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
+        q = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
@@ -72,7 +74,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of `quantize_rows`."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX)
+    # (over a tensor: torch divides by a Python number through its reciprocal, rounding
+    # otherwise than the kernel's IEEE division)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

@@ -215,6 +215,12 @@ class LlamaModel:
     def num_layers(self) -> int:
         return len(self.w.layers)
 
+    @property
+    def logits_width(self) -> int:
+        """The columns of `head`'s logits: the whole vocabulary (every rank's shard under
+        tensor parallelism) and `max_added`."""
+        return (getattr(self.cfg, "full_vocab_size", 0) or self.cfg.vocab_size) + self.max_added
+
     @torch.inference_mode()
     def forward(self, b: Batch, pool: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] in float32 for each sequence's last token."""
@@ -289,10 +295,12 @@ class LlamaModel:
         return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v), dim=-1)
 
     @torch.inference_mode()
-    def head(self, b: Batch, h: Hidden, pool: torch.Tensor) -> torch.Tensor:
+    def head(self, b: Batch, h: Hidden, pool: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, vocab + max_added] in float32 of each sequence's last token, from the
         last layer's residual stream, with each sequence's adapter's lm_head LoRA and added
-        tokens' logits (their rows in the last layer's slot of the adapter's pages)."""
+        tokens' logits (their rows in the last layer's slot of the adapter's pages). `out`
+        (float32 [S, vocab + max_added]): written and returned instead of a new tensor."""
         x = (h.x + h.down)[b.logits_index]
         x = self.backend.rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
         logits = self.backend.linear(x, self.w.lm_head)
@@ -303,8 +311,12 @@ class LlamaModel:
         if cap:
             logits = ref.cap_logits(logits, cap)
         if not self.max_added:
-            return logits.float()
+            return logits.float() if out is None else out.copy_(logits)
         added = self.backend.added_logits(x, pool[-1], b.lora, self.max_added)
         if cap:  # (-inf, an added token not the row's adapter's, stays -inf)
             added = torch.where(added.isneginf(), added, ref.cap_logits(added, cap))
-        return torch.cat((logits.float(), added), dim=1)
+        if out is None:
+            return torch.cat((logits.float(), added), dim=1)
+        out[:, :logits.shape[1]] = logits
+        out[:, logits.shape[1]:] = added
+        return out
