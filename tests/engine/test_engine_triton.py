@@ -94,6 +94,29 @@ def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory, decode_lora):
     assert results[True] == results[False]
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_graphs_share_one_working_set_and_one_logits_buffer(tiny_model_dir, adapter_factory):
+    """The warm-up's graphs (decode and mixed buckets, with and without an adapter) hold one
+    capture's working set between them, not one each: every capture allocates from one pool
+    on one stream, so each reuses what the captures before it freed. Each graph's logits are
+    rows of one shared buffer."""
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="bfloat16",
+                            num_pages=64, max_num_seqs=64, mixed_graph_tokens=64))
+    e.add_adapter("r8", adapter_factory(tiny_model_dir, r=8, target_modules="all-linear"))
+    e.warmup()
+    g = e.runner.graphs
+    assert len(g.graphs) >= 20
+    shared = g.logits.untyped_storage().data_ptr()
+    assert all(logits.untyped_storage().data_ptr() == shared
+               for _, logits, _ in g.graphs.values())
+    segments = [s for s in torch.cuda.memory_snapshot()
+                if tuple(s.get("segment_pool_id", ())) == tuple(g.mempool)]
+    # A capture that could not reuse the pool's freed blocks took at least one segment of its
+    # own (2 MiB, the allocator's smallest; every tensor here is under 1 MiB, so no larger
+    # segment is made): the graphs' pool stays well under one a graph.
+    assert sum(s["total_size"] for s in segments) < len(g.graphs) * (2 << 20) // 4
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the copy stream is the GPU's")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_each_piece_of_layers_waits_for_its_adapter_copies(tiny_model_dir, adapter_factory,
