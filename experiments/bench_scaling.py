@@ -93,6 +93,7 @@ import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slora.config import DECODE_LORA, LORA_MODULES, VOCAB_MODULES, ModelConfig  # noqa: E402
 from slora.sim.profile import logged_steps  # noqa: E402
+from slora.sim.steplog import write_step_log  # noqa: E402
 from slora.workload import synthesize  # noqa: E402
 
 # name -> target modules of a row's synthetic adapters (None: no adapters, the base model)
@@ -163,6 +164,63 @@ class StepLog:
 
     def close(self) -> None:
         del self.eng.runner.launch  # back to the class's method
+
+
+class HostPhases:
+    """The host's time in each phase of every step, added to the step log's entries as
+    "host_ms" {phase: ms}: scheduling, adapter staging, launch (and within it: the batch's
+    preparation, the graph's inputs fed and its replay, the step's own adapter loads and its
+    prefetches), the collect's wait for the device ("wait": the sampled tokens' event) and
+    the rest of the collect, the scheduler's resolve. A step whose time exceeds its device
+    work shows here where the host spent it. Wraps instance attributes over whatever the
+    methods are now; `close()` puts them back."""
+
+    def __init__(self, eng: Engine, steps: list[dict]) -> None:
+        self.eng, self.steps, self.cur = eng, steps, {}
+        run, graphs = eng.runner, eng.runner.graphs
+        self.targets = [(eng.scheduler, "schedule", "schedule"), (eng, "_stage", "stage"),
+                        (run, "launch", "launch"), (run.batches, "prepare", "prepare"),
+                        (run.host_tier, "load_for_step", "loads"),
+                        (run.host_tier, "prefetch", "prefetch"),
+                        (run, "collect", "collect"), (eng.scheduler, "resolve", "resolve")]
+        if graphs is not None:
+            self.targets += [(graphs, "feed", "feed"), (graphs, "replay", "replay")]
+        self.saved = [(obj, name, name in vars(obj), getattr(obj, name))
+                      for obj, name, _ in self.targets]
+        for obj, name, phase in self.targets:
+            setattr(obj, name, self._timed(getattr(obj, name), phase))
+        self.step = eng.step
+        eng.step = self._step
+
+    def _timed(self, fn, phase: str):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                if phase == "collect" and args and getattr(args[0], "done", None) is not None:
+                    args[0].done.synchronize()  # the device's part of the collect, alone
+                    t1 = time.perf_counter()
+                    self.cur["wait"] = self.cur.get("wait", 0.0) + (t1 - t0) * 1e3
+                    t0 = t1
+                return fn(*args, **kwargs)
+            finally:
+                self.cur[phase] = self.cur.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+        return timed
+
+    def _step(self):
+        self.cur = {}
+        n = len(self.steps)
+        out = self.step()
+        if len(self.steps) > n:
+            self.steps[-1]["host_ms"] = self.cur
+        return out
+
+    def close(self) -> None:
+        self.eng.step = self.step
+        for obj, name, own, fn in self.saved:
+            if own:
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name)
 
 
 class TokenTimes:
@@ -297,7 +355,10 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         if args.trace_steps:
             traced = StepTrace(eng, args.trace_steps, args.trace_skip, args.trace_device_only)
         times = TokenTimes(eng)
+        phases = HostPhases(eng, steps) if args.step_logs else None
         outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
+        if phases is not None:
+            phases.close()
         times.close()
         if traced is not None:
             traced.close()
@@ -314,9 +375,14 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
                            f"with: {failed[0].error}")
     out_toks = sum(len(o.token_ids) for o in outs)
     itl = times.stats()
+    out = Path(args.out)
+    tag = (f"chunk{eng.config.max_prefill_chunk}-"
+           f"{len(trace.adapters) if modules is not None else 0}-{modules_key}")
+    if args.step_logs:  # every step's features and time, for `slora profile --add-steps` or study
+        out.mkdir(parents=True, exist_ok=True)
+        write_step_log(steps, out / f"steps-{tag}.jsonl")
     if traced is not None:
         # the timeline and every step's features, for finding where a row's time goes
-        out, tag = Path(args.out), f"{len(trace.adapters) if modules is not None else 0}-{modules_key}"
         out.mkdir(parents=True, exist_ok=True)
         traced.export(str(out / f"timeline-{tag}.json.gz"))
         (out / f"steps-{tag}.json").write_text(json.dumps(steps))
@@ -807,10 +873,13 @@ def parse_args(argv=None):
     ap.add_argument("--graph-pieces", type=int, default=None,
                     help="capture each step's CUDA graph in this many pieces (default: "
                          "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")
+    ap.add_argument("--step-logs", action="store_true",
+                    help="scaling: write each row's step log (every step's plan features and "
+                         "time) to OUT/steps-chunkC-ADAPTERS-MODULES.jsonl")
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="scaling: profile each row's first N steps (torch.profiler), print "
                          "the ops with the most host and device time and write the timeline "
-                         "(OUT/timeline-ADAPTERS-MODULES.json.gz) and every step's features "
+                         "(OUT/timeline-chunkC-ADAPTERS-MODULES.json.gz) and every step's features "
                          "(OUT/steps-...json); its overhead lands in the row's figures")
     ap.add_argument("--trace-skip", type=int, default=0,
                     help="scaling: with --trace-steps, start tracing after this many steps")

@@ -172,6 +172,13 @@ class EngineConfig:
     # every step's logits are this many columns wider, -inf in a row past its adapter's own
     # added tokens. 0: adapters that add tokens are refused.
     max_added_tokens: int = 0
+    # torch's intra-op CPU threads (`torch.set_num_threads`, process-wide) once an engine on a
+    # GPU starts. Its host work is small metadata tensors a step (the batch, the adapters'
+    # pages and ranks, the graphs' inputs), where a pool of threads only adds the wake-up
+    # and barrier of each parallel region, and now and then a stall of a whole step
+    # (docs/performance.md). 0: torch's own setting. On CPU the model computes on the host,
+    # and this is not applied.
+    host_threads: int = 1
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -216,6 +223,7 @@ class EngineConfig:
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
              f"expected None or one of {QUANTIZATIONS}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
+        need(self.host_threads >= 0, "host_threads", "must be >= 0 (0: torch's own setting)")
 
     @property
     def host_cache_bytes(self) -> int:

@@ -90,6 +90,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cuda" and config.host_threads:
+            torch.set_num_threads(config.host_threads)  # (EngineConfig.host_threads)
         full_config = model_config
         if (tp is None) != (config.tensor_parallel_size == 1):
             raise ValueError(f"ModelRunner: tensor_parallel_size="

@@ -98,6 +98,8 @@ def test_bad_inputs_are_clear_errors(engine):
         EngineConfig(block_size=3)
     with pytest.raises(ConfigError, match=r"gemm_max_rows=-1: must be >= 0"):
         EngineConfig(gemm_max_rows=-1)
+    with pytest.raises(ConfigError, match=r"host_threads=-1: must be >= 0"):
+        EngineConfig(host_threads=-1)
     with pytest.raises(ConfigError, match=r"decode_lora='sgmv': expected one of \('auto', "
                                           r"'mbgmv', 'segments'\)"):
         EngineConfig(decode_lora="sgmv")

@@ -94,6 +94,23 @@ def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory, decode_lora):
     assert results[True] == results[False]
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the host threads are set for a GPU engine")
+def test_a_gpu_engine_runs_its_host_work_on_host_threads(tiny_model_dir):
+    """EngineConfig.host_threads: an engine on a GPU sets torch's intra-op threads (its host
+    work is small metadata tensors); 0 leaves them as they were."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", num_pages=64,
+                            cuda_graphs=False, host_threads=0))
+        assert torch.get_num_threads() == 3
+        Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", num_pages=64,
+                            cuda_graphs=False))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_graphs_share_one_working_set_and_one_logits_buffer(tiny_model_dir, adapter_factory):
     """The warm-up's graphs (decode and mixed buckets, with and without an adapter) hold one

@@ -140,7 +140,7 @@ def test_trace_steps_prints_where_the_first_steps_went(bench, tiny_model_dir, tm
     assert "trace of steps 1-2, modules none, 0 adapters (step ms: " in out
     assert "trace of steps 1-2, modules qkvo, 1 adapters (step ms: " in out
     assert out.count("Self CPU time total") == 2  # one table a row
-    for tag in ("0-none", "1-qkvo"):
+    for tag in ("chunk2048-0-none", "chunk2048-1-qkvo"):
         with gzip.open(tmp_path / f"timeline-{tag}.json.gz", "rt") as fh:
             assert any(e.get("cat") == "cpu_op" for e in json.load(fh)["traceEvents"])
         steps = json.loads((tmp_path / f"steps-{tag}.json").read_text())
@@ -182,7 +182,7 @@ def test_s2_rows_at_each_prefill_chunk_with_inter_token_latency(bench, tiny_mode
                 "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
                 "--adapters", "2", "--num-requests", "6", "--input-len", "20,60",
                 "--output-len", "2,6", "--modules", "qkvo", "--max-prefill-chunk", "0,16",
-                "--batches", "4",
+                "--batches", "4", "--step-logs",
                 "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "bench_scaling.json").read_text())["scaling"]
     assert [(r["max_prefill_chunk"], r["modules"]) for r in rows] == [
@@ -193,6 +193,14 @@ def test_s2_rows_at_each_prefill_chunk_with_inter_token_latency(bench, tiny_mode
         assert r["itl_tokens"] == r["output_tokens"] - r["requests"]
         assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"]
     assert rows[2]["steps"] > rows[0]["steps"]  # prompts of up to 60 tokens in chunks of 16
+    # --step-logs: each row's steps, every one with its host phases (the scheduler's, the
+    # launch's and the collect's at least), in the row's step count
+    for r in rows:
+        tag = f"chunk{r['max_prefill_chunk']}-{r['adapters']}-{r['modules']}"
+        steps = [json.loads(line) for line in (tmp_path / f"steps-{tag}.jsonl").open()]
+        assert len(steps) == r["steps"]
+        assert all({"schedule", "launch", "collect"} <= set(s["host_ms"]) for s in steps)
+        assert all(v >= 0 for s in steps for v in s["host_ms"].values())
 
 
 def test_long_prompt_part(bench, tiny_model_dir, tmp_path):
