@@ -176,8 +176,9 @@ class EngineConfig:
     # GPU starts. Its host work is small metadata tensors a step (the batch, the adapters'
     # pages and ranks, the graphs' inputs), where a pool of threads only adds the wake-up
     # and barrier of each parallel region, and now and then a stall of a whole step
-    # (docs/performance.md). 0: torch's own setting. On CPU the model computes on the host,
-    # and this is not applied.
+    # (docs/performance.md). Adapter reads from disk (packing into pages, the finite check,
+    # pinning) run on the count torch had before. 0: torch's own setting. On CPU the model
+    # computes on the host, and this is not applied.
     host_threads: int = 1
 
     def __post_init__(self) -> None:

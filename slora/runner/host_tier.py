@@ -26,18 +26,23 @@ import torch
 
 from slora.core.adapters import AdapterInfo, AdapterManager
 from slora.model.loader import AdapterError
+from slora.runner.device import intra_op_threads
 
 Loads = list[tuple[str, list[int]]]  # (adapter name, its pool pages)
 
 
 class HostAdapterTier:
     """pool: the pool tensor [layers, pages, page_size]; piece_starts: the first layer of each
-    piece a step's own loads are cut into (the pieces of the step's graphs)."""
+    piece a step's own loads are cut into (the pieces of the step's graphs); read_threads:
+    torch's intra-op threads for an adapter's read from disk, its packing, check and pinning,
+    whatever the step's host work runs on (`EngineConfig.host_threads`; 0: as they are)."""
 
-    def __init__(self, pool: torch.Tensor, dtype: torch.dtype, piece_starts: list[int]) -> None:
+    def __init__(self, pool: torch.Tensor, dtype: torch.dtype, piece_starts: list[int],
+                 read_threads: int = 0) -> None:
         self.pool = pool
         self.dtype = dtype
         self.piece_starts = piece_starts
+        self.read_threads = read_threads
         self.cuda = pool.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(pool.device) if self.cuda else None
         self.tensors: dict[str, torch.Tensor] = {}  # adapter name -> its packed pages
@@ -48,17 +53,23 @@ class HostAdapterTier:
         the adapters the LRU drops to make room leave the tier."""
         host = self.tensors.get(info.name)
         if host is None:
-            host = info.pack(self.pool.shape[2], self.dtype)
-            # A read holding NaN or inf never reaches the pool. (Buffers shared by synthetic
-            # adapters are drawn by slora, finite, and large: they are not scanned per read.)
-            if info.shared is None and not bool(torch.isfinite(host).all()):
-                raise AdapterError(f"adapter {info.name!r}: its weights hold NaN or inf",
-                                   adapter=info.name)
-            if self.cuda and not host.is_pinned():
-                host = host.pin_memory()
+            with intra_op_threads(self.read_threads):
+                host = self._read(info)
             self.tensors[info.name] = host
         for dropped in adapters.admit_host(info.name):
             self.tensors.pop(dropped, None)
+        return host
+
+    def _read(self, info: AdapterInfo) -> torch.Tensor:
+        """The adapter's weights packed into pages' rows, checked finite, pinned on a GPU."""
+        host = info.pack(self.pool.shape[2], self.dtype)
+        # A read holding NaN or inf never reaches the pool. (Buffers shared by synthetic
+        # adapters are drawn by slora, finite, and large: they are not scanned per read.)
+        if info.shared is None and not bool(torch.isfinite(host).all()):
+            raise AdapterError(f"adapter {info.name!r}: its weights hold NaN or inf",
+                               adapter=info.name)
+        if self.cuda and not host.is_pinned():
+            host = host.pin_memory()
         return host
 
     def stage(self, names: list[str], adapters: AdapterManager) -> dict[str, Exception]:

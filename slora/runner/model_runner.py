@@ -90,8 +90,11 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # EngineConfig.host_threads for the step's host work; adapter reads keep the count
+        # torch had (`HostAdapterTier.host_copy`)
+        read_threads = torch.get_num_threads()
         if self.device.type == "cuda" and config.host_threads:
-            torch.set_num_threads(config.host_threads)  # (EngineConfig.host_threads)
+            torch.set_num_threads(config.host_threads)
         full_config = model_config
         if (tp is None) != (config.tensor_parallel_size == 1):
             raise ValueError(f"ModelRunner: tensor_parallel_size="
@@ -149,12 +152,12 @@ class ModelRunner:
         # the adapters it loads itself, each piece waited for before its layers run
         self.piece_starts = piece_starts(model_config.num_layers)
         if tp is None:
-            self.host_tier = HostAdapterTier(self.pool, self.dtype, self.piece_starts)
+            self.host_tier = HostAdapterTier(self.pool, self.dtype, self.piece_starts, read_threads)
         else:
             from slora.distributed import ShardedHostTier, WorkerHostTier
 
             tier = ShardedHostTier if tp.rank == 0 else WorkerHostTier
-            self.host_tier = tier(tp, self.pool, self.dtype, self.piece_starts)
+            self.host_tier = tier(tp, self.pool, self.dtype, self.piece_starts, read_threads)
         self._norm_stream = None  # DoRA's norms (`weight_norms`), on a GPU
         self.tile_rows = tile_rows(self.device, self.dtype)  # prefill kernels' work-tile tokens
         # row strides and output widths of each LoRA module group: fixed by the model

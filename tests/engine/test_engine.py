@@ -190,6 +190,33 @@ def test_adapter_copies_fill_scattered_pages_of_several_adapters(tiny_model_dir,
     assert runner.pool[:, others].abs().sum() == 0
 
 
+def test_adapter_reads_run_on_the_tiers_read_threads(tiny_model_dir, adapter_factory):
+    """HostAdapterTier.read_threads: an adapter's read (its packing into pages) runs on that
+    many intra-op threads, and the step's host work on the count set before and after it."""
+    import torch
+
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=40))
+    e.add_adapter("a", adapter_factory(tiny_model_dir, r=8, target_modules=["q_proj"]))
+    info, tier = e.adapters.adapters["a"], e.runner.host_tier
+    seen, pack = [], info.pack
+
+    def counted(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return pack(*args, **kwargs)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        object.__setattr__(info, "pack", counted)
+        tier.read_threads = 2
+        host = tier.host_copy(info, e.adapters)
+        assert seen == [2] and torch.get_num_threads() == 1
+        assert torch.equal(host, pack(e.runner.pool.shape[2], e.runner.dtype))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_adapter_copies_in_pieces_of_layers_fill_the_same_pages(tiny_model_dir, adapter_factory):
     """A step's own adapter loads go a piece of layers at a time on the GPU, the forward
     waiting for each piece (HostAdapterTier.load_for_step): the pieces, copied one after another,
