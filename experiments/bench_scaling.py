@@ -166,6 +166,9 @@ class StepLog:
         del self.eng.runner.launch  # back to the class's method
 
 
+HOST_BOUND_MS = 0.5  # a collect that waited less for the device found it idle (`_tail`)
+
+
 class HostPhases:
     """The host's time in each phase of every step, added to the step log's entries as
     "host_ms" {phase: ms}: scheduling, adapter staging, launch (and within it: the batch's
@@ -422,8 +425,11 @@ def _copies(step: dict) -> dict:
 def _tail(steps: list[dict], p99_ms: float) -> dict:
     """The steps that make the inter-token latency's tail: those at least as long as its p99,
     counted by what they hold (prompt tokens, blocking adapter loads, prefetches) and split by
-    kind, with their mean time."""
+    kind, with their mean time; with host phases recorded (`HostPhases`), `host_bound`: those
+    whose collect found the device done (under HOST_BOUND_MS of wait), so the host's work,
+    not the device's, set their time (None without them)."""
     slow = [s for s in steps if p99_ms and s["seconds"] * 1e3 >= p99_ms]
+    timed = all("host_ms" in s for s in slow)
     kinds = {"with_prompts": lambda s: s["features"]["prefill_tokens"] > 0,
              "with_loads": lambda s: bool(s.get("load_bytes")),
              "with_prefetch": lambda s: bool(s.get("prefetch_bytes")),
@@ -432,7 +438,9 @@ def _tail(steps: list[dict], p99_ms: float) -> dict:
                                                      or s.get("prefetch_bytes"))}
     return {"steps": len(slow),
             "mean_ms": sum(s["seconds"] for s in slow) * 1e3 / len(slow) if slow else 0.0,
-            **{k: sum(map(test, slow)) for k, test in kinds.items()}}
+            **{k: sum(map(test, slow)) for k, test in kinds.items()},
+            "host_bound": (sum(s["host_ms"].get("wait", 0.0) < HOST_BOUND_MS for s in slow)
+                           if timed and slow else None)}
 
 
 def _stall(step: dict) -> str:
@@ -519,7 +527,8 @@ def part_scaling(eng: Engine, args) -> list[dict]:
         print(f"  steps at or past the ITL p99, chunk {r['max_prefill_chunk']}, {r['adapters']} "
               f"adapters {r['modules']}: {t['steps']} (mean {t['mean_ms']:.1f} ms): "
               f"{t['with_prompts']} with prompts, {t['with_loads']} with adapter loads, "
-              f"{t['with_prefetch']} with prefetches, {t['decode_only_no_copies']} decode alone")
+              f"{t['with_prefetch']} with prefetches, {t['decode_only_no_copies']} decode alone"
+              + ("" if t.get("host_bound") is None else f", {t['host_bound']} host-bound"))
     return rows
 
 

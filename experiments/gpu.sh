@@ -11,7 +11,7 @@
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
 #   --bench LIST    of: engine s2 decode serve fp8 dora prefix chunk long (default: engine s2 decode);
 #                   serve: S2 via `slora serve`; fp8: bench_fp8's GEMMs; dora: decode + DoRA; prefix:
-#                   shared-prompt trace, caching off/on; chunk: S2 at $CHUNKS; long: a 100k prompt
+#                   shared-prompt trace, caching off/on; chunk: S2 at $CHUNKS (step logs); long: a 100k prompt
 #   --quantization fp8  engine, s2 and decode with FP8 base weights (the table names them)
 #   --compare NAME  the table also holds run NAME (an earlier $OUT/NAME.tar.gz), and this one over it
 # Before / after in one call, an older tree copied to results/base (carried to the device):
@@ -65,7 +65,8 @@ bench engine && step engine 240 python3 experiments/bench_engine.py --models lla
   --batches 32 --race --skip-hf "${QUANT[@]}" --out "$D/engine"
 sc=experiments/bench_scaling.py s2=(--part scaling --adapters 2000 --num-requests 400 --modules qkvo "${QUANT[@]}")
 bench s2 && step s2 300 python3 $sc "${s2[@]}" --out "$D/s2"
-bench chunk && step chunk 600 python3 $sc "${s2[@]}" --max-prefill-chunk "${CHUNKS:-0,512,1024,2048,4096}" --out "$D/chunk"
+bench chunk && step chunk 600 python3 $sc "${s2[@]}" --max-prefill-chunk "${CHUNKS:-0,512,1024,2048,4096}" \
+  $(grep -q -- --step-logs $sc && echo --step-logs) --out "$D/chunk"
 bench long && step long 420 python3 $sc --part long --model experiments/models/llama-3-8b "${QUANT[@]}" --out "$D/long"
 bench decode && step decode 300 python3 $sc --part decode --batches 32 --breakdown '' "${QUANT[@]}" \
   $(bench dora && echo --dora) --out "$D/decode"

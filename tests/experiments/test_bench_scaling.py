@@ -123,8 +123,12 @@ def test_tail_counts_the_steps_past_the_p99(bench):
              step(45)]
     assert bench._tail(steps, 40.0) == {"steps": 4, "mean_ms": 48.75, "with_prompts": 1,
                                         "with_loads": 1, "with_prefetch": 1,
-                                        "decode_only_no_copies": 1}
+                                        "decode_only_no_copies": 1, "host_bound": None}
     assert bench._tail(steps, 0.0)["steps"] == 0
+    # with host phases: the slow steps whose collect found the device done
+    for s, wait in zip(steps, [12.0, 11.0, 9.0, 0.1, 0.0, 8.0]):
+        s["host_ms"] = {"wait": wait, "launch": 3.0}
+    assert bench._tail(steps, 40.0)["host_bound"] == 2
 
 
 def test_trace_steps_prints_where_the_first_steps_went(bench, tiny_model_dir, tmp_path, capsys):
