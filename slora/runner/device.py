@@ -28,6 +28,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+_torch_threads: list[int] = []  # torch's intra-op threads before an engine first set them
+
+
+def set_host_threads(n: int) -> int:
+    """Set torch's intra-op threads to `n` (0: as they are) for a GPU engine's host work
+    (`EngineConfig.host_threads`); returns the count torch had before any engine set them, for
+    the host work that threads do speed up (adapter reads), the same for every engine of the
+    process."""
+    if not _torch_threads:
+        _torch_threads.append(torch.get_num_threads())
+    if n:
+        torch.set_num_threads(n)
+    return _torch_threads[0]
+
+
 @contextmanager
 def intra_op_threads(n: int):
     """torch's intra-op CPU threads set to `n` within the block, as they were after it (0, or

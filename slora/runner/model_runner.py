@@ -38,7 +38,7 @@ from slora.model.llama import ADDED_GROUP, GROUPS, VOCAB_GROUPS, Batch, LlamaMod
 from slora.model.loader import AdapterError, load_weights, random_weights, strides
 from slora.model.quant import LINEAR_FIELDS, Fp8Weight, quantize_weights
 from slora.runner.batch import BatchBuilder
-from slora.runner.device import resolve_device, resolve_dtype
+from slora.runner.device import resolve_device, resolve_dtype, set_host_threads
 from slora.runner.host_tier import HostAdapterTier
 from slora.runner.sampling import Sampler, finite_rows, nonfinite_error
 
@@ -92,9 +92,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         # EngineConfig.host_threads for the step's host work; adapter reads keep the count
         # torch had (`HostAdapterTier.host_copy`)
-        read_threads = torch.get_num_threads()
-        if self.device.type == "cuda" and config.host_threads:
-            torch.set_num_threads(config.host_threads)
+        read_threads = (set_host_threads(config.host_threads) if self.device.type == "cuda"
+                        else torch.get_num_threads())
         full_config = model_config
         if (tp is None) != (config.tensor_parallel_size == 1):
             raise ValueError(f"ModelRunner: tensor_parallel_size="

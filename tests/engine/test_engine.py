@@ -217,6 +217,23 @@ def test_adapter_reads_run_on_the_tiers_read_threads(tiny_model_dir, adapter_fac
         torch.set_num_threads(before)
 
 
+def test_host_threads_remember_the_count_torch_had(monkeypatch):
+    """set_host_threads: each engine sets its own count; every one of them gets back the
+    count torch had before the first did, for its adapter reads."""
+    import torch
+
+    from slora.runner import device
+
+    monkeypatch.setattr(device, "_torch_threads", [])
+    before = torch.get_num_threads()
+    try:
+        assert device.set_host_threads(1) == before and torch.get_num_threads() == 1
+        assert device.set_host_threads(2) == before and torch.get_num_threads() == 2
+        assert device.set_host_threads(0) == before and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_adapter_copies_in_pieces_of_layers_fill_the_same_pages(tiny_model_dir, adapter_factory):
     """A step's own adapter loads go a piece of layers at a time on the GPU, the forward
     waiting for each piece (HostAdapterTier.load_for_step): the pieces, copied one after another,
