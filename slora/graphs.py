@@ -332,7 +332,9 @@ class StepGraphs:
         width = b.block_tables.shape[1]
         tables[:n_seq, :width] = b.block_tables
         tables[:n_seq, width:] = scratch
-        self.meta64[:, :t_bucket].copy_(h64[:, :t_bucket], non_blocking=True)
+        # the whole int64 twin: one contiguous pinned copy (a slice of its rows, not being
+        # contiguous, would first be gathered into pageable memory on the host)
+        self.meta64.copy_(h64, non_blocking=True)
         end = self._tables_at + n_seq * self.max_blocks
         self.meta32[:end].copy_(h32[:end], non_blocking=True)
         lora = b.lora
@@ -352,7 +354,8 @@ class StepGraphs:
                 continue
             off_a[:n_a].copy_(g.offsets_a[:n_a], non_blocking=True)
             off_b[:n_a].copy_(g.offsets_b[:n_a], non_blocking=True)
-            ranks[:, :n_a].copy_(g.ranks[:, :n_a], non_blocking=True)  # (its rows are padded)
+            # all of its rows, padded to a multiple of 4 adapters: a contiguous pinned source
+            ranks[:, :g.ranks.shape[1]].copy_(g.ranks, non_blocking=True)
 
     def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int,
                       dora: tuple[str, ...], groups: tuple[str, ...]) -> Batch:

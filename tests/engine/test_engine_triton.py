@@ -204,7 +204,24 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
     check), give the eager batch's tokens.
     Decode steps pad rows to a batch bucket (with decode_lora "segments", their rows grouped
     by adapter in the bucket's segment buffers); mixed steps pad tokens to a token bucket and
-    sequences to a sequence bucket, the prefill kernels walking the prompts' work tiles."""
+    sequences to a sequence bucket, the prefill kernels walking the prompts' work tiles.
+    Every host tensor a step's inputs are copied from is contiguous: on a GPU a non-contiguous
+    one is first gathered into pageable memory, whose copy may wait for the running step."""
+    from torch.overrides import TorchFunctionMode
+
+    sources = []  # each host source's contiguity, in feed's copies
+
+    class Copies(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.copy_ and args[1].device.type == "cpu":
+                sources.append(args[1].is_contiguous())
+            return func(*args, **(kwargs or {}))
+
+    def spied(feed):
+        def run(*args, **kwargs):
+            with Copies():
+                return feed(*args, **kwargs)
+        return run
 
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
              "r20": adapter_factory(tiny_model_dir, r=20, target_modules="all-linear", seed=1)}
@@ -219,6 +236,7 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
                                                        capture=False)
             capture = g._capture
             g._capture = lambda *args: captured.append(args[-1]) or capture(*args)
+            g.feed = spied(g.feed)
         results[graphs, decode_lora] = _staggered_run(e, paths)
         if graphs:
             kinds = {key[0] for key in e.runner.graphs.graphs}
@@ -236,6 +254,7 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
                 assert (tuple(batch.lora.groups) if batch.lora else ()) == key[-1], key
     eager = results.pop((False, "auto"))
     assert all(tokens == eager for tokens in results.values())
+    assert sources and all(sources), sources
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
