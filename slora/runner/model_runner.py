@@ -91,9 +91,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # EngineConfig.host_threads for the step's host work; adapter reads keep the count
-        # torch had (`HostAdapterTier.host_copy`)
-        read_threads = (set_host_threads(config.host_threads) if self.device.type == "cuda"
-                        else torch.get_num_threads())
+        # torch had (`HostAdapterTier.host_copy`; 0 on CPU: the threads as they are)
+        read_threads = set_host_threads(config.host_threads) if self.device.type == "cuda" else 0
         full_config = model_config
         if (tp is None) != (config.tensor_parallel_size == 1):
             raise ValueError(f"ModelRunner: tensor_parallel_size="
