@@ -12,6 +12,9 @@ For each linear module of Llama-2-7B (qkv, o, gate_up, down) and each row count 
 - with --sweep, M <= 64: the unpacked kernel at every BLOCK_K x num_stages x BLOCK_N x
   programs_per_sm of the sweep ("fp8 unpacked N64 K256 s3 x2": K cut for 2 programs per SM),
   each distinct launch once, variants that do not fit the device skipped;
+- fp8 W8A8, M <= 64: x quantized per row (`fp8.quantize_rows`, timed with it), then the
+  few-rows kernel over the FP8 x and W in the FP8 tensor cores (`skinny_linear(x_scale=)`),
+  at the table's tiles and, with --sweep, at SWEEP's;
 - fp8 _scaled_mm: per-row activation quantization (`fp8.quantize_rows`) + `torch._scaled_mm`;
 - fp8 dequant + cuBLAS, M >= 64: the weight dequantized to bf16 for the call, then F.linear
   (the twin's way: exact weights, bf16 tensor cores, the weight's bytes read three times).
@@ -78,13 +81,28 @@ def few_rows_tiles(M: int, N: int, K: int, device, sweep: bool = False) -> list[
 
 def variants(M: int, N: int, K: int, device, sweep: bool = False) -> list:
     """(path, fn(x, w bf16, w fp8)) of each path that takes M rows."""
-    from slora.kernels import fp8, gemm
+    from slora.kernels import fp8, gemm, tuning
 
     def few_rows(cfg):
         return lambda x, w, q: gemm.skinny_linear(x, q.weight, cfg=cfg, scale=q.scale)
 
+    def w8a8(cfg):
+        def fn(x, w, q):
+            xq, xs = fp8.quantize_rows(x)
+            return gemm.skinny_linear(xq, q.weight, cfg=cfg, scale=q.scale, x_scale=xs,
+                                      out_dtype=x.dtype)
+        return fn
+
     out = [("bf16", lambda x, w, q: gemm.linear(x, w, max_rows=GEMM_ROWS))]
     out += [(path, few_rows(cfg)) for path, cfg in few_rows_tiles(M, N, K, device, sweep)]
+    if M <= 64:
+        pick = dict(gemm.skinny_cfg(M, N, K, device, 1), UNPACK=False)
+        out.append(("fp8 W8A8", w8a8(pick)))
+        for bk, stages, bn, per_sm in itertools.product(*SWEEP.values()) if sweep else ():
+            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4 if bn == 64 else 8, num_stages=stages,
+                       UNPACK=False, BLOCK_M=pick["BLOCK_M"],
+                       SPLIT=gemm.k_slices(N, K, bn, bk, per_sm * tuning.sms(device)))
+            out.append((f"fp8 W8A8 N{bn} K{bk} s{stages} x{per_sm}", w8a8(cfg)))
     out.append(("fp8 _scaled_mm", lambda x, w, q: fp8.scaled_mm_linear(x, q)))
     if M >= 64:
         out.append(("fp8 dequant + cuBLAS", lambda x, w, q: quant.linear(x, q)))
@@ -98,7 +116,7 @@ def summary(rows: list[dict], copy_gbps: float) -> str:
         return f"{r['us']:7.1f} ({100 * r['weight_GBps'] / copy_gbps:3.0f}%)" if r else f"{'-':>13}"
 
     lines = [f"{'module':8s}{'M':>5}  {'bf16':>13}  {'fp8 unpacked':>13}  {'fp8 converted':>13}"
-             f"  {'conv/unp':>8}  fastest fp8"]
+             f"  {'conv/unp':>8}  {'fp8 W8A8':>13}  fastest fp8"]
     keys = dict.fromkeys((r["module"], r["M"]) for r in rows)
     for module, M in keys:
         by = {r["path"]: r for r in rows if (r["module"], r["M"]) == (module, M)}
@@ -107,7 +125,7 @@ def summary(rows: list[dict], copy_gbps: float) -> str:
         best = min(fp8s, key=lambda r: r["us"]) if fp8s else None
         gain = f"{old['us'] / new['us']:8.2f}" if new and old else f"{'-':>8}"
         lines.append(f"{module:8s}{M:5d}  {cell(by.get('bf16'))}  {cell(new)}  {cell(old)}  {gain}"
-                     f"  {best['path'] + ' ' + format(best['us'], '.1f') + ' us' if best else '-'}")
+                     f"  {cell(by.get('fp8 W8A8'))}  {best['path'] + ' ' + format(best['us'], '.1f') + ' us' if best else '-'}")
     return "\n".join(lines)
 
 

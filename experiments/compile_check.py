@@ -56,6 +56,7 @@ PLAIN = dict(SLIDING=False, SOFTCAP=False)
 GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "part_ptr": "*fp32", "count_ptr": "*i32"}
 GEMM_FP8 = dict(GEMM, w_ptr="*fp8e4nv", scale_ptr="*fp32")
+GEMM_W8A8 = dict(GEMM_FP8, x_ptr="*fp8e4nv", x_scale_ptr="*fp32")
 # integer arguments that are multiples of 16 when a 7B's step launches the kernels (hidden 4096,
 # head_dim 128, 32 heads, pages of 16 tokens, LoRA rows and offsets aligned to 64 elements)
 DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3", "s0", "s1",
@@ -130,6 +131,9 @@ def variants():
         ("fp8 gemm, tiles converted, K split", gemm._skinny_kernel, GEMM_FP8,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=False,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
+        ("fp8 gemm, W8A8, K split", gemm._skinny_kernel, GEMM_W8A8,
+         dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=False,
+              BLOCK_M=32, BLOCK_N=64, BLOCK_K=256), dict(opts, num_stages=3)),
     ]
     # a decode step's kernels take a PDL constexpr (slora.kernels.pdl): each compiles without
     # it and, as a Hopper launches them, with it

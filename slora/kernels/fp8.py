@@ -4,17 +4,18 @@ Twin and specification: `quant.linear`, F.linear over the weight dequantized to 
 
 `linear(x, w, bias, max_rows=...)` is the GPU backends' base GEMM for any weight:
 - a tensor weight: `gemm.linear` (the few-rows kernel or cuBLAS);
-- an FP8 weight, at most `max_rows` rows of a 16-bit x (a decode step): the few-rows kernel
-  reading the E4M3 weight and its scales directly (`gemm.skinny_linear(..., scale=)`): the
-  weight's bytes are the step's floor, and they are half of bf16's;
-- an FP8 weight, more rows of a 16-bit x (prefill, large decode batches): the FP8 tensor
-  cores (`torch._scaled_mm`) on x quantized per token: each row of x gets its own scale (its
-  largest magnitude maps to E4M3's 448, `quantize_rows`), W keeps its per-channel ones, the
-  product comes out in bf16 (the one output type of per-row scaling; an fp16 x gets it
-  converted, a rounding far below E4M3's), then the bias is added. Rounding the activations
-  to E4M3 (at most 2^-4 relative an element) puts this path about 2.6% of the output's norm
-  from the twin, as far as the weights' own rounding puts the twin from bf16: the dynamic
-  per-token W8A8 scheme vLLM serves FP8 checkpoints with;
+- an FP8 weight and a 16-bit x: the FP8 tensor cores on x quantized per token (W8A8): each
+  row of x gets its own scale (its largest magnitude maps to E4M3's 448, `quantize_rows`), W
+  keeps its per-channel ones, and both scales multiply the fp32 sums. Rounding the
+  activations to E4M3 (at most 2^-4 relative an element) puts these paths about 2.6% of the
+  output's norm from the twin, as far as the weights' own rounding puts the twin from bf16:
+  the dynamic per-token W8A8 scheme vLLM serves FP8 checkpoints with. By rows:
+  - at most `max_rows` (a decode step): the few-rows kernel over the FP8 x and the E4M3
+    weight as they are (`gemm.skinny_linear(..., scale=, x_scale=)`), a weight stream with no
+    conversion of either tile: the weight's bytes are the step's floor, half of bf16's;
+  - more rows, both dims multiples of 16 (prefill, large decode batches): `torch._scaled_mm`,
+    its product in bf16 (the one output type of per-row scaling; an fp16 x gets it
+    converted, a rounding far below E4M3's), then the bias added;
 - anything else (an fp32 x, dims that are not multiples of 16, which `_scaled_mm` requires,
   a CPU tensor): the twin.
 """
@@ -112,7 +113,9 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | No
     if not isinstance(w, Fp8Weight):
         return gemm.linear(x, w, bias, max_rows=max_rows)
     if gemm.uses_kernel(x, w.weight, max_rows):
-        return gemm.skinny_linear(x, w.weight, bias, scale=w.scale)
+        xq, xs = quantize_rows(x)
+        return gemm.skinny_linear(xq, w.weight, bias, scale=w.scale, x_scale=xs,
+                                  out_dtype=x.dtype)
     if uses_scaled_mm(x, w):
         return scaled_mm_linear(x, w, bias)
     return quant.linear(x, w, bias)

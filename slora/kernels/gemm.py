@@ -19,7 +19,9 @@ beats cuBLAS's tiles, past it cuBLAS wins.
 FP8 weights (`skinny_linear(..., scale=...)`): the same kernel loads W's E4M3 tiles (half the
 bytes), converts them in registers to x's dtype (exact: every E4M3 value is a bf16 and an fp16
 value), accumulates in fp32 and multiplies each output feature by its scale once, after the K
-sum: no dequantized copy of W exists in memory. `slora.kernels.fp8` dispatches to it.
+sum: no dequantized copy of W exists in memory. With an FP8 x too (`x_scale=`: x quantized per
+row, W8A8) neither tile is converted: both go to the FP8 tensor cores as loaded, and each row's
+scale multiplies its sums beside the features'. `slora.kernels.fp8` dispatches to it (W8A8).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def _dot(acc, w, xt, DOT_F32: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["split"])
-def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+def _skinny_kernel(x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+                   M, N, K,
                    k_split, split, stride_x, stride_w, stride_out, stride_part,
                    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_F32: tl.constexpr, PDL: tl.constexpr,
@@ -84,11 +87,14 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_p
     # type decides at compile time; scale_ptr is unused otherwise. UNPACK (FP8 W, K and
     # stride_w multiples of 4): W read as 32-bit words, in 16-byte loads, and unpacked by bit
     # operations (`_unpack_fp8`); otherwise its E4M3 tile is converted by cvt instructions.
+    # An FP8 x (W8A8) comes with its row scales, x = x * x_scale[:, None], and meets the FP8
+    # W tile in the FP8 tensor cores as it is: no conversion on either side.
     W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
-    WORDS: tl.constexpr = W_FP8 and UNPACK
+    X_FP8: tl.constexpr = x_ptr.dtype.element_ty == tl.float8e4nv
+    WORDS: tl.constexpr = W_FP8 and UNPACK and not X_FP8
     # the 16-bit type FP8 weights unpack to: x's, or fp16 (exact) under an fp32 x
-    WT: tl.constexpr = x_ptr.dtype.element_ty if x_ptr.dtype.element_ty != tl.float32 \
-        else tl.float16
+    WT: tl.constexpr = tl.float16 if x_ptr.dtype.element_ty == tl.float32 \
+        else x_ptr.dtype.element_ty
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which K slice
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,6 +110,9 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_p
     if WORDS:
         w_ptrs = (w_ptr.to(tl.pointer_type(tl.uint32)) + offs_n.to(tl.int64)[:, None]
                   * (stride_w // 4) + (k_lo // 4 + offs_q)[None, :])
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + (k_lo + offs_k)[None, :]
+    elif X_FP8:  # x's tile as [BLOCK_M, BLOCK_K], K-major, as the FP8 tensor cores take it
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
         x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x + (k_lo + offs_k)[None, :]
     else:
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
@@ -121,6 +130,16 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_p
             acc = _dot(acc, _unpack_fp8(q, WT, BLOCK_N, BLOCK_K),
                        _pair_order(x, BLOCK_M, BLOCK_K), DOT_F32)
             w_ptrs += BLOCK_K // 4
+        elif X_FP8:
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = k0 + offs_k < K
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(acc, w, tl.trans(x), DOT_F32)
+            w_ptrs += BLOCK_K
         else:
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
@@ -149,6 +168,8 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, count_p
         tl.atomic_xchg(count_ptr + tile, 0)
     if W_FP8:  # each output feature's sum times its scale
         acc *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+    if X_FP8:  # and each row's by its own
+        acc *= tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     out = acc.to(out_ptr.dtype.element_ty)
@@ -220,11 +241,15 @@ def words(w: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  cfg: dict | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+                  cfg: dict | None = None, scale: torch.Tensor | None = None,
+                  x_scale: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, fp32 accumulation, by the
     Triton kernel whatever M (see `linear` for when the engine uses it). `cfg` overrides the
     tiles (the benchmark's sweep; its `UNPACK` holds only where `words(w)`). `scale` [N]
-    float32: w is an FP8 weight (float8_e4m3fn) standing for w * scale[:, None], read as is."""
+    float32: w is an FP8 weight (float8_e4m3fn) standing for w * scale[:, None], read as is.
+    `x_scale` [M, 1] float32: x is FP8 too, standing for x * x_scale (`fp8.quantize_rows`),
+    the product then in `out_dtype` (W8A8: both tiles straight into the FP8 tensor cores)."""
     M, K = x.shape
     N = w.shape[0]
     assert w.shape == (N, K) and w.stride(1) == 1 and x.stride(1) == 1, \
@@ -232,11 +257,14 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     assert (scale is None) == (w.dtype != torch.float8_e4m3fn), "an FP8 w comes with its scale"
     assert scale is None or (scale.shape == (N,) and scale.dtype == torch.float32
                              and scale.stride(0) == 1)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    assert (x_scale is None) == (x.dtype != torch.float8_e4m3fn), "an FP8 x comes with its scale"
+    assert x_scale is None or (scale is not None and out_dtype is not None
+                               and x_scale.dtype == torch.float32 and x_scale.numel() == M)
+    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return out
     cfg = dict(cfg or skinny_cfg(M, N, K, x.device, w.element_size()))
-    cfg["UNPACK"] = bool(cfg.get("UNPACK")) and words(w)
+    cfg["UNPACK"] = bool(cfg.get("UNPACK")) and words(w) and x_scale is None
     if cfg["BLOCK_M"] < M:
         raise ValueError(f"skinny_linear: {M} rows do not fit BLOCK_M={cfg['BLOCK_M']}")
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
@@ -254,7 +282,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                            device=x.device)
     dot_f32 = x.device.type != "cuda" or x.dtype == torch.float32
     _skinny_kernel[(tiles, split)](
-        x, w, scale if scale is not None else out, bias if bias is not None else w, out, part,
+        x, w, scale if scale is not None else out, x_scale if x_scale is not None else out,
+        bias if bias is not None else w, out, part,
         count, M, N, K, k_split, split,
         x.stride(0), w.stride(0), out.stride(0), tiles * cfg["BLOCK_N"] * cfg["BLOCK_M"],
         SPLIT_K=split > 1, HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0,

@@ -44,6 +44,31 @@ def test_few_rows_gemm_reads_fp8_weights(M, N, K, unpack, bias):
     torch.testing.assert_close(got, quant.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 20, 40), (5, 33, 132), (2, 16, 300), (32, 64, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_gemm_w8a8(M, N, K, bias):
+    """An FP8 x with its row scales (`quantize_rows_ref`) against the FP8 W: the twin over the
+    dequantized x to fp32 rounding (on a GPU, to its FP8 tensor cores' accumulation), in the
+    output dtype asked for, K and N not multiples of the tiles, K split in slices."""
+    from slora.kernels import fp8, gemm
+
+    w = weight(N, K)
+    x = torch.randn(M, K, device=DEV) * torch.logspace(-2, 1, M, device=DEV)[:, None]
+    xq, xs = fp8.quantize_rows_ref(x)
+    b = torch.randn(N, device=DEV) if bias else None
+    cfg = dict(gemm.skinny_cfg(M, N, K, x.device, 1), UNPACK=True)  # (no words for an FP8 x)
+    if K == 300:
+        cfg.update(BLOCK_K=64, SPLIT=3)
+    got = gemm.skinny_linear(xq, w.weight, b, cfg=cfg, scale=w.scale, x_scale=xs,
+                             out_dtype=torch.float32)
+    want = quant.linear(xq.float() * xs, w, b)
+    # (a GPU's FP8 tensor cores keep fewer bits of the running sum than fp32: the tolerance
+    # of the `_scaled_mm` path's test there)
+    tol = dict(rtol=1e-2, atol=1e-2 * want.abs().max().item()) if DEV == "cuda" else \
+        dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
+
+
 def every_e4m3(N, K):
     """An FP8 weight [N, K] (N * K >= 256) holding each finite E4M3 value (zeros, subnormals,
     normals, both signs) once, the rest zeros, scale 1."""
@@ -185,14 +210,17 @@ def test_scaled_mm_path(dtype, N, K):
 
 @cuda
 def test_fp8_linear_dispatch():
-    """fp8.linear: the few-rows kernel up to max_rows of a 16-bit x, `_scaled_mm` past them
-    (dims multiples of 16), the twin otherwise; a tensor weight goes to gemm.linear."""
+    """fp8.linear: the few-rows kernel over x quantized per row up to max_rows of a 16-bit x,
+    `_scaled_mm` past them (dims multiples of 16), the twin otherwise; a tensor weight goes
+    to gemm.linear."""
     from slora.kernels import fp8, gemm
 
     w, odd = weight(256, 512), weight(200, 72)
     x = torch.randn(48, 512, device="cuda", dtype=torch.bfloat16)
+    xq, xs = fp8.quantize_rows(x[:32])
     assert torch.equal(fp8.linear(x[:32], w, max_rows=32),
-                       gemm.skinny_linear(x[:32], w.weight, scale=w.scale))
+                       gemm.skinny_linear(xq, w.weight, scale=w.scale, x_scale=xs,
+                                          out_dtype=x.dtype))
     assert torch.equal(fp8.linear(x, w, max_rows=32), fp8.scaled_mm_linear(x, w))
     assert torch.equal(fp8.linear(x.half(), w, max_rows=32), fp8.scaled_mm_linear(x.half(), w))
     xo = torch.randn(48, 72, device="cuda", dtype=torch.bfloat16)
@@ -235,41 +263,52 @@ def agreement(a: dict, b: dict) -> tuple[int, float, float]:
 GRAPHED = dict(backend="triton", cuda_graphs=True, async_scheduling=True)
 
 
-@cuda
-def test_fp8_engine_on_the_few_rows_kernel_agrees_with_the_twins(tiny_models):
-    """Every base GEMM of every step (prefill chunks of at most 64 tokens, decode rows) through
-    the few-rows kernel over the FP8 weights, with CUDA graphs and async scheduling, against the
-    torch backend over the same weights: they differ by fp16 rounding alone, which moves this
-    tiny random model's top log-probs by hundredths of a nat (a wrong scale: by nats)."""
+def w8a8_twin(x, w, bias=None):
+    """The twin of the GPU's FP8 GEMMs: a 16-bit x rounded per row to E4M3
+    (`quantize_rows_ref`), then `quant.linear`."""
+    from slora.kernels import fp8
+
+    if isinstance(w, quant.Fp8Weight) and x.dtype in (torch.float16, torch.bfloat16):
+        xq, xs = fp8.quantize_rows_ref(x)
+        x = (xq.float() * xs).to(x.dtype)
+    return quant.linear(x, w, bias)
+
+
+@pytest.fixture(scope="module")
+def twins(tiny_models):
+    """The torch backend's runs over the FP8 weights: plain (`quant.linear`) and with the
+    activations' rounding (`w8a8_twin`)."""
+    from slora.kernels import backend
+
     model_dir = tiny_models("llama_headdim_linear")  # q/k/v and o biases
-    twin = engine_run(model_dir, backend="torch")
+    plain = engine_run(model_dir, backend="torch")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend.TorchBackend, "linear", staticmethod(w8a8_twin))
+        rounded = engine_run(model_dir, backend="torch")
+    return model_dir, plain, rounded
+
+
+@cuda
+def test_fp8_engine_on_the_few_rows_kernel_agrees_with_the_twins(twins):
+    """Every base GEMM of every step (prefill chunks of at most 64 tokens, decode rows) through
+    the few-rows W8A8 kernel, with CUDA graphs and async scheduling, against the torch
+    backend with the same rounding of the activations: they differ by fp16 rounding (and
+    the E4M3 rounding of an activation it moves across a boundary), which moves this tiny
+    random model's top log-probs by hundredths of a nat (a wrong scale: by nats)."""
+    model_dir, _, rounded = twins
     ours = engine_run(model_dir, gemm_max_rows=64, max_batch_tokens=64, **GRAPHED)
-    same, diff, prefix = agreement(twin, ours)
+    same, diff, prefix = agreement(rounded, ours)
     assert same >= 36 and diff < 0.05 and prefix >= 0.6, (same, diff, prefix)
 
 
 @cuda
-def test_fp8_engine_on_scaled_mm_moves_as_far_as_its_activation_rounding(tiny_models,
-                                                                         monkeypatch):
+def test_fp8_engine_moves_as_far_as_its_activation_rounding(twins):
     """Prefill (480 rows) and decode of 40 rows through `_scaled_mm`, with CUDA graphs and async
     scheduling. Rounding the activations to E4M3 moves this tiny random model's top log-probs
-    by about a tenth of a nat from the twin and flips some first tokens; the twin with the
-    same rounding (`quantize_rows_ref` on the GEMMs past 32 rows) moves them as far. A wrong
-    scale or layout moves them by nats."""
-    from slora.kernels import backend, fp8
-
-    model_dir = tiny_models("llama_headdim_linear")
-    twin = engine_run(model_dir, backend="torch")
+    by about a tenth of a nat from the plain twin and flips some first tokens; the twin with
+    the same rounding moves them as far. A wrong scale or layout moves them by nats."""
+    model_dir, plain, rounded = twins
     ours = engine_run(model_dir, **GRAPHED)
-
-    def w8a8_twin(x, w, bias=None):
-        if isinstance(w, quant.Fp8Weight) and x.shape[0] > 32:
-            xq, xs = fp8.quantize_rows_ref(x)
-            x = (xq.float() * xs).to(x.dtype)
-        return quant.linear(x, w, bias)
-
-    monkeypatch.setattr(backend.TorchBackend, "linear", staticmethod(w8a8_twin))
-    ref = engine_run(model_dir, backend="torch")
-    (same, diff, _), (ref_same, ref_diff, _) = agreement(twin, ours), agreement(twin, ref)
+    (same, diff, _), (ref_same, ref_diff, _) = agreement(plain, ours), agreement(plain, rounded)
     assert ref_diff > 0.01  # (the rounding is there to compare with)
     assert diff <= 1.5 * ref_diff + 0.02 and same >= ref_same - 6, (same, diff, ref_same, ref_diff)
