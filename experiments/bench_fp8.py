@@ -9,12 +9,12 @@ For each linear module of Llama-2-7B (qkv, o, gate_up, down) and each row count 
 - fp8 converted, M <= 64: the same kernel with UNPACK off at the tiles of a bf16 W: float8
   tiles converted by cvt instructions (the path before the word reads), so one call compares
   the two;
-- with --sweep, M <= 64: the unpacked kernel at every BLOCK_K x num_stages x BLOCK_N x
-  programs_per_sm of the sweep ("fp8 unpacked N64 K256 s3 x2": K cut for 2 programs per SM),
-  each distinct launch once, variants that do not fit the device skipped;
 - fp8 W8A8, M <= 64: x quantized per row (`fp8.quantize_rows`, timed with it), then the
   few-rows kernel over the FP8 x and W in the FP8 tensor cores (`skinny_linear(x_scale=)`),
-  at the table's tiles and, with --sweep, at SWEEP's;
+  at the table's tiles;
+- with --sweep, M <= 64: the unpacked and the W8A8 kernel at every BLOCK_K x num_stages x
+  BLOCK_N x programs_per_sm of the sweep ("fp8 unpacked N64 K256 s3 x2": K cut for 2 programs
+  per SM), each distinct launch once, variants that do not fit the device skipped;
 - fp8 _scaled_mm: per-row activation quantization (`fp8.quantize_rows`) + `torch._scaled_mm`;
 - fp8 dequant + cuBLAS, M >= 64: the weight dequantized to bf16 for the call, then F.linear
   (the twin's way: exact weights, bf16 tensor cores, the weight's bytes read three times).
@@ -58,30 +58,32 @@ SWEEP = dict(BLOCK_K=(128, 256, 512), num_stages=(2, 3, 4), BLOCK_N=(64, 128),
 
 def few_rows_tiles(M: int, N: int, K: int, device, sweep: bool = False) -> list[tuple[str, dict]]:
     """(path, cfg) of the few-rows kernel over an FP8 W at M <= 64 rows: the table's pick
-    (unpacked), the converted path at a bf16 W's tiles, and with `sweep` the unpacked kernel
-    at SWEEP's tiles, K cut as `skinny_cfg` cuts it for a rule of that `programs_per_sm`
-    (each distinct launch once)."""
+    (unpacked, and W8A8 at the same tiles), the converted path at a bf16 W's tiles, and with
+    `sweep` the unpacked and the W8A8 kernel at SWEEP's tiles, K cut as `skinny_cfg` cuts it
+    for a rule of that `programs_per_sm` (each distinct launch once)."""
     from slora.kernels import gemm, tuning
 
     if M > 64:
         return []
     pick = gemm.skinny_cfg(M, N, K, device, 1)
     out = [("fp8 unpacked", pick),
-           ("fp8 converted", dict(gemm.skinny_cfg(M, N, K, device, 2), UNPACK=False))]
-    seen = [dict(pick, UNPACK=True)]
-    for bk, stages, bn, per_sm in itertools.product(*SWEEP.values()) if sweep else ():
-        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4 if bn == 64 else 8, num_stages=stages,
-                   UNPACK=True, BLOCK_M=pick["BLOCK_M"],
-                   SPLIT=gemm.k_slices(N, K, bn, bk, per_sm * tuning.sms(device)))
-        if cfg not in seen:
-            seen.append(cfg)
-            out.append((f"fp8 unpacked N{bn} K{bk} s{stages} x{per_sm}", cfg))
+           ("fp8 converted", dict(gemm.skinny_cfg(M, N, K, device, 2), UNPACK=False)),
+           ("fp8 W8A8", dict(pick, UNPACK=False))]
+    for kind, unpack in (("unpacked", True), ("W8A8", False)) if sweep else ():
+        seen = [dict(pick, UNPACK=unpack)]
+        for bk, stages, bn, per_sm in itertools.product(*SWEEP.values()):
+            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4 if bn == 64 else 8,
+                       num_stages=stages, UNPACK=unpack, BLOCK_M=pick["BLOCK_M"],
+                       SPLIT=gemm.k_slices(N, K, bn, bk, per_sm * tuning.sms(device)))
+            if cfg not in seen:
+                seen.append(cfg)
+                out.append((f"fp8 {kind} N{bn} K{bk} s{stages} x{per_sm}", cfg))
     return out
 
 
 def variants(M: int, N: int, K: int, device, sweep: bool = False) -> list:
     """(path, fn(x, w bf16, w fp8)) of each path that takes M rows."""
-    from slora.kernels import fp8, gemm, tuning
+    from slora.kernels import fp8, gemm
 
     def few_rows(cfg):
         return lambda x, w, q: gemm.skinny_linear(x, q.weight, cfg=cfg, scale=q.scale)
@@ -94,15 +96,8 @@ def variants(M: int, N: int, K: int, device, sweep: bool = False) -> list:
         return fn
 
     out = [("bf16", lambda x, w, q: gemm.linear(x, w, max_rows=GEMM_ROWS))]
-    out += [(path, few_rows(cfg)) for path, cfg in few_rows_tiles(M, N, K, device, sweep)]
-    if M <= 64:
-        pick = dict(gemm.skinny_cfg(M, N, K, device, 1), UNPACK=False)
-        out.append(("fp8 W8A8", w8a8(pick)))
-        for bk, stages, bn, per_sm in itertools.product(*SWEEP.values()) if sweep else ():
-            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4 if bn == 64 else 8, num_stages=stages,
-                       UNPACK=False, BLOCK_M=pick["BLOCK_M"],
-                       SPLIT=gemm.k_slices(N, K, bn, bk, per_sm * tuning.sms(device)))
-            out.append((f"fp8 W8A8 N{bn} K{bk} s{stages} x{per_sm}", w8a8(cfg)))
+    out += [(path, (w8a8 if "W8A8" in path else few_rows)(cfg))
+            for path, cfg in few_rows_tiles(M, N, K, device, sweep)]
     out.append(("fp8 _scaled_mm", lambda x, w, q: fp8.scaled_mm_linear(x, q)))
     if M >= 64:
         out.append(("fp8 dequant + cuBLAS", lambda x, w, q: quant.linear(x, q)))
@@ -125,7 +120,8 @@ def summary(rows: list[dict], copy_gbps: float) -> str:
         best = min(fp8s, key=lambda r: r["us"]) if fp8s else None
         gain = f"{old['us'] / new['us']:8.2f}" if new and old else f"{'-':>8}"
         lines.append(f"{module:8s}{M:5d}  {cell(by.get('bf16'))}  {cell(new)}  {cell(old)}  {gain}"
-                     f"  {cell(by.get('fp8 W8A8'))}  {best['path'] + ' ' + format(best['us'], '.1f') + ' us' if best else '-'}")
+                     f"  {cell(by.get('fp8 W8A8'))}"
+                     f"  {best['path'] + ' ' + format(best['us'], '.1f') + ' us' if best else '-'}")
     return "\n".join(lines)
 
 

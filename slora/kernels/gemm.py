@@ -93,8 +93,8 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, out_ptr, part
     X_FP8: tl.constexpr = x_ptr.dtype.element_ty == tl.float8e4nv
     WORDS: tl.constexpr = W_FP8 and UNPACK and not X_FP8
     # the 16-bit type FP8 weights unpack to: x's, or fp16 (exact) under an fp32 x
-    WT: tl.constexpr = tl.float16 if x_ptr.dtype.element_ty == tl.float32 \
-        else x_ptr.dtype.element_ty
+    WT: tl.constexpr = x_ptr.dtype.element_ty if x_ptr.dtype.element_ty != tl.float32 \
+        else tl.float16
     tile = tl.program_id(0)
     s = tl.program_id(1)  # which K slice
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)

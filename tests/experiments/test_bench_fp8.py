@@ -18,6 +18,9 @@ def test_one_call_times_unpacked_and_converted_fp8_kernels(experiment):
     grid = [c for p, c in swept if p.startswith("fp8 unpacked N")]
     assert len(grid) > 10 and all(c["UNPACK"] for c in grid)
     assert all(a != b for i, a in enumerate(grid) for b in grid[i + 1:])  # each launch once
+    assert not tiles["fp8 W8A8"]["UNPACK"]
+    w8a8 = [c for p, c in swept if p.startswith("fp8 W8A8 N")]
+    assert len(w8a8) == len(grid) and not any(c["UNPACK"] for c in w8a8)
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 256, generator=g) / 16
