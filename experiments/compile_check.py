@@ -36,7 +36,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from slora.kernels import attention, dora, fused, gemm, mbgmm, mbgmv  # noqa: E402
+from slora.kernels import attention, dora, fp8, fused, gemm, mbgmm, mbgmv  # noqa: E402
 
 LORA = {"x_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16", "xa_ptr": "*fp32",
         "pages_ptr": "*i32", "offs_ptr": "*i64", "ranks_ptr": "*i32",
@@ -50,7 +50,7 @@ ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"
 FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
          "out_ptr": "*bf16", "qkv_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
-         "eps": "fp32"}
+         "eps": "fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
 # attention without a sliding window or a softcap (every layer of a Llama)
 PLAIN = dict(SLIDING=False, SOFTCAP=False)
 GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
@@ -114,13 +114,20 @@ def variants():
         ("prefill attention, sliding window + softcap", attention._prefill_kernel, ATTN,
          dict(QH=2, BLOCK_M=64, BLOCK_D=256, BLOCK_N=32, DOT_F32=False, SLIDING=True,
               SOFTCAP=True), dict(opts, num_stages=2)),
-        ("add_rms_norm", fused._rms_norm_kernel, FUSED, dict(HAS_DELTA=True, BLOCK=4096), opts),
+        # the norm and SiLU alone, and writing their output's E4M3 rounding too (`feeds`)
+        *[(f"add_rms_norm{what}", fused._rms_norm_kernel, FUSED,
+           dict(HAS_DELTA=True, QUANT=quant, BLOCK=4096, **fp8.ROUNDING), opts)
+          for what, quant in (("", False), (", FP8 rounding", True))],
         ("rope_write_kv", fused._rope_kv_kernel, FUSED, dict(BLOCK=64, TB=1),
          dict(opts, num_warps=1)),
         ("rope_write_kv, 16 tokens a program", fused._rope_kv_kernel, FUSED,
          dict(BLOCK=64, TB=16), opts),
-        ("silu_mul", fused._act_mul_kernel, FUSED, dict(BLOCK=1024, GELU=False), opts),
-        ("gelu_tanh_mul", fused._act_mul_kernel, FUSED, dict(BLOCK=1024, GELU=True), opts),
+        *[(f"{name}{what}", fused._act_mul_kernel, FUSED,
+           dict(BLOCK=1024, GELU=gelu, QUANT=quant, **fp8.ROUNDING), opts)
+          for name, gelu in (("silu_mul", False), ("gelu_tanh_mul", True))
+          for what, quant in (("", False), (", FP8 rounding", True))],
+        ("quantize rows", fp8._quantize_rows_kernel, FUSED, dict(BLOCK_K=1024, **fp8.ROUNDING),
+         opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=False,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),

@@ -79,6 +79,14 @@ class LoraMeta:
     dec_segments: DecodeSegments | None = None
 
 
+def _ignoring_feeds(f):
+    """`f` taking (and ignoring) the keyword argument `feeds`."""
+    @functools.wraps(f)
+    def call(*args, feeds=None):
+        return f(*args)
+    return staticmethod(call)
+
+
 class TorchBackend:
     name = "torch"
     # Tensor parallelism (slora.distributed.TensorParallel, None on one device): each rank's
@@ -87,11 +95,14 @@ class TorchBackend:
     tp = None
 
     linear = staticmethod(quant.linear)
-    rms_norm = staticmethod(ref.rms_norm)
-    add_rms_norm = staticmethod(ref.add_rms_norm)
+    # The norms and GLUs take `feeds`, the weight of the GEMM their output goes to, where the
+    # GPU backends fold that GEMM's rounding of its input into them (fused.py); this backend's
+    # `linear` rounds no input, and they ignore it.
+    rms_norm = _ignoring_feeds(ref.rms_norm)
+    add_rms_norm = _ignoring_feeds(ref.add_rms_norm)
     rope_write_kv = staticmethod(ref.rope_write_kv)
-    silu_mul = staticmethod(ref.silu_mul)
-    gelu_tanh_mul = staticmethod(ref.gelu_tanh_mul)
+    silu_mul = _ignoring_feeds(ref.silu_mul)
+    gelu_tanh_mul = _ignoring_feeds(ref.gelu_tanh_mul)
 
     def attention(self, q, k_cache, v_cache, b, scale, window=0, softcap=0.0):
         """Paged attention of the batch's new tokens; `window` > 0: a sliding-window layer's,
@@ -110,10 +121,11 @@ class TorchBackend:
     def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
         """A base linear layer of module group `group` with its batch's LoRA deltas added:
         x @ w^T (+ bias) + each row's own adapter's (x @ A^T) @ B^T, then rescaled per output
-        channel on the rows of DoRA adapters (`dora`)."""
+        channel on the rows of DoRA adapters (`dora`). x may carry its FP8 rounding
+        (`quant.Fp8Rows`): the base GEMM takes it, LoRA its 16-bit rows."""
         out = self.linear(x, w, bias)
         if meta is not None:
-            self.lora(out, x, pool_l, meta, layer, group)
+            self.lora(out, quant.rows(x), pool_l, meta, layer, group)
             self.dora(out, bias, pool_l, meta, group)
         return out
 
@@ -260,13 +272,14 @@ class TritonBackend(TorchBackend):
         g = meta.groups.get(group) if meta is not None else None
         if g is None:
             return self.linear(x, w, bias)
-        if x.device.type != "cuda" or x.shape[0] != meta.num_decode:
+        x16 = quant.rows(x)
+        if x16.device.type != "cuda" or x16.shape[0] != meta.num_decode:
             return super().linear_lora(x, w, bias, pool_l, meta, layer, group)
-        main = torch.cuda.current_stream(x.device)
-        side = self._side_stream(x.device)
+        main = torch.cuda.current_stream(x16.device)
+        side = self._side_stream(x16.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            xa = self._shrink(self._lora_x(x, group), pool_l, meta, g, layer)
+            xa = self._shrink(self._lora_x(x16, group), pool_l, meta, g, layer)
         out = self.linear(x, w, bias)
         main.wait_stream(side)
         xa, cols = (xa, out) if self.tp is None else self.tp.lora_partials(group, xa, out)

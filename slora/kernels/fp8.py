@@ -27,35 +27,57 @@ import triton
 import triton.language as tl
 
 from slora.model import quant
-from slora.model.quant import FP8_DTYPE, FP8_MAX, Fp8Weight
+from slora.model.quant import FP8_DTYPE, FP8_MAX, Fp8Rows, Fp8Weight
 
-from . import gemm
+from . import gemm, pdl
 from .tuning import pow2
 
 # A row whose largest magnitude is below this gets the scale of this magnitude (an all-zero
 # row, a graph's padding, quantizes to zeros instead of dividing by 0).
 MIN_AMAX = 1e-12
+# The constants of the E4M3 rounding, as the kernels that round rows take them
+ROUNDING = dict(FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX)
+
+
+def quantizes(x: torch.Tensor, w) -> bool:
+    """Whether `linear(x, w)` rounds x per row to E4M3 on every path it may take (the few-rows
+    kernel, `_scaled_mm`): an FP8 weight, a 16-bit x on CUDA, both of W's dims multiples of 16."""
+    return isinstance(w, Fp8Weight) and uses_scaled_mm(x, w)
+
+
+@triton.jit
+def row_scale(amax, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """A row's E4M3 scale from its largest magnitude. (IEEE-rounded divisions here and in
+    `to_e4m3`, as the twin's: `/` is an approximate division in Triton, which can round an
+    element to the neighbouring E4M3 value.)"""
+    return tl.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX)
+
+
+@triton.jit
+def to_e4m3(v, scale, FP8_MAX: tl.constexpr):
+    """float32 values over their row's scale, clamped to E4M3's range (stored as E4M3)."""
+    return tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
-                          MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr):
+                          MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One program per row: its largest magnitude (first pass), then the row over its scale,
     rounded to E4M3 (second pass, from cache)."""
+    pdl.wait(PDL)
+    pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_K,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    # (IEEE-rounded divisions, as the twin's: `/` is an approximate division in Triton, which
-    # can round an element to the neighbouring E4M3 value)
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX)
+    scale = row_scale(tl.max(amax, axis=0), FP8_MAX, MIN_AMAX)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         ok = k0 + offs < K
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+        q = to_e4m3(v, scale, FP8_MAX)
         tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
@@ -64,12 +86,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     magnitude maps to 448 (at least MIN_AMAX does). Twin: `quantize_rows_ref`."""
     M, K = x.shape
     assert x.stride(1) == 1, "x: unit column stride"
-    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    q, scale = empty_rows(M, K, x.device)
     if M:
-        _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX,
-                                    MIN_AMAX=MIN_AMAX, BLOCK_K=min(1024, pow2(K)), num_warps=4)
+        _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), **ROUNDING,
+                                    BLOCK_K=min(1024, pow2(K)), num_warps=4,
+                                    **pdl.options(x.device))
     return q, scale
+
+
+def empty_rows(M: int, K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (q, scale) for M rows of K values quantized per row."""
+    return (torch.empty(M, K, dtype=FP8_DTYPE, device=device),
+            torch.empty(M, 1, dtype=torch.float32, device=device))
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,15 +135,18 @@ def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = 
     return out
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None, *,
-           max_rows: int) -> torch.Tensor:
-    """F.linear over a tensor or an FP8 weight, by the path the module docstring gives."""
+def linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight,
+           bias: torch.Tensor | None = None, *, max_rows: int) -> torch.Tensor:
+    """F.linear over a tensor or an FP8 weight, by the path the module docstring gives. An x
+    that carries its FP8 rounding (`Fp8Rows`) is not quantized again."""
+    xq, x = (x, x.x) if isinstance(x, Fp8Rows) else (None, x)
     if not isinstance(w, Fp8Weight):
         return gemm.linear(x, w, bias, max_rows=max_rows)
     if gemm.uses_kernel(x, w.weight, max_rows):
-        xq, xs = quantize_rows(x)
-        return gemm.skinny_linear(xq, w.weight, bias, scale=w.scale, x_scale=xs,
+        q, xs = (xq.q, xq.scale) if xq is not None else quantize_rows(x)
+        return gemm.skinny_linear(q, w.weight, bias, scale=w.scale, x_scale=xs,
                                   out_dtype=x.dtype)
     if uses_scaled_mm(x, w):
-        return scaled_mm_linear(x, w, bias)
+        return scaled_mm_linear(x, w, bias, quantize=quantize_rows if xq is None
+                                else lambda _: (xq.q, xq.scale))
     return quant.linear(x, w, bias)

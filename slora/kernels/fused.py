@@ -9,6 +9,11 @@ costs a few microseconds however little it does; these fold the chains into one 
 - `silu_mul`: SwiGLU over [gate | up] (2 launches -> 1), twin `reference.silu_mul`;
   `gelu_tanh_mul`: GeGLU with gelu's tanh approximation (Gemma), twin `reference.gelu_tanh_mul`.
 
+The norms and the GLUs take `feeds`, the weight of the GEMM their output goes to: where that
+GEMM rounds its input to E4M3 per row (an FP8 weight, `fp8.quantizes`), they write the rounding
+too and return an `fp8.Fp8Rows`, so the GEMM needs no quantization launch (twin: the output,
+then `fp8.quantize_rows_ref`).
+
 Numerics follow the twins: statistics in float32, results rounded to the input dtype where
 HF rounds (the residual sum, the normalised value before the weight, cos/sin).
 """
@@ -21,13 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl, tuning
+from . import fp8, pdl, tuning
 from .tuning import pow2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, eps, stride_x, stride_d,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, N, eps, stride_x,
+                     stride_d, HAS_DELTA: tl.constexpr, QUANT: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -44,26 +51,38 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, N, eps, stride_x, st
     w = tl.load(w_ptr + offs, mask=m, other=0.0)
     out = (w.to(tl.float32) * y.to(tl.float32)).to(x_ptr.dtype.element_ty)  # w may be fp32
     tl.store(out_ptr + row * N + offs, out, mask=m)
+    if QUANT:  # the row's E4M3 rounding as `fp8.quantize_rows` gives it (padding is 0)
+        v = out.to(tl.float32)
+        scale = fp8.row_scale(tl.max(tl.abs(v), axis=0), FP8_MAX, MIN_AMAX)
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * N + offs, fp8.to_e4m3(v, scale, FP8_MAX).to(q_ptr.dtype.element_ty),
+                 mask=m)
 
 
-def _norm(x, delta, weight, eps):
+def _norm(x, delta, weight, eps, feeds):
     T, N = x.shape
     out = torch.empty_like(x)
     total = torch.empty_like(x) if delta is not None else x
+    quant = feeds is not None and fp8.quantizes(x, feeds)
+    q, scale = fp8.empty_rows(T, N, x.device) if quant else (out, out)
     if T:
-        _rms_norm_kernel[(T,)](x, delta if delta is not None else x, weight, total, out, N, eps,
-                               x.stride(0), delta.stride(0) if delta is not None else 0,
-                               HAS_DELTA=delta is not None, BLOCK=pow2(N), num_warps=4,
-                               **pdl.options(x.device))
-    return total, out
+        _rms_norm_kernel[(T,)](x, delta if delta is not None else x, weight, total, out, q, scale,
+                               N, eps, x.stride(0), delta.stride(0) if delta is not None else 0,
+                               HAS_DELTA=delta is not None, QUANT=quant, BLOCK=pow2(N),
+                               num_warps=4, **fp8.ROUNDING, **pdl.options(x.device))
+    return total, fp8.Fp8Rows(out, q, scale) if quant else out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _norm(x, None, weight, eps)[1]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds=None):
+    """RMSNorm of each row; `feeds`: the weight of the GEMM the result goes to, which makes
+    it an `fp8.Fp8Rows` where that GEMM rounds its input to E4M3 (`fp8.quantizes`)."""
+    return _norm(x, None, weight, eps, feeds)[1]
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    return _norm(x, delta, weight, eps)
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 feeds=None):
+    """(x + delta, its RMSNorm); `feeds` as `rms_norm`'s."""
+    return _norm(x, delta, weight, eps, feeds)
 
 
 @triton.jit
@@ -150,39 +169,60 @@ def tanh(x):
 
 
 @triton.jit
-def _act_mul_kernel(gu_ptr, out_ptr, N, stride_gu, BLOCK: tl.constexpr, GELU: tl.constexpr,
-                    PDL: tl.constexpr):
+def _act_mul_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, N, stride_gu, BLOCK: tl.constexpr,
+                    GELU: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+                    MIN_AMAX: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, j): the row's column blocks j, j + programs, ...; with QUANT one program
+    takes the whole row, then rounds it to E4M3 over its largest magnitude, read back."""
     pdl.wait(PDL)
     pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    g = tl.load(gu_ptr + row * stride_gu + offs, mask=m, other=0.0)
-    u = tl.load(gu_ptr + row * stride_gu + N + offs, mask=m, other=0.0)
-    gf = g.to(tl.float32)
-    if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
-        act = (0.5 * gf * (1.0 + tanh(0.7978845608028654 * (gf + 0.044715 * gf * gf * gf))))
-        act = act.to(g.dtype)
-    else:
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(out_ptr + row * N + offs, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=m)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for c0 in range(tl.program_id(1) * BLOCK, N, tl.num_programs(1) * BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        m = offs < N
+        g = tl.load(gu_ptr + row * stride_gu + offs, mask=m, other=0.0)
+        u = tl.load(gu_ptr + row * stride_gu + N + offs, mask=m, other=0.0)
+        gf = g.to(tl.float32)
+        if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+            act = (0.5 * gf * (1.0 + tanh(0.7978845608028654 * (gf + 0.044715 * gf * gf * gf))))
+            act = act.to(g.dtype)
+        else:
+            act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        tl.store(out_ptr + row * N + offs, out, mask=m)
+        amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
+    if QUANT:
+        scale = fp8.row_scale(tl.max(amax, axis=0), FP8_MAX, MIN_AMAX)
+        tl.store(s_ptr + row, scale)
+        tl.debug_barrier()  # (the row's stores above, visible to every thread of the program)
+        for c0 in range(0, N, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            m = offs < N
+            v = tl.load(out_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * N + offs,
+                     fp8.to_e4m3(v, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=m)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return _act_mul(gate_up, gelu=False)
+def silu_mul(gate_up: torch.Tensor, feeds=None):
+    """SwiGLU; `feeds` as `rms_norm`'s."""
+    return _act_mul(gate_up, gelu=False, feeds=feeds)
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return _act_mul(gate_up, gelu=True)
+def gelu_tanh_mul(gate_up: torch.Tensor, feeds=None):
+    """GeGLU; `feeds` as `rms_norm`'s."""
+    return _act_mul(gate_up, gelu=True, feeds=feeds)
 
 
-def _act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+def _act_mul(gate_up: torch.Tensor, gelu: bool, feeds):
     T, N2 = gate_up.shape
     N = N2 // 2
     out = torch.empty(T, N, dtype=gate_up.dtype, device=gate_up.device)
+    quant = feeds is not None and fp8.quantizes(out, feeds)
+    q, scale = fp8.empty_rows(T, N, out.device) if quant else (out, out)
     if T:
         block = min(1024, pow2(N))
-        _act_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, N, gate_up.stride(0),
-                                                   BLOCK=block, GELU=gelu, num_warps=4,
-                                                   **pdl.options(gate_up.device))
-    return out
+        _act_mul_kernel[(T, 1 if quant else triton.cdiv(N, block))](
+            gate_up, out, q, scale, N, gate_up.stride(0), BLOCK=block, GELU=gelu, QUANT=quant,
+            num_warps=4, **fp8.ROUNDING, **pdl.options(gate_up.device))
+    return fp8.Fp8Rows(out, q, scale) if quant else out

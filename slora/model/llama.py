@@ -256,9 +256,9 @@ class LlamaModel:
             lw = self.w.layers[layer]
             kc, vc = ref.kv_views(pool[layer], self.block_size, cfg.num_kv_heads, cfg.head_dim)
             if down is None:
-                h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps)
+                h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps, feeds=lw.qkv)
             else:
-                x, h = be.add_rms_norm(x, down, lw.ln1, cfg.rms_norm_eps)
+                x, h = be.add_rms_norm(x, down, lw.ln1, cfg.rms_norm_eps, feeds=lw.qkv)
             qkv = be.linear_lora(h, lw.qkv, lw.qkv_bias, pool[layer], b.lora, layer, "qkv")
             if lw.q_norm is not None:
                 qkv = self._qk_norm(qkv, lw)
@@ -272,9 +272,9 @@ class LlamaModel:
                 self.tp.all_reduce(o)
             if lw.post_attn is not None:
                 o = be.rms_norm(o, lw.post_attn, cfg.rms_norm_eps)
-            x, h = be.add_rms_norm(x, o, lw.ln2, cfg.rms_norm_eps)
+            x, h = be.add_rms_norm(x, o, lw.ln2, cfg.rms_norm_eps, feeds=lw.gate_up)
             gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up")
-            act = self.act_mul(gate_up)
+            act = self.act_mul(gate_up, feeds=lw.down)
             down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down")
             if self.tp is not None:
                 self.tp.all_reduce(down)

@@ -19,12 +19,29 @@ checkpoint's) is the same scale repeated over its rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+
+class Fp8Rows(NamedTuple):
+    """A 16-bit activation x [M, K] with its per-row E4M3 rounding, as
+    `slora.kernels.fp8.quantize_rows(x)` gives it: the GPU's norm and GLU kernels write both
+    where their output feeds an FP8 GEMM that rounds its input so (`fp8.quantizes`), so that
+    GEMM needs no quantization launch of its own; LoRA reads x."""
+
+    x: torch.Tensor
+    q: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, 1] float32
+
+
+def rows(x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    """The 16-bit activation of `x`, whether it carries its FP8 rounding or not."""
+    return x.x if isinstance(x, Fp8Rows) else x
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,37 @@ def test_a_gemm_rule_may_ask_for_more_programs_per_sm(monkeypatch):
         gemm._skinny_cfg.cache_clear()  # (no choice made from the fake tables outlives it)
 
 
+FUSED_CALLS = {
+    "rms_norm": lambda f, x, w, feeds: f.rms_norm(x, w, 1e-6, feeds=feeds),
+    "add_rms_norm": lambda f, x, w, feeds: f.add_rms_norm(x, x * 0.5, w, 1e-6, feeds=feeds)[1],
+    "silu_mul": lambda f, x, w, feeds: f.silu_mul(x, feeds=feeds),
+    "gelu_tanh_mul": lambda f, x, w, feeds: f.gelu_tanh_mul(x, feeds=feeds),
+}
+
+
+@pytest.mark.parametrize("kernel", list(FUSED_CALLS))
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []))
+@pytest.mark.parametrize("N", [72, 2200])
+def test_norms_and_glus_round_what_they_feed_as_quantize_rows(kernel, dtype, N, monkeypatch):
+    """A norm or GLU whose output feeds a GEMM that rounds its input (`fp8.quantizes`) returns
+    that output with its E4M3 rounding, equal to `quantize_rows` of it (an all-zero row, a
+    graph's padding, to zeros); one feeding any other GEMM returns the plain tensor. (GLU
+    rows of 2,200 span three column blocks.)"""
+    from slora.kernels import fp8, fused
+
+    x = (torch.randn(6, N, device=DEV) * torch.logspace(-2, 1, 6, device=DEV)[:, None]).to(dtype)
+    x[2] = 0
+    w = torch.rand(N // 2 if "mul" in kernel else N, device=DEV).to(dtype) + 0.5
+    plain = FUSED_CALLS[kernel](fused, x, w, None)
+    assert isinstance(FUSED_CALLS[kernel](fused, x, w, torch.empty(8, 8)), torch.Tensor)
+    monkeypatch.setattr(fp8, "quantizes", lambda x, w: w == "fp8")  # (on CPU too)
+    got = FUSED_CALLS[kernel](fused, x, w, "fp8")
+    assert isinstance(got, quant.Fp8Rows) and torch.equal(got.x, plain)
+    q, scale = fp8.quantize_rows(plain)
+    assert torch.equal(got.scale, scale) and torch.equal(got.q.float(), q.float())
+    assert got.q[2].float().eq(0).all()
+
+
 # ----------------------------------------------------------------------------- CUDA only
 # (the interpreter's float32 -> E4M3 conversion rounds ties away from zero and flushes
 # subnormals, so the quantizer is tested on a GPU alone)
