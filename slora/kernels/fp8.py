@@ -18,6 +18,8 @@ Twin and specification: `quant.linear`, F.linear over the weight dequantized to 
     converted, a rounding far below E4M3's), then the bias added;
 - anything else (an fp32 x, dims that are not multiples of 16, which `_scaled_mm` requires,
   a CPU tensor): the twin.
+An x that arrives as a `quant.Fp8Rows` (the norm and GLU kernels round what they write where it
+feeds such a GEMM, `quantizes`) is not rounded again.
 """
 
 from __future__ import annotations
