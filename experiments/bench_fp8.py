@@ -9,9 +9,11 @@ For each linear module of Llama-2-7B (qkv, o, gate_up, down) and each row count 
 - fp8 converted, M <= 64: the same kernel with UNPACK off at the tiles of a bf16 W: float8
   tiles converted by cvt instructions (the path before the word reads), so one call compares
   the two;
-- fp8 W8A8, M <= 64: x quantized per row (`fp8.quantize_rows`, timed with it), then the
+- fp8 W8A8, M <= 128: x quantized per row (`fp8.quantize_rows`, timed with it), then the
   few-rows kernel over the FP8 x and W in the FP8 tensor cores (`skinny_linear(x_scale=)`),
-  at the table's tiles;
+  at the table's tiles (the tiles of a larger M do not fit an SM's shared memory);
+- fp8 W8A8, x rounded, M <= 128: the same GEMM over an x rounded before it, as the engine
+  runs the GEMMs whose input a norm or SiLU kernel rounds (q|k|v, gate|up, down);
 - with --sweep, M <= 64: the unpacked and the W8A8 kernel at every BLOCK_K x num_stages x
   BLOCK_N x programs_per_sm of the sweep ("fp8 unpacked N64 K256 s3 x2": K cut for 2 programs
   per SM), each distinct launch once, variants that do not fit the device skipped;
@@ -23,7 +25,8 @@ replayed from a CUDA graph (harness.bench_graph). Reported per layer: microsecon
 bytes' GB/s and share of the measured copy bandwidth, TFLOP/s, and the error relative to the
 norm of the fp32 twin over the FP8 weight (`quant.linear`): bf16's is the weight's own E4M3
 rounding, _scaled_mm's adds the activations'. Last, a table per (module, M): bf16, unpacked
-and converted, unpacked over converted, and the sweep's fastest.
+and converted, unpacked over converted, W8A8 with and without its rounding of x, and the
+fastest of the paths that round x themselves (the sweep's included).
 
 Writes bench_fp8.json under --out: the harness's header, then one row per (module, M, path).
 
@@ -34,6 +37,7 @@ Writes bench_fp8.json under --out: the harness's header, then one row per (modul
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -63,12 +67,14 @@ def few_rows_tiles(M: int, N: int, K: int, device, sweep: bool = False) -> list[
     for a rule of that `programs_per_sm` (each distinct launch once)."""
     from slora.kernels import gemm, tuning
 
-    if M > 64:
+    if M > 128:
         return []
     pick = gemm.skinny_cfg(M, N, K, device, 1)
+    w8a8 = [(path, dict(pick, UNPACK=False)) for path in ("fp8 W8A8", "fp8 W8A8, x rounded")]
+    if M > 64:  # (a 16-bit x's tiles do not fit)
+        return w8a8
     out = [("fp8 unpacked", pick),
-           ("fp8 converted", dict(gemm.skinny_cfg(M, N, K, device, 2), UNPACK=False)),
-           ("fp8 W8A8", dict(pick, UNPACK=False))]
+           ("fp8 converted", dict(gemm.skinny_cfg(M, N, K, device, 2), UNPACK=False)), *w8a8]
     for kind, unpack in (("unpacked", True), ("W8A8", False)) if sweep else ():
         seen = [dict(pick, UNPACK=unpack)]
         for bk, stages, bn, per_sm in itertools.product(*SWEEP.values()):
@@ -88,15 +94,19 @@ def variants(M: int, N: int, K: int, device, sweep: bool = False) -> list:
     def few_rows(cfg):
         return lambda x, w, q: gemm.skinny_linear(x, q.weight, cfg=cfg, scale=q.scale)
 
-    def w8a8(cfg):
+    def w8a8(cfg, rounded=False):
+        # x rounded: quantized on the first call (the error's, off the clock), reused after
+        quantize = (functools.lru_cache(maxsize=1)(fp8.quantize_rows) if rounded
+                    else fp8.quantize_rows)
+
         def fn(x, w, q):
-            xq, xs = fp8.quantize_rows(x)
+            xq, xs = quantize(x)
             return gemm.skinny_linear(xq, q.weight, cfg=cfg, scale=q.scale, x_scale=xs,
                                       out_dtype=x.dtype)
         return fn
 
     out = [("bf16", lambda x, w, q: gemm.linear(x, w, max_rows=GEMM_ROWS))]
-    out += [(path, (w8a8 if "W8A8" in path else few_rows)(cfg))
+    out += [(path, w8a8(cfg, "x rounded" in path) if "W8A8" in path else few_rows(cfg))
             for path, cfg in few_rows_tiles(M, N, K, device, sweep)]
     out.append(("fp8 _scaled_mm", lambda x, w, q: fp8.scaled_mm_linear(x, q)))
     if M >= 64:
@@ -106,21 +116,23 @@ def variants(M: int, N: int, K: int, device, sweep: bool = False) -> list:
 
 def summary(rows: list[dict], copy_gbps: float) -> str:
     """A line per (module, M): bf16, fp8 unpacked and converted (us and % of copy), unpacked
-    over converted, and the fastest variant of all (the sweep's included)."""
+    over converted, W8A8 and W8A8 over an x rounded before it, and the fastest variant that
+    rounds x itself (the sweep's included)."""
     def cell(r):
         return f"{r['us']:7.1f} ({100 * r['weight_GBps'] / copy_gbps:3.0f}%)" if r else f"{'-':>13}"
 
     lines = [f"{'module':8s}{'M':>5}  {'bf16':>13}  {'fp8 unpacked':>13}  {'fp8 converted':>13}"
-             f"  {'conv/unp':>8}  {'fp8 W8A8':>13}  fastest fp8"]
+             f"  {'conv/unp':>8}  {'fp8 W8A8':>13}  {'x rounded':>13}  fastest fp8"]
     keys = dict.fromkeys((r["module"], r["M"]) for r in rows)
     for module, M in keys:
         by = {r["path"]: r for r in rows if (r["module"], r["M"]) == (module, M)}
         new, old = by.get("fp8 unpacked"), by.get("fp8 converted")
-        fp8s = [r for p, r in by.items() if p.startswith("fp8")]
+        # (the fastest of the paths that round x themselves)
+        fp8s = [r for p, r in by.items() if p.startswith("fp8") and "x rounded" not in p]
         best = min(fp8s, key=lambda r: r["us"]) if fp8s else None
         gain = f"{old['us'] / new['us']:8.2f}" if new and old else f"{'-':>8}"
         lines.append(f"{module:8s}{M:5d}  {cell(by.get('bf16'))}  {cell(new)}  {cell(old)}  {gain}"
-                     f"  {cell(by.get('fp8 W8A8'))}"
+                     f"  {cell(by.get('fp8 W8A8'))}  {cell(by.get('fp8 W8A8, x rounded'))}"
                      f"  {best['path'] + ' ' + format(best['us'], '.1f') + ' us' if best else '-'}")
     return "\n".join(lines)
 
@@ -133,7 +145,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--weight-mb", type=int, default=256,
                     help="FP8 weight MB each op streams, over distinct layers (L2 holds none)")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time the unpacked FP8 kernel at SWEEP's tiles (M <= 64)")
+                    help="also time the unpacked and W8A8 FP8 kernels at SWEEP's tiles (M <= 64)")
     add_out_arg(ap)
     args = ap.parse_args(argv)
     device = torch.device(args.device)

@@ -60,7 +60,7 @@ if [ "$TESTS" = 1 ]; then
   [[ " ${failed[*]} " == *" pytest "* ]] || tail -n 1 "$D/pytest.log"
 fi
 bench() { [[ " $BENCH " == *" $1 "* ]]; }
-bench fp8 && step fp8 240 python3 experiments/bench_fp8.py --rows 1,32,64,256 --out "$D/fp8"
+bench fp8 && step fp8 240 python3 experiments/bench_fp8.py --rows 1,32,64,128,256 --out "$D/fp8"
 bench engine && step engine 240 python3 experiments/bench_engine.py --models llama-2-7b \
   --batches 32 --race --skip-hf "${QUANT[@]}" --out "$D/engine"
 sc=experiments/bench_scaling.py s2=(--part scaling --adapters 2000 --num-requests 400 --modules qkvo "${QUANT[@]}")

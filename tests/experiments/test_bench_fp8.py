@@ -13,7 +13,10 @@ def test_one_call_times_unpacked_and_converted_fp8_kernels(experiment):
     cpu = torch.device("cpu")
     tiles = dict(bench.few_rows_tiles(3, 48, 256, cpu))
     assert tiles["fp8 unpacked"]["UNPACK"] and not tiles["fp8 converted"]["UNPACK"]
-    assert bench.few_rows_tiles(65, 48, 256, cpu) == []  # past 64 rows: cuBLAS or _scaled_mm
+    # past 64 rows the W8A8 kernel alone (a 16-bit x's tiles do not fit), past 128 none
+    assert [p for p, _ in bench.few_rows_tiles(65, 48, 256, cpu)] == ["fp8 W8A8",
+                                                                     "fp8 W8A8, x rounded"]
+    assert bench.few_rows_tiles(129, 48, 256, cpu) == []
     swept = bench.few_rows_tiles(3, 48, 256, cpu, sweep=True)
     grid = [c for p, c in swept if p.startswith("fp8 unpacked N")]
     assert len(grid) > 10 and all(c["UNPACK"] for c in grid)
@@ -30,6 +33,10 @@ def test_one_call_times_unpacked_and_converted_fp8_kernels(experiment):
     paths = dict(bench.variants(3, 48, 256, cpu))
     for path in ("fp8 unpacked", "fp8 converted"):
         torch.testing.assert_close(paths[path](x, w, q), want, rtol=1e-4, atol=1e-4)
+    # the GEMM over x rounded once is the W8A8 path's product, call after call
+    rounded = paths["fp8 W8A8, x rounded"]
+    assert torch.equal(rounded(x, w, q), paths["fp8 W8A8"](x, w, q))
+    assert torch.equal(rounded(x, w, q), paths["fp8 W8A8"](x, w, q))
 
 
 def test_summary_sets_unpacked_beside_converted(experiment):
