@@ -243,7 +243,7 @@ def test_scaled_mm_path(dtype, N, K):
 def test_fp8_linear_dispatch():
     """fp8.linear: the few-rows kernel over x quantized per row up to max_rows of a 16-bit x,
     `_scaled_mm` past them (dims multiples of 16), the twin otherwise; a tensor weight goes
-    to gemm.linear."""
+    to gemm.linear. `quantizes` says where an x is rounded, and a rounding x carries is used."""
     from slora.kernels import fp8, gemm
 
     w, odd = weight(256, 512), weight(200, 72)
@@ -260,6 +260,15 @@ def test_fp8_linear_dispatch():
     assert torch.equal(fp8.linear(xf, w, max_rows=32), quant.linear(xf, w))
     dense = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(fp8.linear(x, dense, max_rows=32), gemm.linear(x, dense, max_rows=32))
+    # an x that carries its rounding (quant.Fp8Rows, as the norms write it) is not rounded
+    # again: both paths take the rounding it carries
+    assert fp8.quantizes(x, w) and not any(fp8.quantizes(a, b) for a, b in
+                                           ((xo, odd), (xf, w), (x, dense)))
+    for rows in (x[:32], x):
+        carried = quant.Fp8Rows(rows, *fp8.quantize_rows(rows))
+        assert torch.equal(fp8.linear(carried, w, max_rows=32), fp8.linear(rows, w, max_rows=32))
+        blank = carried._replace(q=torch.zeros_like(carried.q))
+        assert not fp8.linear(blank, w, max_rows=32).any()
 
 
 PROMPTS = torch.randint(3, 250, (40, 12), generator=torch.Generator().manual_seed(0)).tolist()
