@@ -25,9 +25,11 @@ long: one prompt of --long-prompt tokens (random ids) and --long-output new toke
 decode: at batch B in --batches, B requests with --context-token prompts, each on its own
     rank --decode-rank adapter (--decode-modules: none, q/k/v/o, all seven, or "vocab": q/k/v/o
     with embed_tokens and lm_head; with --dora, DoRA adapters on q/k/v/o and on all seven too:
-    rows "qkvo-dora", "all-dora"), --decode-tokens new tokens each.
-    Timed: whole `engine.step()` calls (synchronised) in which all B requests decode and none
-    prefills; median. Byte floor = bytes a decode step must read / measured copy bandwidth:
+    rows "qkvo-dora", "all-dora").
+    Timed: the first --decode-tokens whole `engine.step()` calls (synchronised) in which all
+    B requests decode and none prefills (the requests run until then, however many steps
+    their prompts take, and are then aborted); median. Byte floor = bytes a decode step must
+    read / measured copy bandwidth:
     weights (every linear layer and the lm_head; the embedding table is only gathered), the
     batch's KV (sum of context lengths x layers x 2 x kv_heads x head_dim x dtype bytes) and
     the distinct adapters' rows (rank x (d_in + d_out) per module per layer x dtype bytes; an
@@ -536,21 +538,24 @@ def part_scaling(eng: Engine, args) -> list[dict]:
 
 def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float,
                adapters: int = 0) -> dict:
-    """Decode steps of `batch` requests on `adapters` adapters of `modules_key` (0: one each),
-    assigned round-robin; the byte floor counts each distinct adapter once."""
+    """The first --decode-tokens steps in which all `batch` requests decode (no prompt, no
+    adapter load), on `adapters` adapters of `modules_key` (0: one each), assigned
+    round-robin; the byte floor counts each distinct adapter once. The requests run until
+    those steps are timed, however many steps their prompts take, and are then aborted."""
     modules, dora = module_set(modules_key)
     cfg, dev = eng.model_config, eng.runner.device
     nbytes = eng.runner.pool.element_size()
     n = adapters or batch
     ranks = {f"dec-{i}": args.decode_rank for i in range(n)} if modules is not None else {}
     add_adapters(eng, ranks, modules, dora)
-    sp = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
+    # (more tokens than the prefill of one prompt token a step would leave them to decode)
+    sp = SamplingParams(max_tokens=args.decode_tokens + batch * args.context, ignore_eos=True)
     names = [f"dec-{i % n}" for i in range(batch)] if ranks else [None] * batch
-    for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
-        eng.add_request(p, sp, adapter=name)
+    ids = [eng.add_request(p, sp, adapter=name)
+           for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names)]
     log, timed = StepLog(eng), []
     try:
-        while eng.has_unfinished():
+        while eng.has_unfinished() and len(timed) < args.decode_tokens:
             if not eng.config.async_scheduling:  # (async: each call waits for the last step)
                 sync(dev)
             t0 = time.perf_counter()
@@ -561,10 +566,15 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
                 timed.append({**s, "step_ms": ms})
     finally:
         log.close()
+    for rid in ids:
+        if rid in eng.requests and not eng.requests[rid].finished:
+            eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
     remove_adapters(eng, ranks)
     if not timed:
         raise RuntimeError(f"decode batch {batch}: no step decoded all {batch} requests at once "
-                           "(raise --max-num-seqs or --decode-tokens)")
+                           "(raise --max-num-seqs or --num-pages)")
     kv_tokens = statistics.median(s["kv_tokens"] for s in timed)
     weights = weight_read_bytes(cfg, nbytes, eng.config.quantization)
     kv = int(kv_tokens * cfg.num_layers * 2 * cfg.kv_size * nbytes)
@@ -849,7 +859,8 @@ def parse_args(argv=None):
     ap.add_argument("--long-output", type=int, default=16, help="long: new tokens")
     ap.add_argument("--batches", type=ints, default=[1, 32, 128, 256], help="decode: batch sizes")
     ap.add_argument("--context", type=int, default=256, help="decode: prompt tokens")
-    ap.add_argument("--decode-tokens", type=int, default=32, help="decode: new tokens per request")
+    ap.add_argument("--decode-tokens", type=int, default=32,
+                    help="decode: steps timed per row (all requests decoding)")
     ap.add_argument("--decode-rank", type=int, default=16)
     ap.add_argument("--decode-modules", type=lambda s: s.split(","), default=["none", "qkvo", "all"],
                     help="decode: module sets, of none,qkvo,all,vocab (vocab: q/k/v/o with "

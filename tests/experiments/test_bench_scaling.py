@@ -105,6 +105,22 @@ def test_bench_scaling_decode_options(bench, tiny_model_dir, tmp_path, flag):
             assert by[m + "-dora"]["adapter_bytes"] > by[m]["adapter_bytes"]
 
 
+def test_decode_rows_time_a_batch_whose_prompts_take_more_steps_than_its_tokens(
+        bench, tiny_model_dir, tmp_path):
+    """Eight 24-token prompts under a 48-token step budget take four steps to prefill, more
+    than the 3 tokens a row times: every request still decodes in the timed steps (each runs
+    until they are done, then is aborted), and exactly --decode-tokens steps are timed."""
+    bench.main(["--part", "decode", "--model", str(tiny_model_dir), "--device", "cpu",
+                "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
+                "--max-batch-tokens", "48", "--batches", "8", "--decode-modules", "none,qkvo",
+                "--context", "24", "--decode-tokens", "3", "--breakdown", "",
+                "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["decode"]
+    assert [(r["batch"], r["modules"], r["steps_timed"]) for r in rows] == [
+        (8, "none", 3), (8, "qkvo", 3)]
+    assert all(r["ctx_mean"] > 24 + 3 for r in rows)  # (the fill steps' tokens came first)
+
+
 def test_stall_note_names_the_allocator_growth(bench):
     step = {"ms": 356.2, "prefill_tokens": 7987, "decode_seqs": 162, "allocs": None}
     assert bench._stall(step) == "356 ms (7987 prompt tokens, 162 decode rows)"
