@@ -9,14 +9,14 @@
 #   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
 #                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
-#   --bench LIST    of: engine s2 decode serve fp8 dora prefix chunk long (default: engine s2 decode);
-#                   serve: S2 via `slora serve`; fp8: bench_fp8's GEMMs; dora: decode + DoRA; prefix:
-#                   shared-prompt trace, caching off/on; chunk: S2 at $CHUNKS (step logs); long: a 100k prompt
+#   --bench LIST    of: engine s2 decode serve fp8 dora prefix chunk long shared (default: engine s2 decode);
+#                   serve: S2 via `slora serve`; fp8: bench_fp8's GEMMs; dora: decode + DoRA; prefix: shared-prompt
+#                   trace, caching off/on; chunk: S2 at $CHUNKS (step logs); long: a 100k prompt; shared: S2 on
+#                   one adapter and at popularity alphas 0.1/0.5/1, and the shared-adapter decode table
 #   --quantization fp8  engine, s2 and decode with FP8 base weights (the table names them)
 #   --compare NAME  the table also holds run NAME (an earlier $OUT/NAME.tar.gz), and this one over it
-# Before / after in one call, an older tree copied to results/base (carried to the device):
-#   bash experiments/gpu.sh --tree results/base --label base --no-tests; \
-#   bash experiments/gpu.sh --label new --compare base
+# Before / after in one call, an older tree copied to results/base (carried to the device): bash
+#   experiments/gpu.sh --tree results/base --label base --no-tests; bash experiments/gpu.sh --compare base
 # The tree's commit: $SLORA_COMMIT, else its git HEAD (a copy's .git may be stale). JOBS=N: the
 # tests in N pytest-xdist workers where installed (default 8; 0: one process).
 set -uo pipefail
@@ -48,8 +48,7 @@ failed=(); step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME
   local name=$1 limit=$2 t0=$SECONDS; shift 2
   printf '== %s:' "$name"; printf ' %q' "$@"; echo
   timeout "$limit" "$@" >"$D/$name.log" 2>&1
-  local rc=$?
-  echo "   exit $rc after $((SECONDS - t0)) s"
+  local rc=$?; echo "   exit $rc after $((SECONDS - t0)) s"
   [ "$rc" = 0 ] || { tail -n 5 "$D/$name.log"; failed+=("$name"); }
 }
 if [ "$TESTS" = 1 ]; then
@@ -67,6 +66,7 @@ sc=experiments/bench_scaling.py s2=(--part scaling --adapters 2000 --num-request
 bench s2 && step s2 300 python3 $sc "${s2[@]}" --out "$D/s2"
 bench chunk && step chunk 600 python3 $sc "${s2[@]}" --max-prefill-chunk "${CHUNKS:-0,512,1024,2048,4096}" \
   $(grep -q -- --step-logs $sc && echo --step-logs) --out "$D/chunk"
+bench shared && step shared 600 python3 $sc "${s2[@]}" --part scaling,shared --adapters 1,2000 --alpha 0.1,0.5,1 --out "$D/shared"
 bench long && step long 420 python3 $sc --part long --model experiments/models/llama-3-8b "${QUANT[@]}" --out "$D/long"
 bench decode && step decode 300 python3 $sc --part decode --batches 32 --breakdown '' "${QUANT[@]}" \
   $(bench dora && echo --dora) --out "$D/decode"

@@ -8,7 +8,9 @@ per run, then the last run's figure over the first's.
 A run holds engine/bench_engine.json, s2/bench_scaling.json, decode/bench_scaling.json,
 fp8/bench_fp8.json, chunk/bench_scaling.json (S2 at several max_prefill_chunk sizes: each
 chunked row's tok/s and p99 inter-token latency beside the unchunked row's),
-long/bench_scaling.json (one long prompt), pytest.log and commit.txt, any of them missing.
+long/bench_scaling.json (one long prompt), shared/bench_scaling.json (S2 at other adapter
+counts and popularity alphas, and the shared-adapter decode table), pytest.log and
+commit.txt, any of them missing.
 Only fields that these files have always carried are read (the rows' gen_tok_s and
 decode_tok_s; scaling rows' output_tok_s; decode rows' step_ms and floor_ms; ceilings;
 bench_fp8's rows; chunk and long rows, which only trees with chunked prefill write), so that
@@ -29,8 +31,8 @@ DATASHEET = {"H200": (4800, 989), "H100": (3350, 989)}
 FILES = {"engine": "engine/bench_engine.json", "s2": "s2/bench_scaling.json",
          "decode": "decode/bench_scaling.json", "fp8": "fp8/bench_fp8.json",
          "chunk": "chunk/bench_scaling.json", "long": "long/bench_scaling.json",
-         "tests": "pytest.log", "commit": "commit.txt"}
-BENCHES = ("engine", "s2", "decode", "fp8", "chunk", "long")
+         "shared": "shared/bench_scaling.json", "tests": "pytest.log", "commit": "commit.txt"}
+BENCHES = ("engine", "s2", "decode", "fp8", "chunk", "long", "shared")
 
 
 def load(src: str) -> dict:
@@ -71,12 +73,13 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
         peft = next((r for s, r in by.items() if s.startswith("hf-peft")), None)
         if race and peft:
             out.append(("PEFT race: gen tok/s", race["gen_tok_s"], peft["gen_tok_s"], "HF PEFT"))
-    s2 = (run["s2"] or {}).get("scaling") or []
-    base = next((r for r in s2 if r["adapters"] == 0), None)
-    for r in s2:
-        if base and r["adapters"]:
-            out.append((f"S2 {r['modules']}, {r['adapters']} adapters{_variant(r)}: tok/s",
-                        r["output_tok_s"], base["output_tok_s"], "no LoRA"))
+    for d in (run["s2"], run.get("shared")):  # (a row both hold: the s2 run's)
+        s2 = (d or {}).get("scaling") or []
+        base = next((r for r in s2 if r["adapters"] == 0), None)
+        for r in s2:
+            what = f"S2 {r['modules']}, {r['adapters']} adapters{_variant(r)}: tok/s"
+            if base and r["adapters"] and what not in {o[0] for o in out}:
+                out.append((what, r["output_tok_s"], base["output_tok_s"], "no LoRA"))
     chunk = (run["chunk"] or {}).get("scaling") or []
     whole = {(r["adapters"], r["modules"]): r for r in chunk if r["max_prefill_chunk"] == 0}
     for r in chunk:
@@ -89,7 +92,7 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
         r = run["long"]["long"]
         out.append((f"{r['prompt_tokens']}-token prompt: prompt tok/s", r["prefill_tok_s"],
                     float("nan"), "-"))
-    for d in (run["s2"], run["decode"]):  # the shared-adapter decode table, where run
+    for d in (run["s2"], run["decode"], run.get("shared")):  # the shared-adapter decode table
         none = {}
         for r in (d or {}).get("shared") or []:
             if r["modules"] == "none":

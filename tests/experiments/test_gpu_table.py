@@ -139,3 +139,25 @@ def test_popularity_path_and_shared_rows_are_named_by_them(gpu_table, tmp_path):
     assert got["S2 qkvo, 2000 adapters: tok/s"] == (6800.0, 8000.0, "no LoRA")
     assert got["S2 qkvo, 2000 adapters, alpha 0.1, mbgmv: tok/s"] == (7000.0, 8000.0, "no LoRA")
     assert got["decode batch 32, 4 adapters, auto: ms/step"] == (11.0, 10.0, "no LoRA")
+
+
+def test_shared_run_adds_its_s2_rows_and_decode_table(gpu_table, tmp_path):
+    """shared/bench_scaling.json (gpu.sh --bench shared): S2 on one adapter and at popularity
+    alphas, each beside its own run's no-LoRA row, and the shared-adapter decode table; a row
+    the s2 run also holds keeps the s2 run's figure."""
+    path = write_run(tmp_path / "new")
+    (path / "shared").mkdir()
+    (path / "shared" / "bench_scaling.json").write_text(json.dumps({
+        "scaling": [{"adapters": a, "modules": m, "output_tok_s": t, "alpha": al}
+                    for a, m, t, al in ((0, "none", 7900.0, 1.0), (1, "qkvo", 7500.0, 1.0),
+                                        (2000, "qkvo", 6700.0, 1.0),
+                                        (2000, "qkvo", 7100.0, 0.1))],
+        "shared": [{"batch": 128, "modules": "none", "adapters": 0, "step_ms": 10.0},
+                   {"batch": 128, "modules": "qkvo", "adapters": 1, "step_ms": 10.5,
+                    "decode_lora": "auto"}]}))
+    got = {what: (fig, peer, name) for what, fig, peer, name in
+           gpu_table.rows(gpu_table.load(str(path)))}
+    assert got["S2 qkvo, 2000 adapters: tok/s"] == (6800.0, 8000.0, "no LoRA")  # the s2 run's
+    assert got["S2 qkvo, 1 adapters: tok/s"] == (7500.0, 7900.0, "no LoRA")
+    assert got["S2 qkvo, 2000 adapters, alpha 0.1: tok/s"] == (7100.0, 7900.0, "no LoRA")
+    assert got["decode batch 128, 1 adapters, auto: ms/step"] == (10.5, 10.0, "no LoRA")
