@@ -11,7 +11,7 @@ costs a few microseconds however little it does; these fold the chains into one 
 
 The norms and the GLUs take `feeds`, the weight of the GEMM their output goes to: where that
 GEMM rounds its input to E4M3 per row (an FP8 weight, `fp8.quantizes`), they write the rounding
-too and return an `fp8.Fp8Rows`, so the GEMM needs no quantization launch (twin: the output,
+too and return a `quant.Fp8Rows`, so the GEMM needs no quantization launch (twin: the output,
 then `fp8.quantize_rows_ref`).
 
 Numerics follow the twins: statistics in float32, results rounded to the input dtype where
@@ -25,6 +25,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from slora.model.quant import Fp8Rows
 
 from . import fp8, pdl, tuning
 from .tuning import pow2
@@ -55,8 +57,8 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, N, eps
         v = out.to(tl.float32)
         scale = fp8.row_scale(tl.max(tl.abs(v), axis=0), FP8_MAX, MIN_AMAX)
         tl.store(s_ptr + row, scale)
-        tl.store(q_ptr + row * N + offs, fp8.to_e4m3(v, scale, FP8_MAX).to(q_ptr.dtype.element_ty),
-                 mask=m)
+        q = fp8.to_e4m3(v, scale, FP8_MAX)
+        tl.store(q_ptr + row * N + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
 
 def _norm(x, delta, weight, eps, feeds):
@@ -70,12 +72,12 @@ def _norm(x, delta, weight, eps, feeds):
                                N, eps, x.stride(0), delta.stride(0) if delta is not None else 0,
                                HAS_DELTA=delta is not None, QUANT=quant, BLOCK=pow2(N),
                                num_warps=4, **fp8.ROUNDING, **pdl.options(x.device))
-    return total, fp8.Fp8Rows(out, q, scale) if quant else out
+    return total, Fp8Rows(out, q, scale) if quant else out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds=None):
     """RMSNorm of each row; `feeds`: the weight of the GEMM the result goes to, which makes
-    it an `fp8.Fp8Rows` where that GEMM rounds its input to E4M3 (`fp8.quantizes`)."""
+    it a `quant.Fp8Rows` where that GEMM rounds its input to E4M3 (`fp8.quantizes`)."""
     return _norm(x, None, weight, eps, feeds)[1]
 
 
@@ -191,7 +193,8 @@ def _act_mul_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, N, stride_gu, BLOCK: tl.const
             act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
         out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
         tl.store(out_ptr + row * N + offs, out, mask=m)
-        amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
+        if QUANT:
+            amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
     if QUANT:
         scale = fp8.row_scale(tl.max(amax, axis=0), FP8_MAX, MIN_AMAX)
         tl.store(s_ptr + row, scale)
@@ -225,4 +228,4 @@ def _act_mul(gate_up: torch.Tensor, gelu: bool, feeds):
         _act_mul_kernel[(T, 1 if quant else triton.cdiv(N, block))](
             gate_up, out, q, scale, N, gate_up.stride(0), BLOCK=block, GELU=gelu, QUANT=quant,
             num_warps=4, **fp8.ROUNDING, **pdl.options(gate_up.device))
-    return fp8.Fp8Rows(out, q, scale) if quant else out
+    return Fp8Rows(out, q, scale) if quant else out
