@@ -18,6 +18,10 @@ scaling: S-LoRA's S2 setting (`slora.workload.synthesize`, seed 42): --num-reque
     --max-prefill-chunk C1,C2,...: the rows again at each EngineConfig.max_prefill_chunk (0:
     prompts whole, unchunked), on the one engine, warmed up unchunked (every graph bucket),
     so one call sets chunk sizes side by side (throughput and p99 ITL).
+    --repeats R: every row's trace R times, the rows of a chunk size interleaved (all rows
+    once, then again), so drift falls on each alike; a row is its median run by tok/s
+    (the lower middle one of an even count), with every run's tok/s beside it ("runs") and
+    its ratio over the no-LoRA row's median run (--step-logs: the last run's steps).
 long: one prompt of --long-prompt tokens (random ids) and --long-output new tokens, after a
     short request that compiles the kernels: its first-token time (the chunked prefill),
     the decode time per token and the steps. For a 128k-context shape, e.g. --model
@@ -464,6 +468,14 @@ def graph_pool_gib() -> float:
                if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)) / 2**30
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The median of one point's runs by output tok/s (the lower middle one of an even count),
+    with every run's tok/s in run order as "runs"."""
+    tok_s = [r["output_tok_s"] for r in runs]
+    row = min(runs, key=lambda r: abs(r["output_tok_s"] - statistics.median_low(tok_s)))
+    return {**row, "runs": tok_s}
+
+
 def part_scaling(eng: Engine, args) -> list[dict]:
     t0 = time.perf_counter()
     if args.max_prefill_chunk:
@@ -484,20 +496,23 @@ def part_scaling(eng: Engine, args) -> list[dict]:
     rows = []
     for chunk in args.max_prefill_chunk or [eng.config.max_prefill_chunk]:
         set_prefill_chunk(eng, chunk)
-        base = None
-        for trace, key, alpha, mode in points:
-            if mode is not None:
-                decode_lora(eng, mode)
-            row = scaling_row(eng, args, trace, key, ref_lens)
-            row.update(alpha=alpha, decode_lora=mode)
-            base = base or row  # the no-LoRA row at this chunk size
-            row["ratio"] = row["output_tok_s"] / base["output_tok_s"]
-            rows.append(row)
-            print(f"scaling: chunk {chunk}, {row['adapters']} adapters, modules {key}, alpha "
-                  f"{alpha}, decode LoRA {mode}: {row['output_tok_s']:.0f} tok/s "
-                  f"{row['req_s']:.2f} req/s, ITL p99 {row['itl_p99_ms']:.1f} ms "
-                  f"({row['wall_s']:.1f} s; {time.perf_counter() - t0:.0f} s into the part)",
-                  flush=True)
+        runs = [[] for _ in points]  # each point's runs, the points interleaved
+        for _ in range(args.repeats):
+            for i, (trace, key, alpha, mode) in enumerate(points):
+                if mode is not None:
+                    decode_lora(eng, mode)
+                row = scaling_row(eng, args, trace, key, ref_lens)
+                row.update(alpha=alpha, decode_lora=mode)
+                runs[i].append(row)
+                print(f"scaling: chunk {chunk}, {row['adapters']} adapters, modules {key}, "
+                      f"alpha {alpha}, decode LoRA {mode}: {row['output_tok_s']:.0f} tok/s "
+                      f"{row['req_s']:.2f} req/s, ITL p99 {row['itl_p99_ms']:.1f} ms "
+                      f"({row['wall_s']:.1f} s; {time.perf_counter() - t0:.0f} s into the part)",
+                      flush=True)
+        chosen = [median_run(r) for r in runs]
+        for row in chosen:  # (the first point is the no-LoRA row at this chunk size)
+            row["ratio"] = row["output_tok_s"] / chosen[0]["output_tok_s"]
+        rows += chosen
     decode_lora(eng, eng.config.decode_lora)
     print(f"\nS2 offline throughput, {args.num_requests} requests, lengths in "
           f"{args.input_len}/{args.output_len}, ranks {args.ranks}")
@@ -520,6 +535,11 @@ def part_scaling(eng: Engine, args) -> list[dict]:
           "eager past that; mixed s: their wall time; eager: the eager ones; graphs, compiles: "
           "CUDA graphs captured and Triton kernels compiled while serving)")
     for r in rows:
+        if len(r["runs"]) > 1:
+            print(f"  runs, chunk {r['max_prefill_chunk']}, {r['adapters']} adapters "
+                  f"{r['modules']}, alpha {r['alpha']}: "
+                  + ", ".join(f"{t:.0f}" for t in r["runs"])
+                  + f" tok/s (spread {(max(r['runs']) - min(r['runs'])) / r['output_tok_s']:.1%})")
         if r["compiles"]:
             print(f"  compiled while serving, {r['adapters']} adapters {r['modules']}: "
                   + ", ".join(sorted({c.split("[")[0] for c in r["compiles"]})))
@@ -848,6 +868,8 @@ def parse_args(argv=None):
     ap.add_argument("--alpha", type=floats, default=[1.0],
                     help="scaling: popularity, a list (1 = uniform; smaller: more skewed)")
     ap.add_argument("--num-requests", type=int, default=600, help="scaling: requests per row")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="scaling: runs of each row, interleaved; a row is its median run")
     ap.add_argument("--input-len", type=ints, default=[8, 511], help="scaling: lo,hi (inclusive)")
     ap.add_argument("--output-len", type=ints, default=[8, 511], help="scaling: lo,hi (inclusive)")
     ap.add_argument("--seed", type=int, default=42, help="scaling: the trace's seed")
@@ -915,6 +937,8 @@ def parse_args(argv=None):
                          "(slora.kernels.pdl; on by default)")
     add_out_arg(ap)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: expected 1 or more")
     if args.gemm_rows is not None and args.gemm_rows < 0:
         ap.error(f"--gemm-rows {args.gemm_rows}: expected 0 or more")
     if args.graph_pieces is not None and args.graph_pieces < 1:

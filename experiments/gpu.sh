@@ -18,7 +18,8 @@
 # Before / after in one call, an older tree copied to results/base (carried to the device): bash
 #   experiments/gpu.sh --tree results/base --label base --no-tests; bash experiments/gpu.sh --compare base
 # The tree's commit: $SLORA_COMMIT, else its git HEAD (a copy's .git may be stale). JOBS=N: the
-# tests in N pytest-xdist workers where installed (default 8; 0: one process).
+# tests in N pytest-xdist workers where installed (default 8; 0: one process). REPEATS=R: each S2
+# row (s2, chunk, shared) run R times, interleaved, its median kept (a tree whose bench has --repeats).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd -P)
 TREE=$HERE LABEL=new TESTS=1 COMPARE= BENCH="engine s2 decode" QUANT=()
@@ -34,8 +35,7 @@ while [ $# -gt 0 ]; do
     *) usage ;;
   esac
 done
-OUT=${OUT:-$HERE/results/gpu}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+OUT=${OUT:-$HERE/results/gpu}; mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 D=$OUT/$LABEL
 rm -rf "$D" "$OUT/$LABEL.tar.gz" && mkdir -p "$D"
 export PYTHONPATH=$TREE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -47,8 +47,7 @@ echo "${SLORA_COMMIT:-${head:-unknown}}" >"$D/commit.txt"
 failed=(); step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME.log, under a time limit
   local name=$1 limit=$2 t0=$SECONDS; shift 2
   printf '== %s:' "$name"; printf ' %q' "$@"; echo
-  timeout "$limit" "$@" >"$D/$name.log" 2>&1
-  local rc=$?; echo "   exit $rc after $((SECONDS - t0)) s"
+  timeout "$limit" "$@" >"$D/$name.log" 2>&1; local rc=$?; echo "   exit $rc after $((SECONDS - t0)) s"
   [ "$rc" = 0 ] || { tail -n 5 "$D/$name.log"; failed+=("$name"); }
 }
 if [ "$TESTS" = 1 ]; then
@@ -62,7 +61,8 @@ bench() { [[ " $BENCH " == *" $1 "* ]]; }
 bench fp8 && step fp8 240 python3 experiments/bench_fp8.py --rows 1,32,64,128,256 --out "$D/fp8"
 bench engine && step engine 240 python3 experiments/bench_engine.py --models llama-2-7b \
   --batches 32 --race --skip-hf "${QUANT[@]}" --out "$D/engine"
-sc=experiments/bench_scaling.py s2=(--part scaling --adapters 2000 --num-requests 400 --modules qkvo "${QUANT[@]}")
+sc=experiments/bench_scaling.py; rep=$([ -n "${REPEATS:-}" ] && grep -q -- --repeats $sc && echo "--repeats $REPEATS")
+s2=(--part scaling --adapters 2000 --num-requests 400 --modules qkvo $rep "${QUANT[@]}")
 bench s2 && step s2 300 python3 $sc "${s2[@]}" --out "$D/s2"
 bench chunk && step chunk 600 python3 $sc "${s2[@]}" --max-prefill-chunk "${CHUNKS:-0,512,1024,2048,4096}" \
   $(grep -q -- --step-logs $sc && echo --step-logs) --out "$D/chunk"

@@ -275,3 +275,22 @@ def test_bench_scaling_popularity_and_shared_adapters(bench, tiny_model_dir, tmp
     # the byte floor counts each distinct adapter once
     assert rows[2]["adapter_bytes"] == 2 * rows[1]["adapter_bytes"]
     assert rows[3]["adapter_bytes"] == 4 * rows[1]["adapter_bytes"]
+
+
+def test_repeats_interleave_the_rows_and_keep_each_median_run(bench, tiny_model_dir, tmp_path):
+    """--repeats 3: each S2 row's trace three times, the rows interleaved; a row is its median
+    run by tok/s, with every run's tok/s beside it, and its ratio over the no-LoRA median."""
+    bench.main(["--part", "scaling", "--model", str(tiny_model_dir), "--device", "cpu",
+                "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
+                "--adapters", "2", "--num-requests", "4", "--input-len", "8,20",
+                "--output-len", "2,4", "--modules", "qkvo", "--repeats", "3",
+                "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["scaling"]
+    assert [(r["adapters"], r["modules"]) for r in rows] == [(0, "none"), (2, "qkvo")]
+    for r in rows:
+        assert len(r["runs"]) == 3 and r["output_tok_s"] == sorted(r["runs"])[1]
+    assert rows[0]["ratio"] == 1.0
+    assert rows[1]["ratio"] == rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
+    # an even count: the lower middle run
+    runs = [{"output_tok_s": t, "n": i} for i, t in enumerate((7.0, 5.0))]
+    assert bench.median_run(runs) == {"output_tok_s": 5.0, "n": 1, "runs": [7.0, 5.0]}
