@@ -15,6 +15,13 @@ def bench(experiment):
     return experiment("bench_scaling")
 
 
+def run_tiny(bench, model_dir, out, *args) -> dict:
+    """bench_scaling.py's result for `args` on the tiny model, on the CPU in float32."""
+    bench.main(["--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+                "--num-pages", "1024", "--max-num-seqs", "8", *args, "--out", str(out)])
+    return json.loads((out / "bench_scaling.json").read_text())
+
+
 def test_bench_scaling_cpu(bench, tiny_model_dir, tmp_path):
     bench.main(["--part", "all", "--model", str(tiny_model_dir), "--device", "cpu",
                 "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
@@ -110,12 +117,10 @@ def test_decode_rows_time_a_batch_whose_prompts_take_more_steps_than_its_tokens(
     """Eight 24-token prompts under a 48-token step budget take four steps to prefill, more
     than the 3 tokens a row times: every request still decodes in the timed steps (each runs
     until they are done, then is aborted), and exactly --decode-tokens steps are timed."""
-    bench.main(["--part", "decode", "--model", str(tiny_model_dir), "--device", "cpu",
-                "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
-                "--max-batch-tokens", "48", "--batches", "8", "--decode-modules", "none,qkvo",
-                "--context", "24", "--decode-tokens", "3", "--breakdown", "",
-                "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["decode"]
+    rows = run_tiny(bench, tiny_model_dir, tmp_path, "--part", "decode",
+                    "--max-batch-tokens", "48", "--batches", "8", "--decode-modules",
+                    "none,qkvo", "--context", "24", "--decode-tokens", "3",
+                    "--breakdown", "")["decode"]
     assert [(r["batch"], r["modules"], r["steps_timed"]) for r in rows] == [
         (8, "none", 3), (8, "qkvo", 3)]
     assert all(r["ctx_mean"] > 24 + 3 for r in rows)  # (the fill steps' tokens came first)
@@ -280,12 +285,9 @@ def test_bench_scaling_popularity_and_shared_adapters(bench, tiny_model_dir, tmp
 def test_repeats_interleave_the_rows_and_keep_each_median_run(bench, tiny_model_dir, tmp_path):
     """--repeats 3: each S2 row's trace three times, the rows interleaved; a row is its median
     run by tok/s, with every run's tok/s beside it, and its ratio over the no-LoRA median."""
-    bench.main(["--part", "scaling", "--model", str(tiny_model_dir), "--device", "cpu",
-                "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
-                "--adapters", "2", "--num-requests", "4", "--input-len", "8,20",
-                "--output-len", "2,4", "--modules", "qkvo", "--repeats", "3",
-                "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "bench_scaling.json").read_text())["scaling"]
+    rows = run_tiny(bench, tiny_model_dir, tmp_path, "--part", "scaling", "--adapters", "2",
+                    "--num-requests", "4", "--input-len", "8,20", "--output-len", "2,4",
+                    "--modules", "qkvo", "--repeats", "3")["scaling"]
     assert [(r["adapters"], r["modules"]) for r in rows] == [(0, "none"), (2, "qkvo")]
     for r in rows:
         assert len(r["runs"]) == 3 and r["output_tok_s"] == sorted(r["runs"])[1]
