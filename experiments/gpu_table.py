@@ -73,12 +73,14 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
         peft = next((r for s, r in by.items() if s.startswith("hf-peft")), None)
         if race and peft:
             out.append(("PEFT race: gen tok/s", race["gen_tok_s"], peft["gen_tok_s"], "HF PEFT"))
-    for d in (run["s2"], run.get("shared")):  # (a row both hold: the s2 run's)
+    named = set()
+    for d in (run["s2"], run["shared"]):  # (a row both hold: the s2 run's)
         s2 = (d or {}).get("scaling") or []
         base = next((r for r in s2 if r["adapters"] == 0), None)
         for r in s2:
             what = f"S2 {r['modules']}, {r['adapters']} adapters{_variant(r)}: tok/s"
-            if base and r["adapters"] and what not in {o[0] for o in out}:
+            if base and r["adapters"] and what not in named:
+                named.add(what)
                 out.append((what, r["output_tok_s"], base["output_tok_s"], "no LoRA"))
     chunk = (run["chunk"] or {}).get("scaling") or []
     whole = {(r["adapters"], r["modules"]): r for r in chunk if r["max_prefill_chunk"] == 0}
@@ -92,7 +94,7 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
         r = run["long"]["long"]
         out.append((f"{r['prompt_tokens']}-token prompt: prompt tok/s", r["prefill_tok_s"],
                     float("nan"), "-"))
-    for d in (run["s2"], run["decode"], run.get("shared")):  # the shared-adapter decode table
+    for d in (run["s2"], run["decode"], run["shared"]):  # the shared-adapter decode table
         none = {}
         for r in (d or {}).get("shared") or []:
             if r["modules"] == "none":

@@ -141,14 +141,15 @@ def linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight,
            bias: torch.Tensor | None = None, *, max_rows: int) -> torch.Tensor:
     """F.linear over a tensor or an FP8 weight, by the path the module docstring gives. An x
     that carries its FP8 rounding (`Fp8Rows`) is not quantized again."""
-    xq, x = (x, x.x) if isinstance(x, Fp8Rows) else (None, x)
+    # x's rounding: the one it carries, else computed here
+    rounded = (lambda _: (x.q, x.scale)) if isinstance(x, Fp8Rows) else quantize_rows
+    x = quant.rows(x)
     if not isinstance(w, Fp8Weight):
         return gemm.linear(x, w, bias, max_rows=max_rows)
     if gemm.uses_kernel(x, w.weight, max_rows):
-        q, xs = (xq.q, xq.scale) if xq is not None else quantize_rows(x)
+        q, xs = rounded(x)
         return gemm.skinny_linear(q, w.weight, bias, scale=w.scale, x_scale=xs,
                                   out_dtype=x.dtype)
     if uses_scaled_mm(x, w):
-        return scaled_mm_linear(x, w, bias, quantize=quantize_rows if xq is None
-                                else lambda _: (xq.q, xq.scale))
+        return scaled_mm_linear(x, w, bias, quantize=rounded)
     return quant.linear(x, w, bias)
