@@ -142,7 +142,10 @@ def linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor | Fp8Weight,
     """F.linear over a tensor or an FP8 weight, by the path the module docstring gives. An x
     that carries its FP8 rounding (`Fp8Rows`) is not quantized again."""
     # x's rounding: the one it carries, else computed here
-    rounded = (lambda _: (x.q, x.scale)) if isinstance(x, Fp8Rows) else quantize_rows
+    rounded = quantize_rows
+    if isinstance(x, Fp8Rows):
+        carried = (x.q, x.scale)
+        rounded = lambda _: carried  # noqa: E731
     x = quant.rows(x)
     if not isinstance(w, Fp8Weight):
         return gemm.linear(x, w, bias, max_rows=max_rows)

@@ -271,6 +271,30 @@ def test_fp8_linear_dispatch():
         assert not fp8.linear(blank, w, max_rows=32).any()
 
 
+@pytest.mark.parametrize("path", ["few rows", "scaled_mm"])
+def test_fp8_linear_takes_the_rounding_x_carries(monkeypatch, path):
+    """Each GPU path of fp8.linear, forced on any device, gets the E4M3 values and row scales an
+    `Fp8Rows` x carries (not a rounding of its 16-bit rows) and returns in the rows' dtype."""
+    from slora.kernels import fp8, gemm
+
+    w = weight(32, 64)
+    x = torch.randn(4, 64, device=DEV)
+    q, scale = fp8.quantize_rows_ref(x)
+    carried = quant.Fp8Rows(x, torch.zeros_like(q), scale)  # zeros: not x's rounding
+    got = []
+    if path == "few rows":
+        monkeypatch.setattr(gemm, "uses_kernel", lambda *a: True)
+        monkeypatch.setattr(gemm, "skinny_linear", lambda xq, *a, x_scale, **k: got.append(
+            (xq, x_scale)) or torch.zeros(4, 32, dtype=k["out_dtype"]))
+    else:
+        monkeypatch.setattr(fp8, "uses_scaled_mm", lambda *a: True)
+        monkeypatch.setattr(fp8, "scaled_mm_linear", lambda x, w, b, quantize: got.append(
+            quantize(x)) or torch.zeros(4, 32, dtype=x.dtype))
+    assert fp8.linear(carried, w, max_rows=8).dtype == x.dtype
+    (xq, xs), = got
+    assert xq is carried.q and xs is carried.scale
+
+
 PROMPTS = torch.randint(3, 250, (40, 12), generator=torch.Generator().manual_seed(0)).tolist()
 
 
