@@ -356,6 +356,9 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     ps = [p[:n] for p, (n, _) in zip(longest, lens)]
     sps = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lens]
     names = [r.adapter for r in trace.requests] if modules is not None else None
+    # every row and repeat runs the same prompts: a cold prefix cache, so none finds another
+    # run's KV (a row counts only the hits within its own trace, `prefix_hit_tokens`)
+    eng.reset_prefix_cache()
     before = eng.stats()
     sync(eng.runner.device)
     t0 = time.perf_counter()
@@ -416,7 +419,8 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
                     for s in sorted(steps, key=lambda s: -s["seconds"])[:5]],
         "tail": _tail(steps, itl["itl_p99_ms"]),
         "not_length": sum(o.finish_reason != "length" for o in outs),
-        **{k: after[k] - before[k] for k in ("adapter_loads", "adapter_evictions", "preemptions")},
+        **{k: after[k] - before[k] for k in ("adapter_loads", "adapter_evictions", "preemptions",
+                                             "prefix_hit_tokens")},
     }
 
 

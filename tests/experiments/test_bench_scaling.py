@@ -284,13 +284,16 @@ def test_bench_scaling_popularity_and_shared_adapters(bench, tiny_model_dir, tmp
 
 def test_repeats_interleave_the_rows_and_keep_each_median_run(bench, tiny_model_dir, tmp_path):
     """--repeats 3: each S2 row's trace three times, the rows interleaved; a row is its median
-    run by tok/s, with every run's tok/s beside it, and its ratio over the no-LoRA median."""
+    run by tok/s, with every run's tok/s beside it, and its ratio over the no-LoRA median.
+    Every run repeats the same prompts on a cold prefix cache: none finds an earlier run's
+    KV (prompts of 20-40 tokens fill a cached page)."""
     rows = run_tiny(bench, tiny_model_dir, tmp_path, "--part", "scaling", "--adapters", "2",
-                    "--num-requests", "4", "--input-len", "8,20", "--output-len", "2,4",
+                    "--num-requests", "4", "--input-len", "20,40", "--output-len", "2,4",
                     "--modules", "qkvo", "--repeats", "3")["scaling"]
     assert [(r["adapters"], r["modules"]) for r in rows] == [(0, "none"), (2, "qkvo")]
     for r in rows:
         assert len(r["runs"]) == 3 and r["output_tok_s"] == sorted(r["runs"])[1]
+        assert r["prefix_hit_tokens"] == 0
     assert rows[0]["ratio"] == 1.0
     assert rows[1]["ratio"] == rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
     # an even count: the lower middle run
