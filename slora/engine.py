@@ -524,9 +524,10 @@ class Engine:
         cfg = self.config
         limit = min(cfg.max_batch_tokens, self.max_model_len - 4)
         graphed, eager = warmup_steps(graphs, limit)
-        # A decode graph's key holds its LoRA path: with decode_lora "auto" the adapters' graphed
-        # steps run under each path (their rows share one adapter: the table alone would
-        # pick one), each step's decode rows forced onto it (`BatchBuilder.decode_lora`).
+        # A graph's key holds its decode rows' LoRA path: with decode_lora "auto" the adapters'
+        # graphed steps, decode and mixed, run under each path (their rows share one adapter:
+        # the table alone would pick one), each step's decode rows forced onto it
+        # (`BatchBuilder.decode_lora`).
         builder = self.runner.batches
         mode = builder.decode_lora
         paths = list(PATHS) if mode == "auto" and graphs is not None else [mode]

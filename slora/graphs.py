@@ -5,14 +5,16 @@ cost. Two kinds of graph, captured lazily (or by `Engine.warmup`, which runs the
 `warmup_steps` names) over static device buffers:
 
 - decode steps, one graph per (LoRA path, batch bucket, rank bucket, adapter-page bucket,
-  DoRA groups, module groups): the path is MBGMV or the rows grouped by adapter
-  (`slora.kernels.segments`, whose segments and work list fill static buffers of the bucket's
-  size);
+  DoRA groups, module groups): the path is the decode rows' LoRA, MBGMV or the rows grouped
+  by adapter (`slora.kernels.segments`, whose segments and work list fill static buffers of
+  the bucket's size);
 - mixed steps (prompts, with or without decode rows) of at most `mixed_tokens` tokens, one per
-  (token bucket, sequence bucket, rank bucket, adapter-page bucket, DoRA groups, module
-  groups), up to
-  `EngineConfig.mixed_graph_tokens` (0: none). A larger mixed step runs eagerly: its kernels'
-  work outweighs the host's time launching them.
+  (decode rows' LoRA path, token bucket, sequence bucket, rank bucket, adapter-page bucket,
+  DoRA groups, module groups), up to `EngineConfig.mixed_graph_tokens` (0: none). A larger
+  mixed step runs eagerly: its kernels' work outweighs the host's time launching them.
+
+A graph's key starts with its kind: "decode" and "segments" (decode steps, MBGMV and by
+adapter), "mixed" and "mixed-segments" (the same paths for a mixed step's decode rows).
 
 A graph holds the LoRA kernels of the module groups its batch's adapters target (`GROUPS`:
 q/k/v, o, gate/up, down), as an eager step runs them, so a batch of q/k/v/o adapters launches
@@ -47,7 +49,8 @@ prompts through the prefill ones (`TritonBackend`). In a mixed graph, d (the dec
 tokens and sequences 0..d-1) varies within a bucket, so each decode kernel runs over the
 bucket's first s_bucket rows (d <= sequences <= s_bucket) with the other rows switched off: the
 decode attention kernel sees context length 1 past the decode rows (`Batch.dec_ctx_lens`; its
-rows there are overwritten by the prefill kernel's), MBGMV adapter row -1 (`LoraMeta.dec_slot`);
+rows there are overwritten by the prefill kernel's), MBGMV adapter row -1 (`LoraMeta.dec_slot`;
+by adapter, the decode rows' segments list rows below d alone);
 the prefill kernels' work lists hold the prompts' tiles alone, as in an eager step. The decode
 kernels never run over the prompts' tokens (t_bucket rows), only over s_bucket rows.
 """
@@ -164,9 +167,10 @@ class StepGraphs:
         # order: context lengths [B], then for mixed steps the decode kernel's context lengths
         # [B] (Batch.dec_ctx_lens), token adapter rows [T], decode rows' adapter rows [T]
         # (LoraMeta.dec_slot), segment starts [B + 1], segment adapter rows [B], the prompts'
-        # work tiles of prefill attention and of MBGMM (slora.kernels.tiles), and for decode
-        # steps whose rows run by adapter (LoraMeta.dec_segments) their rows [B], segment
-        # starts [B + 1], adapter rows [B] and work tiles; then the block tables [B, blocks]. Every field starts 16-byte aligned: Triton specializes a pointer
+        # work tiles of prefill attention and of MBGMM (slora.kernels.tiles), and for steps
+        # whose decode rows run by adapter (LoraMeta.dec_segments) their rows [B], segment
+        # starts [B + 1], adapter rows [B] and work tiles; then the block tables [B, blocks].
+        # Every field starts 16-byte aligned: Triton specializes a pointer
         # on it, and a graph's kernels should be the variants eager steps run (aligned tensors
         # of their own), or an eager step compiles again while serving.
         self.meta64 = torch.zeros(4, cdiv(T, 2) * 2, dtype=torch.long, device=dev)
@@ -243,14 +247,16 @@ class StepGraphs:
             dora = tuple(g for g in groups
                          if g in lora.groups and lora.groups[g].offsets_d is not None)
             self.reserve_pages(lora.pages.shape[1])
+        by_adapter = lora is not None and lora.dec_segments is not None
         if n_tok == b.num_decode:
             t_bucket = s_bucket = bucket(n_tok, self.buckets)
-            kind = "decode" if lora is None or lora.dec_segments is None else "segments"
-            key = (kind, t_bucket, rank_bucket, self.max_pages, dora, groups)
+            key = ("segments" if by_adapter else "decode", t_bucket, rank_bucket,
+                   self.max_pages, dora, groups)
         else:
             t_bucket = bucket(n_tok, self.token_buckets)
             s_bucket = min(bucket(n_seq, self.seq_buckets), t_bucket)
-            key = ("mixed", t_bucket, s_bucket, rank_bucket, self.max_pages, dora, groups)
+            key = ("mixed-segments" if by_adapter else "mixed", t_bucket, s_bucket, rank_bucket,
+                   self.max_pages, dora, groups)
         self._fill(b, n_tok, n_seq, t_bucket, s_bucket)
         if ids_from_prev is not None:
             self.ids.index_copy_(0, *ids_from_prev)
@@ -360,8 +366,8 @@ class StepGraphs:
     def _static_batch(self, kind: str, t_bucket: int, s_bucket: int, rank_bucket: int,
                       dora: tuple[str, ...], groups: tuple[str, ...]) -> Batch:
         """The static buffers' batch of a graph: LoRA on `groups`, DoRA's rescale on `dora`
-        (a subset of them); `kind` "decode", "segments" (decode rows by adapter) or "mixed"."""
-        mixed = kind == "mixed"
+        (a subset of them); `kind` one of the keys' kinds (see the module docstring)."""
+        mixed = kind.startswith("mixed")
         num_decode = 0 if mixed else t_bucket
         # Programs walking the work lists: enough for a bucket of long prompts at one tile
         # each; many short prompts' tiles take turns.
@@ -381,7 +387,7 @@ class StepGraphs:
                     **self.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:s_bucket], token_slot=self.token_slot[:t_bucket],
                             num_decode=num_decode, groups=metas)
-            if kind == "segments":
+            if kind.endswith("segments"):  # (a mixed step's decode rows are its sequences)
                 tile = self.decode_tile
                 lora.dec_segments = DecodeSegments(
                     rows=self.dec_rows[:s_bucket], seg_start=self.dec_seg_start[:s_bucket + 1],

@@ -41,9 +41,9 @@ class GroupMeta:
 
 @dataclass
 class DecodeSegments:
-    """A decode-only step's rows grouped by adapter (`slora.kernels.segments`): the Triton
-    backend then runs their LoRA through MBGMM, each adapter's tile read once for up to `tile`
-    rows, rather than through MBGMV."""
+    """A step's decode rows grouped by adapter (`slora.kernels.segments`): the Triton backend
+    then runs their LoRA through MBGMM, each adapter's tile read once for up to `tile` rows,
+    rather than through MBGMV."""
 
     rows: torch.Tensor  # int32 [n]: the decode rows with an adapter, grouped by adapter row
     seg_start: torch.Tensor  # int32 [S+1]: segment i is rows[seg_start[i]:seg_start[i+1]]
@@ -75,7 +75,8 @@ class LoraMeta:
     # A step with prompts and decode rows: the adapter rows of its first n tokens, for MBGMV
     # (the decode rows; a graph's bucket pads it with -1 over the prompt tokens).
     dec_slot: torch.Tensor | None = None  # int32 [n]
-    # A decode-only step whose LoRA runs by adapter (None: MBGMV, a row at a time)
+    # The decode rows grouped by adapter, when their LoRA runs so (None: MBGMV, a row at a
+    # time), in decode-only steps and steps with prompts alike
     dec_segments: DecodeSegments | None = None
 
 
@@ -293,10 +294,10 @@ class TritonBackend(TorchBackend):
         return self._side[device]
 
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
-        """Decode rows: MBGMV, one adapter row per token, or (`LoraMeta.dec_segments`, in a
-        decode-only step) MBGMM over the rows grouped by adapter. Prompts: MBGMM over their
-        segments' work tiles. A step with both runs both pairs: decode rows go to MBGMV even in a mixed
-        step, as one-token MBGMM segments would each fill a whole token tile alone."""
+        """Decode rows: MBGMV, one adapter row per token, or (`LoraMeta.dec_segments`) MBGMM
+        over the rows grouped by adapter. Prompts: MBGMM over their segments' work tiles. A
+        step with both runs both pairs: its decode rows are no prompt segments, as one-token
+        segments would each fill a whole token tile alone."""
         g = meta.groups.get(group)
         if g is not None:
             xa = self._shrink(self._lora_x(x, group), pool_l, meta, g, layer)
@@ -308,7 +309,7 @@ class TritonBackend(TorchBackend):
         """(xa of the decode rows, xa of the prompts), None where the step has none."""
         ranks = g.ranks[layer]
         slot = _decode_slot(meta, x.shape[0])
-        seg = _segments(meta, x.shape[0])
+        seg = meta.dec_segments
         xa_dec = xa_pre = None
         if seg is not None:  # the decode rows by adapter: MBGMM over their segments
             xa_dec = self._mbgmm.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
@@ -327,7 +328,7 @@ class TritonBackend(TorchBackend):
     def _expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta, layer: int) -> None:
         ranks = g.ranks[layer]
         xa_dec, xa_pre = xa
-        seg = _segments(meta, out.shape[0])
+        seg = meta.dec_segments
         if seg is not None:
             self._mbgmm.mbgmm_expand(xa_dec, out, pool_l, meta.pages, g.offsets_b, ranks,
                                     seg.seg_start, seg.seg_slot, g.out_dims, g.strides_out,
@@ -347,9 +348,11 @@ class TritonBackend(TorchBackend):
                                             meta.token_slot, g.stride_in, g.max_rank)
 
     def _token_expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta) -> None:
-        """As `lora` expands: MBGMV over the decode rows, MBGMM over the prompts' tiles."""
+        """As `lora` expands: MBGMV (xa's decode rows) or MBGMM by adapter (xa's rows that
+        `dec_segments` lists) over the decode rows, MBGMM over the prompts' tiles."""
         slot = _decode_slot(meta, out.shape[0])
-        xa_dec = xa[:slot.shape[0]] if slot is not None else None
+        xa_dec = xa if meta.dec_segments is not None else (
+            xa[:slot.shape[0]] if slot is not None else None)
         self._expand((xa_dec, xa if out.shape[0] != meta.num_decode else None), out, pool_l,
                      meta, g, 0)
 
@@ -372,12 +375,6 @@ def _decode_slot(meta: LoraMeta, rows: int) -> torch.Tensor | None:
     """The adapter rows of a step's decode rows, for MBGMV (None: the step has none): every
     token's in a decode-only step of `rows` tokens, else `dec_slot`."""
     return meta.token_slot if rows == meta.num_decode else meta.dec_slot
-
-
-def _segments(meta: LoraMeta, rows: int) -> DecodeSegments | None:
-    """The decode rows' segments of a decode-only step of `rows` tokens that runs its LoRA by
-    adapter, else None."""
-    return meta.dec_segments if rows == meta.num_decode else None
 
 
 class CudaBackend(TritonBackend):

@@ -30,7 +30,7 @@ Batch metadata for LoRA (`LoraMeta`, built by the runner once per step, shared b
     ranks      int32 [L, n_a, 7]        rank of each module in each layer (0 = no LoRA there)
     token_slot int32 [T]                adapter row in `pages` for each token, -1 = base model
     offsets_d  int64 [n_a, G]           (DoRA batches) a group's DoRA rows, -1 = none
-A decode-only step may carry its rows grouped by adapter (`segments_token_slot` maps them back):
+A step may carry its decode rows grouped by adapter (`segments_token_slot` maps them back):
     rows int32 [n], seg_start int32 [S+1], seg_slot int32 [S]: rows[seg_start[i]:seg_start[i+1]]
     use adapter row seg_slot[i]; rows not listed are base-only
 

@@ -2,7 +2,7 @@
 
 MBGMV (`mbgmv.py`) gives every decode row programs of its own, so rows that share an adapter
 each read its A and B^T rows: a step of 128 rows on one adapter costs what 128 distinct
-adapters cost. The segmented path groups a decode-only step's rows by adapter on the host
+adapters cost. The segmented path groups a step's decode rows by adapter on the host
 (`group_rows`: the rows with an adapter, stably sorted by adapter row, as segments of one
 adapter each) and runs MBGMM over them (`mbgmm_shrink` / `mbgmm_expand` with `rows`): one
 program reads an adapter's tile once for up to `decode_tile_rows` rows of it (tl.dot over a
@@ -19,7 +19,7 @@ base-only). xa is indexed by token row on both paths.
 In a CUDA graph (`slora.graphs`) the segments live in preallocated buffers of the bucket's
 size: rows [B], seg_start [B + 1], seg_slot [B] and the work list (`tiles.capacity(B, B,
 tile)` entries); MBGMM counts the step's tiles on the device, so a bucket replays any grouping
-of its rows. The path is part of a decode graph's key.
+of its rows. The path is part of a graph's key (decode and mixed graphs alike).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _tile(table: str) -> int:
 
 
 def choose_path(table: str, mode: str, slots: list[int]) -> str:
-    """The path of a decode-only step whose rows have adapter rows `slots` (-1: base model):
+    """The path of a step's decode rows, whose adapter rows are `slots` (-1: base model):
     `mode` itself unless "auto", else table `table`'s `decode_lora` rule."""
     if mode != "auto":
         return mode

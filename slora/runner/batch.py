@@ -41,10 +41,10 @@ class BatchBuilder:
     group_shapes: per LoRA module group, its row strides and output widths (fixed by the
     model); pin: pin the adapter-side tensors (on a GPU), so the graphs copy them in without
     waiting for the running step; max_added: EngineConfig.max_added_tokens, the added-token
-    group's rank bucket (the logits' extra columns); decode_lora: how a decode-only step's LoRA
-    runs (`EngineConfig.decode_lora`: "auto" picks MBGMV or the rows grouped by adapter per
-    step, from `device`'s table, `slora.kernels.segments`; None: MBGMV always, for backends
-    without the choice)."""
+    group's rank bucket (the logits' extra columns); decode_lora: how a step's decode rows run
+    their LoRA (`EngineConfig.decode_lora`: "auto" picks MBGMV or the rows grouped by adapter
+    per step, from `device`'s table, `slora.kernels.segments`; None: MBGMV always, for
+    backends without the choice)."""
 
     def __init__(self, block_size: int, tile_rows: int, group_shapes: dict[str, dict],
                  pin: bool, max_added: int = 0, decode_lora: str | None = None,
@@ -122,8 +122,8 @@ class BatchBuilder:
             token_slot += [seq_slot[i]] * (q_start[i + 1] - q_start[i])
         meta = LoraMeta(pages=pages, token_slot=torch.tensor(token_slot, dtype=torch.int32),
                         num_decode=num_decode, groups=groups)
-        if num_decode == len(seqs) and self.decode_lora is not None:
-            meta.dec_segments = self.decode_segments(token_slot)
+        if self.decode_lora is not None:  # (in a step with prompts too: its decode rows)
+            meta.dec_segments = self.decode_segments(token_slot[:num_decode])
         if num_decode < len(seqs):  # MBGMM: the prompts with an adapter; MBGMV: decode rows
             meta.seg_start = batch.q_start_tensor
             meta.seg_slot = torch.tensor(seq_slot, dtype=torch.int32)
@@ -135,8 +135,8 @@ class BatchBuilder:
         return meta
 
     def decode_segments(self, slots: list[int]) -> DecodeSegments | None:
-        """A decode-only step's rows grouped by adapter, when its LoRA runs so (the path
-        `segments.choose_path` gives), else None (MBGMV)."""
+        """A step's decode rows (adapter rows `slots`) grouped by adapter, when their LoRA runs
+        so (the path `segments.choose_path` gives), else None (MBGMV)."""
         if segments.choose_path(self.table, self.decode_lora, slots) != "segments":
             return None
         rows, seg_start, seg_slot, tiles = (

@@ -202,9 +202,10 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
     """The static, padded buffers the CUDA graphs replay over (slora.graphs.StepGraphs), run
     eagerly here (capture=False: on CPU there are no graphs; on a GPU too, as the same
     check), give the eager batch's tokens.
-    Decode steps pad rows to a batch bucket (with decode_lora "segments", their rows grouped
-    by adapter in the bucket's segment buffers); mixed steps pad tokens to a token bucket and
-    sequences to a sequence bucket, the prefill kernels walking the prompts' work tiles.
+    Decode steps pad rows to a batch bucket; mixed steps pad tokens to a token bucket and
+    sequences to a sequence bucket, the prefill kernels walking the prompts' work tiles. With
+    decode_lora "segments" (and "auto" where rows share adapters) the decode rows of both kinds
+    of step run grouped by adapter, in the bucket's segment buffers.
     Every host tensor a step's inputs are copied from is contiguous: on a GPU a non-contiguous
     one is first gathered into pageable memory, whose copy may wait for the running step."""
     from torch.overrides import TorchFunctionMode
@@ -240,12 +241,15 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
         results[graphs, decode_lora] = _staggered_run(e, paths)
         if graphs:
             kinds = {key[0] for key in e.runner.graphs.graphs}
-            # ("auto" groups the rows of the decode steps whose rows share adapters enough,
-            # by the table; "segments" those of every decode step with an adapter)
-            assert "mixed" in kinds and kinds <= {"decode", "mixed", "segments"}, kinds
-            assert ("segments" in kinds) >= (decode_lora == "segments"), kinds
+            # ("auto" groups the decode rows of the steps whose rows share adapters enough, by
+            # the table; "segments" those of every step with an adapter: decode steps and
+            # mixed steps, keyed apart from MBGMV's)
+            assert kinds <= {"decode", "mixed", "segments", "mixed-segments"}, kinds
+            assert kinds & {"mixed", "mixed-segments"}, kinds
+            if decode_lora == "segments":
+                assert {"segments", "mixed-segments"} <= kinds, kinds
             # a mixed bucket pads both: more tokens and more sequences than any step had
-            mixed = [k for k in e.runner.graphs.graphs if k[0] == "mixed"]
+            mixed = [k for k in e.runner.graphs.graphs if k[0].startswith("mixed")]
             assert all(k[1] in (16, 32, 48) and k[2] in (4, 16) for k in mixed)
             # a graph holds the LoRA kernels of its batch's module groups only: q/k/v where r3
             # (q and v) is the only adapter, all four groups beside r20 (every module)
@@ -289,20 +293,24 @@ def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
 
 
 def test_warmup_captures_both_decode_lora_paths(tiny_model_dir):
-    """With decode_lora "auto" the path of a decode step's LoRA is chosen per step, and a
-    decode graph is keyed by it: the warm-up captures each adapter bucket under MBGMV and
-    under the rows grouped by adapter (the base model's under MBGMV: it has no LoRA)."""
+    """With decode_lora "auto" the path of a step's decode rows' LoRA is chosen per step, and
+    a graph is keyed by it: the warm-up captures each adapter bucket, decode and mixed, under
+    MBGMV and under the rows grouped by adapter (the base model's under MBGMV: it has no
+    LoRA)."""
     e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
                             num_pages=64, backend="triton", cuda_graphs=False, max_num_seqs=2,
-                            mixed_graph_tokens=0))
+                            mixed_graph_tokens=16))
     e.add_synthetic_adapter("a", 8, ["q_proj", "v_proj"])
-    e.runner.graphs = e.runner.make_graphs(2, capture=False)
+    e.runner.graphs = e.runner.make_graphs(2, mixed_tokens=16, capture=False)
     e.warmup()
     gc.unfreeze()
     assert e.runner.batches.decode_lora == "auto"  # (set back after the forced steps)
-    decode = {k[:3] for k in e.runner.graphs.graphs if k[0] != "mixed"}
+    keys = e.runner.graphs.graphs
+    decode = {k[:3] for k in keys if not k[0].startswith("mixed")}
     assert decode == {(kind, b, r) for kind in ("decode", "segments") for b in (1, 2)
                       for r in (16,)} | {("decode", 1, 0), ("decode", 2, 0)}
+    mixed = {(k[0], k[3]) for k in keys if k[0].startswith("mixed")}  # (kind, rank bucket)
+    assert mixed == {("mixed", 0), ("mixed", 16), ("mixed-segments", 16)}
 
 
 def test_warmup_captures_every_mixed_bucket_a_step_can_reach(tiny_model_dir):
