@@ -148,10 +148,11 @@ class EngineConfig:
     # weights faster than cuBLAS at few rows), cuBLAS past them, which is faster from 64 rows
     # up; 0: cuBLAS always. CPU runs F.linear whatever this is.
     gemm_max_rows: int = 32
-    # A decode-only step's LoRA on the GPU backends: "mbgmv" (each row its own programs),
-    # "segments" (the rows grouped by adapter, each adapter's tiles read once for up to 16
-    # rows: slora.kernels.segments) or "auto", the choice of the GPU's table per step by rows
-    # per adapter (shared adapters take segments, distinct ones MBGMV).
+    # The LoRA of a step's decode rows on the GPU backends, prompts beside them or not:
+    # "mbgmv" (each row its own programs), "segments" (the rows grouped by adapter, each
+    # adapter's tiles read once for up to 16 rows: slora.kernels.segments) or "auto", the
+    # choice of the GPU's table per step by rows per adapter (shared adapters take segments,
+    # distinct ones MBGMV).
     decode_lora: str = "auto"
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
