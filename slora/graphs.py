@@ -170,9 +170,9 @@ class StepGraphs:
         # work tiles of prefill attention and of MBGMM (slora.kernels.tiles), and for steps
         # whose decode rows run by adapter (LoraMeta.dec_segments) their rows [B], segment
         # starts [B + 1], adapter rows [B] and work tiles; then the block tables [B, blocks].
-        # Every field starts 16-byte aligned: Triton specializes a pointer
-        # on it, and a graph's kernels should be the variants eager steps run (aligned tensors
-        # of their own), or an eager step compiles again while serving.
+        # Every field starts 16-byte aligned: Triton specializes a pointer on it, and a graph's
+        # kernels should be the variants eager steps run (aligned tensors of their own), or an
+        # eager step compiles again while serving.
         self.meta64 = torch.zeros(4, cdiv(T, 2) * 2, dtype=torch.long, device=dev)
         self.ids, self.positions, self.slots, self.logits_index = self.meta64
         n_tiles = 1 + 2 * capacity(T, B, self.tile_rows)
