@@ -686,13 +686,16 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
     default: a graph replay up to mixed_graph_tokens, eager past it). GPU busy time per
     step against its wall time shows the idle share, split into short gaps (between a graph's
     kernels) and long ones (the GPU waiting while the CPU schedules, builds the batch, launches
-    eager kernels and samples); the kernel table shows the GPU's."""
+    eager kernels and samples); the kernel table shows the GPU's. With LoRA the requests take
+    `--breakdown-adapters` adapters in turn (0: one each), and so do the mixed prompts."""
     modules, dora = module_set(modules_key)
     cfg = eng.model_config
-    ranks = {f"kb-{i}": args.decode_rank for i in range(batch)} if modules is not None else {}
+    n_adapters = min(args.breakdown_adapters or batch, batch)
+    ranks = ({f"kb-{i}": args.decode_rank for i in range(n_adapters)}
+             if modules is not None else {})
     add_adapters(eng, ranks, modules, dora)
     sp = SamplingParams(max_tokens=args.decode_tokens + 3 * steps, ignore_eos=True)
-    names = list(ranks) or [None] * batch
+    names = [f"kb-{i % n_adapters}" for i in range(batch)] if ranks else [None] * batch
     for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names):
         eng.add_request(p, sp, adapter=name)
     while eng.scheduler.waiting or any(r.num_new > 1 for r in eng.scheduler.running):
@@ -710,7 +713,7 @@ def kernel_breakdown(eng: Engine, args, batch: int, modules_key: str, steps: int
 
     mixed(2 * steps)  # off the clock: a mixed-step graph bucket is captured on first use
 
-    res = {"batch": batch, "modules": modules_key}
+    res = {"batch": batch, "modules": modules_key, "adapters": len(ranks)}
     for kind, fn in (("decode", lambda i: eng.step()), ("mixed", mixed)):
         wall_ms, kernels, gaps = _profiled(eng, fn, steps)
         top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
@@ -728,7 +731,8 @@ def print_breakdown(b: dict) -> None:
     for kind in ("decode", "mixed"):
         k = b[kind]
         busy, wall = k["gpu_busy_ms_per_step"], k["wall_ms_per_step"]
-        print(f"\nkernel breakdown, {kind} steps, batch {b['batch']}, modules {b['modules']}: "
+        print(f"\nkernel breakdown, {kind} steps, batch {b['batch']}, modules {b['modules']}"
+              f"{', %d adapters' % b['adapters'] if b.get('adapters') else ''}: "
               f"{wall:.2f} ms/step wall (profiled), GPU busy {busy:.2f} ms ({busy / wall:.0%}); "
               f"GPU idle in gaps < {GAP_US} us {k['short_gaps_ms_per_step']:.2f} ms, "
               f"longer {k['long_gaps_ms_per_step']:.2f} ms")
@@ -903,6 +907,9 @@ def parse_args(argv=None):
     ap.add_argument("--breakdown-modules", type=lambda s: s.split(","), default=["none", "qkvo"],
                     help="breakdown: module sets to profile, of none,qkvo,all,vocab,qkvo-dora,"
                          "all-dora")
+    ap.add_argument("--breakdown-adapters", type=int, default=0,
+                    help="breakdown: adapters the batch's requests (and the mixed prompts) take "
+                         "in turn (0: one each; 1: every row on one adapter)")
     ap.add_argument("--dora", action="store_true",
                     help="decode: rows of DoRA adapters too (qkvo-dora, all-dora), beside the "
                          "plain LoRA rows of the same rank and modules")
@@ -945,6 +952,8 @@ def parse_args(argv=None):
         ap.error(f"--repeats {args.repeats}: expected 1 or more")
     if args.gemm_rows is not None and args.gemm_rows < 0:
         ap.error(f"--gemm-rows {args.gemm_rows}: expected 0 or more")
+    if args.breakdown_adapters < 0:
+        ap.error(f"--breakdown-adapters {args.breakdown_adapters}: expected 0 or more")
     if args.graph_pieces is not None and args.graph_pieces < 1:
         ap.error(f"--graph-pieces {args.graph_pieces}: expected 1 or more")
     for opt, extra in (("breakdown_modules", ["qkvo" + DORA, "all" + DORA]),

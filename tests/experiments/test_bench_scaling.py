@@ -55,7 +55,9 @@ def test_bench_scaling_cpu(bench, tiny_model_dir, tmp_path):
         assert r["steps_timed"] >= 1 and r["step_ms"] > 0 and r["floor_ms"] > 0 and r["ratio"] > 0
         assert 24 <= r["ctx_mean"] <= 40
         assert (r["adapter_bytes"] > 0) == (r["modules"] != "none")
-    assert [(b["batch"], b["modules"]) for b in res["breakdown"]] == [(4, "none"), (4, "qkvo")]
+    # (with LoRA, one adapter a request: --breakdown-adapters 0)
+    assert [(b["batch"], b["modules"], b["adapters"]) for b in res["breakdown"]] == [
+        (4, "none", 0), (4, "qkvo", 4)]
     assert all(b[k]["wall_ms_per_step"] > 0 for b in res["breakdown"] for k in ("decode", "mixed"))
     # the GPU's idle gaps (none on CPU: no device activity to part)
     assert all(b[k]["short_gaps_ms_per_step"] == b[k]["long_gaps_ms_per_step"] == 0
@@ -124,6 +126,19 @@ def test_decode_rows_time_a_batch_whose_prompts_take_more_steps_than_its_tokens(
     assert [(r["batch"], r["modules"], r["steps_timed"]) for r in rows] == [
         (8, "none", 3), (8, "qkvo", 3)]
     assert all(r["ctx_mean"] > 24 + 3 for r in rows)  # (the fill steps' tokens came first)
+
+
+def test_breakdown_puts_the_rows_on_the_adapters_asked_for(bench, tiny_model_dir, tmp_path):
+    """--breakdown-adapters 1: the profiled batch's requests all take one adapter, and the
+    result says how many it ran on (one each by default: test_bench_scaling_cpu)."""
+    res = run_tiny(bench, tiny_model_dir, tmp_path, "--part", "decode", "--batches", "4",
+                   "--decode-modules", "none", "--context", "16", "--decode-tokens", "2",
+                   "--breakdown", "4", "--breakdown-modules", "qkvo", "--mixed-prompt-len", "8",
+                   "--breakdown-adapters", "1")
+    (b,) = res["breakdown"]
+    assert (b["batch"], b["modules"], b["adapters"]) == (4, "qkvo", 1)
+    with pytest.raises(SystemExit):
+        bench.main(["--breakdown-adapters", "-1"])
 
 
 def test_stall_note_names_the_allocator_growth(bench):
