@@ -306,16 +306,17 @@ class TritonBackend(TorchBackend):
             self._expand(xa, out, pool_l, meta, g, layer)
 
     def _shrink(self, x, pool_l, meta: LoraMeta, g: GroupMeta, layer: int):
-        """(xa of the decode rows, xa of the prompts), None where the step has none."""
+        """(xa of the decode rows, xa of the prompts), None where the step has none. The
+        decode rows are x's first rows, as many as their adapter rows (`_decode_slot`)."""
         ranks = g.ranks[layer]
         slot = _decode_slot(meta, x.shape[0])
         seg = meta.dec_segments
         xa_dec = xa_pre = None
-        if seg is not None:  # the decode rows by adapter: MBGMM over their segments
-            xa_dec = self._mbgmm.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
-                                             seg.seg_start, seg.seg_slot, g.stride_in,
-                                             g.max_rank, seg.tiles, seg.programs, rows=seg.rows,
-                                             block_m=seg.tile)
+        if slot is not None and seg is not None:  # by adapter: MBGMM over their segments
+            xa_dec = self._mbgmm.mbgmm_shrink(x[:slot.shape[0]], pool_l, meta.pages,
+                                             g.offsets_a, ranks, seg.seg_start, seg.seg_slot,
+                                             g.stride_in, g.max_rank, seg.tiles, seg.programs,
+                                             rows=seg.rows, block_m=seg.tile)
         elif slot is not None:
             xa_dec = self._mbgmv.mbgmv_shrink(x[:slot.shape[0]], pool_l, meta.pages, g.offsets_a,
                                              ranks, slot, g.stride_in, g.max_rank)
@@ -329,10 +330,11 @@ class TritonBackend(TorchBackend):
         ranks = g.ranks[layer]
         xa_dec, xa_pre = xa
         seg = meta.dec_segments
-        if seg is not None:
-            self._mbgmm.mbgmm_expand(xa_dec, out, pool_l, meta.pages, g.offsets_b, ranks,
-                                    seg.seg_start, seg.seg_slot, g.out_dims, g.strides_out,
-                                    seg.tiles, seg.programs, rows=seg.rows, block_m=seg.tile)
+        if xa_dec is not None and seg is not None:
+            self._mbgmm.mbgmm_expand(xa_dec, out[:xa_dec.shape[0]], pool_l, meta.pages,
+                                    g.offsets_b, ranks, seg.seg_start, seg.seg_slot, g.out_dims,
+                                    g.strides_out, seg.tiles, seg.programs, rows=seg.rows,
+                                    block_m=seg.tile)
         elif xa_dec is not None:
             slot = _decode_slot(meta, out.shape[0])
             self._mbgmv.mbgmv_expand(xa_dec, out[:slot.shape[0]], pool_l, meta.pages, g.offsets_b,
@@ -348,11 +350,10 @@ class TritonBackend(TorchBackend):
                                             meta.token_slot, g.stride_in, g.max_rank)
 
     def _token_expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta) -> None:
-        """As `lora` expands: MBGMV (xa's decode rows) or MBGMM by adapter (xa's rows that
-        `dec_segments` lists) over the decode rows, MBGMM over the prompts' tiles."""
+        """As `lora` expands: MBGMV or MBGMM by adapter over the decode rows, MBGMM over the
+        prompts' tiles."""
         slot = _decode_slot(meta, out.shape[0])
-        xa_dec = xa if meta.dec_segments is not None else (
-            xa[:slot.shape[0]] if slot is not None else None)
+        xa_dec = xa[:slot.shape[0]] if slot is not None else None
         self._expand((xa_dec, xa if out.shape[0] != meta.num_decode else None), out, pool_l,
                      meta, g, 0)
 
