@@ -70,6 +70,7 @@ from slora.kernels.attention import (  # noqa: E402
 )
 
 ALIGN = ref.LORA_ALIGN
+MODEL_LAYERS = 32  # Llama-2-7B's layers: the "auto" column's adapters span them
 
 
 # ----------------------------------------------------------------------------- timing
@@ -265,7 +266,11 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True, adapters=0):
     el = x.element_size()
     nbytes = x.numel() * el + P.adapter_bytes(n_a) + 2 * y.numel() * el
     flops = 2 * T * r * (len(out_dims) * d + sum(out_dims))
-    extra["auto"] = segments.choose_path(tuning.kind(device), "auto", slots.tolist())
+    # the table's split for adapters of this group on every layer of a Llama-2-7B shape
+    by_adapter, rest = segments.split_rows(tuning.kind(device), "auto", slots.tolist(),
+                                           [P.adapter_bytes(1) * MODEL_LAYERS] * n_a)
+    extra["auto"] = ("mbgmv" if by_adapter is None else "segments" if rest is None
+                     else "hybrid")
     if "us_cuda" in extra:
         extra["GBps_cuda"] = nbytes / extra["us_cuda"] / 1e3
     del P
@@ -827,7 +832,7 @@ def main(argv=None) -> dict:
     if res["mbgmv"]:
         print(f"MBGMV {cfg['modules']} x ({cfg['hidden']} -> r -> {cfg['hidden']}), T tokens on "
               "`adapters` adapters, shrink + expand; seg: MBGMM over the rows grouped by "
-              "adapter; auto: the path the table picks")
+              "adapter; auto: the path the table picks for adapters of these bytes on 32 layers")
         print("(%copy: of the 2 GiB copy's rate; %same: of a copy of the same bytes per layer, "
               "timed alike; bytes count each distinct adapter once)")
         print(f"{'T':>5} {'rank':>5} {'adapt':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'%same':>6} | "

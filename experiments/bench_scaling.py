@@ -47,8 +47,9 @@ shared: the decode step when requests share adapters: at batch B in --shared-bat
     request its own), requests assigned round-robin, timed as in decode; beside the no-LoRA
     row at the same batch, from the same run (vs_none: its step time over the row's).
 --decode-lora: the decode LoRA path of every LoRA row (EngineConfig.decode_lora: auto, mbgmv,
-    segments); a list runs each row under each, MBGMV against the rows grouped by adapter in
-    one call (the engine is made with "auto", whose warm-up captures the graphs of both).
+    segments, hybrid); a list runs each row under each, MBGMV against the rows grouped by
+    adapter in one call (the engine is made with "auto", whose warm-up captures the graphs of
+    every path).
 
 Synthetic adapters share one seed, so adapters of one (rank, modules) shape share one pinned
 host buffer (2000 distinct ones of rank 64 on seven modules would need 640 GB of host memory);
@@ -900,7 +901,7 @@ def parse_args(argv=None):
     ap.add_argument("--shared-adapters", type=ints, default=[1, 4, 0],
                     help="shared: adapters the batch's requests share (0: one each)")
     ap.add_argument("--decode-lora", type=lambda t: t.split(","), default=["auto"],
-                    help="the LoRA rows' decode path, a list of auto,mbgmv,segments "
+                    help="the LoRA rows' decode path, a list of auto,mbgmv,segments,hybrid "
                          "(EngineConfig.decode_lora): each LoRA row runs under each")
     ap.add_argument("--breakdown", type=ints, default=[32],
                     help="decode: batch sizes to profile kernel by kernel (empty: none)")

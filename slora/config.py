@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
-DECODE_LORA = ("auto", "mbgmv", "segments")  # slora.kernels.segments
+DECODE_LORA = ("auto", "mbgmv", "segments", "hybrid")  # slora.kernels.segments
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICIES = ("fcfs", "cluster", "abort", "fair")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization's values besides None
@@ -150,9 +150,9 @@ class EngineConfig:
     gemm_max_rows: int = 32
     # The LoRA of a step's decode rows on the GPU backends, prompts beside them or not:
     # "mbgmv" (each row its own programs), "segments" (the rows grouped by adapter, each
-    # adapter's tiles read once for up to 16 rows: slora.kernels.segments) or "auto", the
-    # choice of the GPU's table per step by rows per adapter (shared adapters take segments,
-    # distinct ones MBGMV).
+    # adapter's tiles read once for up to 16 rows: slora.kernels.segments), "auto" (each
+    # adapter's rows grouped where the GPU's table says they are many and large enough, the
+    # others through MBGMV) or "hybrid" ("auto"'s split with both kernels in every step).
     decode_lora: str = "auto"
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").

@@ -525,9 +525,9 @@ class Engine:
         limit = min(cfg.max_batch_tokens, self.max_model_len - 4)
         graphed, eager = warmup_steps(graphs, limit)
         # A graph's key holds its decode rows' LoRA path: with decode_lora "auto" the adapters'
-        # graphed steps, decode and mixed, run under each path (their rows share one adapter:
-        # the table alone would pick one), each step's decode rows forced onto it
-        # (`BatchBuilder.decode_lora`).
+        # graphed steps, decode and mixed, run under each path (MBGMV, by adapter, both: their
+        # rows share one adapter, so the table alone would pick one), each step's decode rows
+        # forced onto it (`BatchBuilder.decode_lora`).
         builder = self.runner.batches
         mode = builder.decode_lora
         paths = list(PATHS) if mode == "auto" and graphs is not None else [mode]

@@ -5,16 +5,17 @@ cost. Two kinds of graph, captured lazily (or by `Engine.warmup`, which runs the
 `warmup_steps` names) over static device buffers:
 
 - decode steps, one graph per (LoRA path, batch bucket, rank bucket, adapter-page bucket,
-  DoRA groups, module groups): the path is the decode rows' LoRA, MBGMV or the rows grouped
-  by adapter (`slora.kernels.segments`, whose segments and work list fill static buffers of
-  the bucket's size);
+  DoRA groups, module groups): the path is the decode rows' LoRA, MBGMV, the rows grouped by
+  adapter (`slora.kernels.segments`, whose segments and work list fill static buffers of the
+  bucket's size) or both, each over its share of the rows;
 - mixed steps (prompts, with or without decode rows) of at most `mixed_tokens` tokens, one per
   (decode rows' LoRA path, token bucket, sequence bucket, rank bucket, adapter-page bucket,
   DoRA groups, module groups), up to `EngineConfig.mixed_graph_tokens` (0: none). A larger
   mixed step runs eagerly: its kernels' work outweighs the host's time launching them.
 
-A graph's key starts with its kind: "decode" and "segments" (decode steps, MBGMV and by
-adapter), "mixed" and "mixed-segments" (the same paths for a mixed step's decode rows).
+A graph's key starts with its kind: "decode", "segments" and "hybrid" (decode steps: MBGMV, by
+adapter, both), "mixed", "mixed-segments" and "mixed-hybrid" (the same paths for a mixed step's
+decode rows).
 
 A graph holds the LoRA kernels of the module groups its batch's adapters target (`GROUPS`:
 q/k/v, o, gate/up, down), as an eager step runs them, so a batch of q/k/v/o adapters launches
@@ -169,7 +170,8 @@ class StepGraphs:
         # (LoraMeta.dec_slot), segment starts [B + 1], segment adapter rows [B], the prompts'
         # work tiles of prefill attention and of MBGMM (slora.kernels.tiles), and for steps
         # whose decode rows run by adapter (LoraMeta.dec_segments) their rows [B], segment
-        # starts [B + 1], adapter rows [B] and work tiles; then the block tables [B, blocks].
+        # starts [B + 1], adapter rows [B], work tiles and the rest's adapter rows for MBGMV
+        # [B] (DecodeSegments.rest); then the block tables [B, blocks].
         # Every field starts 16-byte aligned: Triton specializes a pointer on it, and a graph's
         # kernels should be the variants eager steps run (aligned tensors of their own), or an
         # eager step compiles again while serving.
@@ -179,7 +181,8 @@ class StepGraphs:
         self._sizes32 = {"ctx": B, "dec_ctx": B, "token_slot": T, "dec_slot": T,
                          "q_start": B + 1, "seg_slot": B, "att_tiles": n_tiles,
                          "lora_tiles": n_tiles, "dec_rows": B, "dec_seg_start": B + 1,
-                         "dec_seg_slot": B, "dec_tiles": 1 + 2 * capacity(B, B, self.decode_tile)}
+                         "dec_seg_slot": B, "dec_tiles": 1 + 2 * capacity(B, B, self.decode_tile),
+                         "dec_rest": B}
         self._at32, at = {}, 0  # each field's offset in meta32, a multiple of 4 int32s
         for name, size in self._sizes32.items():
             self._at32[name] = at
@@ -247,15 +250,15 @@ class StepGraphs:
             dora = tuple(g for g in groups
                          if g in lora.groups and lora.groups[g].offsets_d is not None)
             self.reserve_pages(lora.pages.shape[1])
-        by_adapter = lora is not None and lora.dec_segments is not None
+        seg = None if lora is None else lora.dec_segments
+        path = "" if seg is None else "segments" if seg.rest is None else "hybrid"
         if n_tok == b.num_decode:
             t_bucket = s_bucket = bucket(n_tok, self.buckets)
-            key = ("segments" if by_adapter else "decode", t_bucket, rank_bucket,
-                   self.max_pages, dora, groups)
+            key = (path or "decode", t_bucket, rank_bucket, self.max_pages, dora, groups)
         else:
             t_bucket = bucket(n_tok, self.token_buckets)
             s_bucket = min(bucket(n_seq, self.seq_buckets), t_bucket)
-            key = ("mixed-segments" if by_adapter else "mixed", t_bucket, s_bucket, rank_bucket,
+            key = ("mixed-" + path if path else "mixed", t_bucket, s_bucket, rank_bucket,
                    self.max_pages, dora, groups)
         self._fill(b, n_tok, n_seq, t_bucket, s_bucket)
         if ids_from_prev is not None:
@@ -316,10 +319,13 @@ class StepGraphs:
         if b.lora is not None:
             h["token_slot"][:n_tok] = b.lora.token_slot
             seg = b.lora.dec_segments
-            if seg is not None:  # (padded rows are base-only: in no segment)
+            if seg is not None:  # (padded rows are base-only: in no segment, -1 in the rest)
                 for name, t in (("dec_rows", seg.rows), ("dec_seg_start", seg.seg_start),
                                 ("dec_seg_slot", seg.seg_slot), ("dec_tiles", seg.tiles)):
                     h[name][:t.shape[0]] = t
+                if seg.rest is not None:
+                    h["dec_rest"][:s_bucket] = -1
+                    h["dec_rest"][:seg.rest.shape[0]] = seg.rest
         d = b.num_decode
         if n_tok != d:  # a mixed step's split (see the module docstring)
             logits_index[:n_seq] = b.logits_index
@@ -387,12 +393,14 @@ class StepGraphs:
                     **self.group_shapes[gname])
             lora = LoraMeta(pages=self.pages[:s_bucket], token_slot=self.token_slot[:t_bucket],
                             num_decode=num_decode, groups=metas)
-            if kind.endswith("segments"):  # (a mixed step's decode rows are its sequences)
+            # the decode rows by adapter (a mixed step's decode rows are its sequences)
+            if kind.endswith(("segments", "hybrid")):
                 tile = self.decode_tile
                 lora.dec_segments = DecodeSegments(
                     rows=self.dec_rows[:s_bucket], seg_start=self.dec_seg_start[:s_bucket + 1],
                     seg_slot=self.dec_seg_slot[:s_bucket], tiles=self.dec_tiles, tile=tile,
-                    programs=min(capacity(s_bucket, s_bucket, tile), cdiv(s_bucket, tile) + 16))
+                    programs=min(capacity(s_bucket, s_bucket, tile), cdiv(s_bucket, tile) + 16),
+                    rest=self.dec_rest[:s_bucket] if kind.endswith("hybrid") else None)
             if mixed:
                 lora.seg_start, lora.seg_slot = self.q_start[:s_bucket + 1], self.seg_slot[:s_bucket]
                 lora.tiles, lora.tile_programs = self.lora_tiles, programs

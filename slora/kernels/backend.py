@@ -43,7 +43,7 @@ class GroupMeta:
 class DecodeSegments:
     """A step's decode rows grouped by adapter (`slora.kernels.segments`): the Triton backend
     then runs their LoRA through MBGMM, each adapter's tile read once for up to `tile` rows,
-    rather than through MBGMV."""
+    rather than through MBGMV; the rows in no segment through MBGMV by `rest`, if given."""
 
     rows: torch.Tensor  # int32 [n]: the decode rows with an adapter, grouped by adapter row
     seg_start: torch.Tensor  # int32 [S+1]: segment i is rows[seg_start[i]:seg_start[i+1]]
@@ -51,6 +51,9 @@ class DecodeSegments:
     tiles: torch.Tensor  # int32: the segments' work list (slora.kernels.tiles), tiles of `tile`
     tile: int
     programs: int | None = None  # programs walking `tiles` (None: one per tile)
+    # int32 [n]: every decode row's adapter row for MBGMV, -1 on the segments' rows (None: the
+    # rows outside the segments are base-only)
+    rest: torch.Tensor | None = None
 
 
 @dataclass
@@ -295,9 +298,10 @@ class TritonBackend(TorchBackend):
 
     def lora(self, out, x, pool_l, meta: LoraMeta, layer: int, group: str) -> None:
         """Decode rows: MBGMV, one adapter row per token, or (`LoraMeta.dec_segments`) MBGMM
-        over the rows grouped by adapter. Prompts: MBGMM over their segments' work tiles. A
-        step with both runs both pairs: its decode rows are no prompt segments, as one-token
-        segments would each fill a whole token tile alone."""
+        over the rows grouped by adapter, beside MBGMV over the rest where the step splits
+        them. Prompts: MBGMM over their segments' work tiles. A step with both runs both: its
+        decode rows are no prompt segments, as one-token segments would each fill a whole
+        token tile alone."""
         g = meta.groups.get(group)
         if g is not None:
             xa = self._shrink(self._lora_x(x, group), pool_l, meta, g, layer)
@@ -312,14 +316,16 @@ class TritonBackend(TorchBackend):
         slot = _decode_slot(meta, x.shape[0])
         seg = meta.dec_segments
         xa_dec = xa_pre = None
-        if slot is not None and seg is not None:  # by adapter: MBGMM over their segments
-            xa_dec = self._mbgmm.mbgmm_shrink(x[:slot.shape[0]], pool_l, meta.pages,
-                                             g.offsets_a, ranks, seg.seg_start, seg.seg_slot,
-                                             g.stride_in, g.max_rank, seg.tiles, seg.programs,
-                                             rows=seg.rows, block_m=seg.tile)
-        elif slot is not None:
-            xa_dec = self._mbgmv.mbgmv_shrink(x[:slot.shape[0]], pool_l, meta.pages, g.offsets_a,
-                                             ranks, slot, g.stride_in, g.max_rank)
+        if slot is not None:
+            x_dec, rest = x[:slot.shape[0]], slot if seg is None else seg.rest
+            if rest is not None:  # MBGMV: every row, or the rows in no segment
+                xa_dec = self._mbgmv.mbgmv_shrink(x_dec, pool_l, meta.pages, g.offsets_a, ranks,
+                                                 rest, g.stride_in, g.max_rank)
+            if seg is not None:  # by adapter: MBGMM over the segments, into MBGMV's xa
+                xa_dec = self._mbgmm.mbgmm_shrink(x_dec, pool_l, meta.pages, g.offsets_a, ranks,
+                                                 seg.seg_start, seg.seg_slot, g.stride_in,
+                                                 g.max_rank, seg.tiles, seg.programs,
+                                                 rows=seg.rows, block_m=seg.tile, xa=xa_dec)
         if x.shape[0] != meta.num_decode:
             xa_pre = self._mbgmm.mbgmm_shrink(x, pool_l, meta.pages, g.offsets_a, ranks,
                                              meta.seg_start, meta.seg_slot, g.stride_in,
@@ -329,21 +335,22 @@ class TritonBackend(TorchBackend):
     def _expand(self, xa, out, pool_l, meta: LoraMeta, g: GroupMeta, layer: int) -> None:
         ranks = g.ranks[layer]
         xa_dec, xa_pre = xa
-        seg = meta.dec_segments
-        if xa_dec is not None and seg is not None:
-            self._mbgmm.mbgmm_expand(xa_dec, out[:xa_dec.shape[0]], pool_l, meta.pages,
-                                    g.offsets_b, ranks, seg.seg_start, seg.seg_slot, g.out_dims,
-                                    g.strides_out, seg.tiles, seg.programs, rows=seg.rows,
-                                    block_m=seg.tile)
-        elif xa_dec is not None:
-            slot = _decode_slot(meta, out.shape[0])
-            self._mbgmv.mbgmv_expand(xa_dec, out[:slot.shape[0]], pool_l, meta.pages, g.offsets_b,
-                                    ranks, slot, g.out_dims, g.strides_out)
+        if xa_dec is not None:
+            seg = meta.dec_segments
+            out_dec = out[:xa_dec.shape[0]]
+            rest = _decode_slot(meta, out.shape[0]) if seg is None else seg.rest
+            if rest is not None:
+                self._mbgmv.mbgmv_expand(xa_dec, out_dec, pool_l, meta.pages, g.offsets_b,
+                                        ranks, rest, g.out_dims, g.strides_out)
+            if seg is not None:
+                self._mbgmm.mbgmm_expand(xa_dec, out_dec, pool_l, meta.pages, g.offsets_b,
+                                        ranks, seg.seg_start, seg.seg_slot, g.out_dims,
+                                        g.strides_out, seg.tiles, seg.programs, rows=seg.rows,
+                                        block_m=seg.tile)
         if xa_pre is not None:
             self._mbgmm.mbgmm_expand(xa_pre, out, pool_l, meta.pages, g.offsets_b, ranks,
                                     meta.seg_start, meta.seg_slot, g.out_dims, g.strides_out,
                                     meta.tiles, meta.tile_programs)
-
 
     def _embedding_shrink(self, ids, pool_l, meta: LoraMeta, g: GroupMeta):
         return self._vocab.embedding_shrink(ids, pool_l, meta.pages, g.offsets_a, g.ranks[0],

@@ -301,7 +301,7 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
                  seg_slot: torch.Tensor, stride: int, max_rank: int,
                  tiles: torch.Tensor | None = None, programs: int | None = None,
                  split_k: int | None = None, rows: torch.Tensor | None = None,
-                 block_m: int | None = None) -> torch.Tensor:
+                 block_m: int | None = None, xa: torch.Tensor | None = None) -> torch.Tensor:
     """MBGMM shrink (prefill): xa[t, g, :r] = x[t] @ A_g^T for every token t of a segment.
 
     seg_start int32 [S+1] token offsets, seg_slot int32 [S] (-1 = base-only segment, skipped).
@@ -317,6 +317,8 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     segments need not be runs of consecutive tokens: the decode rows grouped by adapter
     (`slora.kernels.segments`), in tiles of `block_m` positions (default: `tile_rows`). The
     twin is then `reference.lora_shrink` with `reference.segments_token_slot`'s token_slot.
+    `xa`: the [T, G, max_rank] fp32 buffer to fill (zero on the segments' rows; its other rows
+    are kept, MBGMV's beside the decode rows' groups), instead of a new zeroed one.
     """
     check_meta(x, pool_l, pages, offsets_a, ranks)
     T, d_in = x.shape
@@ -324,7 +326,9 @@ def mbgmm_shrink(x: torch.Tensor, pool_l: torch.Tensor, pages: torch.Tensor,
     S = seg_slot.shape[0]
     assert stride % CHUNK == 0 and stride >= d_in
     assert seg_start.dtype == torch.int32 and seg_start.shape[0] == S + 1
-    xa = torch.zeros(T, G, max_rank, dtype=torch.float32, device=x.device)
+    if xa is None:
+        xa = torch.zeros(T, G, max_rank, dtype=torch.float32, device=x.device)
+    assert xa.shape == (T, G, max_rank) and xa.dtype == torch.float32 and xa.is_contiguous()
     if T == 0 or S == 0 or max_rank == 0:
         return xa
     cfg = _mbgmm_cfg(max_rank, x, shrink=True, block_m=block_m)

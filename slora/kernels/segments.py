@@ -1,4 +1,4 @@
-"""Decode LoRA that reads each adapter once a step: the decode rows grouped by adapter.
+"""Decode LoRA that reads each shared adapter once a step: the decode rows grouped by adapter.
 
 MBGMV (`mbgmv.py`) gives every decode row programs of its own, so rows that share an adapter
 each read its A and B^T rows: a step of 128 rows on one adapter costs what 128 distinct
@@ -7,19 +7,25 @@ adapters cost. The segmented path groups a step's decode rows by adapter on the 
 adapter each) and runs MBGMM over them (`mbgmm_shrink` / `mbgmm_expand` with `rows`): one
 program reads an adapter's tile once for up to `decode_tile_rows` rows of it (tl.dot over a
 [rows, 64] block, rows padded to the tile), a segment of n rows taking ceil(n / tile) tiles.
-A one-row segment fills a tile alone, where MBGMV's per-row programs are faster: which path a
-step takes is data, table entry `decode_lora` (`choose_path`), by `rows` (decode rows with an
-adapter) and `rows_per_adapter` (rows over the distinct adapters among them, rounded down).
+A one-row segment fills a tile alone, where MBGMV's per-row programs are faster.
 
-Semantics: both paths compute `reference.lora_shrink` / `reference.lora_expand` with the
+So a step splits its decode rows per adapter (`split_rows`): an adapter's rows go by adapter
+when they are many enough and their reads large enough (table entry `decode_by_adapter`, by
+`rows` and `row_bytes`: the adapter's rows in the step, and those rows times its bytes), the
+other rows through MBGMV. A step runs one path where the other has no row, else both
+("hybrid": MBGMV over the rest with the grouped rows at adapter row -1, then MBGMM over the
+groups, into the same xa and out; they share no row).
+
+Semantics: every path computes `reference.lora_shrink` / `reference.lora_expand` with the
 step's token_slot; the segments are another view of it (`reference.segments_token_slot`:
 token_slot[rows[m]] is the adapter row of position m's segment; rows not listed are
-base-only). xa is indexed by token row on both paths.
+base-only or MBGMV's). xa is indexed by token row on both paths.
 
 In a CUDA graph (`slora.graphs`) the segments live in preallocated buffers of the bucket's
-size: rows [B], seg_start [B + 1], seg_slot [B] and the work list (`tiles.capacity(B, B,
-tile)` entries); MBGMM counts the step's tiles on the device, so a bucket replays any grouping
-of its rows. The path is part of a graph's key (decode and mixed graphs alike).
+size: rows [B], seg_start [B + 1], seg_slot [B], the work list (`tiles.capacity(B, B, tile)`
+entries) and the rest's adapter rows [B]; MBGMM counts the step's tiles on the device, so a
+bucket replays any grouping of its rows. The path is part of a graph's key (decode and mixed
+graphs alike).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from slora.config import DECODE_LORA
 from slora.kernels import tuning
 from slora.kernels.tiles import token_tiles
 
-# EngineConfig.decode_lora: "auto" (the table's choice per step), or one of the paths always
+# EngineConfig.decode_lora: "auto" (the table's split per step), or one of the paths always
 PATHS = tuple(m for m in DECODE_LORA if m != "auto")
 
 
@@ -48,17 +54,40 @@ def _tile(table: str) -> int:
     return tuning.choose(table, "decode_tile_rows")["BLOCK_M"]
 
 
-def choose_path(table: str, mode: str, slots: list[int]) -> str:
-    """The path of a step's decode rows, whose adapter rows are `slots` (-1: base model):
-    `mode` itself unless "auto", else table `table`'s `decode_lora` rule."""
-    if mode != "auto":
-        return mode
-    adapters = {s for s in slots if s >= 0}
-    rows = sum(s >= 0 for s in slots)
-    if not adapters:
-        return "mbgmv"
-    return tuning.choose(table, "decode_lora", rows=rows,
-                         rows_per_adapter=rows // len(adapters))["path"]
+def split_rows(table: str, mode: str, slots: list[int],
+               nbytes: list[int]) -> tuple[list[int] | None, list[int] | None]:
+    """(by_adapter, rest): the adapter rows of a step's decode rows (`slots`, -1: base model)
+    that run grouped by adapter and of those that run through MBGMV, each list with the
+    other's rows at -1; None for a path no row takes. `nbytes[s]`: adapter row s's bytes.
+
+    mode "mbgmv" / "segments": every row on that path. "auto": each adapter's rows by
+    adapter where table `table`'s `decode_by_adapter` rule says so, the others through
+    MBGMV, one path alone where the other has no adapter row. "hybrid": the same split, both
+    paths always (a step whose rows share one adapter still runs MBGMV over none of them)."""
+    if mode == "mbgmv":
+        return None, slots
+    if mode == "segments":
+        return slots, None
+    count: dict[int, int] = {}
+    for s in slots:
+        if s >= 0:
+            count[s] = count.get(s, 0) + 1
+    # (a one-row segment fills a tile alone: such a row stays MBGMV's without asking)
+    grouped = {s for s, n in count.items() if n > 1 and _by_adapter(table, n, n * nbytes[s])}
+    if mode == "auto" and not grouped:
+        return None, slots
+    by_adapter = [s if s in grouped else -1 for s in slots]
+    if mode == "auto" and len(grouped) == len(count):
+        return by_adapter, None
+    return by_adapter, [-1 if s in grouped else s for s in slots]
+
+
+@functools.lru_cache(maxsize=4096)
+def _by_adapter(table: str, rows: int, row_bytes: int) -> bool:
+    """Table `table`'s `decode_by_adapter` rule for an adapter's `rows` decode rows reading
+    `row_bytes` together (few distinct pairs: an engine's adapters come in a few sizes)."""
+    return tuning.choose(table, "decode_by_adapter", rows=rows,
+                         row_bytes=row_bytes)["by_adapter"]
 
 
 def group_rows(slots: list[int], tile: int) -> tuple[list[int], list[int], list[int], list[int]]:

@@ -42,9 +42,9 @@ class BatchBuilder:
     model); pin: pin the adapter-side tensors (on a GPU), so the graphs copy them in without
     waiting for the running step; max_added: EngineConfig.max_added_tokens, the added-token
     group's rank bucket (the logits' extra columns); decode_lora: how a step's decode rows run
-    their LoRA (`EngineConfig.decode_lora`: "auto" picks MBGMV or the rows grouped by adapter
-    per step, from `device`'s table, `slora.kernels.segments`; None: MBGMV always, for
-    backends without the choice)."""
+    their LoRA (`EngineConfig.decode_lora`: "auto" splits them per step between MBGMV and
+    the rows grouped by adapter, from `device`'s table, `slora.kernels.segments`; None: MBGMV
+    always, for backends without the choice)."""
 
     def __init__(self, block_size: int, tile_rows: int, group_shapes: dict[str, dict],
                  pin: bool, max_added: int = 0, decode_lora: str | None = None,
@@ -123,7 +123,8 @@ class BatchBuilder:
         meta = LoraMeta(pages=pages, token_slot=torch.tensor(token_slot, dtype=torch.int32),
                         num_decode=num_decode, groups=groups)
         if self.decode_lora is not None:  # (in a step with prompts too: its decode rows)
-            meta.dec_segments = self.decode_segments(token_slot[:num_decode])
+            meta.dec_segments = self.decode_segments(token_slot[:num_decode],
+                                                     [adapters.adapters[n].nbytes for n in names])
         if num_decode < len(seqs):  # MBGMM: the prompts with an adapter; MBGMV: decode rows
             meta.seg_start = batch.q_start_tensor
             meta.seg_slot = torch.tensor(seq_slot, dtype=torch.int32)
@@ -134,14 +135,18 @@ class BatchBuilder:
                 meta.dec_slot = meta.token_slot[:num_decode]
         return meta
 
-    def decode_segments(self, slots: list[int]) -> DecodeSegments | None:
-        """A step's decode rows (adapter rows `slots`) grouped by adapter, when their LoRA runs
-        so (the path `segments.choose_path` gives), else None (MBGMV)."""
-        if segments.choose_path(self.table, self.decode_lora, slots) != "segments":
+    def decode_segments(self, slots: list[int], nbytes: list[int]) -> DecodeSegments | None:
+        """A step's decode rows (adapter rows `slots`; adapter row s of `nbytes[s]` bytes)
+        grouped by adapter where their LoRA runs so (`segments.split_rows`), with the rest's
+        adapter rows where MBGMV runs them beside the groups; None: MBGMV alone."""
+        by_adapter, rest = segments.split_rows(self.table, self.decode_lora, slots, nbytes)
+        if by_adapter is None:
             return None
         rows, seg_start, seg_slot, tiles = (
-            torch.tensor(v, dtype=torch.int32) for v in segments.group_rows(slots, self.decode_tile))
-        return DecodeSegments(rows, seg_start, seg_slot, tiles, self.decode_tile)
+            torch.tensor(v, dtype=torch.int32)
+            for v in segments.group_rows(by_adapter, self.decode_tile))
+        return DecodeSegments(rows, seg_start, seg_slot, tiles, self.decode_tile,
+                              rest=None if rest is None else torch.tensor(rest, dtype=torch.int32))
 
     def adapter_tensors(self, names: tuple[str, ...], adapters: AdapterManager):
         """Page table [n_a, max_pages] and per-group offsets/ranks of the adapters `names`."""

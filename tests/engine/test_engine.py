@@ -101,7 +101,7 @@ def test_bad_inputs_are_clear_errors(engine):
     with pytest.raises(ConfigError, match=r"host_threads=-1: must be >= 0"):
         EngineConfig(host_threads=-1)
     with pytest.raises(ConfigError, match=r"decode_lora='sgmv': expected one of \('auto', "
-                                          r"'mbgmv', 'segments'\)"):
+                                          r"'mbgmv', 'segments', 'hybrid'\)"):
         EngineConfig(decode_lora="sgmv")
     with pytest.raises(ConfigError, match=r"max_num_seqs=70000: must be in \[1, 65535\]"):
         EngineConfig(max_num_seqs=70000)

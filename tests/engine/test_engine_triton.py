@@ -37,8 +37,9 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
     prompts = ["The quick brown fox", "Hello", "Paris is the capital of France.", "Berlin"]
     adapters = ["r3", None, "r20", "r3"]
     results = {}
-    # the Triton backend's decode LoRA both ways: MBGMV, and the rows grouped by adapter
-    runs = [(b, "auto") for b in BACKENDS] + [("triton", "segments")]
+    # the Triton backend's decode LoRA every way: MBGMV (or the table's split), the rows
+    # grouped by adapter, and both kernels over their shares of the rows
+    runs = [(b, "auto") for b in BACKENDS] + [("triton", "segments"), ("triton", "hybrid")]
     for backend, decode_lora in runs:
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype=dtype,
                                 num_pages=48, backend=backend, decode_lora=decode_lora,
@@ -69,7 +70,7 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("decode_lora", ["auto", "segments"])
+@pytest.mark.parametrize("decode_lora", ["auto", "segments", "hybrid"])
 def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory, decode_lora):
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
              "r40": adapter_factory(tiny_model_dir, r=40, target_modules="all-linear", seed=1)}
@@ -85,9 +86,11 @@ def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory, decode_lora):
         results[graphs] = [o.token_ids for o in e.generate(prompts, sps, adapters=adapters)]
         if graphs:
             assert e.runner.graphs.graphs, "decode steps ran through captured graphs"
-            # (the segmented path's decode graphs hold the rows grouped by adapter)
-            assert ((decode_lora == "segments")
-                    == any(k[0] == "segments" for k in e.runner.graphs.graphs))
+            # (the segmented path's decode graphs hold the rows grouped by adapter, the
+            # hybrid's both kernels)
+            for path in ("segments", "hybrid"):
+                assert ((decode_lora == path)
+                        == any(k[0] == path for k in e.runner.graphs.graphs))
             # each step's graph in pieces of consecutive layers (a 2-layer model: 2)
             n = min(GRAPH_PIECES, e.model_config.num_layers)
             assert all(len(pieces) == n for pieces, _, _ in e.runner.graphs.graphs.values())
@@ -205,7 +208,8 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
     Decode steps pad rows to a batch bucket; mixed steps pad tokens to a token bucket and
     sequences to a sequence bucket, the prefill kernels walking the prompts' work tiles. With
     decode_lora "segments" (and "auto" where rows share adapters) the decode rows of both kinds
-    of step run grouped by adapter, in the bucket's segment buffers.
+    of step run grouped by adapter, in the bucket's segment buffers; with "hybrid" beside
+    MBGMV over the rest, in the bucket's buffer of their adapter rows.
     Every host tensor a step's inputs are copied from is contiguous: on a GPU a non-contiguous
     one is first gathered into pageable memory, whose copy may wait for the running step."""
     from torch.overrides import TorchFunctionMode
@@ -227,7 +231,8 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
     paths = {"r3": adapter_factory(tiny_model_dir, r=3, target_modules=["q_proj", "v_proj"]),
              "r20": adapter_factory(tiny_model_dir, r=20, target_modules="all-linear", seed=1)}
     results = {}
-    for graphs, decode_lora in ((False, "auto"), (True, "auto"), (True, "segments")):
+    for graphs, decode_lora in ((False, "auto"), (True, "auto"), (True, "segments"),
+                                (True, "hybrid")):
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
                                 num_pages=48, backend="triton", cuda_graphs=False,
                                 decode_lora=decode_lora))
@@ -241,13 +246,15 @@ def test_step_graph_buffers_match_eager(tiny_model_dir, adapter_factory):
         results[graphs, decode_lora] = _staggered_run(e, paths)
         if graphs:
             kinds = {key[0] for key in e.runner.graphs.graphs}
-            # ("auto" groups the decode rows of the steps whose rows share adapters enough, by
-            # the table; "segments" those of every step with an adapter: decode steps and
-            # mixed steps, keyed apart from MBGMV's)
-            assert kinds <= {"decode", "mixed", "segments", "mixed-segments"}, kinds
-            assert kinds & {"mixed", "mixed-segments"}, kinds
-            if decode_lora == "segments":
-                assert {"segments", "mixed-segments"} <= kinds, kinds
+            # ("auto" groups the decode rows of the adapters that have enough of them, by the
+            # table; "segments" those of every step with an adapter, "hybrid" too beside
+            # MBGMV: decode steps and mixed steps, keyed apart from MBGMV's)
+            by_adapter = ("segments", "hybrid")
+            assert kinds <= {"decode", "mixed", *by_adapter,
+                             *(f"mixed-{p}" for p in by_adapter)}, kinds
+            assert {k for k in kinds if k.startswith("mixed")}, kinds
+            if decode_lora != "auto":
+                assert {decode_lora, f"mixed-{decode_lora}"} <= kinds, kinds
             # a mixed bucket pads both: more tokens and more sequences than any step had
             mixed = [k for k in e.runner.graphs.graphs if k[0].startswith("mixed")]
             assert all(k[1] in (16, 32, 48) and k[2] in (4, 16) for k in mixed)
@@ -292,11 +299,11 @@ def test_warmup_fills_every_mixed_graph_bucket(tiny_model_dir):
     assert {k[1] for k in e.runner.graphs.graphs if k[0] == "decode"} == {1, 2, 4}
 
 
-def test_warmup_captures_both_decode_lora_paths(tiny_model_dir):
+def test_warmup_captures_every_decode_lora_path(tiny_model_dir):
     """With decode_lora "auto" the path of a step's decode rows' LoRA is chosen per step, and
     a graph is keyed by it: the warm-up captures each adapter bucket, decode and mixed, under
-    MBGMV and under the rows grouped by adapter (the base model's under MBGMV: it has no
-    LoRA)."""
+    MBGMV, under the rows grouped by adapter and under both (the base model's under MBGMV: it
+    has no LoRA)."""
     e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype="float32",
                             num_pages=64, backend="triton", cuda_graphs=False, max_num_seqs=2,
                             mixed_graph_tokens=16))
@@ -307,10 +314,10 @@ def test_warmup_captures_both_decode_lora_paths(tiny_model_dir):
     assert e.runner.batches.decode_lora == "auto"  # (set back after the forced steps)
     keys = e.runner.graphs.graphs
     decode = {k[:3] for k in keys if not k[0].startswith("mixed")}
-    assert decode == {(kind, b, r) for kind in ("decode", "segments") for b in (1, 2)
+    assert decode == {(kind, b, r) for kind in ("decode", "segments", "hybrid") for b in (1, 2)
                       for r in (16,)} | {("decode", 1, 0), ("decode", 2, 0)}
     mixed = {(k[0], k[3]) for k in keys if k[0].startswith("mixed")}  # (kind, rank bucket)
-    assert mixed == {("mixed", 0), ("mixed", 16), ("mixed-segments", 16)}
+    assert mixed == {("mixed", 0), ("mixed", 16), ("mixed-segments", 16), ("mixed-hybrid", 16)}
 
 
 def test_warmup_captures_every_mixed_bucket_a_step_can_reach(tiny_model_dir):

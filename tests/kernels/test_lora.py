@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from slora.kernels import reference as ref  # noqa: E402
-from slora.kernels import segments  # noqa: E402
+from slora.kernels import segments, tuning  # noqa: E402
 from slora.kernels.tiles import tile_rows, token_tiles  # noqa: E402
 from slora.kernels.mbgmm import mbgmm_expand, mbgmm_shrink  # noqa: E402
 from slora.kernels.mbgmv import mbgmv_expand, mbgmv_shrink  # noqa: E402
@@ -345,6 +345,48 @@ def test_segmented_decode_matches_twin(T, pattern, rank):
     out, out_ref = out0.clone(), out0.clone()
     mbgmm_expand(xa_ref, out, grp.pool, grp.pages, grp.offsets_b, grp.ranks, seg_start,
                  seg_slot, out_dims, grp.strides, tiles, programs=2, **seg)
+    ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
+                    out_dims, grp.strides)
+    check_expand(out, out_ref, out0, slots, torch.float32)
+
+
+@pytest.mark.parametrize("pattern", ["distinct", "one", "mixed"])
+def test_hybrid_decode_matches_twin(pattern):
+    """A step's decode rows split between the paths (`segments.split_rows`, "hybrid"): MBGMV
+    over the rest (the grouped rows at -1), then MBGMM over the groups into the same xa and
+    out, compute the twins with the step's own token_slot, fp32."""
+    gen = torch.Generator().manual_seed(7 + len(pattern))
+    d_in, out_dims = GROUPS["qkv"]
+    T = 9
+    slots = sharing_slots(T, pattern, gen)
+    n_a = max(3, int(slots.max()) + 1)
+    grp = Group(n_a, d_in, out_dims, torch.float32, gen, rank=20)
+    table = tuning.kind(torch.device(DEVICE))
+    by, rest = segments.split_rows(table, "hybrid", slots.tolist(), [1 << 40] * n_a)
+    assert rest is not None and by is not None
+    assert (pattern == "distinct") == all(s < 0 for s in by)
+    tile = segments.decode_tile_rows(torch.device(DEVICE))
+    rows, seg_start, seg_slot, tiles = (torch.tensor(v, dtype=torch.int32, device=DEVICE)
+                                        for v in segments.group_rows(by, tile))
+    rest = torch.tensor(rest, dtype=torch.int32, device=DEVICE)
+    slots = slots.to(DEVICE)
+    x = torch.randn(T, d_in, generator=gen).to(DEVICE)
+    seg = dict(rows=rows, block_m=tile)
+
+    xa = mbgmv_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, rest, grp.stride,
+                      grp.max_rank)
+    xa = mbgmm_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, seg_start, seg_slot,
+                      grp.stride, grp.max_rank, tiles, xa=xa, **seg)
+    xa_ref = ref.lora_shrink(x, grp.pool, grp.pages, grp.offsets_a, grp.ranks, slots,
+                             grp.stride, grp.max_rank)
+    check_shrink(xa, xa_ref, slots.cpu(), grp, torch.float32)
+
+    out0 = torch.randn(T, sum(out_dims), generator=gen).to(DEVICE)
+    out, out_ref = out0.clone(), out0.clone()
+    mbgmv_expand(xa_ref, out, grp.pool, grp.pages, grp.offsets_b, grp.ranks, rest, out_dims,
+                 grp.strides)
+    mbgmm_expand(xa_ref, out, grp.pool, grp.pages, grp.offsets_b, grp.ranks, seg_start,
+                 seg_slot, out_dims, grp.strides, tiles, **seg)
     ref.lora_expand(xa_ref, out_ref, grp.pool, grp.pages, grp.offsets_b, grp.ranks, slots,
                     out_dims, grp.strides)
     check_expand(out, out_ref, out0, slots, torch.float32)

@@ -1,6 +1,7 @@
 """The decode rows grouped by adapter (slora.kernels.segments): the host grouping and the
 per-step choice of path. The kernels over the groups: tests/kernels/test_lora.py."""
 
+import pytest
 import torch
 
 from slora.kernels import segments, tuning
@@ -18,16 +19,29 @@ def test_group_rows_sorts_rows_by_adapter_into_segments():
     assert segments.group_rows([-1, -1], tile=4) == ([], [0], [], [0])
 
 
-def test_choose_path_reads_the_table_by_rows_per_adapter():
-    table = tuning.kind(torch.device("cpu"))
-    rule = tuning.table(table)["decode_lora"][0]
-    need = rule["when"]["rows_per_adapter"][0]  # the fewest rows an adapter that take segments
-    assert rule["cfg"]["path"] == "segments" and need >= 2
-    distinct = list(range(8))
-    shared = [0] * (need * 2) + [1] * need + [-1] * 5
-    assert segments.choose_path(table, "auto", distinct) == "mbgmv"
-    assert segments.choose_path(table, "auto", shared) == "segments"
-    assert segments.choose_path(table, "auto", [-1, -1]) == "mbgmv"
-    for mode in segments.PATHS:  # a fixed mode whatever the rows
-        assert segments.choose_path(table, mode, distinct) == mode
-        assert segments.choose_path(table, mode, shared) == mode
+@pytest.mark.parametrize("table", [tuning.kind(torch.device("cpu")), "h200"])
+def test_split_rows_groups_the_adapters_the_table_names(table):
+    """An adapter's rows go by adapter when the table's `decode_by_adapter` rule holds for
+    their count and bytes; "auto" runs one path where the other has no adapter row,
+    "hybrid" both always, "mbgmv" and "segments" every row on theirs."""
+    rule = tuning.table(table)["decode_by_adapter"][0]
+    need, min_bytes = rule["when"]["rows"][0], rule["when"]["row_bytes"][0]
+    assert rule["cfg"]["by_adapter"] and need >= 2
+    big = -(-min_bytes // need) + 1  # an adapter whose `need` rows read enough
+    nbytes = [big, big, 0]  # adapter 2's rows read nothing: grouped only where 0 bytes are enough
+    slots = [0] * need + [1] + [-1] + [2] * need
+    group2 = min_bytes == 0
+    by, rest = segments.split_rows(table, "auto", slots, nbytes)
+    assert by == [0] * need + [-1, -1] + [2 if group2 else -1] * need
+    assert rest == [-1] * need + [1, -1] + [-1 if group2 else 2] * need
+    assert segments.split_rows(table, "hybrid", slots, nbytes) == (by, rest)
+    shared = [0] * need + [-1]
+    assert segments.split_rows(table, "auto", shared, nbytes) == (shared, None)
+    assert segments.split_rows(table, "hybrid", shared, nbytes) == (shared, [-1] * (need + 1))
+    distinct = [0, 1, -1]
+    assert segments.split_rows(table, "auto", distinct, nbytes) == (None, distinct)
+    assert segments.split_rows(table, "hybrid", distinct, nbytes) == ([-1] * 3, distinct)
+    assert segments.split_rows(table, "auto", [-1, -1], nbytes) == (None, [-1, -1])
+    for rows in (slots, shared, distinct):  # a fixed path whatever the rows
+        assert segments.split_rows(table, "mbgmv", rows, nbytes) == (None, rows)
+        assert segments.split_rows(table, "segments", rows, nbytes) == (rows, None)
