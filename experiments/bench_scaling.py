@@ -44,8 +44,10 @@ decode: at batch B in --batches, B requests with --context-token prompts, each o
 
 shared: the decode step when requests share adapters: at batch B in --shared-batches, B
     requests on N rank --decode-rank q/k/v/o adapters, N in --shared-adapters (0: every
-    request its own), requests assigned round-robin, timed as in decode; beside the no-LoRA
-    row at the same batch, from the same run (vs_none: its step time over the row's).
+    request its own), requests assigned round-robin, and with --shared-hot F a share F of
+    the B requests on one adapter and each other request on its own (skewed popularity),
+    timed as in decode; beside the no-LoRA row at the same batch, from the same run (vs_none:
+    its step time over the row's).
 --decode-lora: the decode LoRA path of every LoRA row (EngineConfig.decode_lora: auto, mbgmv,
     segments, hybrid); a list runs each row under each, MBGMV against the rows grouped by
     adapter in one call (the engine is made with "auto", whose warm-up captures the graphs of
@@ -562,20 +564,24 @@ def part_scaling(eng: Engine, args) -> list[dict]:
 # ----------------------------------------------------------------------------- decode
 
 def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float,
-               adapters: int = 0) -> dict:
+               adapters: int = 0, hot: float = 0.0) -> dict:
     """The first --decode-tokens steps in which all `batch` requests decode (no prompt, no
     adapter load), on `adapters` adapters of `modules_key` (0: one each), assigned
-    round-robin; the byte floor counts each distinct adapter once. The requests run until
+    round-robin, or with `hot` > 0 a share `hot` of the rows on one adapter and every other
+    row on its own; the byte floor counts each distinct adapter once. The requests run until
     those steps are timed, however many steps their prompts take, and are then aborted."""
     modules, dora = module_set(modules_key)
     cfg, dev = eng.model_config, eng.runner.device
     nbytes = eng.runner.pool.element_size()
-    n = adapters or batch
+    n_hot = round(hot * batch)
+    n = batch - n_hot + 1 if n_hot else adapters or batch
     ranks = {f"dec-{i}": args.decode_rank for i in range(n)} if modules is not None else {}
     add_adapters(eng, ranks, modules, dora)
     # (more tokens than the prefill of one prompt token a step would leave them to decode)
     sp = SamplingParams(max_tokens=args.decode_tokens + batch * args.context, ignore_eos=True)
-    names = [f"dec-{i % n}" for i in range(batch)] if ranks else [None] * batch
+    # (the scheduler orders a step's decode rows by adapter size: the order here is moot)
+    order = [0] * n_hot + list(range(1, n)) if n_hot else [i % n for i in range(batch)]
+    names = [f"dec-{a}" for a in order] if ranks else [None] * batch
     ids = [eng.add_request(p, sp, adapter=name)
            for p, name in zip(prompts(batch, args.context, cfg.vocab_size, seed=batch), names)]
     log, timed = StepLog(eng), []
@@ -819,25 +825,33 @@ def part_shared(eng: Engine, args, copy_GBps: float) -> list[dict]:
     rows = []
     for b in args.shared_batches:
         none = decode_row(eng, args, b, "none", copy_GBps)
-        rows.append({**none, "decode_lora": None, "vs_none": 1.0})
+        rows.append({**none, "decode_lora": None, "vs_none": 1.0, "hot": 0.0})
         for mode in args.decode_lora:
             decode_lora(eng, mode)
-            for n in args.shared_adapters:
-                r = decode_row(eng, args, b, "qkvo", copy_GBps, adapters=n)
-                rows.append({**r, "decode_lora": mode, "vs_none": r["step_ms"] / none["step_ms"]})
-                print(f"shared: batch {b}, {r['adapters']} adapters, {mode}: {r['step_ms']:.2f} "
-                      f"ms/step, no LoRA {none['step_ms']:.2f} ({time.perf_counter() - t0:.0f} s "
-                      "into the part)", flush=True)
+            for n, hot in [(n, 0.0) for n in args.shared_adapters] + \
+                    [(0, h) for h in args.shared_hot]:
+                r = decode_row(eng, args, b, "qkvo", copy_GBps, adapters=n, hot=hot)
+                rows.append({**r, "decode_lora": mode, "vs_none": r["step_ms"] / none["step_ms"],
+                             "hot": hot})
+                print(f"shared: batch {b}, {r['adapters']} adapters{_hot(hot)}, {mode}: "
+                      f"{r['step_ms']:.2f} ms/step, no LoRA {none['step_ms']:.2f} "
+                      f"({time.perf_counter() - t0:.0f} s into the part)", flush=True)
     decode_lora(eng, eng.config.decode_lora)
     print(f"\ndecode step with shared adapters, q/k/v/o rank {args.decode_rank}, context "
           f"~{args.context}; vs none: its time over the no-LoRA step's (same batch, same run)")
-    print(f"{'batch':>6}{'adapters':>9}{'path':>9}{'ms/step':>9}{'vs none':>8}{'floor ms':>9}"
-          f"{'ratio':>7}{'LoRA GB':>8}{'tok/s':>8}")
+    print(f"{'batch':>6}{'adapters':>9}{'hot':>5}{'path':>9}{'ms/step':>9}{'vs none':>8}"
+          f"{'floor ms':>9}{'ratio':>7}{'LoRA GB':>8}{'tok/s':>8}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['adapters']:>9}{r['decode_lora'] or '-':>9}{r['step_ms']:>9.2f}"
+        hot = f"{r['hot']:.2f}" if r.get("hot") else "-"
+        print(f"{r['batch']:>6}{r['adapters']:>9}{hot:>5}{r['decode_lora'] or '-':>9}"
+              f"{r['step_ms']:>9.2f}"
               f"{r['vs_none']:>8.3f}{r['floor_ms']:>9.2f}{r['ratio']:>7.2f}"
               f"{r['adapter_bytes'] / 1e9:>8.3f}{r['tok_s']:>8.0f}")
     return rows
+
+
+def _hot(hot: float) -> str:
+    return f" ({hot:.0%} of the rows on one)" if hot else ""
 
 
 # ----------------------------------------------------------------------------- main
@@ -900,6 +914,9 @@ def parse_args(argv=None):
                     help="shared: batch sizes")
     ap.add_argument("--shared-adapters", type=ints, default=[1, 4, 0],
                     help="shared: adapters the batch's requests share (0: one each)")
+    ap.add_argument("--shared-hot", type=floats, default=[],
+                    help="shared: also rows with this share of the batch on one adapter and "
+                         "every other row on its own (skewed popularity), e.g. 0.5")
     ap.add_argument("--decode-lora", type=lambda t: t.split(","), default=["auto"],
                     help="the LoRA rows' decode path, a list of auto,mbgmv,segments,hybrid "
                          "(EngineConfig.decode_lora): each LoRA row runs under each")

@@ -11,15 +11,14 @@
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
 #   --bench LIST    of: engine s2 decode serve fp8 dora prefix chunk long shared (default: engine s2 decode);
 #                   serve: S2 via `slora serve`; fp8: bench_fp8's GEMMs; dora: decode + DoRA; prefix: shared-prompt
-#                   trace, caching off/on; chunk: S2 at $CHUNKS (step logs); long: a 100k prompt; shared: S2 on
-#                   one adapter and at popularity alphas 0.1/0.5/1, and the shared-adapter decode table
+#                   trace, caching off/on; chunk: S2 at $CHUNKS (step logs); long: a 100k prompt; shared: S2 on one
+#                   adapter, at popularity alphas 0.1/0.5/1, and the shared-adapter (and half-on-one) decode table
 #   --quantization fp8  engine, s2 and decode with FP8 base weights (the table names them)
 #   --compare NAME  the table also holds run NAME (an earlier $OUT/NAME.tar.gz), and this one over it
 # Before / after in one call, an older tree copied to results/base (carried to the device): bash
 #   experiments/gpu.sh --tree results/base --label base --no-tests; bash experiments/gpu.sh --compare base
-# The tree's commit: $SLORA_COMMIT, else its git HEAD (a copy's .git may be stale). JOBS=N: the
-# tests in N pytest-xdist workers where installed (default 8; 0: one process). REPEATS=R: each S2
-# row (s2, chunk, shared) run R times, interleaved, its median kept (a tree whose bench has --repeats).
+# The tree's commit: $SLORA_COMMIT, else its git HEAD (a copy's .git may be stale). JOBS=N: tests in N xdist
+# workers (default 8; 0: one process). REPEATS=R: each S2 row (s2, chunk, shared) R times, interleaved, median kept.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd -P)
 TREE=$HERE LABEL=new TESTS=1 COMPARE= BENCH="engine s2 decode" QUANT=()
@@ -66,7 +65,8 @@ s2=(--part scaling --adapters 2000 --num-requests 400 --modules qkvo $rep "${QUA
 bench s2 && step s2 300 python3 $sc "${s2[@]}" --out "$D/s2"
 bench chunk && step chunk 600 python3 $sc "${s2[@]}" --max-prefill-chunk "${CHUNKS:-0,512,1024,2048,4096}" \
   $(grep -q -- --step-logs $sc && echo --step-logs) --out "$D/chunk"
-bench shared && step shared 600 python3 $sc "${s2[@]}" --part scaling,shared --adapters 1,2000 --alpha 0.1,0.5,1 --out "$D/shared"
+bench shared && step shared 600 python3 $sc "${s2[@]}" --part scaling,shared --adapters 1,2000 --alpha 0.1,0.5,1 $(
+  grep -q -- --shared-hot $sc && echo --shared-hot 0.5) --out "$D/shared"
 bench long && step long 420 python3 $sc --part long --model experiments/models/llama-3-8b "${QUANT[@]}" --out "$D/long"
 bench decode && step decode 300 python3 $sc --part decode --batches 32 --breakdown '' "${QUANT[@]}" \
   $(bench dora && echo --dora) --out "$D/decode"

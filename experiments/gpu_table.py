@@ -124,10 +124,12 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
 
 
 def _variant(row: dict) -> str:
-    """A LoRA row's popularity alpha (when not uniform) and decode LoRA path (when set)."""
-    alpha = row.get("alpha", 1.0)
+    """A LoRA row's popularity alpha (when not uniform), its share of rows on one adapter
+    (when skewed) and decode LoRA path (when set)."""
+    alpha, hot = row.get("alpha", 1.0), row.get("hot")
     path = row.get("decode_lora")
-    return (f", alpha {alpha:g}" if alpha != 1.0 else "") + (f", {path}" if path else "")
+    return ((f", alpha {alpha:g}" if alpha != 1.0 else "") + (f", {hot:.0%} on one" if hot else "")
+            + (f", {path}" if path else ""))
 
 
 def num(x: float) -> str:

@@ -268,14 +268,15 @@ def test_bench_scaling_decode_with_vocab_lora(bench, tiny_model_dir, tmp_path):
 
 def test_bench_scaling_popularity_and_shared_adapters(bench, tiny_model_dir, tmp_path):
     """S2 at several popularity alphas, and the shared-adapter decode table (a batch on one
-    adapter, on two, each request on its own) beside the no-LoRA row of the same batch, each
-    LoRA row under each --decode-lora path (the torch backend on CPU has one: the rows are
-    made and recorded all the same)."""
+    adapter, on two, each request on its own, half of it on one adapter and the rest each on
+    its own) beside the no-LoRA row of the same batch, each LoRA row under each --decode-lora
+    path (the torch backend on CPU has one: the rows are made and recorded all the same)."""
     bench.main(["--part", "scaling,shared", "--model", str(tiny_model_dir), "--device", "cpu",
                 "--dtype", "float32", "--num-pages", "1024", "--max-num-seqs", "8",
                 "--adapters", "6", "--alpha", "0.1,1", "--num-requests", "10",
                 "--input-len", "8,20", "--output-len", "2,6", "--modules", "qkvo",
-                "--shared-batches", "4", "--shared-adapters", "1,2,0", "--context", "24",
+                "--shared-batches", "4", "--shared-adapters", "1,2,0", "--shared-hot", "0.5",
+                "--context", "24",
                 "--decode-tokens", "8", "--decode-lora", "mbgmv,segments", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "bench_scaling.json").read_text())
     assert "decode" not in res
@@ -288,13 +289,15 @@ def test_bench_scaling_popularity_and_shared_adapters(bench, tiny_model_dir, tmp
     assert used[0.1, "mbgmv"] == used[0.1, "segments"] < used[1.0, "mbgmv"]
 
     rows = res["shared"]
-    assert [(r["modules"], r["adapters"], r["decode_lora"]) for r in rows] == [
-        ("none", 0, None)] + [("qkvo", n, m) for m in ("mbgmv", "segments") for n in (1, 2, 4)]
+    assert [(r["modules"], r["adapters"], r["hot"], r["decode_lora"]) for r in rows] == [
+        ("none", 0, 0, None)] + [("qkvo", n, h, m) for m in ("mbgmv", "segments")
+                                   for n, h in ((1, 0), (2, 0), (4, 0), (3, 0.5))]
     assert all(r["batch"] == 4 and r["steps_timed"] >= 1 and r["vs_none"] > 0 for r in rows)
     assert rows[0]["vs_none"] == 1.0 and rows[0]["adapter_bytes"] == 0
     # the byte floor counts each distinct adapter once
     assert rows[2]["adapter_bytes"] == 2 * rows[1]["adapter_bytes"]
     assert rows[3]["adapter_bytes"] == 4 * rows[1]["adapter_bytes"]
+    assert rows[4]["adapter_bytes"] == 3 * rows[1]["adapter_bytes"]  # one for two rows, two alone
 
 
 def test_repeats_interleave_the_rows_and_keep_each_median_run(bench, tiny_model_dir, tmp_path):
