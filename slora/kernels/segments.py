@@ -14,7 +14,9 @@ when they are many enough and their reads large enough (table entry `decode_by_a
 `rows` and `row_bytes`: the adapter's rows in the step, and those rows times its bytes), the
 other rows through MBGMV. A step runs one path where the other has no row, else both
 ("hybrid": MBGMV over the rest with the grouped rows at adapter row -1, then MBGMM over the
-groups, into the same xa and out; they share no row).
+groups, into the same xa and out; they share no row) where the grouped rows read enough to
+pay for the second set of launches (table entry `decode_hybrid`, by `grouped_bytes`), else
+MBGMV alone.
 
 Semantics: every path computes `reference.lora_shrink` / `reference.lora_expand` with the
 step's token_slot; the segments are another view of it (`reference.segments_token_slot`:
@@ -62,8 +64,10 @@ def split_rows(table: str, mode: str, slots: list[int],
 
     mode "mbgmv" / "segments": every row on that path. "auto": each adapter's rows by
     adapter where table `table`'s `decode_by_adapter` rule says so, the others through
-    MBGMV, one path alone where the other has no adapter row. "hybrid": the same split, both
-    paths always (a step whose rows share one adapter still runs MBGMV over none of them)."""
+    MBGMV, one path alone where the other has no adapter row; a step that would run both
+    (a second set of LoRA launches) splits only where the `decode_hybrid` rule holds for the
+    grouped rows' bytes, else runs MBGMV alone. "hybrid": the split, both paths always (a step
+    whose rows share one adapter still runs MBGMV over none of them)."""
     if mode == "mbgmv":
         return None, slots
     if mode == "segments":
@@ -74,11 +78,14 @@ def split_rows(table: str, mode: str, slots: list[int],
             count[s] = count.get(s, 0) + 1
     # (a one-row segment fills a tile alone: such a row stays MBGMV's without asking)
     grouped = {s for s, n in count.items() if n > 1 and _by_adapter(table, n, n * nbytes[s])}
-    if mode == "auto" and not grouped:
-        return None, slots
     by_adapter = [s if s in grouped else -1 for s in slots]
-    if mode == "auto" and len(grouped) == len(count):
-        return by_adapter, None
+    if mode == "auto":
+        if len(grouped) == len(count) and grouped:
+            return by_adapter, None
+        if not grouped or not tuning.choose(
+                table, "decode_hybrid",
+                grouped_bytes=sum(count[s] * nbytes[s] for s in grouped))["split"]:
+            return None, slots
     return by_adapter, [-1 if s in grouped else s for s in slots]
 
 

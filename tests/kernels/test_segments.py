@@ -22,12 +22,15 @@ def test_group_rows_sorts_rows_by_adapter_into_segments():
 @pytest.mark.parametrize("table", [tuning.kind(torch.device("cpu")), "h200"])
 def test_split_rows_groups_the_adapters_the_table_names(table):
     """An adapter's rows go by adapter when the table's `decode_by_adapter` rule holds for
-    their count and bytes; "auto" runs one path where the other has no adapter row,
-    "hybrid" both always, "mbgmv" and "segments" every row on theirs."""
+    their count and bytes; "auto" runs one path where the other has no adapter row, and both
+    where the grouped rows' bytes pass `decode_hybrid` (else MBGMV alone); "hybrid" both
+    always, "mbgmv" and "segments" every row on theirs."""
     rule = tuning.table(table)["decode_by_adapter"][0]
     need, min_bytes = rule["when"]["rows"][0], rule["when"]["row_bytes"][0]
-    assert rule["cfg"]["by_adapter"] and need >= 2
-    big = -(-min_bytes // need) + 1  # an adapter whose `need` rows read enough
+    split = tuning.table(table)["decode_hybrid"][0]
+    step_bytes = split["when"]["grouped_bytes"][0]
+    assert rule["cfg"]["by_adapter"] and split["cfg"]["split"] and need >= 2
+    big = -(-max(min_bytes, step_bytes) // need) + 1  # `need` rows pass both rules
     nbytes = [big, big, 0]  # adapter 2's rows read nothing: grouped only where 0 bytes are enough
     slots = [0] * need + [1] + [-1] + [2] * need
     group2 = min_bytes == 0
@@ -35,6 +38,10 @@ def test_split_rows_groups_the_adapters_the_table_names(table):
     assert by == [0] * need + [-1, -1] + [2 if group2 else -1] * need
     assert rest == [-1] * need + [1, -1] + [-1 if group2 else 2] * need
     assert segments.split_rows(table, "hybrid", slots, nbytes) == (by, rest)
+    if step_bytes > min_bytes:  # adapter 0 grouped alone would not pay for both kernel sets
+        small = [-(-min_bytes // need)] * 2 + [0]
+        assert segments.split_rows(table, "auto", slots, small) == (None, slots)
+        assert segments.split_rows(table, "hybrid", slots, small) == (by, rest)
     shared = [0] * need + [-1]
     assert segments.split_rows(table, "auto", shared, nbytes) == (shared, None)
     assert segments.split_rows(table, "hybrid", shared, nbytes) == (shared, [-1] * (need + 1))
