@@ -100,5 +100,6 @@ def test_async_scheduling_through_the_step_graphs(tiny_model_dir, paths):
         e = _engine(tiny_model_dir, paths, flag, backend="triton", cuda_graphs=False)
         e.runner.graphs = e.runner.make_graphs(e.config.max_num_seqs, mixed_tokens=64, capture=False)
         out[flag] = _serve(e, jobs)
-        assert {k[0] for k in e.runner.graphs.graphs} == {"decode", "mixed"}
+        kinds = {k[0] for k in e.runner.graphs.graphs}  # (a kind per decode rows' LoRA path)
+        assert "decode" in kinds and "mixed" in kinds, kinds
     assert out[True] == out[False]
