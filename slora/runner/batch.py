@@ -107,13 +107,14 @@ class BatchBuilder:
         names = tuple(dict.fromkeys(r.adapter for r in seqs if r.adapter))
         if not names:
             return None
-        # The adapter side (pages, offsets, ranks) changes only when the batch's adapter set
-        # does or an adapter moves: in steady decode it is the same object step after step
-        # (the graphs then skip copying it again).
+        # The adapter side (pages, offsets, ranks; the adapters' bytes) changes only when the
+        # batch's adapter set does or an adapter moves: in steady decode it is the same object
+        # step after step (the graphs then skip copying it again).
         key = (names, adapters.loads, adapters.evictions)
         if self._adapter_side[0] != key:
-            self._adapter_side = (key, self.adapter_tensors(names, adapters))
-        pages, groups = self._adapter_side[1]
+            self._adapter_side = (key, (*self.adapter_tensors(names, adapters),
+                                        [adapters.adapters[n].nbytes for n in names]))
+        pages, groups, nbytes = self._adapter_side[1]
         slot_of = {n: i for i, n in enumerate(names)}
         seq_slot = [slot_of[r.adapter] if r.adapter else -1 for r in seqs]
         num_decode, q_start = batch.num_decode, batch.q_start_list
@@ -123,8 +124,7 @@ class BatchBuilder:
         meta = LoraMeta(pages=pages, token_slot=torch.tensor(token_slot, dtype=torch.int32),
                         num_decode=num_decode, groups=groups)
         if self.decode_lora is not None:  # (in a step with prompts too: its decode rows)
-            meta.dec_segments = self.decode_segments(token_slot[:num_decode],
-                                                     [adapters.adapters[n].nbytes for n in names])
+            meta.dec_segments = self.decode_segments(token_slot[:num_decode], nbytes)
         if num_decode < len(seqs):  # MBGMM: the prompts with an adapter; MBGMV: decode rows
             meta.seg_start = batch.q_start_tensor
             meta.seg_slot = torch.tensor(seq_slot, dtype=torch.int32)
