@@ -22,6 +22,8 @@ Tiling, and why:
   * Under the Triton interpreter (CPU tensors) dot operands are cast to fp32, because bf16
     tl.dot is silently wrong there (triton#11584); on the GPU fp32 dots run in IEEE precision,
     so the fp32 path matches the twin rather than tf32.
+  * The shrink's slices add into xa with relaxed atomics: ordered only by the kernel's end,
+    they cost a store's time rather than a fence an element.
   * The page-table width (`stride_pg`) and the shrink's split count are exempt from Triton's
     integer specialization: values of a new class met while serving compile no new variant.
 
@@ -173,8 +175,10 @@ def _mbgmm_shrink_tile(
     ptrs = xa_ptr + (offs_m[:, None] * G + g) * max_rank + offs_r[None, :]
     if split_k == 1:  # a runtime branch: the split is no compile-time variant
         tl.store(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
-    else:  # partial sums over d_in slices meet in the zeroed xa
-        tl.atomic_add(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :])
+    else:  # partial sums over d_in slices meet in the zeroed xa. Relaxed: no program reads xa,
+        # and the kernel's completion (or the next kernel's PDL wait) orders the sums before
+        # any reader; the default acq_rel fences every element's add.
+        tl.atomic_add(ptrs, acc, mask=m_ok[:, None] & r_ok[None, :], sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["stride_pg", "n_chunks"])
