@@ -351,8 +351,9 @@ def tune_mbgmm(cfg, device, dtype, gen):
     d, out_dims = cfg["hidden"], (cfg["hidden"],) * 3
     # BLOCK_M is the work list's tile (tiles.tile_rows), not swept here
     smoke = cfg["smoke"]
-    sweeps = {"shrink": [dict(split_k=k, num_warps=nw) for k in (1, 2, 4, 8, 16)
-                         for nw in (4, 8)] if not smoke else [dict(split_k=1, num_stages=1)],
+    sweeps = {"shrink": [dict(split_k=k, num_warps=nw, num_stages=st) for k in (1, 2, 4, 8, 16)
+                         for nw in (4, 8) for st in (2, 3, 4)]
+              if not smoke else [dict(split_k=1, num_stages=1)],
               "expand": [dict(n_span=n, num_warps=nw, num_stages=st)
                          for n in (64, 128, 256, 512, 1024) for nw in (4, 8) for st in (2, 3)]
               if not smoke else [dict(n_span=128, num_stages=1)]}
@@ -751,6 +752,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--ranks", type=ints, help="MBGMV: ranks (default: 8-128)")
     ap.add_argument("--sharing", type=ints, default=(0,),
                     help="MBGMV: adapters the tokens share, a list (0: every token its own)")
+    shapes = lambda t: tuple(tuple(int(v) for v in s.split("x")) for s in t.split(",") if s)  # noqa: E731
+    ap.add_argument("--mbgmm-shapes", type=shapes,
+                    help="--tune mbgmm: SEGMENTSxTOKENS shapes, a list (default: 1x256,4x216,8x512)")
+    ap.add_argument("--mbgmm-ranks", type=ints, help="--tune mbgmm: ranks (default: 16,32,64)")
     ap.add_argument("--modules", type=int, default=3,
                     help="MBGMV: modules of the group, each hidden -> r -> hidden (3: q/k/v)")
     args = ap.parse_args(argv)
@@ -774,6 +779,8 @@ def main(argv=None) -> dict:
     cfg["modules"] = args.modules
     cfg["batches"] = args.batches or cfg["batches"]
     cfg["ranks"] = args.ranks or cfg["ranks"]
+    cfg["mbgmm_tune"] = args.mbgmm_shapes or cfg["mbgmm_tune"]
+    cfg["mbgmm_tune_ranks"] = args.mbgmm_ranks or cfg["mbgmm_tune_ranks"]
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     t_start = time.time()
