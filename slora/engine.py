@@ -239,10 +239,14 @@ class Engine:
                                  "tokenizer.json): pass token-id lists")
             ids = self.tokenizer_of(adapter).encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            bad = [t for t in prompt if not is_int(t)]
-            if bad:
-                raise ValueError(f"prompt token ids must be ints; got {bad[:5]!r}")
-            ids = [int(t) for t in prompt]
+            ids = list(prompt)
+            # (plain ints pass at a type check; the slower ABC check and the copy through int()
+            # are for other integral types, numpy's say, and for the refusals)
+            if any(type(t) is not int for t in ids):
+                bad = [t for t in ids if not is_int(t)]
+                if bad:
+                    raise ValueError(f"prompt token ids must be ints; got {bad[:5]!r}")
+                ids = [int(t) for t in ids]
         else:
             raise ValueError(f"prompt: expected a string or a list of token ids, got "
                              f"{type(prompt).__name__}")
@@ -444,7 +448,7 @@ class Engine:
         one per prompt. `adapters`: one name (or None = base model) for all, or one per prompt.
         `cache_salt`: one for all or one per prompt (see `add_request`).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (prompts and is_int(prompts[0])):
             prompts = [prompts]
         n = len(prompts)
         sampling = sampling or SamplingParams()

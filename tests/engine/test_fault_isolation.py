@@ -61,7 +61,8 @@ def test_logprobs_beyond_max_logprobs_are_refused(engine):
 
 
 @pytest.mark.parametrize("prompt, why", [
-    ([1.0, 2.0], "must be ints"), ([1, "2"], "must be ints"), (b"Hello", "expected a string"),
+    ([1.0, 2.0], "must be ints"), ([1, "2"], "must be ints"), ([1, True], "must be ints"),
+    (b"Hello", "expected a string"),
     ([], "empty prompt"), ([10 ** 9], "outside the vocabulary"),
 ])
 def test_bad_prompts_are_refused(engine, prompt, why):
@@ -356,3 +357,12 @@ def test_nan_weights_through_async_engine_fail_one_request(async_engine):
     assert bad.finish_reason == "error" and "'bad'" in bad.error
     assert async_engine.generate("Hello", GREEDY).finish_reason == "length"
     assert _wait_idle(async_engine)
+
+
+def test_integral_token_ids_of_other_types_are_served_as_ints(engine):
+    """A prompt of numpy integers is the prompt of the same plain ints."""
+    np = pytest.importorskip("numpy")
+    ids = [1, 2, 3]
+    want = engine.generate(ids, GREEDY)[0].token_ids
+    assert engine.generate([np.int64(i) for i in ids], GREEDY)[0].token_ids == want
+    assert engine.generate(tuple(ids), GREEDY)[0].token_ids == want
