@@ -12,7 +12,8 @@ scaling: S-LoRA's S2 setting (`slora.workload.synthesize`, seed 42): --num-reque
     row replays the same lengths with every request on the base model; ratio = lora / no-LoRA.
     The S2 trace draws popularity before lengths, so every N gets the same lengths. --alpha
     takes a list (S-LoRA's skewed popularity draws, alpha 0.1-1: most requests on a few
-    adapters), each alpha a row per adapter count; "used" counts the adapters drawn.
+    adapters), each alpha a row per adapter count of two or more (one adapter takes every
+    draw: its row runs once, at the first alpha); "used" counts the adapters drawn.
     Inter-token latency (ITL): the time between a request's successive tokens as `step()`
     returns them, over every request's tokens after its first; p50, p99 and max per row.
     --max-prefill-chunk C1,C2,...: the rows again at each EngineConfig.max_prefill_chunk (0:
@@ -497,9 +498,11 @@ def part_scaling(eng: Engine, args) -> list[dict]:
     print(f"scaling: warm-up {t:.1f} s{mem}", flush=True)
     base_trace = s2_trace(args, 0)
     ref_lens = [(r.prompt_len, r.output_len) for r in base_trace.requests]
+    # one adapter takes every draw whatever the popularity: its trace runs at the first alpha
+    # alone, not again back to back at the others
     points = [(base_trace, "none", 1.0, None)] + [
         (s2_trace(args, n, a), m, a, mode) for mode in args.decode_lora for m in args.modules
-        for n in args.adapters for a in args.alpha]
+        for n in args.adapters for a in (args.alpha if n > 1 else args.alpha[:1])]
     rows = []
     for chunk in args.max_prefill_chunk or [eng.config.max_prefill_chunk]:
         set_prefill_chunk(eng, chunk)
