@@ -47,7 +47,7 @@ ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"
         "q_start_ptr": "*i32", "tiles_ptr": "*i32", "qk_scale": "fp32", "cap_scale": "fp32",
         "pos_ptr": "*i64",
         "inv_ptr": "*fp32", "slot_ptr": "*i64"}
-FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
+FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "l_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
          "out_ptr": "*bf16", "qkv_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
          "eps": "fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
@@ -116,14 +116,14 @@ def variants():
               SOFTCAP=True), dict(opts, num_stages=2)),
         # the norm and SiLU alone, and writing their output's E4M3 rounding too (`feeds`)
         *[(f"add_rms_norm{what}", fused._rms_norm_kernel, FUSED,
-           dict(HAS_DELTA=True, QUANT=quant, BLOCK=4096, **fp8.ROUNDING), opts)
+           dict(HAS_DELTA=True, HAS_LORA=False, QUANT=quant, BLOCK=4096, **fp8.ROUNDING), opts)
           for what, quant in (("", False), (", FP8 rounding", True))],
         ("rope_write_kv", fused._rope_kv_kernel, FUSED, dict(BLOCK=64, TB=1),
          dict(opts, num_warps=1)),
         ("rope_write_kv, 16 tokens a program", fused._rope_kv_kernel, FUSED,
          dict(BLOCK=64, TB=16), opts),
         *[(f"{name}{what}", fused._act_mul_kernel, FUSED,
-           dict(BLOCK=1024, GELU=gelu, QUANT=quant, **fp8.ROUNDING), opts)
+           dict(BLOCK=1024, GELU=gelu, HAS_LORA=False, QUANT=quant, **fp8.ROUNDING), opts)
           for name, gelu in (("silu_mul", False), ("gelu_tanh_mul", True))
           for what, quant in (("", False), (", FP8 rounding", True))],
         ("quantize rows", fp8._quantize_rows_kernel, FUSED, dict(BLOCK_K=1024, **fp8.ROUNDING),

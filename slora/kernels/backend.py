@@ -13,9 +13,11 @@ pages in the pool's dtype either way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -83,6 +85,17 @@ class LoraMeta:
     dec_segments: DecodeSegments | None = None
 
 
+class Pending(NamedTuple):
+    """A linear layer's output whose LoRA rows are still being added on the side stream of a
+    decode step (`TritonBackend.linear_lora` with `defer`): `out`, the base GEMM's output,
+    and `lora`, the rows the expand added into zeros (zero on rows without an adapter). Only
+    the kernels its layer's output goes to take it (`add_rms_norm`, the GLUs): they wait for
+    the side stream and add `lora` as the expand would have added it into `out`."""
+
+    out: torch.Tensor
+    lora: torch.Tensor
+
+
 def _ignoring_feeds(f):
     """`f` taking (and ignoring) the keyword argument `feeds`."""
     @functools.wraps(f)
@@ -122,11 +135,14 @@ class TorchBackend:
                                num_heads, num_kv_heads)
         return self.attention(q, k_cache, v_cache, b, scale, window, softcap)
 
-    def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
+    def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str,
+                    defer: bool = False):
         """A base linear layer of module group `group` with its batch's LoRA deltas added:
         x @ w^T (+ bias) + each row's own adapter's (x @ A^T) @ B^T, then rescaled per output
         channel on the rows of DoRA adapters (`dora`). x may carry its FP8 rounding
-        (`quant.Fp8Rows`): the base GEMM takes it, LoRA its 16-bit rows."""
+        (`quant.Fp8Rows`): the base GEMM takes it, LoRA its 16-bit rows. `defer`: the output
+        goes only to this backend's `add_rms_norm` or GLU, which may then be given a `Pending`
+        (this backend adds the rows here, always)."""
         out = self.linear(x, w, bias)
         if meta is not None:
             self.lora(out, quant.rows(x), pool_l, meta, layer, group)
@@ -234,11 +250,30 @@ class TritonBackend(TorchBackend):
         self._vocab_mbgmv, self._vocab = mbgmv, vocab  # (vocab-wide rows: the Triton MBGMV)
         self._side: dict[torch.device, torch.cuda.Stream] = {}  # (linear_lora)
         self.linear = functools.partial(fp8.linear, max_rows=gemm_max_rows)
+        self._fused = fused
         self.rms_norm = fused.rms_norm
-        self.add_rms_norm = fused.add_rms_norm
         self.rope_write_kv = fused.rope_write_kv
-        self.silu_mul = fused.silu_mul
-        self.gelu_tanh_mul = fused.gelu_tanh_mul
+
+    def add_rms_norm(self, x, delta, weight, eps, feeds=None):
+        delta, lora = self._ready(delta)
+        return self._fused.add_rms_norm(x, delta, weight, eps, feeds, lora=lora)
+
+    def silu_mul(self, gate_up, feeds=None):
+        gate_up, lora = self._ready(gate_up)
+        return self._fused.silu_mul(gate_up, feeds, lora=lora)
+
+    def gelu_tanh_mul(self, gate_up, feeds=None):
+        gate_up, lora = self._ready(gate_up)
+        return self._fused.gelu_tanh_mul(gate_up, feeds, lora=lora)
+
+    def _ready(self, t):
+        """(output, its LoRA rows or None) of a tensor or a `Pending`, whose rows the current
+        stream then waits for."""
+        if not isinstance(t, Pending):
+            return t, None
+        if t.out.device.type == "cuda":
+            torch.cuda.current_stream(t.out.device).wait_stream(self._side_stream(t.out.device))
+        return t.out, t.lora
 
     def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
                        num_kv_heads, window=0, softcap=0.0):
@@ -266,30 +301,54 @@ class TritonBackend(TorchBackend):
                                                   b.q_start_tensor, b.ctx_lens, scale, b.tiles,
                                                   b.tile_programs, out=out, **mask)
 
-    def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str):
-        """A decode-only step on a GPU runs the shrink on a side stream beside the base GEMM
-        (the shrink reads only x and adapter pages) and the expand after both: a decode step's
-        GEMM leaves SMs idle (its few output tiles do not fill the GPU), and the shrink fills
-        them. Other steps run the GEMM, then `lora`, on one stream: their GEMMs fill the GPU.
-        Every use of the side stream starts by waiting for the main one, so xa (allocated on
-        the side) is reused there only after its expand ran."""
+    def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str,
+                    defer: bool = False):
+        """A decode-only step runs the shrink on a side stream beside the base GEMM (the shrink
+        reads only x and adapter pages) and the expand after both: a decode step's GEMM leaves
+        SMs idle (its few output tiles do not fill the GPU), and the shrink fills them. With
+        `defer`, where every decode row runs MBGMV (no rows grouped by adapter; no tensor
+        parallelism or DoRA on the group), the expand runs on the side stream too, into zeros,
+        and the output is a `Pending`: the kernel it goes to adds the rows, so the expand's
+        launch, a few microseconds that would wait for the GEMM, runs beside it (MBGMM's
+        expand beside the GEMM slows it more than that saves: docs/performance.md). Other
+        steps run the GEMM, then `lora`, on one stream: their GEMMs fill the GPU. Every use
+        of the side stream starts by waiting for the main one, so what was allocated on the
+        side is reused there only after its last reader on the main one. On CPU (the
+        interpreter) the same order runs on one stream."""
         g = meta.groups.get(group) if meta is not None else None
         if g is None:
             return self.linear(x, w, bias)
         x16 = quant.rows(x)
-        if x16.device.type != "cuda" or x16.shape[0] != meta.num_decode:
+        if x16.shape[0] != meta.num_decode:
             return super().linear_lora(x, w, bias, pool_l, meta, layer, group)
-        main = torch.cuda.current_stream(x16.device)
-        side = self._side_stream(x16.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        defer = (defer and meta.dec_segments is None and self.tp is None
+                 and g.offsets_d is None)
+        lora = None
+        with self._on_side(x16.device):
             xa = self._shrink(self._lora_x(x16, group), pool_l, meta, g, layer)
+            if defer:
+                lora = x16.new_zeros(x16.shape[0], sum(g.out_dims))
+                self._expand(xa, lora, pool_l, meta, g, layer)
         out = self.linear(x, w, bias)
-        main.wait_stream(side)
+        if lora is not None:
+            return Pending(out, lora)
+        if x16.device.type == "cuda":
+            torch.cuda.current_stream(x16.device).wait_stream(self._side_stream(x16.device))
         xa, cols = (xa, out) if self.tp is None else self.tp.lora_partials(group, xa, out)
         self._expand(xa, cols, pool_l, meta, g, layer)
         self.dora(out, bias, pool_l, meta, group)
         return out
+
+    @contextlib.contextmanager
+    def _on_side(self, device: torch.device):
+        """The side stream, after the main one's work so far (on CPU: nothing changes)."""
+        if device.type != "cuda":
+            yield
+            return
+        side = self._side_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            yield
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._side:

@@ -9,6 +9,10 @@ costs a few microseconds however little it does; these fold the chains into one 
 - `silu_mul`: SwiGLU over [gate | up] (2 launches -> 1), twin `reference.silu_mul`;
   `gelu_tanh_mul`: GeGLU with gelu's tanh approximation (Gemma), twin `reference.gelu_tanh_mul`.
 
+`add_rms_norm` and the GLUs take `lora`, their input's LoRA rows not yet added (a decode step
+expands them beside the base GEMM, on a side stream: `backend.Pending`): they add them as the
+expand would have, so the result is the same as from a finished input.
+
 The norms and the GLUs take `feeds`, the weight of the GEMM their output goes to: where that
 GEMM rounds its input to E4M3 per row (an FP8 weight, `fp8.quantizes`), they write the rounding
 too and return a `quant.Fp8Rows`, so the GEMM needs no quantization launch (twin: the output,
@@ -33,10 +37,19 @@ from .tuning import pow2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, N, eps, stride_x,
-                     stride_d, HAS_DELTA: tl.constexpr, QUANT: tl.constexpr,
-                     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+def with_lora(v, lora_ptrs, mask):
+    """v (a linear layer's output) plus its LoRA rows at `lora_ptrs`, which an expand added
+    into zeros, each element rounded to v's dtype: the sum, rounded, is what the expand would
+    have stored into v itself (`adapter_pages.add_rounded`)."""
+    lora = tl.load(lora_ptrs, mask=mask, other=0.0)
+    return (v.to(tl.float32) + lora.to(tl.float32)).to(v.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, N, eps,
+                     stride_x, stride_d, stride_l, HAS_DELTA: tl.constexpr,
+                     HAS_LORA: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+                     MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -45,6 +58,8 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, N, eps
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     if HAS_DELTA:
         d = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0)
+        if HAS_LORA:  # delta's own LoRA rows, added as the expand adds them (`with_lora`)
+            d = with_lora(d, l_ptr + row * stride_l + offs, m)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * N + offs, x, mask=m)
     xf = x.to(tl.float32)
@@ -61,17 +76,22 @@ def _rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, N, eps
         tl.store(q_ptr + row * N + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
 
-def _norm(x, delta, weight, eps, feeds):
+def _norm(x, delta, weight, eps, feeds, lora=None):
     T, N = x.shape
     out = torch.empty_like(x)
     total = torch.empty_like(x) if delta is not None else x
     quant = feeds is not None and fp8.quantizes(x, feeds)
     q, scale = fp8.empty_rows(T, N, x.device) if quant else (out, out)
+    assert lora is None or (delta is not None and lora.shape == delta.shape
+                            and lora.dtype == delta.dtype and lora.stride(1) == 1)
     if T:
-        _rms_norm_kernel[(T,)](x, delta if delta is not None else x, weight, total, out, q, scale,
-                               N, eps, x.stride(0), delta.stride(0) if delta is not None else 0,
-                               HAS_DELTA=delta is not None, QUANT=quant, BLOCK=pow2(N),
-                               num_warps=4, **fp8.ROUNDING, **pdl.options(x.device))
+        d = delta if delta is not None else x
+        _rms_norm_kernel[(T,)](x, d, lora if lora is not None else d, weight, total, out, q,
+                               scale, N, eps, x.stride(0), d.stride(0) if delta is not None else 0,
+                               lora.stride(0) if lora is not None else 0,
+                               HAS_DELTA=delta is not None, HAS_LORA=lora is not None,
+                               QUANT=quant, BLOCK=pow2(N), num_warps=4, **fp8.ROUNDING,
+                               **pdl.options(x.device))
     return total, Fp8Rows(out, q, scale) if quant else out
 
 
@@ -82,9 +102,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds=None):
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 feeds=None):
-    """(x + delta, its RMSNorm); `feeds` as `rms_norm`'s."""
-    return _norm(x, delta, weight, eps, feeds)
+                 feeds=None, lora: torch.Tensor | None = None):
+    """(x + delta, its RMSNorm); `feeds` as `rms_norm`'s. `lora`: delta's LoRA rows, not yet
+    added (`with_lora`): delta + lora takes delta's place."""
+    return _norm(x, delta, weight, eps, feeds, lora)
 
 
 @triton.jit
@@ -171,9 +192,10 @@ def tanh(x):
 
 
 @triton.jit
-def _act_mul_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, N, stride_gu, BLOCK: tl.constexpr,
-                    GELU: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
-                    MIN_AMAX: tl.constexpr, PDL: tl.constexpr):
+def _act_mul_kernel(gu_ptr, l_ptr, out_ptr, q_ptr, s_ptr, N, stride_gu, stride_l,
+                    BLOCK: tl.constexpr, GELU: tl.constexpr, HAS_LORA: tl.constexpr,
+                    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (row, j): the row's column blocks j, j + programs, ...; with QUANT one program
     takes the whole row, then rounds it to E4M3 over its largest magnitude, read back."""
     pdl.wait(PDL)
@@ -185,6 +207,9 @@ def _act_mul_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, N, stride_gu, BLOCK: tl.const
         m = offs < N
         g = tl.load(gu_ptr + row * stride_gu + offs, mask=m, other=0.0)
         u = tl.load(gu_ptr + row * stride_gu + N + offs, mask=m, other=0.0)
+        if HAS_LORA:  # gate_up's LoRA rows, not yet added
+            g = with_lora(g, l_ptr + row * stride_l + offs, m)
+            u = with_lora(u, l_ptr + row * stride_l + N + offs, m)
         gf = g.to(tl.float32)
         if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
             act = (0.5 * gf * (1.0 + tanh(0.7978845608028654 * (gf + 0.044715 * gf * gf * gf))))
@@ -207,25 +232,29 @@ def _act_mul_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, N, stride_gu, BLOCK: tl.const
                      fp8.to_e4m3(v, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=m)
 
 
-def silu_mul(gate_up: torch.Tensor, feeds=None):
-    """SwiGLU; `feeds` as `rms_norm`'s."""
-    return _act_mul(gate_up, gelu=False, feeds=feeds)
+def silu_mul(gate_up: torch.Tensor, feeds=None, lora: torch.Tensor | None = None):
+    """SwiGLU; `feeds` as `rms_norm`'s, `lora` as `add_rms_norm`'s (gate_up's LoRA rows)."""
+    return _act_mul(gate_up, gelu=False, feeds=feeds, lora=lora)
 
 
-def gelu_tanh_mul(gate_up: torch.Tensor, feeds=None):
-    """GeGLU; `feeds` as `rms_norm`'s."""
-    return _act_mul(gate_up, gelu=True, feeds=feeds)
+def gelu_tanh_mul(gate_up: torch.Tensor, feeds=None, lora: torch.Tensor | None = None):
+    """GeGLU; `feeds` as `rms_norm`'s, `lora` as `add_rms_norm`'s (gate_up's LoRA rows)."""
+    return _act_mul(gate_up, gelu=True, feeds=feeds, lora=lora)
 
 
-def _act_mul(gate_up: torch.Tensor, gelu: bool, feeds):
+def _act_mul(gate_up: torch.Tensor, gelu: bool, feeds, lora=None):
     T, N2 = gate_up.shape
     N = N2 // 2
     out = torch.empty(T, N, dtype=gate_up.dtype, device=gate_up.device)
     quant = feeds is not None and fp8.quantizes(out, feeds)
     q, scale = fp8.empty_rows(T, N, out.device) if quant else (out, out)
+    assert lora is None or (lora.shape == gate_up.shape and lora.dtype == gate_up.dtype
+                            and lora.stride(1) == 1)
     if T:
         block = min(1024, pow2(N))
         _act_mul_kernel[(T, 1 if quant else triton.cdiv(N, block))](
-            gate_up, out, q, scale, N, gate_up.stride(0), BLOCK=block, GELU=gelu, QUANT=quant,
-            num_warps=4, **fp8.ROUNDING, **pdl.options(gate_up.device))
+            gate_up, lora if lora is not None else gate_up, out, q, scale, N, gate_up.stride(0),
+            lora.stride(0) if lora is not None else 0, BLOCK=block, GELU=gelu,
+            HAS_LORA=lora is not None, QUANT=quant, num_warps=4, **fp8.ROUNDING,
+            **pdl.options(gate_up.device))
     return Fp8Rows(out, q, scale) if quant else out

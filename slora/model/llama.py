@@ -266,14 +266,17 @@ class LlamaModel:
             attn = be.rope_attention(qkv, self.inv_freq_local if window else self.inv_freq, kc,
                                      vc, b, self.scale, cfg.num_heads, cfg.num_kv_heads,
                                      window=window, softcap=cfg.attn_softcap or 0.0)
+            # o and gate_up may come back `Pending` (their LoRA rows added by the kernel they
+            # go to) where that kernel is the residual add or the GLU, as here
             o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
-                               b.lora, layer, "o")
+                               b.lora, layer, "o", defer=lw.post_attn is None)
             if self.tp is not None:
                 self.tp.all_reduce(o)
             if lw.post_attn is not None:
                 o = be.rms_norm(o, lw.post_attn, cfg.rms_norm_eps)
             x, h = be.add_rms_norm(x, o, lw.ln2, cfg.rms_norm_eps, feeds=lw.gate_up)
-            gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up")
+            gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up",
+                                     defer=True)
             act = self.act_mul(gate_up, feeds=lw.down)
             down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down")
             if self.tp is not None:

@@ -69,6 +69,47 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
         assert la[:n] == pytest.approx(lb[:n], abs=tol)
 
 
+@pytest.mark.parametrize("dtype", ["float32"] if DEVICE == "cpu" else ["float32", "bfloat16"])
+def test_lora_rows_added_by_the_next_kernel_give_the_same_logprobs(tiny_model_dir,
+                                                                   adapter_factory, dtype,
+                                                                   monkeypatch):
+    """A decode step hands o's and gate_up's LoRA rows to the residual add and the GLU
+    (`backend.Pending`) instead of adding them in the expand: the same tokens and log-probs,
+    exactly, with a base row and DoRA-free adapters of two ranks in the batch."""
+    from slora.kernels import backend
+
+    paths = [adapter_factory(tiny_model_dir, r=r, target_modules="all-linear", seed=r)
+             for r in (4, 16)]
+    prompts = ["The quick brown fox", "Hello", "Paris is the capital of France."]
+    seen = []
+    ready = backend.TritonBackend._ready
+
+    def counting(self, t):
+        seen.append(isinstance(t, backend.Pending))
+        return ready(self, t)
+
+    def run():
+        e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype=dtype,
+                                num_pages=48, backend="triton"))
+        for i, p in enumerate(paths):
+            e.add_adapter(f"a{i}", p)
+        outs = e.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True, logprobs=0),
+                          adapters=["a1", None, "a0"])
+        e.close()
+        return [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)])
+                for o in outs]
+
+    monkeypatch.setattr(backend.TritonBackend, "_ready", counting)
+    deferred = run()
+    assert any(seen)  # the decode steps handed their rows on
+    linear_lora = backend.TritonBackend.linear_lora
+    monkeypatch.setattr(backend.TritonBackend, "linear_lora",
+                        lambda self, *a, defer=False: linear_lora(self, *a, defer=False))
+    seen.clear()
+    assert run() == deferred
+    assert not any(seen)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("decode_lora", ["auto", "segments", "hybrid"])
 def test_cuda_graphs_match_eager(tiny_model_dir, adapter_factory, decode_lora):

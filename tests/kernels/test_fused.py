@@ -63,6 +63,27 @@ def test_act_mul(dtype, N, act):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_rows_are_added_as_the_expand_adds_them(dtype):
+    """`lora`: a layer's LoRA rows that an expand added into zeros (each rounded to the
+    dtype). The residual add and the GLUs given them equal, bit for bit, the same kernels
+    given the output the expand would have made by adding them in place."""
+    N = 96
+    x, out, w = _rand(5, N, dtype=dtype), _rand(5, N, dtype=dtype), _rand(N, dtype=dtype)
+    delta = torch.randn(5, N, device=DEVICE) * 0.3
+    delta[2] = 0.0  # a row without an adapter
+    lora = delta.to(dtype)  # what the expand leaves in zeros
+    added = (out.float() + delta.to(dtype).float()).to(dtype)  # what it leaves in out
+    for a, b in zip(fused.add_rms_norm(x, out, w, 1e-6, lora=lora),
+                    fused.add_rms_norm(x, added, w, 1e-6)):
+        assert torch.equal(a, b)
+    gu = _rand(5, 2 * N, dtype=dtype)
+    delta2 = (torch.randn(5, 2 * N, device=DEVICE) * 0.3).to(dtype)
+    added2 = (gu.float() + delta2.float()).to(dtype)
+    for act in ("silu_mul", "gelu_tanh_mul"):
+        assert torch.equal(getattr(fused, act)(gu, lora=delta2), getattr(fused, act)(added2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,N,K", [(1, 64, 128), (5, 96, 200), (16, 130, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_matches_f_linear(dtype, M, N, K, bias):
