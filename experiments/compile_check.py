@@ -46,7 +46,7 @@ ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"
         "bt_ptr": "*i32", "ctx_ptr": "*i32", "part_ptr": "*fp32", "ml_ptr": "*fp32",
         "q_start_ptr": "*i32", "tiles_ptr": "*i32", "qk_scale": "fp32", "cap_scale": "fp32",
         "pos_ptr": "*i64",
-        "inv_ptr": "*fp32", "slot_ptr": "*i64"}
+        "inv_ptr": "*fp32", "slot_ptr": "*i64", "l_ptr": "*bf16"}
 FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "l_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
          "out_ptr": "*bf16", "qkv_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
@@ -64,7 +64,7 @@ DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3"
          "stride_kh", "stride_vp", "stride_vs", "stride_vh", "block_size", "stride_ob",
          "stride_oh", "stride_ot", "D", "N", "stride_d", "stride_t", "kc_page", "kc_row",
          "kc_head", "vc_page", "vc_row", "vc_head", "stride_gu", "K", "k_split", "stride_w",
-         "stride_part", "HALF", "max_out"}
+         "stride_part", "HALF", "max_out", "stride_l", "stride_lb"}
 
 
 def variants():
@@ -98,9 +98,10 @@ def variants():
         ("decode attention", attention._decode_kernel, ATTN,
          dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
               ROPE=False, **PLAIN), dict(opts, num_stages=2)),
-        ("decode attention, rotary + K/V store", attention._decode_kernel, ATTN,
-         dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
-              ROPE=True, **PLAIN), dict(opts, num_stages=2)),
+        *[(f"decode attention, rotary + K/V store{what}", attention._decode_kernel, ATTN,
+           dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
+                ROPE=True, LORA=lora, **PLAIN), dict(opts, num_stages=2))
+          for what, lora in (("", False), (", LoRA rows added", True))],
         ("decode attention, split", attention._decode_kernel, ATTN,
          dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False,
               ROPE=False, **PLAIN), dict(opts, num_stages=2)),
@@ -115,17 +116,21 @@ def variants():
          dict(QH=2, BLOCK_M=64, BLOCK_D=256, BLOCK_N=32, DOT_F32=False, SLIDING=True,
               SOFTCAP=True), dict(opts, num_stages=2)),
         # the norm and SiLU alone, and writing their output's E4M3 rounding too (`feeds`)
+        # (and adding their input's LoRA rows: `backend.Pending`)
         *[(f"add_rms_norm{what}", fused._rms_norm_kernel, FUSED,
-           dict(HAS_DELTA=True, HAS_LORA=False, QUANT=quant, BLOCK=4096, **fp8.ROUNDING), opts)
-          for what, quant in (("", False), (", FP8 rounding", True))],
-        ("rope_write_kv", fused._rope_kv_kernel, FUSED, dict(BLOCK=64, TB=1),
-         dict(opts, num_warps=1)),
+           dict(HAS_DELTA=True, HAS_LORA=lora, QUANT=quant, BLOCK=4096, **fp8.ROUNDING), opts)
+          for what, quant, lora in (("", False, False), (", FP8 rounding", True, False),
+                                    (", LoRA rows added", False, True))],
+        *[(f"rope_write_kv{what}", fused._rope_kv_kernel, FUSED,
+           dict(BLOCK=64, TB=1, LORA=lora), dict(opts, num_warps=1))
+          for what, lora in (("", False), (", LoRA rows added", True))],
         ("rope_write_kv, 16 tokens a program", fused._rope_kv_kernel, FUSED,
-         dict(BLOCK=64, TB=16), opts),
+         dict(BLOCK=64, TB=16, LORA=False), opts),
         *[(f"{name}{what}", fused._act_mul_kernel, FUSED,
-           dict(BLOCK=1024, GELU=gelu, HAS_LORA=False, QUANT=quant, **fp8.ROUNDING), opts)
+           dict(BLOCK=1024, GELU=gelu, HAS_LORA=lora, QUANT=quant, **fp8.ROUNDING), opts)
           for name, gelu in (("silu_mul", False), ("gelu_tanh_mul", True))
-          for what, quant in (("", False), (", FP8 rounding", True))],
+          for what, quant, lora in (("", False, False), (", FP8 rounding", True, False))
+          + ((", LoRA rows added", False, True),) * (not gelu)],
         ("quantize rows", fp8._quantize_rows_kernel, FUSED, dict(BLOCK_K=1024, **fp8.ROUNDING),
          opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,

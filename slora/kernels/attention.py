@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from . import pdl, tuning
-from .fused import rope_write_kv, tanh
+from .fused import rope_write_kv, tanh, with_lora
 from .tiles import as_tiles, tile_rows
 from .tuning import pow2
 
@@ -106,22 +106,28 @@ def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale, 
 
 
 @triton.jit
-def _rotary(ptr, offs_d, mask, half, c, s):
+def _rotary(ptr, offs_d, mask, half, c, s, l_ptr, LORA: tl.constexpr):
     """HF's rotary (x * cos + rotate_half(x) * sin) of the rows at ptr (columns offs_d), in
-    fp32 and rounded to ptr's dtype, as `fused.rope_write_kv` computes it."""
+    fp32 and rounded to ptr's dtype, as `fused.rope_write_kv` computes it; with LORA the rows
+    at l_ptr added first (`fused.with_lora`)."""
     first = offs_d < half
-    x = tl.load(ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(ptr + tl.where(first, offs_d + half, offs_d - half), mask=mask,
-                other=0.0).to(tl.float32)
+    other = tl.where(first, offs_d + half, offs_d - half)
+    x = tl.load(ptr + offs_d, mask=mask, other=0.0)
+    y = tl.load(ptr + other, mask=mask, other=0.0)
+    if LORA:
+        x = with_lora(x, l_ptr + offs_d, mask)
+        y = with_lora(y, l_ptr + other, mask)
+    x = x.to(tl.float32)
+    y = y.to(tl.float32)
     return (x * c + tl.where(first, -y, y) * s).to(ptr.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
-    pos_ptr, inv_ptr, slot_ptr,
+    pos_ptr, inv_ptr, slot_ptr, l_ptr,
     qk_scale, window, cap_scale,
-    stride_qb, stride_qh,
+    stride_qb, stride_qh, stride_lb,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_bt, block_size,
@@ -129,7 +135,7 @@ def _decode_kernel(
     D, num_splits,
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, LORA: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -165,18 +171,24 @@ def _decode_kernel(
         # q_row is the token's [q | k | v] row, unrotated: rotate q (every split) and the new
         # key, and store the new key and value at the token's slot (the split holding its
         # position), before the keys are read; the barrier makes the stores visible to the
-        # program's other threads.
+        # program's other threads. With LORA, l_ptr holds the row's LoRA rows (same layout),
+        # added to q, k and v as they are read.
+        l_row = l_ptr + b.to(tl.int64) * stride_lb
         q = _rotary(q_row + heads[:, None] * stride_qh, offs_d[None, :], qmask, half,
-                    c[None, :], s[None, :])
+                    c[None, :], s[None, :], l_row + heads[:, None] * stride_qh, LORA)
         if (lo < ctx) & (ctx <= hi):
-            k_new = q_row + (QH * tl.num_programs(1) + kvh) * stride_qh  # past the H q heads
-            v_new = k_new + tl.num_programs(1) * stride_qh  # past the KV k heads
+            k_col = (QH * tl.num_programs(1) + kvh) * stride_qh  # past the H q heads
+            v_col = k_col + tl.num_programs(1) * stride_qh  # past the KV k heads
             slot = tl.load(slot_ptr + b).to(tl.int64)
             page, r = slot // block_size, slot % block_size
             tl.store(k_ptr + page * stride_kp + r * stride_ks + kvh * stride_kh + offs_d,
-                     _rotary(k_new, offs_d, d_ok, half, c, s), mask=d_ok)
-            tl.store(v_ptr + page * stride_vp + r * stride_vs + kvh * stride_vh + offs_d,
-                     tl.load(v_new + offs_d, mask=d_ok), mask=d_ok)
+                     _rotary(q_row + k_col, offs_d, d_ok, half, c, s, l_row + k_col, LORA),
+                     mask=d_ok)
+            v = tl.load(q_row + v_col + offs_d, mask=d_ok)
+            if LORA:
+                v = with_lora(v, l_row + v_col + offs_d, d_ok)
+            tl.store(v_ptr + page * stride_vp + r * stride_vs + kvh * stride_vh + offs_d, v,
+                     mask=d_ok)
         tl.debug_barrier()
     else:
         q = tl.load(q_row + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
@@ -298,21 +310,23 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
                                 num_heads: int, num_kv_heads: int,
                                 num_splits: int | None = None, cfg: dict | None = None,
                                 fold: bool | None = None, window: int = 0,
-                                softcap: float = 0.0) -> torch.Tensor:
+                                softcap: float = 0.0,
+                                lora: torch.Tensor | None = None) -> torch.Tensor:
     """`fused.rope_write_kv` and `paged_decode_attention`, in one launch where that is faster
     (twin: `reference.rope_write_kv`, then `reference.paged_decode_attention`): qkv [B, (H + 2
     KVH) * D] is each sequence's new token, unrotated; its K and V are stored at slot_mapping,
     the position ctx_lens - 1 of its sequence. Returns [B, H, D]; qkv's q heads may be left
     rotated (in two launches `rope_write_kv` rotates them in place). `fold` (optional, for
     tests and benchmarks) overrides `fold_rope`'s choice of one launch or two. `window`,
-    `softcap`: as `paged_decode_attention`'s."""
+    `softcap`: as `paged_decode_attention`'s. `lora`: qkv's LoRA rows, not yet added, as
+    `fused.rope_write_kv` takes them."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D
     assert k_cache.shape[2] == num_kv_heads and D % 2 == 0 and inv_freq.dtype == torch.float32
     q = qkv[:, : num_heads * D].view(B, num_heads, D)
     return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
-                   rope=(qkv, positions, inv_freq, slot_mapping), fold=fold, window=window,
+                   rope=(qkv, positions, inv_freq, slot_mapping, lora), fold=fold, window=window,
                    softcap=softcap)
 
 
@@ -346,29 +360,32 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
     if rope is not None and fold is None:
         fold = fold_rope(B * kvh * num_splits, q.device)
     if rope is not None and not fold:  # two launches: rotate and store, then attend
-        qkv, positions, inv_freq, slot_mapping = rope
+        qkv, positions, inv_freq, slot_mapping, lora = rope
         q, rope = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, H,
-                                kvh), None
+                                kvh, lora=lora), None
     dot_f32 = q.device.type != "cuda" or q.dtype == torch.float32
     if num_splits > 1:
         part = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, H, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
-    _, positions, inv_freq, slot_mapping = rope if rope is not None else (ctx_lens,) * 4
+    _, positions, inv_freq, slot_mapping, lora = rope if rope is not None else (ctx_lens,) * 5
+    lora = lora if rope is not None else None
+    if lora is not None:
+        assert lora.shape == rope[0].shape and lora.dtype == q.dtype and lora.stride(1) == 1
     qk_scale, cap_scale = _scales(scale, softcap)
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, out, part, ml,
-        positions, inv_freq, slot_mapping,
+        positions, inv_freq, slot_mapping, lora if lora is not None else q,
         qk_scale, window, cap_scale,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), lora.stride(0) if lora is not None else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_size,
         out.stride(0), out.stride(1),
         D, num_splits,
         QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32,
-        ROPE=rope is not None, SLIDING=window > 0, SOFTCAP=softcap > 0,
+        ROPE=rope is not None, SLIDING=window > 0, SOFTCAP=softcap > 0, LORA=lora is not None,
         **pdl.options(q.device), **cfg)
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,

@@ -89,8 +89,9 @@ class Pending(NamedTuple):
     """A linear layer's output whose LoRA rows are still being added on the side stream of a
     decode step (`TritonBackend.linear_lora` with `defer`): `out`, the base GEMM's output,
     and `lora`, the rows the expand added into zeros (zero on rows without an adapter). Only
-    the kernels its layer's output goes to take it (`add_rms_norm`, the GLUs): they wait for
-    the side stream and add `lora` as the expand would have added it into `out`."""
+    the kernels its layer's output goes to take it (`rope_attention`, `add_rms_norm`, the
+    GLUs): they wait for the side stream and add `lora` as the expand would have added it
+    into `out`."""
 
     out: torch.Tensor
     lora: torch.Tensor
@@ -141,8 +142,8 @@ class TorchBackend:
         x @ w^T (+ bias) + each row's own adapter's (x @ A^T) @ B^T, then rescaled per output
         channel on the rows of DoRA adapters (`dora`). x may carry its FP8 rounding
         (`quant.Fp8Rows`): the base GEMM takes it, LoRA its 16-bit rows. `defer`: the output
-        goes only to this backend's `add_rms_norm` or GLU, which may then be given a `Pending`
-        (this backend adds the rows here, always)."""
+        goes only to this backend's `rope_attention`, `add_rms_norm` or GLU, which may then be
+        given a `Pending` (this backend adds the rows here, always)."""
         out = self.linear(x, w, bias)
         if meta is not None:
             self.lora(out, quant.rows(x), pool_l, meta, layer, group)
@@ -277,10 +278,13 @@ class TritonBackend(TorchBackend):
 
     def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
                        num_kv_heads, window=0, softcap=0.0):
+        qkv, lora = self._ready(qkv)  # (a `Pending` comes from decode-only steps alone)
         if b.num_decode == len(b.q_start_list) - 1:  # decode only: rotary and K/V store folded in
             return self._attn.rope_paged_decode_attention(
                 qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping, b.block_tables,
-                b.ctx_lens, scale, num_heads, num_kv_heads, window=window, softcap=softcap)
+                b.ctx_lens, scale, num_heads, num_kv_heads, window=window, softcap=softcap,
+                lora=lora)
+        assert lora is None
         return super().rope_attention(qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
                                       num_kv_heads, window, softcap)
 

@@ -109,10 +109,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t,
-                    kc_page, kc_row, kc_head, vc_page, vc_row, vc_head, block_size,
-                    T, H, KVH, HALF, BLOCK: tl.constexpr, TB: tl.constexpr, PDL: tl.constexpr):
-    """Program (token block, head): TB tokens' head h, as [TB, BLOCK] tiles of each half."""
+def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, l_ptr, stride_t,
+                    stride_l, kc_page, kc_row, kc_head, vc_page, vc_row, vc_head, block_size,
+                    T, H, KVH, HALF, BLOCK: tl.constexpr, TB: tl.constexpr,
+                    LORA: tl.constexpr, PDL: tl.constexpr):
+    """Program (token block, head): TB tokens' head h, as [TB, BLOCK] tiles of each half;
+    with LORA, qkv's LoRA rows at l_ptr added as they are read (`with_lora`)."""
     pdl.wait(PDL)
     pdl.launch_next(PDL)
     t = tl.program_id(0).to(tl.int64) * TB + tl.arange(0, TB)[:, None]  # [TB, 1]
@@ -127,27 +129,38 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr, stride_
     s = tl.sin(f).to(dt).to(tl.float32)
     D = 2 * HALF
     row = qkv_ptr + t * stride_t
+    l_row = l_ptr + t * stride_l
     if h < H:  # a query head: rotate in place
-        base = row + h * D
-        x1 = tl.load(base + offs, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(base + HALF + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(base + offs, (x1 * c - x2 * s).to(dt), mask=m)
-        tl.store(base + HALF + offs, (x2 * c + x1 * s).to(dt), mask=m)
+        col = h * D
+        x1 = _read(row + col + offs, l_row + col + offs, m, LORA).to(tl.float32)
+        x2 = _read(row + col + HALF + offs, l_row + col + HALF + offs, m, LORA).to(tl.float32)
+        tl.store(row + col + offs, (x1 * c - x2 * s).to(dt), mask=m)
+        tl.store(row + col + HALF + offs, (x2 * c + x1 * s).to(dt), mask=m)
     else:  # a KV head: rotate K, store K and V at the token's slot
         kh = h - H
         slot = tl.load(slot_ptr + t, mask=t_ok, other=0)
         page = slot // block_size
         r = slot % block_size
-        kbase = row + (H + kh) * D
-        x1 = tl.load(kbase + offs, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(kbase + HALF + offs, mask=m, other=0.0).to(tl.float32)
+        col = (H + kh) * D
+        x1 = _read(row + col + offs, l_row + col + offs, m, LORA).to(tl.float32)
+        x2 = _read(row + col + HALF + offs, l_row + col + HALF + offs, m, LORA).to(tl.float32)
         kdst = kc_ptr + page * kc_page + r * kc_row + kh * kc_head
         tl.store(kdst + offs, (x1 * c - x2 * s).to(dt), mask=m)
         tl.store(kdst + HALF + offs, (x2 * c + x1 * s).to(dt), mask=m)
-        vbase = row + (H + KVH + kh) * D
+        col = (H + KVH + kh) * D
         vdst = vc_ptr + page * vc_page + r * vc_row + kh * vc_head
-        tl.store(vdst + offs, tl.load(vbase + offs, mask=m), mask=m)
-        tl.store(vdst + HALF + offs, tl.load(vbase + HALF + offs, mask=m), mask=m)
+        tl.store(vdst + offs, _read(row + col + offs, l_row + col + offs, m, LORA), mask=m)
+        tl.store(vdst + HALF + offs,
+                 _read(row + col + HALF + offs, l_row + col + HALF + offs, m, LORA), mask=m)
+
+
+@triton.jit
+def _read(ptrs, l_ptrs, mask, LORA: tl.constexpr):
+    """The values at ptrs, with LORA their LoRA rows at l_ptrs added (`with_lora`)."""
+    v = tl.load(ptrs, mask=mask, other=0.0)
+    if LORA:
+        v = with_lora(v, l_ptrs, mask)
+    return v
 
 
 def rope_config(T: int, device: torch.device) -> dict:
@@ -165,21 +178,27 @@ def _rope_config(table: str, T: int) -> dict:
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                  num_heads: int, num_kv_heads: int,
+                  lora: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary on q and k of the fused qkv output (q in place), K and V stored at the tokens'
     slots; returns q [T, H, D]. Twin: `reference.rope_write_kv`. A program takes TB tokens
-    of one head (`rope_config`)."""
+    of one head (`rope_config`). `lora`: qkv's LoRA rows, not yet added (as `add_rms_norm`'s):
+    q, k and v are qkv + lora (q's heads in qkv take the sum, rotated)."""
     T = qkv.shape[0]
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert D % 2 == 0 and inv_freq.dtype == torch.float32
+    assert lora is None or (lora.shape == qkv.shape and lora.dtype == qkv.dtype
+                            and lora.stride(1) == 1)
     if T:
         cfg = rope_config(T, qkv.device)
         _rope_kv_kernel[(triton.cdiv(T, cfg["TB"]), num_heads + num_kv_heads)](
-            qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, qkv.stride(0),
+            qkv, positions, inv_freq, k_cache, v_cache, slot_mapping,
+            lora if lora is not None else qkv, qkv.stride(0),
+            lora.stride(0) if lora is not None else 0,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[1],
-            T, num_heads, num_kv_heads, D // 2, BLOCK=pow2(D // 2),
+            T, num_heads, num_kv_heads, D // 2, BLOCK=pow2(D // 2), LORA=lora is not None,
             **pdl.options(qkv.device), **cfg)
     return qkv[:, : num_heads * D].view(T, num_heads, D)
 

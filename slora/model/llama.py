@@ -259,15 +259,16 @@ class LlamaModel:
                 h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps, feeds=lw.qkv)
             else:
                 x, h = be.add_rms_norm(x, down, lw.ln1, cfg.rms_norm_eps, feeds=lw.qkv)
-            qkv = be.linear_lora(h, lw.qkv, lw.qkv_bias, pool[layer], b.lora, layer, "qkv")
+            # qkv, o and gate_up may come back `Pending` (their LoRA rows added by the kernel
+            # they go to) where that kernel is attention, the residual add or the GLU, as here
+            qkv = be.linear_lora(h, lw.qkv, lw.qkv_bias, pool[layer], b.lora, layer, "qkv",
+                                 defer=lw.q_norm is None)
             if lw.q_norm is not None:
                 qkv = self._qk_norm(qkv, lw)
             window = cfg.window(layer)
             attn = be.rope_attention(qkv, self.inv_freq_local if window else self.inv_freq, kc,
                                      vc, b, self.scale, cfg.num_heads, cfg.num_kv_heads,
                                      window=window, softcap=cfg.attn_softcap or 0.0)
-            # o and gate_up may come back `Pending` (their LoRA rows added by the kernel they
-            # go to) where that kernel is the residual add or the GLU, as here
             o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
                                b.lora, layer, "o", defer=lw.post_attn is None)
             if self.tp is not None:

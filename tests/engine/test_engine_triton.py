@@ -73,9 +73,9 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
 def test_lora_rows_added_by_the_next_kernel_give_the_same_logprobs(tiny_model_dir,
                                                                    adapter_factory, dtype,
                                                                    monkeypatch):
-    """A decode step hands o's and gate_up's LoRA rows to the residual add and the GLU
-    (`backend.Pending`) instead of adding them in the expand: the same tokens and log-probs,
-    exactly, with a base row and DoRA-free adapters of two ranks in the batch."""
+    """A decode step hands qkv's, o's and gate_up's LoRA rows to the rotary + K/V store, the
+    residual add and the GLU (`backend.Pending`) instead of adding them in the expand: the
+    same tokens and log-probs, exactly, with a base row and adapters of two ranks."""
     from slora.kernels import backend
 
     paths = [adapter_factory(tiny_model_dir, r=r, target_modules="all-linear", seed=r)

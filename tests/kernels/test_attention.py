@@ -82,18 +82,14 @@ def test_decode_attention_matches_twin(shape, dtype, num_splits):
     assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["one-launch", "two-launches"])
-@pytest.mark.parametrize("num_splits", [None, 3], ids=["one-split", "3-splits"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H%d-KV%d-D%d" % s)
-def test_rope_decode_attention_matches_twins(shape, dtype, num_splits, fold):
-    """Rotary + K/V store + decode attention, in one launch and in two, against the twins run
-    in turn (reference.rope_write_kv, then reference.paged_decode_attention): the output, and
-    the cache with the new tokens' K and V at their slots (every other row untouched)."""
+def _rope_case(shape, dtype, seed):
+    """A decode batch's new tokens for rotary + K/V store + attention: (qkv, the args after
+    qkv that `rope_paged_decode_attention` takes up to its heads, the pool slice behind the
+    cache, block_size)."""
     H, kvh, D = shape
     block_size = 8
     ctx_lens = [1, 8, 9, 29, 40]  # each sequence's new token sits at position ctx - 1
-    gen = torch.Generator().manual_seed(H * 100 + D + 7 * (num_splits or 0))
+    gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, tables = make_cache(ctx_lens, block_size, kvh, D, dtype, gen)
     pool = k_cache.as_strided((k_cache.shape[0], 2 * block_size * kvh * D), (k_cache.stride(0), 1))
     tables_cpu = tables.cpu().long()
@@ -103,7 +99,21 @@ def test_rope_decode_attention_matches_twins(shape, dtype, num_splits, fold):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
     qkv = torch.randn(len(ctx_lens), (H + 2 * kvh) * D, generator=gen).to(dtype).to(DEVICE)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
-    scale = D ** -0.5
+    args = (positions, inv_freq, k_cache, v_cache, slots, tables, ctx, D ** -0.5)
+    return qkv, args, pool, block_size
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["one-launch", "two-launches"])
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["one-split", "3-splits"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H%d-KV%d-D%d" % s)
+def test_rope_decode_attention_matches_twins(shape, dtype, num_splits, fold):
+    """Rotary + K/V store + decode attention, in one launch and in two, against the twins run
+    in turn (reference.rope_write_kv, then reference.paged_decode_attention): the output, and
+    the cache with the new tokens' K and V at their slots (every other row untouched)."""
+    H, kvh, D = shape
+    qkv, args, pool, block_size = _rope_case(shape, dtype, H * 100 + D + 7 * (num_splits or 0))
+    positions, inv_freq, _, _, slots, tables, ctx, scale = args
 
     pool_ref = pool.clone()
     kc_ref, vc_ref = ref.kv_views(pool_ref, block_size, kvh, D)
@@ -111,14 +121,38 @@ def test_rope_decode_attention_matches_twins(shape, dtype, num_splits, fold):
     expect = ref.paged_decode_attention(q_ref, kc_ref, vc_ref, tables, ctx, scale)
 
     before = qkv.clone()
-    out = rope_paged_decode_attention(qkv, positions, inv_freq, k_cache, v_cache, slots, tables,
-                                      ctx, scale, H, kvh, num_splits=num_splits, fold=fold)
+    out = rope_paged_decode_attention(qkv, *args, H, kvh, num_splits=num_splits, fold=fold)
     assert torch.equal(qkv, before) or not fold  # one launch rotates q in registers
-    assert out.shape == (len(ctx_lens), H, D) and out.dtype == dtype
+    assert out.shape == (len(ctx), H, D) and out.dtype == dtype
     assert not torch.isnan(out).any()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(out, expect) < tol
     torch.testing.assert_close(pool, pool_ref, atol=tol, rtol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["one-launch", "two-launches"])
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["one-split", "3-splits"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_decode_attention_adds_the_lora_rows(dtype, num_splits, fold):
+    """qkv's LoRA rows handed over unadded (`lora`, as an expand leaves them in zeros) give,
+    bit for bit, the output, cache and q heads of qkv with the rows added as the expand adds
+    them, in one launch and in two."""
+    shape = (4, 2, 16)
+    H, kvh, D = shape
+    qkv, args, pool, block_size = _rope_case(shape, dtype, 11 + (num_splits or 0))
+    lora = (torch.randn(qkv.shape, device=DEVICE) * 0.5).to(dtype)
+    lora[1] = 0.0  # a row without an adapter
+    added = (qkv.float() + lora.float()).to(dtype)
+    pool_added = pool.clone()
+    out = rope_paged_decode_attention(qkv, *args, H, kvh, num_splits=num_splits, fold=fold,
+                                      lora=lora)
+    args_added = args[:2] + ref.kv_views(pool_added, block_size, kvh, D) + args[4:]
+    expect = rope_paged_decode_attention(added, *args_added, H, kvh, num_splits=num_splits,
+                                         fold=fold)
+    assert torch.equal(out, expect)
+    torch.testing.assert_close(pool, pool_added, atol=0, rtol=0, equal_nan=True)
+    if not fold:  # two launches: q's heads rotated in place, from the sum
+        assert torch.equal(qkv[:, :H * D], added[:, :H * D])
 
 
 def test_decode_attention_long_context_splits_agree():

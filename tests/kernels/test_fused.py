@@ -83,6 +83,31 @@ def test_lora_rows_are_added_as_the_expand_adds_them(dtype):
         assert torch.equal(getattr(fused, act)(gu, lora=delta2), getattr(fused, act)(added2))
 
 
+@pytest.mark.parametrize("tb", [1, 16], ids=["token", "token-block"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_kv_adds_the_lora_rows(dtype, tb, monkeypatch):
+    """qkv's LoRA rows handed over unadded give, bit for bit, the rotated q heads and the
+    stored K and V of qkv with the rows added as the expand adds them."""
+    monkeypatch.setattr(fused, "rope_config",
+                        lambda T, device: dict(TB=tb, num_warps=1 if tb == 1 else 4))
+    T, bs, pages, H, KVH, D = 7, 4, 6, 4, 2, 16
+    qkv = _rand(T, (H + 2 * KVH) * D, dtype=dtype)
+    lora = (torch.randn(qkv.shape, device=DEVICE) * 0.5).to(dtype)
+    lora[3] = 0.0  # a row without an adapter
+    added = (qkv.float() + lora.float()).to(dtype)
+    positions = torch.tensor([0, 1, 2, 9, 33, 100, 4], device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
+    slots = torch.randperm(pages * bs, device=DEVICE)[:T]
+    pools = [torch.full((pages, 2 * bs * KVH * D), float("nan"), device=DEVICE).to(dtype)
+             for _ in range(2)]
+    q = fused.rope_write_kv(qkv, positions, inv_freq, *ref.kv_views(pools[0], bs, KVH, D), slots,
+                            H, KVH, lora=lora)
+    q_added = fused.rope_write_kv(added, positions, inv_freq, *ref.kv_views(pools[1], bs, KVH, D),
+                                  slots, H, KVH)
+    assert torch.equal(q, q_added)
+    torch.testing.assert_close(pools[0], pools[1], atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,N,K", [(1, 64, 128), (5, 96, 200), (16, 130, 64)])
 @pytest.mark.parametrize("bias", [False, True])
