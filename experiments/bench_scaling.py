@@ -418,6 +418,7 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         # stalls: graphs captured while serving, the garbage collector, the longest steps
         "captures": sum(s["graphs"] for s in steps), "gc_s": sum(s["gc_s"] for s in steps),
         "compiles": [k for s in steps for k in s["compiles"]],
+        "cuda_mallocs": sum(s["allocs"]["device"] for s in steps if s.get("allocs")),
         "longest": [{"ms": s["seconds"] * 1e3, "compiles": s["compiles"],
                      "allocs": s.get("allocs"), **_copies(s), **s["features"]}
                     for s in sorted(steps, key=lambda s: -s["seconds"])[:5]],
@@ -476,12 +477,17 @@ def graph_pool_gib() -> float:
                if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)) / 2**30
 
 
+RUN_PARTS = ("output_tok_s", "wall_s", "mixed_s", "eager_s", "gc_s", "captures", "cuda_mallocs")
+
+
 def median_run(runs: list[dict]) -> dict:
     """The median of one point's runs by output tok/s (the lower middle one of an even count),
-    with every run's tok/s in run order as "runs"."""
+    with every run's tok/s in run order as "runs", and where each run's time went as
+    "run_parts" (RUN_PARTS of each, and its compiles while serving)."""
     tok_s = [r["output_tok_s"] for r in runs]
     row = min(runs, key=lambda r: abs(r["output_tok_s"] - statistics.median_low(tok_s)))
-    return {**row, "runs": tok_s}
+    parts = [{**{k: r.get(k) for k in RUN_PARTS}, "compiles": len(r["compiles"])} for r in runs]
+    return {**row, "runs": tok_s, "run_parts": parts}
 
 
 def part_scaling(eng: Engine, args) -> list[dict]:
@@ -550,6 +556,13 @@ def part_scaling(eng: Engine, args) -> list[dict]:
                   f"{r['modules']}, alpha {r['alpha']}: "
                   + ", ".join(f"{t:.0f}" for t in r["runs"])
                   + f" tok/s (spread {(max(r['runs']) - min(r['runs'])) / r['output_tok_s']:.1%})")
+            for i, p in enumerate(r["run_parts"]):  # where a slow run's time went
+                print(f"    run {i + 1}: {p['output_tok_s']:.0f} tok/s, {p['wall_s']:.2f} s: "
+                      f"with prompts {p['mixed_s']:.2f} s (eager {p['eager_s']:.2f} s), "
+                      f"the rest (decode alone) {p['wall_s'] - p['mixed_s']:.2f} s, "
+                      f"gc {p['gc_s']:.3f} s, "
+                      f"{p['captures']} captures, {p['compiles']} compiles, "
+                      f"{p['cuda_mallocs']} cudaMalloc")
         if r["compiles"]:
             print(f"  compiled while serving, {r['adapters']} adapters {r['modules']}: "
                   + ", ".join(sorted({c.split("[")[0] for c in r["compiles"]})))

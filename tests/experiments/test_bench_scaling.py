@@ -314,8 +314,13 @@ def test_repeats_interleave_the_rows_and_keep_each_median_run(bench, tiny_model_
     for r in rows:
         assert len(r["runs"]) == 3 and r["output_tok_s"] == sorted(r["runs"])[1]
         assert r["prefix_hit_tokens"] == 0
+        # where each run's time went, in run order
+        assert [p["output_tok_s"] for p in r["run_parts"]] == r["runs"]
+        assert all(0 < p["mixed_s"] <= p["wall_s"] and p["compiles"] >= 0
+                   for p in r["run_parts"])
     assert rows[0]["ratio"] == 1.0
     assert rows[1]["ratio"] == rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
     # an even count: the lower middle run
-    runs = [{"output_tok_s": t, "n": i} for i, t in enumerate((7.0, 5.0))]
-    assert bench.median_run(runs) == {"output_tok_s": 5.0, "n": 1, "runs": [7.0, 5.0]}
+    runs = [{"output_tok_s": t, "n": i, "compiles": []} for i, t in enumerate((7.0, 5.0))]
+    row = bench.median_run(runs)
+    assert (row["output_tok_s"], row["n"], row["runs"]) == (5.0, 1, [7.0, 5.0])
