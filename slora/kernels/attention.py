@@ -369,8 +369,8 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
         ml = torch.empty(B, H, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused
-    _, positions, inv_freq, slot_mapping, lora = rope if rope is not None else (ctx_lens,) * 5
-    lora = lora if rope is not None else None
+    # (without ROPE the kernel reads none of these: any int tensor stands in)
+    _, positions, inv_freq, slot_mapping, lora = rope or (None, ctx_lens, ctx_lens, ctx_lens, None)
     if lora is not None:
         assert lora.shape == rope[0].shape and lora.dtype == q.dtype and lora.stride(1) == 1
     qk_scale, cap_scale = _scales(scale, softcap)
