@@ -14,8 +14,9 @@ scaling: S-LoRA's S2 setting (`slora.workload.synthesize`, seed 42): --num-reque
     takes a list (S-LoRA's skewed popularity draws, alpha 0.1-1: most requests on a few
     adapters), each alpha a row per adapter count of two or more (one adapter takes every
     draw: its row runs once, at the first alpha); "used" counts the adapters drawn.
-    Inter-token latency (ITL): the time between a request's successive tokens as `step()`
-    returns them, over every request's tokens after its first; p50, p99 and max per row.
+    Inter-token latency (ITL): the time between a request's successive tokens as the engine
+    resolves them (`Scheduler.count_token_gaps`, what `slora replay` and `slora simulate`
+    report), over every request's tokens after its first; p50, p99 and max per row.
     --max-prefill-chunk C1,C2,...: the rows again at each EngineConfig.max_prefill_chunk (0:
     prompts whole, unchunked), on the one engine, warmed up unchunked (every graph bucket),
     so one call sets chunk sizes side by side (throughput and p99 ITL).
@@ -102,6 +103,7 @@ import slora.graphs  # noqa: E402
 import slora.kernels.pdl  # noqa: E402
 from slora import Engine, EngineConfig, SamplingParams  # noqa: E402
 from slora.config import DECODE_LORA, LORA_MODULES, VOCAB_MODULES, ModelConfig  # noqa: E402
+from slora.metrics import itl_stats  # noqa: E402
 from slora.sim.profile import logged_steps  # noqa: E402
 from slora.sim.steplog import write_step_log  # noqa: E402
 from slora.workload import synthesize  # noqa: E402
@@ -236,40 +238,11 @@ class HostPhases:
                 delattr(obj, name)
 
 
-class TokenTimes:
-    """Wraps whatever `eng.step` is now (`logged_steps`' wrapper, inside its block): when each
-    request's tokens come back, for the inter-token latencies (`gaps`, seconds per token after
-    a request's first). `close()` puts the step back."""
-
-    def __init__(self, eng: Engine) -> None:
-        self.eng, self.step = eng, eng.step
-        self.own = "step" in vars(eng)  # an instance attribute already (a wrapper)
-        self.last: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time)
-        self.gaps: list[float] = []
-        eng.step = self.timed
-
-    def timed(self):
-        outs = self.step()
-        t = time.perf_counter()
-        for o in outs:
-            n, prev = len(o.token_ids), self.last.get(o.request_id)
-            if prev is None or n > prev[0]:
-                if prev is not None:
-                    self.gaps.append((t - prev[1]) / (n - prev[0]))
-                self.last[o.request_id] = (n, t)
-        return outs
-
-    def close(self) -> None:
-        if self.own:
-            self.eng.step = self.step
-        else:
-            del self.eng.step  # the class's method again
-
-    def stats(self) -> dict:
-        gaps = sorted(self.gaps)
-        at = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3 if gaps else 0.0  # noqa: E731
-        return {"itl_p50_ms": at(0.5), "itl_p99_ms": at(0.99), "itl_max_ms": at(1.0),
-                "itl_tokens": len(gaps)}
+def itl_ms(gaps) -> dict:
+    """A run's inter-token latencies (`Scheduler.count_token_gaps`: seconds between a request's
+    successive tokens as the engine resolves them -> tokens) as p50, p99 and max in ms."""
+    return {k.replace("_s", "_ms"): v * 1e3 if v is not None else 0.0
+            for k, v in itl_stats(gaps).items()} | {"itl_tokens": sum(gaps.values())}
 
 
 def set_prefill_chunk(eng: Engine, chunk: int) -> None:
@@ -370,12 +343,11 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     with logged_steps(eng, allocs=True) as steps:  # where the time goes: with prompts or not
         if args.trace_steps:
             traced = StepTrace(eng, args.trace_steps, args.trace_skip, args.trace_device_only)
-        times = TokenTimes(eng)
         phases = HostPhases(eng, steps) if args.step_logs else None
-        outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
+        with eng.scheduler.count_token_gaps() as gaps:
+            outs = eng.generate(ps, sps, adapters=names, use_tqdm=sys.stderr.isatty())
         if phases is not None:
             phases.close()
-        times.close()
         if traced is not None:
             traced.close()
     sync(eng.runner.device)
@@ -390,7 +362,7 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
         raise RuntimeError(f"scaling: {len(failed)} of {len(outs)} requests failed, the first "
                            f"with: {failed[0].error}")
     out_toks = sum(len(o.token_ids) for o in outs)
-    itl = times.stats()
+    itl = itl_ms(gaps)
     out = Path(args.out)
     tag = (f"chunk{eng.config.max_prefill_chunk}-"
            f"{len(trace.adapters) if modules is not None else 0}-{modules_key}")
@@ -805,28 +777,27 @@ def part_long(eng: Engine, args) -> dict:
     t = time.perf_counter()
     eng.generate(prompts(1, min(n, 2 * chunk + 7), vocab, seed=1), sp)  # compiles, off the clock
     warm = time.perf_counter() - t
-    times = TokenTimes(eng)
     sync(dev)
     t0 = time.perf_counter()
     steps = 0
     rid = eng.add_request(prompts(1, n, vocab, seed=2)[0], sp)
     first = out = None
-    while eng.has_unfinished():
-        steps += 1
-        for o in eng.step():
-            if o.request_id == rid:
-                out = o
-                if first is None and o.token_ids:
-                    first = time.perf_counter() - t0
+    with eng.scheduler.count_token_gaps() as gaps:
+        while eng.has_unfinished():
+            steps += 1
+            for o in eng.step():
+                if o.request_id == rid:
+                    out = o
+                    if first is None and o.token_ids:
+                        first = time.perf_counter() - t0
     sync(dev)
     wall = time.perf_counter() - t0
-    times.close()
     row = {"prompt_tokens": n, "output_tokens": len(out.token_ids), "finish": out.finish_reason,
            "max_prefill_chunk": eng.config.max_prefill_chunk, "steps": steps,
            "ttft_s": first, "wall_s": wall, "warmup_s": warm,
            "prefill_tok_s": n / first if first else None,
            "decode_ms_per_token": (wall - first) * 1e3 / max(1, len(out.token_ids) - 1),
-           **times.stats()}
+           **itl_ms(gaps)}
     print(f"\nlong prompt: {n} tokens, chunk {row['max_prefill_chunk']}, {row['steps']} steps: "
           f"first token {first:.2f} s ({row['prefill_tok_s']:.0f} prompt tok/s), "
           f"{row['output_tokens']} tokens ({row['finish']}) in {wall:.2f} s, decode "

@@ -438,6 +438,9 @@ def format_summary(result: dict) -> str:
         ("first-token latency mean", _fmt(result.get("avg_ttft_s"), "s")),
         ("first-token latency p50/p90/p99", " / ".join(
             _fmt(result[k], "s") for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))),
+        ("inter-token latency p50/p99/max", " / ".join(
+            _fmt(None if result.get(k) is None else 1e3 * result[k], "ms", 1)
+            for k in ("itl_p50_s", "itl_p99_s", "itl_max_s"))),
         (f"SLO attainment (first token <= {result['slo_ttft_s']:g} s)",
          f"{100 * result['slo_attainment']:.1f}%"),
     ]

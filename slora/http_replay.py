@@ -24,7 +24,8 @@ its arrival time. Random prompt token ids are drawn as the in-process replay dra
 same seed, the same order), so both replays of one trace send the same prompts.
 
 Timing, on the client's monotonic clock from the trace's time zero: first token = the first
-stream event that carries a token; finish = the end of the stream. Output tokens = the
+stream event that carries a token; inter-token latency = the time between a request's
+successive token events; finish = the end of the stream. Output tokens = the
 server's `usage.completion_tokens` (openai) or `details.generated_tokens` (lorax) when given,
 else the token events counted. Every request ends as a record: an HTTP error status, a
 connection error, an error event, a failed finish reason ("abort", "error") or a stream that
@@ -36,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,11 +171,14 @@ class SseParser:
 
 class StreamState:
     """What a request's events said so far: when its first token came, how many token events,
-    the server's token counts, its finish reason, an error, and whether it is done."""
+    the time since the event before each token event after the first (`gaps`, seconds ->
+    events), the server's token counts, its finish reason, an error, and whether it is done."""
 
     def __init__(self, api: str) -> None:
         self.api = api
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.gaps: Counter[float] = Counter()
         self.token_events = 0
         self.completion_tokens: int | None = None
         self.prompt_tokens: int | None = None
@@ -203,6 +208,9 @@ class StreamState:
         self.token_events += 1
         if self.first_token_time is None:
             self.first_token_time = now
+        else:
+            self.gaps[now - self.last_token_time] += 1
+        self.last_token_time = now
 
     def _openai(self, ev: dict, now: float) -> None:
         choices = ev.get("choices") or []
@@ -292,8 +300,8 @@ async def _preflight(session, target: HttpTarget, need_base: bool) -> str | None
 
 
 async def _send(session, target: HttpTarget, req: TraceRequest, body: dict, start: float,
-                gate: asyncio.Semaphore) -> RequestRecord:
-    """One request, streamed; its record (times relative to `start`)."""
+                gate: asyncio.Semaphore) -> tuple[RequestRecord, Counter]:
+    """One request, streamed; its record (times relative to `start`) and its token gaps."""
     import aiohttp
 
     path = "/v1/completions" if target.api == "openai" else "/generate_stream"
@@ -333,7 +341,7 @@ async def _send(session, target: HttpTarget, req: TraceRequest, body: dict, star
         finish_time=finish if first is not None or failure is None else None,
         prompt_tokens=state.prompt_tokens if state.prompt_tokens is not None else prompt_tokens,
         output_tokens=state.output_tokens, failed=failure is not None, adapter=req.adapter,
-        error=failure)
+        error=failure), state.gaps
 
 
 async def replay_http_async(trace: Trace, target: HttpTarget, prompts: list, *,
@@ -367,13 +375,16 @@ async def replay_http_async(trace: Trace, target: HttpTarget, prompts: list, *,
                 task = asyncio.create_task(_send(session, target, req, body, start, gate))
                 task.add_done_callback(tick)
                 tasks.append(task)
-            records = await asyncio.gather(*tasks)
+            sent = await asyncio.gather(*tasks)
             end = time.monotonic()
         finally:
             for task in tasks:
                 task.cancel()
             bar.close()
-    return ReplayRun(list(records), end - start), base
+    gaps: Counter[float] = Counter()
+    for _, g in sent:
+        gaps.update(g)
+    return ReplayRun([record for record, _ in sent], end - start, dict(gaps)), base
 
 
 def _event_loop_factory():
@@ -410,7 +421,8 @@ def run_http_replay(trace: Trace, target: HttpTarget, *, vocab_size: int | None 
         servers apart). The duration runs from the trace's time zero to the last request's end.
     """
     run, base = replay_http(trace, target, vocab_size=vocab_size, seed=seed, progress=progress)
-    summary = summarize(run.records, slo_ttft_s=slo_ttft_s, duration_s=run.duration_s)
+    summary = summarize(run.records, slo_ttft_s=slo_ttft_s, duration_s=run.duration_s,
+                        token_gaps=run.token_gaps)
     errors: dict[str, int] = {}
     for r in run.records:
         if r.failed:

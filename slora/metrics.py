@@ -14,6 +14,11 @@ Definitions (S-LoRA's, except where noted):
 - avg_ttft_s: mean first-token latency (first token - arrival) over completed requests.
 - ttft_p50_s / p90_s / p99_s: first-token latency (first token - arrival) percentiles over
   completed requests, numpy's linear interpolation.
+- itl_p50_s / p99_s / max_s: inter-token latency, the time between a request's successive
+  tokens as the engine resolves them (every token after a request's first: a gap that spans a
+  preemption and its recompute counts whole), over all requests' tokens, each gap counted
+  once per token; nearest rank (the smallest gap that at least that share of the gaps do not
+  exceed). None when the run did not count them (`Scheduler.count_token_gaps`).
 - slo_attainment: the fraction of all requests whose first token came within `slo_ttft_s`
   (6 s, S-LoRA's bound); failed requests count as misses.
 Statistics over an empty set are None (null in JSON), not NaN.
@@ -21,6 +26,7 @@ Statistics over an empty set are None (null in JSON), not NaN.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -65,6 +71,9 @@ class Summary:
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    itl_max_s: float | None
     slo_attainment: float
     slo_ttft_s: float
     duration_s: float
@@ -77,8 +86,10 @@ class Summary:
 
 
 def summarize(records: list[RequestRecord], slo_ttft_s: float = DEFAULT_SLO_TTFT_S,
-              duration_s: float | None = None) -> Summary:
-    """Metrics over `records`; `duration_s` defaults to the last finish time (clock zero = start)."""
+              duration_s: float | None = None,
+              token_gaps: Mapping[float, int] | None = None) -> Summary:
+    """Metrics over `records`; `duration_s` defaults to the last finish time (clock zero = start);
+    `token_gaps`: seconds between successive tokens -> how many tokens (the ITL figures)."""
     if not records:
         raise ValueError("summarize: no request records")
     done = [r for r in records if not r.failed]
@@ -103,6 +114,7 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float = DEFAULT_SLO_TTFT
         ttft_p50_s=pct(50),
         ttft_p90_s=pct(90),
         ttft_p99_s=pct(99),
+        **itl_stats(token_gaps),
         slo_attainment=in_slo / len(records),
         slo_ttft_s=slo_ttft_s,
         duration_s=duration_s,
@@ -110,6 +122,25 @@ def summarize(records: list[RequestRecord], slo_ttft_s: float = DEFAULT_SLO_TTFT
         num_completed=len(done),
         num_failed=len(records) - len(done),
     )
+
+
+def itl_stats(token_gaps: Mapping[float, int] | None) -> dict[str, float | None]:
+    """{"itl_p50_s", "itl_p99_s", "itl_max_s"} of a gap -> count map (None each when it is
+    None or empty): nearest rank, the smallest gap g with count(gaps <= g) >= q * total."""
+    gaps = sorted((g, n) for g, n in (token_gaps or {}).items() if n > 0)
+    if not gaps:
+        return {"itl_p50_s": None, "itl_p99_s": None, "itl_max_s": None}
+    total = sum(n for _, n in gaps)
+
+    def rank(q: float) -> float:
+        need, seen = q * total, 0
+        for g, n in gaps:
+            seen += n
+            if seen >= need:
+                return g
+        return gaps[-1][0]
+
+    return {"itl_p50_s": rank(0.5), "itl_p99_s": rank(0.99), "itl_max_s": gaps[-1][0]}
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +41,7 @@ class ReplayRun:
 
     records: list[RequestRecord]
     duration_s: float
+    token_gaps: dict[float, int] = field(default_factory=dict)  # inter-token gaps -> tokens
 
 
 def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bool = False,
@@ -63,39 +64,40 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
     records: dict[str, RequestRecord] = {}  # by request id
     rejected: list[RequestRecord] = []
     bar = _progress_bar(len(trace), progress, label)
-    start = clock()
-    while pending or engine.has_unfinished():
-        now = clock() - start
-        if pending and pending[0].arrival_time > now and not engine.has_unfinished():
-            sleep(pending[0].arrival_time - now)
-            # Slept until that arrival: it is due even if the clock reads a hair short of it.
-            now = max(clock() - start, pending[0].arrival_time)
-        while pending and pending[0].arrival_time <= now:
-            req = pending.popleft()
-            # a prompt of the trace as given; a length alone, random ids that share no
-            # prefix with any other request (so they skip the prefix cache)
-            given = req.prompt is not None
-            prompt = req.prompt if given else _random_ids(rng, req.prompt_len, vocab_size)
-            try:
-                rid = engine.add_request(prompt, SamplingParams(max_tokens=req.output_len, ignore_eos=True),
-                                         adapter=req.adapter, arrival_time=start + req.arrival_time,
-                                         cache_prefix=given)
-            except ValueError as e:
-                rejected.append(_failed(req, f"rejected at submission: {e}"))
-                bar.update(1)
-                continue
-            submitted[rid] = req
-        if engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    records[out.request_id] = _record(out, start)
+    with engine.scheduler.count_token_gaps() as gaps:  # the inter-token latencies
+        start = clock()
+        while pending or engine.has_unfinished():
+            now = clock() - start
+            if pending and pending[0].arrival_time > now and not engine.has_unfinished():
+                sleep(pending[0].arrival_time - now)
+                # Slept until that arrival: it is due even if the clock reads a hair short of it.
+                now = max(clock() - start, pending[0].arrival_time)
+            while pending and pending[0].arrival_time <= now:
+                req = pending.popleft()
+                # a prompt of the trace as given; a length alone, random ids that share no
+                # prefix with any other request (so they skip the prefix cache)
+                given = req.prompt is not None
+                prompt = req.prompt if given else _random_ids(rng, req.prompt_len, vocab_size)
+                try:
+                    rid = engine.add_request(prompt, SamplingParams(max_tokens=req.output_len, ignore_eos=True),
+                                             adapter=req.adapter, arrival_time=start + req.arrival_time,
+                                             cache_prefix=given)
+                except ValueError as e:
+                    rejected.append(_failed(req, f"rejected at submission: {e}"))
                     bar.update(1)
-    end = clock()
+                    continue
+                submitted[rid] = req
+            if engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        records[out.request_id] = _record(out, start)
+                        bar.update(1)
+        end = clock()
     bar.close()
     for rid, req in submitted.items():
         if rid not in records:
             records[rid] = _failed(req, "the engine never reported this request finished")
-    return ReplayRun(list(records.values()) + rejected, end - start)
+    return ReplayRun(list(records.values()) + rejected, end - start, dict(gaps))
 
 
 def _random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
@@ -184,7 +186,8 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
         engine.close()  # the next replay in this process sizes its pool from free memory
     if steps is not None:
         write_step_log(steps, step_log)
-    summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
+    summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s,
+                        token_gaps=run.token_gaps)
     return result_dict(summary, source="replay", stats=stats, records=run.records, config={
         "trace": trace_path, "workload": trace.params, "engine": asdict(config),
         "adapters": "synthetic" if synthetic_adapters else adapter_dir, "seed": seed})

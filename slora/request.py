@@ -83,11 +83,13 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock (or simulated) times in seconds on the engine's clock."""
+    """Wall-clock (or simulated) times in seconds on the engine's clock. `last_token_time`:
+    when its latest token was resolved (the first token's time until a second comes)."""
 
     arrival_time: float
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
 
 

@@ -148,6 +148,7 @@ def test_stream_state_reads_openai_and_lorax_events():
     s.on_event("[DONE]", 0.8)
     assert (s.first_token_time, s.token_events, s.output_tokens, s.prompt_tokens) == (0.5, 2, 3, 9)
     assert s.failure() is None
+    assert s.gaps == {0.7 - 0.5: 1}  # one gap: the second token event's
 
     s = StreamState("lorax")
     s.on_event('{"token": {"id": 1, "text": "a"}, "generated_text": null, "details": null}', 0.1)
@@ -305,6 +306,8 @@ def test_replay_against_slora_serve(slora_server, tiny_model_dir):
     assert [r.prompt_tokens for r in run.records] == [r.prompt_len for r in trace.requests]
     assert [r.adapter for r in run.records] == [r.adapter for r in trace.requests]
     assert all(r.arrival_time <= r.first_token_time <= r.finish_time for r in run.records)
+    # a gap for each streamed token after a request's first (one token an event)
+    assert sum(run.token_gaps.values()) == sum(r.output_len - 1 for r in trace.requests)
 
 
 def test_cli_replays_slora_serve_over_both_apis_and_plots(slora_server, tiny_model_dir, tmp_path,

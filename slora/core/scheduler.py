@@ -36,7 +36,7 @@ Pure Python over ints: no torch. The simulator drives this class unchanged.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import compress, count, islice, repeat
@@ -105,6 +105,10 @@ class Scheduler:
         self.failed = 0
         self.prefix = (PrefixCache(allocator, self.block_size) if config.enable_prefix_caching
                        else None)
+        # Inter-token latency, when a caller counts it (`count_token_gaps`): seconds between a
+        # request's successive tokens -> how many tokens came after such a gap. None: not
+        # counted (a server's engine keeps no per-step record).
+        self.token_gaps: Counter[float] | None = None
 
     # -- requests
     def add(self, req: Request) -> None:
@@ -124,6 +128,17 @@ class Scheduler:
             yield
         finally:
             self.config = config
+
+    @contextmanager
+    def count_token_gaps(self):
+        """Within the block, every resolved token after a request's first counts its gap (the
+        time since that request's token before it, preemption and recompute included) in the
+        Counter the block yields: the inter-token latencies of the steps run inside it."""
+        gaps, self.token_gaps = self.token_gaps, Counter()
+        try:
+            yield self.token_gaps
+        finally:
+            self.token_gaps = gaps
 
     @contextmanager
     def prefix_cache_off(self):
@@ -477,6 +492,7 @@ class Scheduler:
         touched = []
         finished = RequestStatus.FINISHED
         partial = plan.partial
+        gaps = self.token_gaps
         for i, (req, tok, lp) in enumerate(zip(plan.seqs, tokens, logprobs)):
             if req.status is finished:  # req.finished
                 continue
@@ -494,6 +510,9 @@ class Scheduler:
             metrics = req.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
+            elif gaps is not None:
+                gaps[now - metrics.last_token_time] += 1
+            metrics.last_token_time = now
             reason = req.check_stop()
             if reason:  # (it may be waiting: preempted while its step ran)
                 self._finish(req, reason, now)

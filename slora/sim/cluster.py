@@ -37,8 +37,8 @@ from __future__ import annotations
 import math
 import multiprocessing
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from functools import partial
 
 from slora.config import ModelConfig
@@ -69,6 +69,7 @@ class Replica:
         self.slo = engine.config.slo_ttft_s
         self.missed = 0  # ended requests that missed the first-token SLO (rejected ones too)
         self.engine = engine
+        engine.scheduler.token_gaps = Counter()  # the inter-token latencies, counted throughout
         self.inbox: deque[TraceRequest] = deque()
         self.records: dict[str, RequestRecord] = {}  # by request id, in finish order
         self.rejected: list[RequestRecord] = []
@@ -216,12 +217,13 @@ class Partition:
 
     def finish(self, deliveries: list[tuple[int, int]]):
         """Deliver the last requests and run every replica to the end. Returns, per replica,
-        (index, its records, its summary, its engine's stats, its final clock)."""
+        (index, its records, its summary, its engine's stats, its final clock, its token
+        gaps)."""
         self.run(deliveries, math.inf, None)
         out = []
         for rep in self.replicas:
             out.append((rep.index, rep.all_records(), rep.summary(rep.slo), rep.engine.stats(),
-                        rep.engine.clock.now))
+                        rep.engine.clock.now, dict(rep.engine.scheduler.token_gaps)))
         return out
 
 
@@ -302,12 +304,14 @@ class ClusterRun:
     router: the router, with its count of requests sent to each replica (`routed`).
     stopped: True when `stop_below` ended it early: its attainment is then certain to be at
         most result["slo_attainment_max"], below the target.
+    token_gaps: every replica's inter-token gaps -> tokens (`Scheduler.token_gaps`).
     """
 
     result: dict
     records: list[RequestRecord]
     router: Router
     stopped: bool = False
+    token_gaps: dict[float, int] = field(default_factory=dict)
 
 
 def simulate_cluster(trace: Trace, profile: Profile, *, replicas: int, router: str = "round-robin",
@@ -432,7 +436,11 @@ def _run(trace, profile, config, model, chooser, *, replicas, router, poll_s, op
                   "stats": {"sim_wall_s": wall}}
         return ClusterRun(result, [], chooser, stopped=True)
     records = [r for f in finals for r in f[1]]
-    summary = summarize(records, slo_ttft_s=slo, duration_s=max(f[4] for f in finals))
+    gaps = Counter()
+    for f in finals:
+        gaps.update(f[5])
+    summary = summarize(records, slo_ttft_s=slo, duration_s=max(f[4] for f in finals),
+                        token_gaps=gaps)
     stats = fleet_stats([f[3] for f in finals])
     stats["sim_wall_s"] = wall
     result = result_dict(summary, source="simulate", config=config_out, stats=stats,
@@ -440,7 +448,7 @@ def _run(trace, profile, config, model, chooser, *, replicas, router, poll_s, op
     latencies = result.pop("latencies")  # kept last, as `result_dict` orders it
     result["per_replica"] = [f[2] for f in finals]
     result["latencies"] = latencies
-    return ClusterRun(result, records, chooser)
+    return ClusterRun(result, records, chooser, token_gaps=dict(gaps))
 
 
 def simulate_point(trace: Trace, profile: Profile, point: dict, *, cluster: dict | None = None,

@@ -408,6 +408,8 @@ class _QuietRun:
         self.names = Counter(self.adapter_of)
         self.ctx, self.lora, self.rows = sum(tokens0), sum(self.page_of), len(self.reqs)
         self.taken = self.settled = 0
+        self.resolved = 0  # rows of the last step taken (async: resolved at the next)
+        self.last_resolve = None  # when the last step taken resolved its rows' tokens
         self.steps_at = sim.steps
         self.device_free = sim._device_free
         self.flight_end = sim._flight[1] if asynchronous else None
@@ -447,6 +449,7 @@ class _QuietRun:
         by_end, names = self.by_end, self.names
         now, device_free, flight_end = sim.clock.now, self.device_free, self.flight_end
         busy = runner.busy_s
+        gaps, resolved = sched.token_gaps, self.resolved
         done: list[RequestOutput] = []
         before = i = self.taken
         while now < limit and self.rows:
@@ -475,10 +478,21 @@ class _QuietRun:
                 flight_end = device_free
             else:
                 now += dt
+            if gaps is not None:  # (`Scheduler.resolve`'s count, step by step)
+                # the rows resolved now: sync, this step's; async, the step before's (step 0:
+                # the flight's, every row); a row resolved at step i >= 1 was at the step
+                # before too (rows only leave a run)
+                if i:
+                    gaps[now - self.last_resolve] += resolved if asynchronous else rows
+                else:
+                    for req in self.reqs:
+                        if req.metrics.last_token_time is not None:  # (not its first token)
+                            gaps[now - req.metrics.last_token_time] += 1
+            resolved, self.last_resolve = rows, now
             if i == 0:  # the first resolve: first tokens
                 for req in self.fresh:
                     if req.metrics.first_token_time is None:
-                        req.metrics.first_token_time = now
+                        req.metrics.first_token_time = req.metrics.last_token_time = now
             # the rows whose last token resolves now finish, in the order of their step's rows
             # (async: those left out of step i; sync: those in it reaching their length)
             ending = self.finishing if asynchronous else (
@@ -491,7 +505,7 @@ class _QuietRun:
                 k = self.next_end
                 self.finishing = (self._leave(i) if k < len(by_end) and end_of[by_end[k]] <= i
                                   else [])
-        self.taken = i
+        self.taken, self.resolved = i, resolved
         if i > before:
             runner.busy_s = busy
             sim.steps += i - before
@@ -536,6 +550,7 @@ class _QuietRun:
         for req in running:
             req.output_token_ids[cut:] = tail
             req.num_computed += taken
+            req.metrics.last_token_time = self.last_resolve
         policy = sim.scheduler.policy
         if type(policy).served is not Policy.served:
             for req in running:
@@ -742,7 +757,8 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     run = replay(sim, trace, vocab_size=model.vocab_size, seed=seed, progress=progress,
                  label="simulate", clock=sim.clock, sleep=sim.clock.sleep)
     wall = time.perf_counter() - wall
-    summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s)
+    summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s,
+                        token_gaps=run.token_gaps)
     stats = {**sim.stats(), "sim_wall_s": wall}
     config_out = result_config(trace, profile, config, trace_path=trace_path, seed=seed,
                                gpu_memory_gb=gpu_memory_gb, extra=extra_config)

@@ -84,11 +84,16 @@ def test_fast_forward_and_workers_leave_the_result_unchanged(h200, monkeypatch, 
     monkeypatch.setattr(SimEngine, "fast_forward", counted)
     trace = _trace(rate=60.0, duration=10.0)
     kwargs = dict(replicas=3, router=router, engine_options=options, num_pages=1200)
-    stepped = simulate_cluster(trace, h200, fast_forward=False, **kwargs).result
+    stepped_run = simulate_cluster(trace, h200, fast_forward=False, **kwargs)
+    stepped = stepped_run.result
     assert not taken
-    forwarded = simulate_cluster(trace, h200, **kwargs).result
+    forwarded_run = simulate_cluster(trace, h200, **kwargs)
+    forwarded = forwarded_run.result
     assert sum(taken) > 500, "quiet steps were taken at once"
     _same(stepped, forwarded)
+    # every inter-token gap, counted step by step and in runs of quiet steps alike
+    assert stepped_run.token_gaps == forwarded_run.token_gaps
+    assert stepped["itl_p99_s"] > stepped["itl_p50_s"] > 0
     assert stepped["per_replica"] == forwarded["per_replica"]
     if router == "adapter-affinity":  # replicas in two processes, meeting at each scrape
         _same(stepped, simulate_cluster(trace, h200, workers=2, **kwargs).result)

@@ -2,6 +2,9 @@
 the metrics agree with the recorded timings. First against a scripted engine on a virtual clock
 (exact, fast), then end to end on the real engine with a tiny model."""
 
+from collections import Counter
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -34,6 +37,14 @@ class ScriptedEngine:
         self.clock, self.abort, self.max_prompt = clock, set(abort), max_prompt
         self.running, self.max_tokens = {}, {}
         self.submitted = []
+        self.scheduler = self  # `count_token_gaps`, as `Scheduler`'s
+        self.gaps = None
+
+    @contextmanager
+    def count_token_gaps(self):
+        self.gaps = Counter()
+        yield self.gaps
+        self.gaps = None
 
     def add_request(self, prompt, sampling, adapter=None, request_id=None, arrival_time=None,
                     cache_prefix=True):
@@ -54,7 +65,10 @@ class ScriptedEngine:
         outs = []
         for rid, out in list(self.running.items()):
             out.token_ids.append(7)
-            out.metrics.first_token_time = out.metrics.first_token_time or self.clock.now
+            if out.metrics.first_token_time is None:
+                out.metrics.first_token_time = self.clock.now
+            elif self.gaps is not None:
+                self.gaps[STEP_S] += 1
             if rid in self.abort or len(out.token_ids) == self.max_tokens[rid]:
                 out.finished, out.finish_reason = True, "abort" if rid in self.abort else "length"
                 out.metrics.finish_time = self.clock.now
@@ -103,6 +117,10 @@ def test_metrics_agree_with_the_recorded_timings():
     assert s.avg_latency_s == pytest.approx(np.mean(lat))
     assert s.ttft_p90_s == pytest.approx(np.percentile(ttft, 90))
     assert min(ttft) >= 0 and s.throughput_req_s == pytest.approx(len(trace) / run.duration_s)
+    # every token after a request's first came one step after the one before it
+    assert run.token_gaps == {STEP_S: sum(r.output_tokens - 1 for r in run.records)}
+    s = summarize(run.records, duration_s=run.duration_s, token_gaps=run.token_gaps)
+    assert s.itl_p50_s == s.itl_p99_s == s.itl_max_s == STEP_S
 
 
 def test_refused_and_aborted_requests_are_failed_records_with_reasons():
@@ -138,5 +156,19 @@ def test_replay_on_tiny_model(tiny_model_dir, async_scheduling):
     assert [g[0] for g in got] == pytest.approx([w[0] for w in want])
     for r in run.records:
         assert r.arrival_time <= r.first_token_time <= r.finish_time <= run.duration_s
+    # one gap for every token after a request's first, each within the run
+    assert sum(run.token_gaps.values()) == sum(r.output_tokens - 1 for r in run.records)
+    assert all(0 < g <= run.duration_s for g in run.token_gaps)
     s = summarize(run.records, duration_s=run.duration_s)
     assert s.avg_latency_s == pytest.approx(np.mean([r.finish_time - r.arrival_time for r in run.records]))
+
+
+def test_itl_percentiles_are_nearest_rank_over_tokens():
+    from slora.metrics import itl_stats
+
+    # 98 tokens after 10 ms gaps, one after 50 ms, one after 2 s: p99 is the 99th token's gap
+    got = itl_stats({0.01: 98, 0.05: 1, 2.0: 1})
+    assert got == {"itl_p50_s": 0.01, "itl_p99_s": 0.05, "itl_max_s": 2.0}
+    assert itl_stats({0.01: 97, 0.05: 1, 2.0: 2})["itl_p99_s"] == 2.0
+    assert itl_stats(None) == itl_stats({}) == {"itl_p50_s": None, "itl_p99_s": None,
+                                                "itl_max_s": None}

@@ -132,8 +132,10 @@ def test_engine_and_simulator_make_the_same_decisions(tiny_model_dir, cpu_profil
         assert s_real["slo_aborted"] > 0
     # same decisions at the same times: the same per-request timings, hence the same metrics
     assert sorted(map(_times, run.records)) == sorted(map(_times, sim_run.records))
-    summary = summarize(run.records, slo_ttft_s=0.05, duration_s=run.duration_s).to_dict()
+    summary = summarize(run.records, slo_ttft_s=0.05, duration_s=run.duration_s,
+                        token_gaps=run.token_gaps).to_dict()
     assert {k: sim_run.result[k] for k in summary} == summary
+    assert summary["itl_p50_s"] > 0
 
 
 def _times(r):
