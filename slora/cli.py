@@ -638,11 +638,36 @@ def _simulate(args) -> int:
             out = Path(args.output) / f"{point_name(point)}.json" if args.sweep else Path(args.output)
             _finish_result(run.result, str(out))
             results.append((point, run.result))
+    if len(results) > 1:
+        print(format_sweep(results))
     if args.slo_target is not None:
         best = best_point(results, args.slo_target)
         answer = "none of those swept" if best is None else f"{best[0]['rate']:g} req/s"
         print(f"highest rate with SLO attainment >= {args.slo_target:g}: {answer}")
     return 0
+
+
+def format_sweep(results: list[tuple[dict, dict]]) -> str:
+    """A sweep's points side by side, one row each: throughput, first-token and inter-token
+    latency, SLO attainment (a stopped cluster point: its attainment bound alone)."""
+    from slora.sim.simulator import point_name
+
+    head = ("point", "req/s", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "ITL max",
+            "SLO met")
+    rows = [head]
+    for point, r in results:
+        if r.get("stopped"):
+            rows.append((point_name(point), *["-"] * 7,
+                         f"<= {100 * r['slo_attainment_max']:.1f}%"))
+            continue
+        ms = [_fmt(None if r.get(k) is None else 1e3 * r[k], "ms", 1)
+              for k in ("itl_p50_s", "itl_p99_s", "itl_max_s")]
+        rows.append((point_name(point), f"{r['throughput_req_s']:.3f}",
+                     f"{r['throughput_tok_s']:.1f}", _fmt(r["ttft_p50_s"], "s"),
+                     _fmt(r["ttft_p99_s"], "s"), *ms, f"{100 * r['slo_attainment']:.1f}%"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))) for row in rows)
 
 
 def _fleet_line(result: dict) -> str:

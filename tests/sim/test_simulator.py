@@ -120,7 +120,7 @@ def test_sweep_rescales_rate_and_finds_capacity(tmp_path):
         pages_for_memory(ModelConfig.from_dir(LLAMA_7B), 16, "bfloat16", 141)
 
 
-def test_cli_simulate_and_plot(tmp_path, cpu_profile):
+def test_cli_simulate_and_plot(tmp_path, cpu_profile, capsys):
     trace_path = tmp_path / "t.jsonl"
     write_trace(synthesize(num_adapters=8, rate=50, cv=1, alpha=1, duration=1, input_len=(4, 30),
                            output_len=(2, 20), ranks=(4, 8), seed=0), trace_path)
@@ -130,8 +130,10 @@ def test_cli_simulate_and_plot(tmp_path, cpu_profile):
                  "-o", str(out)]) == 0
     result = json.loads(out.read_text())
     for key in ("throughput_req_s", "throughput_tok_s", "avg_latency_s", "ttft_p50_s", "ttft_p90_s",
-                "ttft_p99_s", "slo_attainment", "num_requests", "num_completed"):
+                "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s", "slo_attainment",
+                "num_requests", "num_completed"):
         assert key in result
+    assert 0 < result["itl_p50_s"] <= result["itl_p99_s"] <= result["itl_max_s"]
     assert result["source"] == "simulate" and result["num_completed"] == 50
     # mixed-step graphs: with an eager step far dearer than a graph's, first tokens come sooner
     dear = Profile.from_dict({**cpu_profile.to_dict(),
@@ -153,6 +155,14 @@ def test_cli_simulate_and_plot(tmp_path, cpu_profile):
                  "--sweep", "rate=25,100,400", "--slo-target", "0.9", "-o", str(sweep_dir)]) == 0
     files = sorted(sweep_dir.glob("*.json"))
     assert len(files) == 3
+    # the sweep's points side by side, one row each after the header, in the sweep's order
+    table = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(table) if line.startswith("point "))
+    assert "ITL p99" in table[start]
+    rows = table[start + 1:start + 4]
+    assert [row.split()[0] for row in rows] == ["rate=25", "rate=100", "rate=400"]
+    for row, f in zip(rows, sorted(files, key=lambda f: float(f.stem.split("=")[1]))):
+        assert f"{json.loads(f.read_text())['throughput_tok_s']:.1f}" in row.split()
     assert main(["plot", *map(str, files), "-o", str(tmp_path / "fig.png")]) == 0
     assert (tmp_path / "fig.png").stat().st_size > 0
 
