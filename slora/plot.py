@@ -2,7 +2,8 @@
 
 - a sweep, when a setting of `SWEEP_AXES` varies across the results (or `x` names one):
   throughput, average latency, first-token latency p90 and SLO attainment against that
-  setting, one line per series, as in S-LoRA's figures; results of simulated replicas
+  setting, one line per series, as in S-LoRA's figures, and the inter-token latency p99
+  where the results count it (a sweep of `max_prefill_chunk`); results of simulated replicas
   (`slora simulate --replicas`) add adapter loads per replica. Replicas against attainment,
   a line per router, is the sweep of `slora simulate --sweep replicas=... --sweep router=...`;
 - latency distributions, when none varies (one result, or a replay and its simulation):
@@ -30,7 +31,8 @@ from pathlib import Path
 
 # The axes S-LoRA sweeps (and a fleet's replicas), in the order the x axis is chosen when not
 # given.
-SWEEP_AXES = ("replicas", "num_adapters", "alpha", "cv", "rate", "policy", "duration")
+SWEEP_AXES = ("replicas", "num_adapters", "alpha", "cv", "rate", "policy", "duration",
+              "max_prefill_chunk", "max_num_seqs", "max_batch_tokens")
 # Keys that split results into separate lines when they differ, in order of precedence.
 SERIES_KEYS = ("source", "router", "policy", "ranks", "generator", "backend", "dtype", "model")
 PANELS = (
@@ -39,6 +41,8 @@ PANELS = (
     ("ttft_p90_s", "first-token latency p90 (s)"),
     ("slo_attainment", "SLO attainment"),
 )
+# a sweep whose results count inter-token gaps adds this panel
+ITL_PANELS = (("itl_p99_s", "inter-token latency p99 (s)"),)
 # a sweep of simulated replicas adds this panel (see `metric`)
 FLEET_PANELS = (("adapter_loads_per_replica", "adapter loads per replica"),)
 LOAD_PANELS = (
@@ -169,7 +173,9 @@ def _sweep(plt, lines: dict[str, list[dict]], x: str):
         raise ValueError(f"plot: {len(missing)} result(s) have no value for x axis {x!r}")
     categorical = any(isinstance(lookup(r, x), str) for r in results)
     ticks = sorted({lookup(r, x) for r in results}, key=str) if categorical else None
-    panels = PANELS + (FLEET_PANELS if any("per_replica" in r for r in results) else ())
+    panels = (PANELS + (ITL_PANELS if any(r.get("itl_p99_s") is not None for r in results)
+                        else ())
+              + (FLEET_PANELS if any("per_replica" in r for r in results) else ()))
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.0),
                              layout="constrained")

@@ -99,6 +99,22 @@ def test_a_sweep_plots_its_metrics_against_the_axis_that_varies():
     assert_legend_clear_of_labels(fig)
 
 
+def test_a_chunk_sweep_adds_the_inter_token_latency_panel():
+    """Results that count inter-token gaps (replay, simulate) and vary `max_prefill_chunk`:
+    a sweep against it, with the ITL p99 as a fifth panel."""
+    rs = []
+    for chunk, p99 in ((2048, 0.07), (0, 0.08), (256, 0.03)):
+        records = [RequestRecord(0.0, 0.1, 1.0, 8, 4)]
+        rs.append(result_dict(summarize(records, token_gaps={0.02: 98, p99: 2}),
+                              source="simulate", records=records,
+                              config={"engine": {"max_prefill_chunk": chunk}}))
+    fig = figure(rs)
+    assert {ax.get_xlabel() for ax in fig.axes} == {"max_prefill_chunk"}
+    assert fig.axes[-1].get_ylabel() == "inter-token latency p99 (s)"
+    xs, ys = fig.axes[-1].lines[0].get_data()
+    assert list(xs) == [0, 256, 2048] and list(ys) == [0.08, 0.03, 0.07]
+
+
 def test_a_named_axis_makes_a_sweep_even_of_one_setting(tmp_path):
     rs = [result(latencies=False), result(latencies=False)]
     fig = figure(rs, x="rate")
