@@ -8,7 +8,8 @@ replays it on the wall clock (random weights for a config.json-only model), then
 runs it with the profile on a pool of exactly the replay's page count. Results go to
 results/sim-vs-replay/<trace>-{replay,simulate}.json (a trace whose results exist is skipped,
 so a run cut short resumes); the table of throughput, average latency, mean and p90 first-token
-latency, with the simulator's relative error, is printed at the end and written as table.md. Each
+latency and inter-token latency p50 and p99, with the simulator's relative error, is printed at
+the end and written as table.md. Each
 replay also logs its steps (<trace>-steps.jsonl), and a table of measured step times beside the
 cost model's, by step kind, shows where the two clocks part.
 """
@@ -32,7 +33,8 @@ TRACES = {
     "n2000-a1-r10": dict(num_adapters=2000, rate=10, cv=1, alpha=1),
 }
 METRICS = (("throughput_req_s", "req/s"), ("avg_latency_s", "avg latency s"),
-           ("avg_ttft_s", "avg ttft s"), ("ttft_p90_s", "ttft p90 s"))
+           ("avg_ttft_s", "avg ttft s"), ("ttft_p90_s", "ttft p90 s"),
+           ("itl_p50_s", "itl p50 s"), ("itl_p99_s", "itl p99 s"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +154,7 @@ def step_residuals(path: Path, profile: Profile) -> str:
 
 
 def _num(x) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
+    return "n/a" if x is None else f"{x:.4f}"
 
 
 if __name__ == "__main__":

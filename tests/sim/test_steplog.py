@@ -147,6 +147,7 @@ def test_sim_vs_replay_logs_steps_and_their_residuals(tiny_model_dir, cpu_profil
                      "--engine", json.dumps({"device": "cpu", "dtype": "float32"})]) == 0
     printed = capsys.readouterr().out
     assert "replay:" not in printed and "simulate" in printed
+    assert "itl p99 s replay / sim" in printed  # the decode tails compared too
     assert json.loads((out / "n100-a1-r4-replay.json").read_text()) == replay
     assert (out / "n100-a1-r4-simulate.json").exists()
 
