@@ -79,8 +79,9 @@ def replay(engine, trace: Trace, *, vocab_size: int, seed: int = 0, progress: bo
                 given = req.prompt is not None
                 prompt = req.prompt if given else _random_ids(rng, req.prompt_len, vocab_size)
                 try:
-                    rid = engine.add_request(prompt, SamplingParams(max_tokens=req.output_len, ignore_eos=True),
-                                             adapter=req.adapter, arrival_time=start + req.arrival_time,
+                    sampling = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
+                    rid = engine.add_request(prompt, sampling, adapter=req.adapter,
+                                             arrival_time=start + req.arrival_time,
                                              cache_prefix=given)
                 except ValueError as e:
                     rejected.append(_failed(req, f"rejected at submission: {e}"))
