@@ -430,4 +430,4 @@ def run_http_replay(trace: Trace, target: HttpTarget, *, vocab_size: int | None 
     config = {"trace": trace_path, "workload": trace.params, "url": target.url, "api": target.api,
               "model": base, "concurrency": target.concurrency, "seed": seed}
     return result_dict(summary, source=source, records=run.records, stats={"errors": errors},
-                       config=config)
+                       token_gaps=run.token_gaps, config=config)

@@ -147,26 +147,38 @@ def _mean(xs: list[float]) -> float | None:
     return float(np.mean(xs)) if xs else None
 
 
-def latencies(records: list[RequestRecord]) -> dict[str, list[float]]:
+def latencies(records: list[RequestRecord],
+              token_gaps: Mapping[float, int] | None = None) -> dict[str, list]:
     """Per completed request, in arrival order: first-token latency ("ttft_s") and end-to-end
-    latency ("e2e_s"), in seconds rounded to the microsecond. `slora plot` draws their
-    distributions; the Summary's percentiles are statistics of the same two lists."""
+    latency ("e2e_s"), in seconds rounded to the microsecond; with `token_gaps`, the
+    inter-token gaps as [seconds, tokens] pairs ("itl_s"), the gaps rounded to 0.1 ms (so a
+    run of any length stores a few thousand pairs), ascending. `slora plot` draws their
+    distributions; the Summary's percentiles are statistics of the same lists (of the exact
+    gaps, for ITL)."""
     done = sorted((r for r in records if not r.failed), key=lambda r: r.arrival_time)
-    return {"ttft_s": [round(r.ttft, 6) for r in done],
-            "e2e_s": [round(r.finish_time - r.arrival_time, 6) for r in done]}
+    out: dict[str, list] = {"ttft_s": [round(r.ttft, 6) for r in done],
+                            "e2e_s": [round(r.finish_time - r.arrival_time, 6) for r in done]}
+    if token_gaps:
+        binned: dict[float, int] = {}
+        for g, n in token_gaps.items():
+            key = round(g, 4)
+            binned[key] = binned.get(key, 0) + n
+        out["itl_s"] = [[g, n] for g, n in sorted(binned.items()) if n > 0]
+    return out
 
 
 def result_dict(summary: Summary, *, source: str, config: dict, stats: dict | None = None,
-                records: list[RequestRecord] | None = None) -> dict:
+                records: list[RequestRecord] | None = None,
+                token_gaps: Mapping[float, int] | None = None) -> dict:
     """The result JSON: metrics at the top level, then what produced them.
 
     source: "replay" (the real engine) or "simulate"; `slora plot` draws them as separate series.
     config: {"trace": path, "workload": trace params, "engine": EngineConfig fields, ...}.
     stats: the engine's counters at the end (`Engine.stats()`).
     records: the requests the summary was computed from; given, their `latencies` are stored
-        last, under "latencies".
+        last, under "latencies" (with `token_gaps`, the run's inter-token gaps too).
     """
     out = {**summary.to_dict(), "source": source, "config": config, "stats": stats or {}}
     if records is not None:
-        out["latencies"] = latencies(records)
+        out["latencies"] = latencies(records, token_gaps)
     return out

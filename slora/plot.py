@@ -8,7 +8,8 @@
   a line per router, is the sweep of `slora simulate --sweep replicas=... --sweep router=...`;
 - latency distributions, when none varies (one result, or a replay and its simulation):
   the CDFs of first-token and end-to-end latency side by side, one line per result, drawn
-  from the per-request latencies a result stores (`slora.metrics.latencies`);
+  from the per-request latencies a result stores (`slora.metrics.latencies`), and of the
+  inter-token latency over tokens where every result stores its gaps;
 - per-replica load (`kind="load"`, results of simulated replicas): each replica's requests,
   adapter loads and SLO attainment, replicas ranked from the most loaded, a line per result,
   so routers' balance and adapter traffic compare at a glance.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from itertools import accumulate
 from pathlib import Path
 
 # The axes S-LoRA sweeps (and a fleet's replicas), in the order the x axis is chosen when not
@@ -34,7 +36,8 @@ from pathlib import Path
 SWEEP_AXES = ("replicas", "num_adapters", "alpha", "cv", "rate", "policy", "duration",
               "max_prefill_chunk", "max_num_seqs", "max_batch_tokens")
 # Keys that split results into separate lines when they differ, in order of precedence.
-SERIES_KEYS = ("source", "router", "policy", "ranks", "generator", "backend", "dtype", "model")
+SERIES_KEYS = ("source", "router", "policy", "ranks", "generator", "backend", "dtype", "model",
+               "max_prefill_chunk")
 PANELS = (
     ("throughput_req_s", "throughput (req/s)"),
     ("avg_latency_s", "average latency (s)"),
@@ -55,6 +58,8 @@ DISTRIBUTIONS = (
     ("ttft_s", "first-token latency (s)"),
     ("e2e_s", "end-to-end latency (s)"),
 )
+# drawn too when every result stores its inter-token gaps (`slora.metrics.latencies`)
+ITL_DISTRIBUTION = (("itl_s", "inter-token latency (s)"),)
 
 
 def load_results(paths: list[str | Path]) -> list[dict]:
@@ -213,18 +218,25 @@ def _distributions(plt, lines: dict[str, list[dict]]):
             "latencies (the \"latencies\" key that slora replay and slora simulate write); "
             "name a setting for the x axis with --x to plot their summary metrics instead")
 
-    fig, axes = plt.subplots(1, len(DISTRIBUTIONS), figsize=(5.2 * len(DISTRIBUTIONS), 4.0),
+    itl = all(r["latencies"].get("itl_s") for _, r in curves)
+    panels = DISTRIBUTIONS + (ITL_DISTRIBUTION if itl else ())
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0),
                              layout="constrained")
-    for ax, (key, xlabel) in zip(axes, DISTRIBUTIONS):
+    for ax, (key, xlabel) in zip(axes, panels):
         for label, r in curves:
-            values = sorted(r["latencies"][key])
-            n = len(values)
-            # steps up by 1/n at each request's latency, from 0 before the first
-            ax.plot(values[:1] + values, [i / n for i in range(n + 1)], drawstyle="steps-post",
-                    label=f"{label} ({n} requests)")
+            if key == "itl_s":  # [gap, tokens] pairs, ascending: a CDF over tokens
+                values, counts = map(list, zip(*r["latencies"][key]))
+            else:  # one latency a request
+                values = sorted(r["latencies"][key])
+                counts = [1] * len(values)
+            total, cum = sum(counts), list(accumulate(counts, initial=0))
+            # steps up at each latency by its share, from 0 before the first
+            ax.plot(values[:1] + values, [c / total for c in cum], drawstyle="steps-post",
+                    label=f"{label} ({len(r['latencies']['ttft_s'])} requests)")
         ax.locator_params(axis="x", nbins=6)  # tick labels of a few digits each, apart
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("fraction of completed requests")
+        ax.set_ylabel("fraction of tokens after each request's first" if key == "itl_s"
+                      else "fraction of completed requests")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     return fig

@@ -189,6 +189,7 @@ def run_replay(trace: Trace, *, model: str, engine_options: dict, synthetic_adap
         write_step_log(steps, step_log)
     summary = summarize(run.records, slo_ttft_s=config.slo_ttft_s, duration_s=run.duration_s,
                         token_gaps=run.token_gaps)
-    return result_dict(summary, source="replay", stats=stats, records=run.records, config={
+    return result_dict(summary, source="replay", stats=stats, records=run.records,
+                       token_gaps=run.token_gaps, config={
         "trace": trace_path, "workload": trace.params, "engine": asdict(config),
         "adapters": "synthetic" if synthetic_adapters else adapter_dir, "seed": seed})

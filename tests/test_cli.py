@@ -143,8 +143,12 @@ def test_replay_on_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert result["config"]["engine"]["num_pages"] == 64 and "pages_total" in result["stats"]
     assert 0 <= result["ttft_p50_s"] <= result["ttft_p90_s"] <= result["ttft_p99_s"]
     assert "SLO attainment" in capsys.readouterr().out
-    # every completed request's latencies, last, one list to a line
-    assert [len(v) for v in result["latencies"].values()] == [6, 6]
+    # every completed request's latencies, last, one list to a line; then the token gaps,
+    # [seconds, tokens] pairs, one per token after each request's first
+    lat = result["latencies"]
+    assert list(lat) == ["ttft_s", "e2e_s", "itl_s"] and len(lat["ttft_s"]) == len(lat["e2e_s"]) == 6
+    assert sum(n for _, n in lat["itl_s"]) == sum(
+        json.loads(line)["output_len"] - 1 for line in trace.read_text().splitlines()[1:])
     assert list(result)[-1] == "latencies" and out.read_text().count("\n") < 200
     assert all(t <= e for t, e in zip(result["latencies"]["ttft_s"], result["latencies"]["e2e_s"]))
 

@@ -252,7 +252,9 @@ def test_cli_writes_the_replay_result_json(stub, tmp_path, capsys):
     assert (result["num_requests"], result["num_completed"], result["num_failed"]) == (3, 2, 1)
     assert result["source"] == "stub" and result["config"]["url"] == url
     assert result["stats"]["errors"] == {"HTTP 404: adapter 'missing' is not registered": 1}
-    assert [len(v) for v in result["latencies"].values()] == [2, 2]
+    lat = result["latencies"]
+    assert (len(lat["ttft_s"]), len(lat["e2e_s"])) == (2, 2)
+    assert sum(n for _, n in lat["itl_s"]) == 2 * 3  # two streams of four token events
     assert "first-token latency" in capsys.readouterr().out
 
 

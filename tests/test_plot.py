@@ -99,6 +99,25 @@ def test_a_sweep_plots_its_metrics_against_the_axis_that_varies():
     assert_legend_clear_of_labels(fig)
 
 
+def test_stored_token_gaps_add_the_inter_token_latency_distribution():
+    """A replay and a simulation that store their gaps: a third panel, the CDF over tokens
+    (a gap counted once per token after it), its points the stored gaps binned to 0.1 ms."""
+    records = [RequestRecord(0.0, 0.1, 1.0, 8, 4), RequestRecord(0.2, 0.3, 1.2, 8, 4)]
+    rs = [result_dict(summarize(records, token_gaps=gaps), source=src, records=records,
+                      token_gaps=gaps, config={})
+          for src, gaps in (("replay", {0.02001: 3, 0.02004: 1, 0.05: 2}),
+                            ("simulate", {0.021: 6}))]
+    assert rs[0]["latencies"]["itl_s"] == [[0.02, 4], [0.05, 2]]
+    fig = figure(rs)
+    assert [ax.get_xlabel() for ax in fig.axes][-1] == "inter-token latency (s)"
+    xs, ys = fig.axes[-1].lines[0].get_data()
+    assert list(xs) == [0.02, 0.02, 0.05] and list(ys) == pytest.approx([0, 4 / 6, 1])
+    assert labels(fig.axes[-1]) == labels(fig.axes[0])
+    # a result without gaps (an older file) leaves the panel out for all
+    del rs[1]["latencies"]["itl_s"]
+    assert len(figure(rs).axes) == 2
+
+
 def test_a_chunk_sweep_adds_the_inter_token_latency_panel():
     """Results that count inter-token gaps (replay, simulate) and vary `max_prefill_chunk`:
     a sweep against it, with the ITL p99 as a fifth panel."""

@@ -444,7 +444,7 @@ def _run(trace, profile, config, model, chooser, *, replicas, router, poll_s, op
     stats = fleet_stats([f[3] for f in finals])
     stats["sim_wall_s"] = wall
     result = result_dict(summary, source="simulate", config=config_out, stats=stats,
-                         records=records)
+                         records=records, token_gaps=gaps)
     latencies = result.pop("latencies")  # kept last, as `result_dict` orders it
     result["per_replica"] = [f[2] for f in finals]
     result["latencies"] = latencies

@@ -763,7 +763,7 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
     config_out = result_config(trace, profile, config, trace_path=trace_path, seed=seed,
                                gpu_memory_gb=gpu_memory_gb, extra=extra_config)
     return SimRun(result_dict(summary, source="simulate", config=config_out, stats=stats,
-                              records=run.records), run.records, sim)
+                              records=run.records, token_gaps=run.token_gaps), run.records, sim)
 
 
 # ---------------------------------------------------------------------------------------------

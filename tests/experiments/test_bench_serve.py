@@ -25,7 +25,10 @@ def test_bench_serve_smoke(experiment, tmp_path, capsys):
         result = json.loads((tmp_path / name).read_text())
         tokens = result["throughput_tok_s"] * result["duration_s"]
         assert tokens == pytest.approx(res["output_tokens"])
-        assert [len(v) for v in result["latencies"].values()] == [8, 8]
+        lat = result["latencies"]
+        assert (len(lat["ttft_s"]), len(lat["e2e_s"])) == (8, 8)
+        # a gap for each token after a request's first, in-process and over HTTP alike
+        assert sum(n for _, n in lat["itl_s"]) == res["output_tokens"] - 8
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "bench_serve.json", "http.json", "inprocess.json", "serve.log"]
     assert res["engine"]["num_pages"] == res["inprocess"]["stats"]["pages_total"]
