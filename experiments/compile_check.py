@@ -127,7 +127,8 @@ def variants():
         ("rope_write_kv, 16 tokens a program", fused._rope_kv_kernel, FUSED,
          dict(BLOCK=64, TB=16, LORA=False), opts),
         *[(f"{name}{what}", fused._act_mul_kernel, FUSED,
-           dict(BLOCK=1024, GELU=gelu, HAS_LORA=lora, QUANT=quant, **fp8.ROUNDING), opts)
+           dict(BLOCK=16384 if quant else 1024, GELU=gelu, HAS_LORA=lora, QUANT=quant,
+                **fp8.ROUNDING), dict(opts, num_warps=16) if quant else opts)
           for name, gelu in (("silu_mul", False), ("gelu_tanh_mul", True))
           for what, quant, lora in (("", False, False), (", FP8 rounding", True, False))
           + ((", LoRA rows added", False, True),) * (not gelu)],

@@ -142,7 +142,7 @@ def test_norms_and_glus_round_what_they_feed_as_quantize_rows(kernel, dtype, N, 
     """A norm or GLU whose output feeds a GEMM that rounds its input (`fp8.quantizes`) returns
     that output with its E4M3 rounding, equal to `quantize_rows` of it (an all-zero row, a
     graph's padding, to zeros); one feeding any other GEMM returns the plain tensor. (GLU
-    rows of 2,200 span three column blocks.)"""
+    rows of 2,200 span three column blocks unrounded, one tile rounded.)"""
     from slora.kernels import fp8, fused
 
     x = (torch.randn(6, N, device=DEV) * torch.logspace(-2, 1, 6, device=DEV)[:, None]).to(dtype)
