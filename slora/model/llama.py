@@ -259,8 +259,10 @@ class LlamaModel:
                 h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps, feeds=lw.qkv)
             else:
                 x, h = be.add_rms_norm(x, down, lw.ln1, cfg.rms_norm_eps, feeds=lw.qkv)
-            # qkv, o and gate_up may come back `Pending` (their LoRA rows added by the kernel
-            # they go to) where that kernel is attention, the residual add or the GLU, as here
+            # qkv, o, gate_up and down may come back `Pending` (their LoRA rows added by the
+            # kernel they go to) where that kernel is attention, the residual add or the GLU,
+            # as here; down's goes to the next layer's residual add, so not from the last layer
+            # of this call (a graph piece hands on a tensor)
             qkv = be.linear_lora(h, lw.qkv, lw.qkv_bias, pool[layer], b.lora, layer, "qkv",
                                  defer=lw.q_norm is None)
             if lw.q_norm is not None:
@@ -279,7 +281,8 @@ class LlamaModel:
             gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up",
                                      defer=True)
             act = self.act_mul(gate_up, feeds=lw.down)
-            down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down")
+            down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down",
+                                  defer=lw.post_mlp is None and layer < end - 1)
             if self.tp is not None:
                 self.tp.all_reduce(down)
             if lw.post_mlp is not None:

@@ -73,24 +73,32 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir, adapter_factory, d
 def test_lora_rows_added_by_the_next_kernel_give_the_same_logprobs(tiny_model_dir,
                                                                    adapter_factory, dtype,
                                                                    monkeypatch):
-    """A decode step hands qkv's, o's and gate_up's LoRA rows to the rotary + K/V store, the
-    residual add and the GLU (`backend.Pending`) instead of adding them in the expand: the
-    same tokens and log-probs, exactly, with a base row and adapters of two ranks."""
+    """A decode step hands qkv's, o's, gate_up's and down's LoRA rows to the rotary + K/V
+    store, the residual add, the GLU and the next layer's residual add (`backend.Pending`)
+    instead of adding them in the expand: the same tokens and log-probs, exactly, with a base
+    row and adapters of two ranks."""
     from slora.kernels import backend
 
     paths = [adapter_factory(tiny_model_dir, r=r, target_modules="all-linear", seed=r)
              for r in (4, 16)]
     prompts = ["The quick brown fox", "Hello", "Paris is the capital of France."]
-    seen = []
+    seen, ln1, handed = [], set(), []
     ready = backend.TritonBackend._ready
+    add_rms_norm = backend.TritonBackend.add_rms_norm
 
     def counting(self, t):
         seen.append(isinstance(t, backend.Pending))
         return ready(self, t)
 
+    def noting(self, x, delta, weight, eps, feeds=None):
+        # a layer's first residual add (before its ln1) takes the layer before's down
+        handed.append(weight.data_ptr() in ln1 and isinstance(delta, backend.Pending))
+        return add_rms_norm(self, x, delta, weight, eps, feeds)
+
     def run():
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype=dtype,
                                 num_pages=48, backend="triton"))
+        ln1.update(lw.ln1.data_ptr() for lw in e.runner.model.w.layers)
         for i, p in enumerate(paths):
             e.add_adapter(f"a{i}", p)
         outs = e.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True, logprobs=0),
@@ -100,8 +108,10 @@ def test_lora_rows_added_by_the_next_kernel_give_the_same_logprobs(tiny_model_di
                 for o in outs]
 
     monkeypatch.setattr(backend.TritonBackend, "_ready", counting)
+    monkeypatch.setattr(backend.TritonBackend, "add_rms_norm", noting)
     deferred = run()
     assert any(seen)  # the decode steps handed their rows on
+    assert any(handed)  # down's among them, to the next layer
     linear_lora = backend.TritonBackend.linear_lora
     monkeypatch.setattr(backend.TritonBackend, "linear_lora",
                         lambda self, *a, defer=False: linear_lora(self, *a, defer=False))
