@@ -438,9 +438,7 @@ def format_summary(result: dict) -> str:
         ("first-token latency mean", _fmt(result.get("avg_ttft_s"), "s")),
         ("first-token latency p50/p90/p99", " / ".join(
             _fmt(result[k], "s") for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))),
-        ("inter-token latency p50/p99/max", " / ".join(
-            _fmt(None if result.get(k) is None else 1e3 * result[k], "ms", 1)
-            for k in ("itl_p50_s", "itl_p99_s", "itl_max_s"))),
+        ("inter-token latency p50/p99/max", " / ".join(_itl_ms(result))),
         (f"SLO attainment (first token <= {result['slo_ttft_s']:g} s)",
          f"{100 * result['slo_attainment']:.1f}%"),
     ]
@@ -450,6 +448,12 @@ def format_summary(result: dict) -> str:
 
 def _fmt(value: float | None, unit: str, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f} {unit}"
+
+
+def _itl_ms(result: dict) -> list[str]:
+    """A result's inter-token latency p50, p99 and max, formatted in ms ("n/a" uncounted)."""
+    return [_fmt(None if result.get(k) is None else 1e3 * result[k], "ms", 1)
+            for k in ("itl_p50_s", "itl_p99_s", "itl_max_s")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,11 +664,10 @@ def format_sweep(results: list[tuple[dict, dict]]) -> str:
             rows.append((point_name(point), *["-"] * 7,
                          f"<= {100 * r['slo_attainment_max']:.1f}%"))
             continue
-        ms = [_fmt(None if r.get(k) is None else 1e3 * r[k], "ms", 1)
-              for k in ("itl_p50_s", "itl_p99_s", "itl_max_s")]
         rows.append((point_name(point), f"{r['throughput_req_s']:.3f}",
                      f"{r['throughput_tok_s']:.1f}", _fmt(r["ttft_p50_s"], "s"),
-                     _fmt(r["ttft_p99_s"], "s"), *ms, f"{100 * r['slo_attainment']:.1f}%"))
+                     _fmt(r["ttft_p99_s"], "s"), *_itl_ms(r),
+                     f"{100 * r['slo_attainment']:.1f}%"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths))) for row in rows)

@@ -163,7 +163,7 @@ def latencies(records: list[RequestRecord],
         for g, n in token_gaps.items():
             key = round(g, 4)
             binned[key] = binned.get(key, 0) + n
-        out["itl_s"] = [[g, n] for g, n in sorted(binned.items()) if n > 0]
+        out["itl_s"] = [[g, n] for g, n in sorted(binned.items())]
     return out
 
 
