@@ -63,24 +63,42 @@ def to_e4m3(v, scale, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
-                          MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """One program per row: its largest magnitude (first pass), then the row over its scale,
-    rounded to E4M3 (second pass, from cache)."""
+                          MIN_AMAX: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr,
+                          PDL: tl.constexpr):
+    """One program per row. WHOLE (BLOCK_K >= K): the row is read once and rounded from
+    registers; otherwise two passes over BLOCK_K-column blocks: its largest magnitude, then the
+    row over its scale, rounded to E4M3 (the second pass from cache)."""
     pdl.wait(PDL)
     pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_K,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    scale = row_scale(tl.max(amax, axis=0), FP8_MAX, MIN_AMAX)
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        ok = k0 + offs < K
-        v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-        q = to_e4m3(v, scale, FP8_MAX)
-        tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    if WHOLE:
+        ok = offs < K
+        v = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(v), axis=0), FP8_MAX, MIN_AMAX)
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * stride_q + offs,
+                 to_e4m3(v, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=ok)
+    else:
+        amax = tl.zeros((BLOCK_K,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        scale = row_scale(tl.max(amax, axis=0), FP8_MAX, MIN_AMAX)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            ok = k0 + offs < K
+            v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+            q = to_e4m3(v, scale, FP8_MAX)
+            tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def row_tile(N: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of a program that holds a whole row of N values in registers:
+    BLOCK = pow2(N), a warp per 1,024 columns (32 values a thread up to 32,768 columns), 4 to
+    32 warps."""
+    block = pow2(N)
+    return block, min(32, max(4, block // 1024))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +108,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.stride(1) == 1, "x: unit column stride"
     q, scale = empty_rows(M, K, x.device)
     if M:
+        # (rows past 32,768 values: two passes over 1,024-column blocks)
+        block, warps = row_tile(K) if K <= 32768 else (1024, 4)
         _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), **ROUNDING,
-                                    BLOCK_K=min(1024, pow2(K)), num_warps=4,
+                                    BLOCK_K=block, WHOLE=block >= K, num_warps=warps,
                                     **pdl.options(x.device))
     return q, scale
 

@@ -277,11 +277,9 @@ def _act_mul(gate_up: torch.Tensor, gelu: bool, feeds, lora=None):
     assert lora is None or (lora.shape == gate_up.shape and lora.dtype == gate_up.dtype
                             and lora.stride(1) == 1)
     if T:
-        # with the rounding, a program a row holds the whole row, 32 elements a thread (64
-        # registers, none spilled, for 7B's 11,008 columns at 16 warps); without, a program a
-        # 1,024-column block
-        block = pow2(N) if quant else min(1024, pow2(N))
-        warps = min(32, max(4, block // 1024)) if quant else 4
+        # with the rounding, a program a row holds the whole row (64 registers, none spilled,
+        # for 7B's 11,008 columns at 16 warps); without, a program a 1,024-column block
+        block, warps = fp8.row_tile(N) if quant else (min(1024, pow2(N)), 4)
         _act_mul_kernel[(T, 1 if quant else triton.cdiv(N, block))](
             gate_up, lora if lora is not None else gate_up, out, q, scale, N, gate_up.stride(0),
             lora.stride(0) if lora is not None else 0, BLOCK=block, GELU=gelu,
