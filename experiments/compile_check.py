@@ -132,8 +132,10 @@ def variants():
           for name, gelu in (("silu_mul", False), ("gelu_tanh_mul", True))
           for what, quant, lora in (("", False, False), (", FP8 rounding", True, False))
           + ((", LoRA rows added", False, True),) * (not gelu)],
-        ("quantize rows", fp8._quantize_rows_kernel, FUSED, dict(BLOCK_K=1024, **fp8.ROUNDING),
-         opts),
+        ("quantize rows, 1,024-column blocks", fp8._quantize_rows_kernel, FUSED,
+         dict(BLOCK_K=1024, WHOLE=False, **fp8.ROUNDING), opts),
+        ("quantize rows, 16,384 columns at once", fp8._quantize_rows_kernel, FUSED,
+         dict(BLOCK_K=16384, WHOLE=True, **fp8.ROUNDING), dict(opts, num_warps=16)),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=False,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),

@@ -164,7 +164,7 @@ def test_norms_and_glus_round_what_they_feed_as_quantize_rows(kernel, dtype, N, 
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M,K", [(1, 40), (4, 130), (3, 1024), (64, 11008)])
+@pytest.mark.parametrize("M,K", [(1, 40), (4, 130), (3, 1024), (64, 11008), (2, 40000)])
 def test_quantize_rows_matches_its_twin(dtype, M, K):
     from slora.kernels import fp8
 
