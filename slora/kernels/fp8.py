@@ -93,10 +93,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: t
             tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
+ROW_MAX = 32768  # the longest row `row_tile` holds: 32 warps of 32 threads, 32 values each
+
+
 def row_tile(N: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of a program that holds a whole row of N values in registers:
-    BLOCK = pow2(N), a warp per 1,024 columns (32 values a thread up to 32,768 columns), 4 to
-    32 warps."""
+    """(BLOCK, num_warps) of a program that holds a whole row of N <= ROW_MAX values in
+    registers: BLOCK = pow2(N), a warp per 1,024 columns (32 values a thread), 4 to 32 warps."""
     block = pow2(N)
     return block, min(32, max(4, block // 1024))
 
@@ -108,8 +110,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.stride(1) == 1, "x: unit column stride"
     q, scale = empty_rows(M, K, x.device)
     if M:
-        # (rows past 32,768 values: two passes over 1,024-column blocks)
-        block, warps = row_tile(K) if K <= 32768 else (1024, 4)
+        # (longer rows: two passes over 1,024-column blocks)
+        block, warps = row_tile(K) if K <= ROW_MAX else (1024, 4)
         _quantize_rows_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), **ROUNDING,
                                     BLOCK_K=block, WHOLE=block >= K, num_warps=warps,
                                     **pdl.options(x.device))

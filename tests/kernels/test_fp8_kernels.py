@@ -158,6 +158,22 @@ def test_norms_and_glus_round_what_they_feed_as_quantize_rows(kernel, dtype, N, 
     assert got.q[2].float().eq(0).all()
 
 
+@pytest.mark.parametrize("M,K", [(3, 40), (4, 1030), (2, 5000)])
+def test_quantize_rows_whole_row_and_two_passes_round_alike(M, K):
+    """The quantizer's two forms (the row held whole, or walked in 1,024-column blocks twice)
+    give the same scales and E4M3 values: the same maximum and the same divisions."""
+    from slora.kernels import fp8
+
+    x = (torch.randn(M, K) * torch.logspace(-3, 2, M)[:, None]).to(torch.bfloat16)
+    x[0] = 0
+    whole = fp8.quantize_rows(x)
+    blocks = fp8.empty_rows(M, K, x.device)
+    fp8._quantize_rows_kernel[(M,)](x, *blocks, K, x.stride(0), blocks[0].stride(0),
+                                    **fp8.ROUNDING, BLOCK_K=1024, WHOLE=False, PDL=False)
+    assert torch.equal(whole[1], blocks[1])
+    assert torch.equal(whole[0].float(), blocks[0].float())
+
+
 # ----------------------------------------------------------------------------- CUDA only
 # (the interpreter's float32 -> E4M3 conversion rounds ties away from zero and flushes
 # subnormals, so the quantizer is tested on a GPU alone)
