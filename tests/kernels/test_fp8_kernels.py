@@ -164,7 +164,7 @@ def test_quantize_rows_whole_row_and_two_passes_round_alike(M, K):
     give the same scales and E4M3 values: the same maximum and the same divisions."""
     from slora.kernels import fp8
 
-    x = (torch.randn(M, K) * torch.logspace(-3, 2, M)[:, None]).to(torch.bfloat16)
+    x = (torch.randn(M, K) * torch.logspace(-3, 2, M)[:, None]).to(torch.bfloat16).to(DEV)
     x[0] = 0
     whole = fp8.quantize_rows(x)
     blocks = fp8.empty_rows(M, K, x.device)
