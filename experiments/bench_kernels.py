@@ -1,6 +1,6 @@
 """Kernel benchmark for the H200: LoRA (MBGMV, MBGMM) and paged decode attention, in physical rates.
 
-    python experiments/bench_kernels.py [--out DIR] [--tune] [--only mbgmv|attention] [--smoke]
+    python experiments/bench_kernels.py [--out DIR] [--tune] [--only mbgmv|attention|overlap] [--smoke]
 
 Measures, in one run:
   1. ceilings (harness.ceilings): device copy bandwidth (a 2 GiB device-to-device copy, bytes
@@ -23,7 +23,9 @@ Measures, in one run:
      row through the prefill kernels, or the decode rows through the decode kernels
      (`--only-mixed` runs just this).
 `--only mbgmv` and `--only attention` run the ceilings and table 2 or table 4 alone (a kernel
-change's before / after in a short call).
+change's before / after in a short call). `--only overlap` times decode attention (250 rows
+at context 400) and a 256-token chunk's base GEMMs over 32 layers alone, one after the other
+and forked onto two streams in one graph.
 
 Every timed op is captured in a CUDA graph and timed by harness.bench_graph (the median of
 do_bench's replays). So that adapters are not served from L2 (60 MB on the H200; in a real
@@ -622,6 +624,52 @@ def tune_gemm(cfg, device, dtype, gen):
     return rows
 
 
+def run_overlap(cfg, device, dtype, gen):
+    """Decode attention (B rows at context ctx) and a prompt chunk's base GEMMs (T rows through
+    q|k|v, o, gate|up and down), each over L layers: alone, one after the other, and forked onto
+    two streams and joined inside one graph, either stream at high priority. Whether the GPU
+    runs the bandwidth-bound attention beside the compute-bound GEMMs is what hiding a mixed
+    step's prompt tokens behind its decode rows would need."""
+    B, ctx, T, L = cfg["overlap"]
+    h, H, bs = cfg["hidden"], cfg["mixed_heads"], cfg["block_size"]
+    D, inter = h // H, h * 43 // 16  # (Llama-2-7B: 11,008)
+    k, v, tables = paged_kv(B, ctx, H, D, bs, device, dtype, gen)  # (each layer's: 1.6 GB)
+    ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(B, H, D, generator=gen).to(dtype).to(device)
+    ws = [torch.randn(n, kk, generator=gen).to(dtype).to(device) * kk ** -0.5
+          for n, kk in ((3 * h, h), (h, h), (2 * inter, h), (h, inter))]
+    xs = {kk: torch.randn(T, kk, generator=gen).to(dtype).to(device) for kk in (h, inter)}
+
+    def attn():
+        for _ in range(L):
+            paged_decode_attention(q, k, v, tables, ctx_lens, D ** -0.5)
+
+    def gemms():
+        for _ in range(L):
+            for w in ws:
+                torch.matmul(xs[w.shape[1]], w.t())
+
+    def forked(side_fn, main_fn, priority):
+        if device.type != "cuda":
+            return lambda: (side_fn(), main_fn())
+        side = torch.cuda.Stream(device, priority=priority)
+
+        def run():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                side_fn()
+            main_fn()
+            torch.cuda.current_stream().wait_stream(side)
+        return run
+
+    ops = {"attention": attn, "gemms": gemms, "serial": lambda: (attn(), gemms()),
+           "streams_gemms_first": forked(gemms, attn, -1),
+           "streams_attention_first": forked(attn, gemms, -1)}
+    row = dict(B=B, ctx=ctx, T=T, layers=L)
+    row.update({f"ms_{name}": bench_graph(fn, device) for name, fn in ops.items()})
+    return row
+
+
 def run_prefill_attention(n_seq, n_tok, H, kvh, D, cfg, device, dtype, gen):
     """Causal prefill of n_seq prompts of n_tok tokens (KV already written), vs the twin."""
     k, v, tables = paged_kv(n_seq, n_tok, kvh, D, cfg["block_size"], device, dtype, gen)
@@ -745,8 +793,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--only-mixed", action="store_true",
                     help="only the mixed-step comparison (decode rows through the prefill kernels "
                          "or through the decode kernels)")
-    ap.add_argument("--only", choices=("mbgmv", "attention"),
-                    help="only the ceilings and one table: MBGMV (batch x rank) or attention")
+    ap.add_argument("--only", choices=("mbgmv", "attention", "overlap"),
+                    help="only the ceilings and one table: MBGMV (batch x rank), attention, or "
+                         "the overlap of decode attention and prompt GEMMs on two streams")
     ints = lambda t: tuple(int(v) for v in t.split(",") if v)  # noqa: E731
     ap.add_argument("--batches", type=ints, help="MBGMV: tokens (default: 1-256)")
     ap.add_argument("--ranks", type=ints, help="MBGMV: ranks (default: 8-128)")
@@ -765,7 +814,8 @@ def main(argv=None) -> dict:
         cfg = dict(smoke=True, hidden=128, page_size=512, batches=(1, 3), ranks=(8, 20),
                    segments=(2, 5), mbgmm_ranks=(8,), mbgmm_tune=((2, 5),), mbgmm_tune_ranks=(8,), block_size=4,
                    attn=[(2, 13, 4, 2, 16)], prefill_attn=[(2, 9, 4, 2, 16)],
-                   mixed=(3,), mixed_ctx=20, mixed_prompt=7, mixed_heads=2)
+                   mixed=(3,), mixed_ctx=20, mixed_prompt=7, mixed_heads=2,
+                   overlap=(3, 20, 7, 2))
     else:
         cfg = dict(smoke=False, hidden=4096, page_size=16 * 2 * 32 * 128,  # Llama-2-7B block 16
                    batches=(1, 16, 32, 64, 128, 256), ranks=(8, 16, 32, 64, 128),
@@ -775,7 +825,8 @@ def main(argv=None) -> dict:
                          (32, 1024, 32, 32, 128), (128, 1024, 32, 32, 128),
                          (8, 4096, 32, 32, 128), (64, 1024, 32, 8, 128), (1, 4096, 32, 8, 128)],
                    prefill_attn=[(8, 512, 32, 32, 128), (2, 2048, 32, 8, 128)],
-                   mixed=(32, 128, 256), mixed_ctx=272, mixed_prompt=128, mixed_heads=32)
+                   mixed=(32, 128, 256), mixed_ctx=272, mixed_prompt=128, mixed_heads=32,
+                   overlap=(250, 400, 256, 32))
     cfg["modules"] = args.modules
     cfg["batches"] = args.batches or cfg["batches"]
     cfg["ranks"] = args.ranks or cfg["ranks"]
@@ -798,6 +849,14 @@ def main(argv=None) -> dict:
         if args.tune_only:
             write_result(args.out, "bench_kernels_tune.json", res)
             return res
+    if args.only == "overlap":
+        res["overlap"] = run_overlap(cfg, device, dtype, gen)
+        o = res["overlap"]
+        print(f"decode attention ({o['B']} rows at context {o['ctx']}) and a {o['T']}-token "
+              f"chunk's GEMMs, {o['layers']} layers, ms: " + ", ".join(
+                  f"{k[3:]} {v:.2f}" for k, v in o.items() if k.startswith("ms_")))
+        write_result(args.out, "bench_kernels_overlap.json", res)
+        return res
     res["mixed"] = [] if args.only else [run_mixed(n, cfg, device, dtype, gen)
                                                for n in cfg["mixed"]]
     if res["mixed"]:

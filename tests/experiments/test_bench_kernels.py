@@ -32,6 +32,17 @@ def test_mixed_step_comparison_smoke(bench, tmp_path):
             assert r[f"us_attn_{how}"] > 0 and r[f"us_lora_{how}"] > 0
 
 
+def test_overlap_smoke(bench, tmp_path):
+    """--only overlap: the attention and GEMM ops alone, in series and forked, each timed."""
+    res = bench.main(["--smoke", "--only", "overlap", "--out", str(tmp_path)])
+    row = json.loads((tmp_path / "bench_kernels_overlap.json").read_text())["overlap"]
+    assert row == res["overlap"] and (row["B"], row["T"], row["layers"]) == (3, 7, 2)
+    assert {k for k in row if k.startswith("ms_")} == {
+        "ms_attention", "ms_gemms", "ms_serial", "ms_streams_gemms_first",
+        "ms_streams_attention_first"}
+    assert all(row[k] > 0 for k in row if k.startswith("ms_"))
+
+
 def test_gemm_sweep_smoke(bench, tmp_path):
     """--tune gemm: each decode GEMM shape through cuBLAS (F.linear) and the few-rows Triton
     kernel, its picked tiles and the sweep's, all matching F.linear in fp32."""
