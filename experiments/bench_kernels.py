@@ -25,7 +25,8 @@ Measures, in one run:
 `--only mbgmv` and `--only attention` run the ceilings and table 2 or table 4 alone (a kernel
 change's before / after in a short call). `--only overlap` times decode attention (250 rows
 at context 400) and a 256-token chunk's base GEMMs over 32 layers alone, one after the other
-and forked onto two streams in one graph.
+and forked onto two streams in one graph, and a persistent read of the attention's bytes
+beside the GEMMs.
 
 Every timed op is captured in a CUDA graph and timed by harness.bench_graph (the median of
 do_bench's replays). So that adapters are not served from L2 (60 MB on the H200; in a real
@@ -58,6 +59,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -624,12 +626,30 @@ def tune_gemm(cfg, device, dtype, gen):
     return rows
 
 
+@triton.jit
+def _persistent_read(x_ptr, out_ptr, n, reps, BLOCK: tl.constexpr):
+    """Reads x[:n] `reps` times, the grid's programs striding it BLOCK elements at a time, and
+    stores each program's sums (so no load is elided): a persistent kernel, whose programs hold
+    their SMs from its start to its end."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for _ in range(reps):
+        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            start = tl.multiple_of(start, BLOCK)  # (16-byte loads where n is a multiple of 16)
+            acc += tl.load(x_ptr + start + offs, mask=start + offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid * BLOCK + offs, acc)
+
+
 def run_overlap(cfg, device, dtype, gen):
     """Decode attention (B rows at context ctx) and a prompt chunk's base GEMMs (T rows through
     q|k|v, o, gate|up and down), each over L layers: alone, one after the other, and forked onto
-    two streams and joined inside one graph, either stream at high priority. Whether the GPU
-    runs the bandwidth-bound attention beside the compute-bound GEMMs is what hiding a mixed
-    step's prompt tokens behind its decode rows would need."""
+    two streams and joined inside one graph, the one launched first on a high-priority stream.
+    Whether the GPU runs the bandwidth-bound attention beside the compute-bound GEMMs is what
+    hiding a mixed step's prompt tokens behind its decode rows would need. Beside them, a
+    persistent read of the attention's bytes (two programs an SM, `_persistent_read`), alone
+    and launched before the GEMMs: whether a bandwidth-bound kernel that leaves room on every
+    SM lets the GEMMs' tiles run beside it."""
     B, ctx, T, L = cfg["overlap"]
     h, H, bs = cfg["hidden"], cfg["mixed_heads"], cfg["block_size"]
     D, inter = h // H, h * 43 // 16  # (Llama-2-7B: 11,008)
@@ -662,10 +682,21 @@ def run_overlap(cfg, device, dtype, gen):
             torch.cuda.current_stream().wait_stream(side)
         return run
 
+    kv = torch.empty(2 * B * ctx * H * D, dtype=dtype, device=device).normal_()
+    programs, block = 2 * tuning.sms(device), 4096 if device.type == "cuda" else 16
+    sums = torch.empty(programs * block, dtype=torch.float32, device=device)
+
+    def read():
+        _persistent_read[(programs,)](kv, sums, kv.numel(), L, BLOCK=block, num_warps=4)
+
     ops = {"attention": attn, "gemms": gemms, "serial": lambda: (attn(), gemms()),
            "streams_gemms_first": forked(gemms, attn, -1),
-           "streams_attention_first": forked(attn, gemms, -1)}
-    row = dict(B=B, ctx=ctx, T=T, layers=L)
+           "streams_attention_first": forked(attn, gemms, -1),
+           "persistent_read": read, "streams_persistent_read_first": forked(read, gemms, -1)}
+    read()  # (its sums: every element L times)
+    want = kv.double().sum() * L
+    row = dict(B=B, ctx=ctx, T=T, layers=L, programs=programs,
+               err_read=((sums.double().sum() - want).abs() / want.abs()).item())
     row.update({f"ms_{name}": bench_graph(fn, device) for name, fn in ops.items()})
     return row
 

@@ -33,14 +33,16 @@ def test_mixed_step_comparison_smoke(bench, tmp_path):
 
 
 def test_overlap_smoke(bench, tmp_path):
-    """--only overlap: the attention and GEMM ops alone, in series and forked, each timed."""
+    """--only overlap: the attention, GEMM and persistent-read ops alone, in series and forked,
+    each timed; the persistent read's sums are the buffer's, once a layer."""
     res = bench.main(["--smoke", "--only", "overlap", "--out", str(tmp_path)])
     row = json.loads((tmp_path / "bench_kernels_overlap.json").read_text())["overlap"]
     assert row == res["overlap"] and (row["B"], row["T"], row["layers"]) == (3, 7, 2)
     assert {k for k in row if k.startswith("ms_")} == {
         "ms_attention", "ms_gemms", "ms_serial", "ms_streams_gemms_first",
-        "ms_streams_attention_first"}
+        "ms_streams_attention_first", "ms_persistent_read", "ms_streams_persistent_read_first"}
     assert all(row[k] > 0 for k in row if k.startswith("ms_"))
+    assert row["programs"] == 2 and row["err_read"] < 1e-5  # every element read `layers` times
 
 
 def test_gemm_sweep_smoke(bench, tmp_path):
