@@ -551,6 +551,11 @@ def _add_simulate(sub) -> None:
                    help="simulate every point of a grid (repeat for a product): rate (rescales "
                    "arrival times), gpu_memory, num_pages, policy, max_num_seqs, ... ; -o is then a "
                    "directory that gets one result per point")
+    g.add_argument("--prompt-overlap", type=float, default=0.0, metavar="SHARE",
+                   help="what-if, 0 to 1: hide this share of each step's prompt work (its GEMMs, "
+                   "prefill attention and MBGMM) under the step's decode attention, as an engine "
+                   "that ran them beside each other on the SMs would (default 0: the profiled "
+                   "engine; also a --sweep key)")
     g.add_argument("--slo-target", type=float, metavar="FRACTION",
                    help="with --sweep rate=...: report the highest rate whose SLO attainment reaches this")
     _add_cluster_args(p)
@@ -599,9 +604,11 @@ def _cluster_options(args) -> dict:
 
 
 def _simulate(args) -> int:
+    from dataclasses import replace
+    from functools import partial
+
     from slora.config import ModelConfig
     from slora.sim import Profile
-    from functools import partial
 
     from slora.sim import cluster as fleet
     from slora.sim.simulator import (ProfileOrderWarning, best_point, order_warning, parse_sweep,
@@ -609,6 +616,8 @@ def _simulate(args) -> int:
     from slora.workload import read_trace
 
     trace, profile = read_trace(args.trace, progress=args.progress), Profile.load(args.profile)
+    if args.prompt_overlap:
+        profile = replace(profile, cost=replace(profile.cost, prompt_overlap=args.prompt_overlap))
     options = _engine_options(args)
     mismatch = (order_warning(profile, options["async_scheduling"])
                 if options.get("async_scheduling") is not None else None)

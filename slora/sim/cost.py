@@ -69,6 +69,13 @@ Adapter copies (the runner issues them with the forward, in plan order: loads, t
     step   = disk + b / K + overlap(forward, b * (1 - 1/K) + h2d(prefetch))
     overlap(f, p) = f + p - prefetch_overlap * min(f, p)
 
+A what-if, not a measurement: `prompt_overlap` (0 in every profile, as the engine runs) hides
+that share of a step's prompt work under its decode attention, as an engine that ran them beside
+each other on the SMs would:
+    device -= prompt_overlap * min(c_decode_ctx * decode_ctx, prompt)
+where `prompt` is the sum of the PROMPT_FEATURES terms (prefill_tokens, prefill_attn,
+lora_prefill, mixed, mixed_adapters, padded): a step with prompts and decode rows takes the
+longer of the two where the share is 1.
 `prefetch_overlap` is measured: 1 means prefetch copies hide under the forward (max(f, p)),
 0 means they serialise with it (f + p), as copies on the compute stream do. The step's own
 loads (`b`) arrive in K pieces of layers, the forward waiting for each piece before its first
@@ -98,6 +105,9 @@ from slora.config import TOKEN_BUCKETS, bucket, buckets_up_to
 FEATURES = ("const", "prefill_tokens", "prefill_attn", "decode_seqs", "decode_ctx", "adapters",
             "lora_prefill", "lora_decode", "eager", "eager_lora", "lora", "eager_adapters",
             "mixed", "mixed_adapters", "padded")
+# The terms of a step's prompt work (`CostModel.prompt_overlap` hides them under decode attention)
+PROMPT_FEATURES = ("prefill_tokens", "prefill_attn", "lora_prefill", "mixed", "mixed_adapters",
+                   "padded")
 # The host piece of the model (`fit_max`): what Python pays to prepare and launch a step.
 HOST_FEATURES = ("const", "decode_seqs", "adapters", "eager", "eager_lora", "eager_adapters")
 PROFILE_FORMAT = "slora-profile/1"
@@ -176,6 +186,7 @@ class CostModel:
     load_overhead_s: float = 0.0  # fixed cost of one adapter copy
     prefetch_overlap: float = 1.0  # 1: prefetch copies hide under the forward; 0: they add
     load_pieces: int = 1  # the step's own loads arrive in this many pieces of layers (see above)
+    prompt_overlap: float = 0.0  # what-if: share of prompt work hidden under decode attention
 
     def __post_init__(self) -> None:
         unknown = set(self.coeffs) - set(FEATURES)
@@ -187,6 +198,8 @@ class CostModel:
             raise ValueError("cost model: bandwidths must be positive (disk_gbps may be null: free)")
         if not 0.0 <= self.prefetch_overlap <= 1.0:
             raise ValueError(f"cost model: prefetch_overlap={self.prefetch_overlap} must be in [0, 1]")
+        if not 0.0 <= self.prompt_overlap <= 1.0:
+            raise ValueError(f"cost model: prompt_overlap={self.prompt_overlap} must be in [0, 1]")
         if self.load_pieces < 1:
             raise ValueError(f"cost model: load_pieces={self.load_pieces} must be >= 1")
         if self.host_coeffs is not None:
@@ -196,6 +209,8 @@ class CostModel:
                                  f"host features are {', '.join(HOST_FEATURES)}")
             self.host_coeffs = {k: float(self.host_coeffs.get(k, 0.0)) for k in HOST_FEATURES}
         self._c = tuple(self.coeffs[k] for k in FEATURES)
+        self._attn = (FEATURES.index("decode_ctx"), self.coeffs["decode_ctx"])
+        self._prompt = tuple((FEATURES.index(k), self.coeffs[k]) for k in PROMPT_FEATURES)
         self._h = tuple((FEATURES.index(k), v) for k, v in (self.host_coeffs or {}).items() if v)
         # the features a decode-only plan can have nonzero (`decode_features`), in FEATURES
         # order, for `decode_time`: their device coefficients, and the host piece's terms
@@ -205,6 +220,10 @@ class CostModel:
 
     def forward_time(self, features: tuple[float, ...]) -> float:
         device = sum(map(mul, self._c, features))
+        if self.prompt_overlap:
+            prompt = sum(c * features[j] for j, c in self._prompt)
+            attn = self._attn[1] * features[self._attn[0]]
+            device -= self.prompt_overlap * min(attn, prompt)
         if not self._h:
             return device
         return max(device, sum(c * features[j] for j, c in self._h))

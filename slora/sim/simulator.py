@@ -769,10 +769,11 @@ def simulate(trace, profile: Profile, *, engine_options: dict | None = None,
 # ---------------------------------------------------------------------------------------------
 # Sweeps
 
-# Swept keys besides EngineConfig fields: the trace's request rate, the device's memory, and
-# the cluster's replicas and router (`slora.sim.cluster`).
+# Swept keys besides EngineConfig fields: the trace's request rate, the device's memory, the
+# cost model's what-if `prompt_overlap`, and the cluster's replicas and router
+# (`slora.sim.cluster`).
 SWEEP_KEYS = ("rate", "gpu_memory", "num_pages", "max_num_seqs", "max_batch_tokens",
-              "max_prefill_chunk", "policy",
+              "max_prefill_chunk", "prompt_overlap", "policy",
               "slo_ttft_s", "host_cache_gb", "prefetch_window", "prefetch_reserve", "block_size",
               "max_skips", "replicas", "router")
 _STR_KEYS = ("policy", "router")
@@ -834,7 +835,8 @@ def simulate_point(trace, profile: Profile, point: dict, *, engine_options: dict
                    num_pages: int | None = None, gpu_memory_gb: float | None = None,
                    run: Callable | None = None, **kwargs):
     """`simulate` at one sweep point: rate rescales the trace, gpu_memory / num_pages size the
-    pool, the other keys are EngineConfig fields. replicas and router (CLUSTER_KEYS) go to `run`
+    pool, prompt_overlap sets the cost model's (`CostModel.prompt_overlap`), the other keys are
+    EngineConfig fields. replicas and router (CLUSTER_KEYS) go to `run`
     (`slora.sim.cluster.simulate_point` passes `simulate_cluster`), which replaces `simulate`."""
     options = dict(engine_options or {})
     swept, point = dict(point), dict(point)
@@ -848,6 +850,9 @@ def simulate_point(trace, profile: Profile, point: dict, *, engine_options: dict
         gpu_memory_gb, num_pages = point.pop("gpu_memory"), None
     if "num_pages" in point:
         num_pages, gpu_memory_gb = point.pop("num_pages"), None
+    if "prompt_overlap" in point:
+        profile = replace(profile, cost=replace(profile.cost,
+                                                prompt_overlap=point.pop("prompt_overlap")))
     options.update({k: v for k, v in point.items() if k != "rate"})
     extra = {**(kwargs.pop("extra_config", None) or {}), "sweep": swept}
     return (run or simulate)(trace, profile, engine_options=options, num_pages=num_pages,

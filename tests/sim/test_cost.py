@@ -182,3 +182,34 @@ def test_a_chunk_is_charged_its_tokens_and_its_context():
     assert f["prefill_tokens"] == 17
     assert f["prefill_attn"] == 10 * 40 + 7 * 7
     assert f["lora_prefill"] == 10 * 3
+
+
+def test_prompt_overlap_hides_prompt_work_under_decode_attention_only():
+    """The what-if `prompt_overlap` takes share x min(decode attention, prompt work) off a step
+    with both; a decode-only or prompt-only step, and every step at share 0, are unchanged."""
+    coeffs = dict.fromkeys(FEATURES, 0.0)
+    coeffs.update(const=1e-3, prefill_tokens=2e-5, prefill_attn=1e-9, decode_seqs=1e-5,
+                  decode_ctx=3e-8, lora_prefill=1e-9, mixed=5e-4, padded=2e-5)
+    plain, half, whole = (CostModel(coeffs=coeffs, prompt_overlap=s) for s in (0.0, 0.5, 1.0))
+
+    def features(prompt_tokens, decode_rows, ctx=400):
+        f = dict.fromkeys(FEATURES, 0.0)
+        f.update(const=1.0, prefill_tokens=prompt_tokens, prefill_attn=prompt_tokens ** 2 / 2,
+                 decode_seqs=decode_rows, decode_ctx=decode_rows * ctx,
+                 lora_prefill=prompt_tokens * 10, mixed=float(prompt_tokens > 0 < decode_rows),
+                 padded=3.0 if prompt_tokens else 0.0)
+        return tuple(f[k] for k in FEATURES)
+
+    for tokens, rows in ((0, 200), (256, 0), (256, 200), (4096, 200)):
+        x = features(tokens, rows)
+        attn = coeffs["decode_ctx"] * rows * 400
+        prompt = sum(coeffs[k] * x[FEATURES.index(k)] for k in
+                     ("prefill_tokens", "prefill_attn", "lora_prefill", "mixed", "padded"))
+        for cost, share in ((plain, 0.0), (half, 0.5), (whole, 1.0)):
+            assert cost.forward_time(x) == pytest.approx(
+                plain.forward_time(x) - share * min(attn, prompt), rel=1e-12)
+        if tokens and rows:  # a mixed step at share 1 takes the longer of its two parts' sum
+            assert whole.forward_time(x) < plain.forward_time(x)
+    assert whole.decode_time(200, 80000, 0, 0) == plain.decode_time(200, 80000, 0, 0)
+    with pytest.raises(ValueError, match="prompt_overlap=1.5 must be in"):
+        CostModel(prompt_overlap=1.5)

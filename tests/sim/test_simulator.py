@@ -116,6 +116,14 @@ def test_sweep_rescales_rate_and_finds_capacity(tmp_path):
     assert high["ttft_p90_s"] > low["ttft_p90_s"]
     best = best_point(results, slo_target=0.99)
     assert best is not None and best[0]["rate"] == 2.0
+    # the cost model's what-if prompt_overlap, swept: recorded in the result, never slower
+    points = parse_sweep(["rate=64", "prompt_overlap=0,1"])
+    assert points == [{"rate": 64.0, "prompt_overlap": 0.0}, {"rate": 64.0, "prompt_overlap": 1.0}]
+    plain, hidden = (simulate_point(trace, profile, p, num_pages=3000).result for p in points)
+    assert [r["config"]["profile"]["cost"]["prompt_overlap"] for r in (plain, hidden)] == [0, 1]
+    assert plain["throughput_tok_s"] == high["throughput_tok_s"]
+    assert hidden["throughput_tok_s"] > plain["throughput_tok_s"]
+    assert profile.cost.prompt_overlap == 0.0  # (the point's cost model is a copy)
     assert pages_for_memory(ModelConfig.from_dir(LLAMA_7B), 16, "bfloat16", 80) < \
         pages_for_memory(ModelConfig.from_dir(LLAMA_7B), 16, "bfloat16", 141)
 
@@ -135,6 +143,15 @@ def test_cli_simulate_and_plot(tmp_path, cpu_profile, capsys):
         assert key in result
     assert 0 < result["itl_p50_s"] <= result["itl_p99_s"] <= result["itl_max_s"]
     assert result["source"] == "simulate" and result["num_completed"] == 50
+    assert result["config"]["profile"]["cost"]["prompt_overlap"] == 0
+    # the what-if --prompt-overlap: recorded in the result; a share past 1 is refused by name
+    assert main(["simulate", str(trace_path), "--profile", str(prof), "--num-pages", "64",
+                 "--prompt-overlap", "0.5", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["profile"]["cost"]["prompt_overlap"] == 0.5
+    capsys.readouterr()
+    assert main(["simulate", str(trace_path), "--profile", str(prof), "--prompt-overlap", "2",
+                 "-o", str(out)]) == 1
+    assert "prompt_overlap=2.0 must be in [0, 1]" in capsys.readouterr().err
     # mixed-step graphs: with an eager step far dearer than a graph's, first tokens come sooner
     dear = Profile.from_dict({**cpu_profile.to_dict(),
                               "coeffs": {**cpu_profile.cost.coeffs, "eager": 0.05}})
