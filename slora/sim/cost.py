@@ -74,8 +74,8 @@ that share of a step's prompt work under its decode attention, as an engine that
 each other on the SMs would:
     device -= prompt_overlap * min(c_decode_ctx * decode_ctx, prompt)
 where `prompt` is the sum of the PROMPT_FEATURES terms (prefill_tokens, prefill_attn,
-lora_prefill, mixed, mixed_adapters, padded): a step with prompts and decode rows takes the
-longer of the two where the share is 1.
+lora_prefill, mixed, mixed_adapters, padded): at share 1 a step with prompts and decode rows
+pays the longer of the two, not their sum.
 `prefetch_overlap` is measured: 1 means prefetch copies hide under the forward (max(f, p)),
 0 means they serialise with it (f + p), as copies on the compute stream do. The step's own
 loads (`b`) arrive in K pieces of layers, the forward waiting for each piece before its first
