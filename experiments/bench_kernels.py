@@ -25,8 +25,8 @@ Measures, in one run:
 `--only mbgmv` and `--only attention` run the ceilings and table 2 or table 4 alone (a kernel
 change's before / after in a short call). `--only overlap` times decode attention (250 rows
 at context 400) and a 256-token chunk's base GEMMs over 32 layers alone, one after the other
-and forked onto two streams in one graph, and a persistent read of the attention's bytes
-beside the GEMMs.
+and forked onto two streams in one graph, and a persistent read of as many bytes as the
+attention reads beside the GEMMs.
 
 Every timed op is captured in a CUDA graph and timed by harness.bench_graph (the median of
 do_bench's replays). So that adapters are not served from L2 (60 MB on the H200; in a real
@@ -647,7 +647,8 @@ def run_overlap(cfg, device, dtype, gen):
     two streams and joined inside one graph, the one launched first on a high-priority stream.
     Whether the GPU runs the bandwidth-bound attention beside the compute-bound GEMMs is what
     hiding a mixed step's prompt tokens behind its decode rows would need. Beside them, a
-    persistent read of the attention's bytes (two programs an SM, `_persistent_read`), alone
+    persistent read of a buffer of the attention's size (two programs an SM,
+    `_persistent_read`), alone
     and launched before the GEMMs: whether a bandwidth-bound kernel that leaves room on every
     SM lets the GEMMs' tiles run beside it."""
     B, ctx, T, L = cfg["overlap"]

@@ -604,7 +604,6 @@ def _cluster_options(args) -> dict:
 
 
 def _simulate(args) -> int:
-    from dataclasses import replace
     from functools import partial
 
     from slora.config import ModelConfig
@@ -617,7 +616,7 @@ def _simulate(args) -> int:
 
     trace, profile = read_trace(args.trace, progress=args.progress), Profile.load(args.profile)
     if args.prompt_overlap:
-        profile = replace(profile, cost=replace(profile.cost, prompt_overlap=args.prompt_overlap))
+        profile = profile.with_prompt_overlap(args.prompt_overlap)
     options = _engine_options(args)
     mismatch = (order_warning(profile, options["async_scheduling"])
                 if options.get("async_scheduling") is not None else None)

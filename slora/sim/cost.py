@@ -500,6 +500,10 @@ class Profile:
         return dataclasses.replace(self, cost=cost, samples=samples,
                                    fit_stats={**kept, **stats, "refit": True})
 
+    def with_prompt_overlap(self, share: float) -> "Profile":
+        """This profile with its cost model's what-if `prompt_overlap` set to `share`."""
+        return dataclasses.replace(self, cost=dataclasses.replace(self.cost, prompt_overlap=share))
+
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         try:

@@ -851,8 +851,7 @@ def simulate_point(trace, profile: Profile, point: dict, *, engine_options: dict
     if "num_pages" in point:
         num_pages, gpu_memory_gb = point.pop("num_pages"), None
     if "prompt_overlap" in point:
-        profile = replace(profile, cost=replace(profile.cost,
-                                                prompt_overlap=point.pop("prompt_overlap")))
+        profile = profile.with_prompt_overlap(point.pop("prompt_overlap"))
     options.update({k: v for k, v in point.items() if k != "rate"})
     extra = {**(kwargs.pop("extra_config", None) or {}), "sweep": swept}
     return (run or simulate)(trace, profile, engine_options=options, num_pages=num_pages,
