@@ -25,8 +25,10 @@ Measures, in one run:
 `--only mbgmv` and `--only attention` run the ceilings and table 2 or table 4 alone (a kernel
 change's before / after in a short call). `--only overlap` times decode attention (250 rows
 at context 400) and a 256-token chunk's base GEMMs over 32 layers alone, one after the other
-and forked onto two streams in one graph, and a persistent read of as many bytes as the
-attention reads beside the GEMMs.
+and forked onto two streams in one graph; then the decode rows' whole chain (their own GEMMs
+and attention) beside the chunk's GEMMs, the chunk's GEMMs confined to part of the SMs
+(cuBLASLt's SM-count target), and the share of the GEMMs' time their weight bytes take at the
+copy rate (what no overlap with bandwidth-bound attention can hide).
 
 Every timed op is captured in a CUDA graph and timed by harness.bench_graph (the median of
 do_bench's replays). So that adapters are not served from L2 (60 MB on the H200; in a real
@@ -59,7 +61,6 @@ if SMOKE:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -626,31 +627,16 @@ def tune_gemm(cfg, device, dtype, gen):
     return rows
 
 
-@triton.jit
-def _persistent_read(x_ptr, out_ptr, n, reps, BLOCK: tl.constexpr):
-    """Reads x[:n] `reps` times, the grid's programs striding it BLOCK elements at a time, and
-    stores each program's sums (so no load is elided): a persistent kernel, whose programs hold
-    their SMs from its start to its end."""
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for _ in range(reps):
-        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-            start = tl.multiple_of(start, BLOCK)  # (16-byte loads where n is a multiple of 16)
-            acc += tl.load(x_ptr + start + offs, mask=start + offs < n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + pid * BLOCK + offs, acc)
-
-
 def run_overlap(cfg, device, dtype, gen):
-    """Decode attention (B rows at context ctx) and a prompt chunk's base GEMMs (T rows through
-    q|k|v, o, gate|up and down), each over L layers: alone, one after the other, and forked onto
-    two streams and joined inside one graph, the one launched first on a high-priority stream.
-    Whether the GPU runs the bandwidth-bound attention beside the compute-bound GEMMs is what
-    hiding a mixed step's prompt tokens behind its decode rows would need. Beside them, a
-    persistent read of a buffer of the attention's size (two programs an SM,
-    `_persistent_read`), alone
-    and launched before the GEMMs: whether a bandwidth-bound kernel that leaves room on every
-    SM lets the GEMMs' tiles run beside it."""
+    """Whether a step's prompt GEMMs can run beside its decode attention. Decode attention (B
+    rows at context ctx) and a T-token chunk's base GEMMs (q|k|v, o, gate|up, down), each over
+    L layers: alone, one after the other, and forked onto two streams and joined inside one
+    graph, the one launched first on a high-priority stream. Then the decode rows' own chain
+    (their GEMMs, attention after q|k|v, layer by layer) beside the chunk's GEMMs on the
+    high-priority stream, the GEMMs through cuBLASLt with `carveouts` SMs left to the chain
+    (`torch._C._set_sm_carveout_experimental`, where torch has it). `bytes_share`: the GEMMs'
+    weight bytes at the copy rate over their time alone, the part of them that competes with
+    attention for HBM bandwidth whatever the SMs do."""
     B, ctx, T, L = cfg["overlap"]
     h, H, bs = cfg["hidden"], cfg["mixed_heads"], cfg["block_size"]
     D, inter = h // H, h * 43 // 16  # (Llama-2-7B: 11,008)
@@ -660,6 +646,7 @@ def run_overlap(cfg, device, dtype, gen):
     ws = [torch.randn(n, kk, generator=gen).to(dtype).to(device) * kk ** -0.5
           for n, kk in ((3 * h, h), (h, h), (2 * inter, h), (h, inter))]
     xs = {kk: torch.randn(T, kk, generator=gen).to(dtype).to(device) for kk in (h, inter)}
+    xd = {kk: torch.randn(B, kk, generator=gen).to(dtype).to(device) for kk in (h, inter)}
 
     def attn():
         for _ in range(L):
@@ -670,10 +657,17 @@ def run_overlap(cfg, device, dtype, gen):
             for w in ws:
                 torch.matmul(xs[w.shape[1]], w.t())
 
-    def forked(side_fn, main_fn, priority):
+    def chain():
+        for _ in range(L):
+            for i, w in enumerate(ws):
+                torch.matmul(xd[w.shape[1]], w.t())
+                if i == 0:
+                    paged_decode_attention(q, k, v, tables, ctx_lens, D ** -0.5)
+
+    def forked(side_fn, main_fn):
         if device.type != "cuda":
             return lambda: (side_fn(), main_fn())
-        side = torch.cuda.Stream(device, priority=priority)
+        side = torch.cuda.Stream(device, priority=-1)
 
         def run():
             side.wait_stream(torch.cuda.current_stream())
@@ -683,22 +677,38 @@ def run_overlap(cfg, device, dtype, gen):
             torch.cuda.current_stream().wait_stream(side)
         return run
 
-    kv = torch.empty(2 * B * ctx * H * D, dtype=dtype, device=device).normal_()
-    programs, block = 2 * tuning.sms(device), 4096 if device.type == "cuda" else 16
-    sums = torch.empty(programs * block, dtype=torch.float32, device=device)
+    carve = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    carveouts = (0, 32, 66, 88) if device.type == "cuda" and carve is not None else ()
 
-    def read():
-        _persistent_read[(programs,)](kv, sums, kv.numel(), L, BLOCK=block, num_warps=4)
+    def carved(n):
+        def run():
+            carve(n)
+            try:
+                gemms()
+            finally:
+                carve(None)
+        return run
 
     ops = {"attention": attn, "gemms": gemms, "serial": lambda: (attn(), gemms()),
-           "streams_gemms_first": forked(gemms, attn, -1),
-           "streams_attention_first": forked(attn, gemms, -1),
-           "persistent_read": read, "streams_persistent_read_first": forked(read, gemms, -1)}
-    read()  # (its sums: every element L times)
-    want = kv.double().sum() * L
-    row = dict(B=B, ctx=ctx, T=T, layers=L, programs=programs,
-               err_read=((sums.double().sum() - want).abs() / want.abs()).item())
+           "streams_gemms_first": forked(gemms, attn),
+           "streams_attention_first": forked(attn, gemms),
+           "chain": chain, "chain_serial": lambda: (chain(), gemms()),
+           "chain_streams": forked(gemms, chain)}
+    row = dict(B=B, ctx=ctx, T=T, layers=L, carveouts=list(carveouts))
     row.update({f"ms_{name}": bench_graph(fn, device) for name, fn in ops.items()})
+    if carveouts:
+        backend = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # (the SM-count target's path)
+        try:
+            for n in carveouts:
+                row[f"ms_gemms_carve{n}"] = bench_graph(carved(n), device)
+                row[f"ms_chain_streams_carve{n}"] = bench_graph(forked(carved(n), chain), device)
+        finally:
+            torch.backends.cuda.preferred_blas_library(backend)
+    nbytes = sum(w.numel() * w.element_size() for w in ws) * L
+    row["bytes_share"] = nbytes / cfg["copy_GBps"] / 1e6 / row["ms_gemms"]
+    forks = [v for k_, v in row.items() if k_.startswith("ms_chain_streams")]
+    row["hidden_share"] = (row["ms_chain_serial"] - min(forks)) / row["ms_gemms"]
     return row
 
 
@@ -887,6 +897,9 @@ def main(argv=None) -> dict:
         print(f"decode attention ({o['B']} rows at context {o['ctx']}) and a {o['T']}-token "
               f"chunk's GEMMs, {o['layers']} layers, ms: " + ", ".join(
                   f"{k[3:]} {v:.2f}" for k, v in o.items() if k.startswith("ms_")))
+        print(f"the chunk's GEMMs hidden beside the decode chain, best fork: "
+              f"{o['hidden_share']:.1%}; their weight bytes at copy: {o['bytes_share']:.1%} "
+              f"of their time")
         write_result(args.out, "bench_kernels_overlap.json", res)
         return res
     res["mixed"] = [] if args.only else [run_mixed(n, cfg, device, dtype, gen)
