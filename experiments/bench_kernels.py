@@ -847,6 +847,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--mbgmm-shapes", type=shapes,
                     help="--tune mbgmm: SEGMENTSxTOKENS shapes, a list (default: 1x256,4x216,8x512)")
     ap.add_argument("--mbgmm-ranks", type=ints, help="--tune mbgmm: ranks (default: 16,32,64)")
+    ap.add_argument("--overlap-tokens", type=int,
+                    help="--only overlap: the prompt chunk's tokens (default 256)")
     ap.add_argument("--modules", type=int, default=3,
                     help="MBGMV: modules of the group, each hidden -> r -> hidden (3: q/k/v)")
     args = ap.parse_args(argv)
@@ -870,6 +872,9 @@ def main(argv=None) -> dict:
                    mixed=(32, 128, 256), mixed_ctx=272, mixed_prompt=128, mixed_heads=32,
                    overlap=(250, 400, 256, 32))
     cfg["modules"] = args.modules
+    if args.overlap_tokens:
+        B, ctx, _, L = cfg["overlap"]
+        cfg["overlap"] = (B, ctx, args.overlap_tokens, L)
     cfg["batches"] = args.batches or cfg["batches"]
     cfg["ranks"] = args.ranks or cfg["ranks"]
     cfg["mbgmm_tune"] = args.mbgmm_shapes or cfg["mbgmm_tune"]

@@ -35,9 +35,10 @@ def test_mixed_step_comparison_smoke(bench, tmp_path):
 def test_overlap_smoke(bench, tmp_path):
     """--only overlap: the attention, GEMM and decode-chain ops alone, in series and forked,
     each timed (no SM carve-outs on CPU); the shares derive from the timings."""
-    res = bench.main(["--smoke", "--only", "overlap", "--out", str(tmp_path)])
+    res = bench.main(["--smoke", "--only", "overlap", "--overlap-tokens", "5",
+                      "--out", str(tmp_path)])
     row = json.loads((tmp_path / "bench_kernels_overlap.json").read_text())["overlap"]
-    assert row == res["overlap"] and (row["B"], row["T"], row["layers"]) == (3, 7, 2)
+    assert row == res["overlap"] and (row["B"], row["T"], row["layers"]) == (3, 5, 2)
     assert {k for k in row if k.startswith("ms_")} == {
         "ms_attention", "ms_gemms", "ms_serial", "ms_streams_gemms_first",
         "ms_streams_attention_first", "ms_chain", "ms_chain_serial", "ms_chain_streams"}
