@@ -67,13 +67,19 @@ DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3"
          "stride_part", "HALF", "max_out", "stride_l", "stride_lb"}
 
 
+# the pool's page size of a 7B (16 tokens of K and V, 32 heads of 128): a compile-time constant
+# of the LoRA kernels
+PAGE = 16 * 2 * 32 * 128
+
+
 def variants():
     """(name, kernel, argument types, constexprs, options) of each variant to compile."""
     opts = dict(num_warps=4)
     # MBGMM over the prompts' tiles of 64 tokens, and over the decode rows grouped by adapter
     # (slora.kernels.segments, `rows`) in tiles of 16 rows
     mbgmm_variants = [
-        (f"mbgmm {kind}{what}", kernel, LORA, dict(constexprs, BLOCK_M=rows, ROWS=indirect),
+        (f"mbgmm {kind}{what}", kernel, LORA,
+         dict(constexprs, BLOCK_M=rows, ROWS=indirect, P=PAGE),
          options)
         for what, rows, indirect in (("", 64, False), (", decode rows", 16, True))
         for kind, kernel, constexprs, options in (
@@ -85,13 +91,13 @@ def variants():
              dict(opts, num_stages=2, maxnreg=128)))]
     base = [
         ("mbgmv shrink [4 x 32]", mbgmv._mbgmv_shrink_kernel, LORA,
-         dict(BLOCK_R=4, CH=32, EVEN_K=True, PRE=False), opts),
+         dict(BLOCK_R=4, CH=32, EVEN_K=True, PRE=False, P=PAGE), opts),
         ("mbgmv shrink [1 x 32], first tile early", mbgmv._mbgmv_shrink_kernel, LORA,
-         dict(BLOCK_R=1, CH=32, EVEN_K=True, PRE=True), dict(opts, num_warps=8)),
+         dict(BLOCK_R=1, CH=32, EVEN_K=True, PRE=True, P=PAGE), dict(opts, num_warps=8)),
         ("mbgmv expand [2 x 8]", mbgmv._mbgmv_expand_kernel, LORA,
-         dict(BLOCK_R=2, CHN=8, EVEN_N=True, PRE=False), opts),
+         dict(BLOCK_R=2, CHN=8, EVEN_N=True, PRE=False, P=PAGE), opts),
         ("mbgmv expand [4 x 4], first tile early", mbgmv._mbgmv_expand_kernel, LORA,
-         dict(BLOCK_R=4, CHN=4, EVEN_N=True, PRE=True), opts),
+         dict(BLOCK_R=4, CHN=4, EVEN_N=True, PRE=True, P=PAGE), opts),
         ("dora rescale", dora._dora_scale_kernel, LORA,
          dict(HAS_BIAS=True, CHN=dora.CHN, EVEN_N=True), dict(opts, num_warps=dora.NUM_WARPS)),
         *mbgmm_variants,

@@ -26,6 +26,8 @@ Tiling, and why:
     they cost a store's time rather than a fence an element.
   * The page-table width (`stride_pg`) and the shrink's split count are exempt from Triton's
     integer specialization: values of a new class met while serving compile no new variant.
+    The page size P, fixed for an engine's life, is a compile-time constant (its division and
+    remainder become multiplies and shifts).
 
 PDL (`pdl.py`): each kernel reads the step's metadata (slots, ranks, offsets, page ids, work
 list) before its wait, and x, xa and out after it.
@@ -101,7 +103,7 @@ def _tokens(rows_ptr, pos, ok, ROWS: tl.constexpr):
 def _mbgmm_shrink_kernel(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr, tiles_ptr,
     rows_ptr, xa_ptr,
-    stride_x, d_in, stride, P,
+    stride_x, d_in, stride, P: tl.constexpr,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, n_rt, split_k,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -185,7 +187,7 @@ def _mbgmm_shrink_tile(
 def _mbgmm_expand_kernel(
     xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, seg_start_ptr, seg_slot_ptr,
     tiles_ptr, rows_ptr,
-    stride_out, P,
+    stride_out, P: tl.constexpr,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank, max_out, n_chunks,
     d0, d1, d2, d3, s0, s1, s2, s3,

@@ -23,7 +23,9 @@ Tiling, and why:
     but an adapter of rank r reads r rows, not max_rank.
   * The page-table width (`stride_pg`: the most pages of any adapter in the batch) changes from
     step to step; it is exempt from Triton's integer specialization, so a width of a new class
-    (1, a multiple of 16, other) met while serving compiles no new variant.
+    (1, a multiple of 16, other) met while serving compiles no new variant. The page size P,
+    fixed for an engine's life, is a compile-time constant: each chunk's page lookup divides
+    by it with a multiply and a shift, and the expand keeps fewer registers.
 
 PDL (`pdl.py`): each kernel reads the step's metadata (slots, ranks, offsets, page ids) before
 its wait, and x, xa and out after it. A launch of at most PRE_WAIT_ROWS (token x rank) rows a
@@ -47,7 +49,7 @@ from .tuning import pow2
 @triton.jit(do_not_specialize=["stride_pg"])
 def _mbgmv_shrink_kernel(
     x_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, slot_ptr, xa_ptr,
-    stride_x, d_in, stride, P,
+    stride_x, d_in, stride, P: tl.constexpr,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
     BLOCK_R: tl.constexpr, CH: tl.constexpr, EVEN_K: tl.constexpr, PRE: tl.constexpr,
@@ -130,7 +132,7 @@ def _out_tile(out_ptr, t, stride_out, col, n0, d_out, CHN: tl.constexpr, EVEN_N:
 @triton.jit(do_not_specialize=["stride_pg"])
 def _mbgmv_expand_kernel(
     xa_ptr, out_ptr, pool_ptr, pages_ptr, offs_ptr, ranks_ptr, slot_ptr,
-    stride_out, P,
+    stride_out, P: tl.constexpr,
     stride_pg, stride_of0, stride_of1, stride_rk0, stride_rk1,
     G, max_rank,
     d0, d1, d2, d3, s0, s1, s2, s3,
