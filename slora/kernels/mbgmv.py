@@ -25,7 +25,7 @@ Tiling, and why:
     step to step; it is exempt from Triton's integer specialization, so a width of a new class
     (1, a multiple of 16, other) met while serving compiles no new variant. The page size P,
     fixed for an engine's life, is a compile-time constant: each chunk's page lookup divides
-    by it with a multiply and a shift, and the expand keeps fewer registers.
+    by it with a multiply and a shift.
 
 PDL (`pdl.py`): each kernel reads the step's metadata (slots, ranks, offsets, page ids) before
 its wait, and x, xa and out after it. A launch of at most PRE_WAIT_ROWS (token x rank) rows a
