@@ -72,6 +72,19 @@ DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3"
 PAGE = 16 * 2 * 32 * 128
 
 
+def kv_layout(kv_heads: int, head_dim: int, block_size: int = 16) -> dict:
+    """The attention kernels' compile-time KV layout of a model: the strides of
+    `kv_views(pool_l, ...)` (K and V of a page interleaved), the page's tokens and head_dim."""
+    row = kv_heads * head_dim
+    strides = dict(stride_kp=2 * block_size * row, stride_ks=row, stride_kh=head_dim)
+    return dict(strides, **{k.replace("k", "v", 1): v for k, v in strides.items()},
+                block_size=block_size, D=head_dim)
+
+
+# a 7B's layout (32 KV heads of 128), and the 256-wide heads of the sliding-window variants
+KV7B, KV256 = kv_layout(32, 128), kv_layout(8, 256)
+
+
 def variants():
     """(name, kernel, argument types, constexprs, options) of each variant to compile."""
     opts = dict(num_warps=4)
@@ -103,24 +116,24 @@ def variants():
         *mbgmm_variants,
         ("decode attention", attention._decode_kernel, ATTN,
          dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
-              ROPE=False, **PLAIN), dict(opts, num_stages=2)),
+              ROPE=False, **PLAIN, **KV7B), dict(opts, num_stages=2)),
         *[(f"decode attention, rotary + K/V store{what}", attention._decode_kernel, ATTN,
            dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
-                ROPE=True, LORA=lora, **PLAIN), dict(opts, num_stages=2))
+                ROPE=True, LORA=lora, **PLAIN, **KV7B), dict(opts, num_stages=2))
           for what, lora in (("", False), (", LoRA rows added", True))],
         ("decode attention, split", attention._decode_kernel, ATTN,
          dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False,
-              ROPE=False, **PLAIN), dict(opts, num_stages=2)),
+              ROPE=False, **PLAIN, **kv_layout(8, 128)), dict(opts, num_stages=2)),
         ("decode attention, rotary, sliding window + softcap", attention._decode_kernel, ATTN,
          dict(QH=2, BLOCK_H=16, BLOCK_D=256, BLOCK_N=64, SPLIT=False, DOT_F32=False,
-              ROPE=True, SLIDING=True, SOFTCAP=True), dict(opts, num_stages=2)),
+              ROPE=True, SLIDING=True, SOFTCAP=True, **KV256), dict(opts, num_stages=2)),
         ("merge", attention._merge_kernel, ATTN, dict(BLOCK_S=8, BLOCK_D=128), opts),
         ("prefill attention", attention._prefill_kernel, ATTN,
-         dict(QH=1, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, DOT_F32=False, **PLAIN),
+         dict(QH=1, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, DOT_F32=False, **PLAIN, **KV7B),
          dict(opts, num_stages=2)),
         ("prefill attention, sliding window + softcap", attention._prefill_kernel, ATTN,
          dict(QH=2, BLOCK_M=64, BLOCK_D=256, BLOCK_N=32, DOT_F32=False, SLIDING=True,
-              SOFTCAP=True), dict(opts, num_stages=2)),
+              SOFTCAP=True, **KV256), dict(opts, num_stages=2)),
         # the norm and SiLU alone, and writing their output's E4M3 rounding too (`feeds`)
         # (and adding their input's LoRA rows: `backend.Pending`)
         *[(f"add_rms_norm{what}", fused._rms_norm_kernel, FUSED,
