@@ -7,10 +7,11 @@ Each kernel is compiled (Triton -> PTX -> cubin with the wheel's ptxas) in the v
 engine launches on the GPU (the default tiles, bf16), with the integer specialization a
 Llama-2-7B step gives them (every pointer 16-byte aligned, the arguments in DIV16 multiples of
 16, as Triton marks them at launch): registers and spills depend on it (the decode attention
-kernel without it: 255 registers and a 488-byte stack; with it: 126 and none). Registers and
-stack bytes come from the wheel's cuobjdump. The decode step's kernels also compile with
-programmatic dependent launch (`slora.kernels.pdl`), and their PTX must keep its order: the
-wait before any store, atomic, async copy or return (`pdl_order`).
+kernel without it: 255 registers and a 488-byte stack; with it: 126 and none; with the KV
+layout compile-time as well, `kv_layout`: 96). Registers and stack bytes come from the
+wheel's cuobjdump. The decode step's kernels also compile with programmatic dependent launch
+(`slora.kernels.pdl`), and their PTX must keep its order: the wait before any store, atomic,
+async copy or return (`pdl_order`).
 `--loads` also counts each variant's global loads and async copies by width: a tile read in
 2-byte loads where 16-byte ones were meant is a lost alignment hint (one set on a jit
 function's result, which Triton drops, gives exactly that).
