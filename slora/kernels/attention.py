@@ -337,9 +337,10 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
 def fold_rope(programs: int, device: torch.device) -> bool:
     """Whether the decode kernel takes the rotary + K/V store in (one launch) at this many
     programs. Folding saves a launch but puts the rotary's latency at the start of every
-    program, so it pays while the programs run in one wave: table entry
-    `decode_attention_fold_rope` gives the most programs an SM (null: always fold, as the
-    interpreter does; the tests cover both forms through `fold`)."""
+    program, which a launch of many waves pays in each: table entry
+    `decode_attention_fold_rope` gives the most programs an SM at which folding pays (null:
+    always fold; on sm_90 with the compiled-in KV layout it is faster at every batch measured,
+    1-128 rows; the tests cover both forms through `fold`)."""
     most = tuning.choose(tuning.kind(device), "decode_attention_fold_rope")["max_programs_per_sm"]
     return most is None or programs <= most * tuning.sms(device)
 
