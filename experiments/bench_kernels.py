@@ -515,8 +515,8 @@ def run_attention(B, ctx, H, kvh, D, cfg, device, dtype, gen):
 
 def tune_attention(cfg, device, dtype, gen):
     """Sweep the decode kernel's tiles (`attention.decode_config`'s keys: keys a step, warps,
-    stages) at one split, then splits 2 and 4 and a register cap (`maxnreg` 96 or 80: the
-    default holds 126 a thread, 4 programs an SM; `compile_check.py`) for the best three per
+    stages) at one split, then splits 2 and 4 and a register cap (`maxnreg` 80 or 64: the
+    default holds 96 a thread, 5 programs an SM; `compile_check.py`) for the best three per
     shape; decode shapes of a 7B (32 heads, MHA) at a server's contexts. Returns JSON rows."""
     import slora.kernels.attention as attention
 
@@ -554,7 +554,7 @@ def tune_attention(cfg, device, dtype, gen):
             c = {key: w[key] for key in ("BLOCK_N", "num_warps", "num_stages")}
             found += [w for w in (run(c, sp) for sp in (2, 4)) if w is not None]
             if not cfg["smoke"]:  # (a compile option: the interpreter has none)
-                found += [w for w in (run(dict(c, maxnreg=m), 1) for m in (96, 80))
+                found += [w for w in (run(dict(c, maxnreg=m), 1) for m in (80, 64))
                           if w is not None]
         print(f"tune attention B={B:3d} ctx={ctx:5d}: default {default['us']:.2f} us "
               f"({default['GBps']:.0f} GB/s); best:", flush=True)
