@@ -15,8 +15,9 @@ ones its config function passes (its docstring names them): shape buckets such a
 `rank`, and quantities of the rule's own tile such as `programs`, the grid that tile gives,
 evaluated after the config function has fitted the tile to the data.
 
-Kinds: a table per tuned GPU (`h200`), `generic` for any other CUDA GPU (the H200's choices:
-the nearest tuned GPU's), and `interpreter` for CPU tensors under TRITON_INTERPRET (small tiles:
+Kinds: a table per tuned GPU (`h200`), `generic` for any other CUDA GPU (the H200's choices,
+except where another GPU measured better: decode attention's tile, timed on an H100), and
+`interpreter` for CPU tensors under TRITON_INTERPRET (small tiles:
 its cost grows with a tile's elements and a loop's trips). A device's kind is resolved once,
 from its name (`torch.cuda.get_device_name`: "NVIDIA H200" -> h200).
 """

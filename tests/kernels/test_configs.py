@@ -67,9 +67,11 @@ def ladder_mbgmm(max_rank, cuda, dtype, shrink):
                 maxnreg=128)
 
 
-def ladder_decode(D, cuda):
+def ladder_decode(D, cuda, table):
     if not cuda:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if D <= 128 and table == "generic":
+        return dict(BLOCK_N=32, num_warps=2, num_stages=2)
     return dict(BLOCK_N=64 if D <= 128 else 32, num_warps=4, num_stages=2)
 
 
@@ -118,7 +120,7 @@ def device(request, monkeypatch):
     monkeypatch.setattr(tuning, "kind", lambda device: table)
     monkeypatch.setattr(tuning, "sms", lambda device: n_sm)
     dev = torch.device(dev_type, 0) if dev_type == "cuda" else torch.device("cpu")
-    return types.SimpleNamespace(device=dev, cuda=dev_type == "cuda", n_sm=n_sm)
+    return types.SimpleNamespace(device=dev, cuda=dev_type == "cuda", n_sm=n_sm, table=table)
 
 
 def test_mbgmv_tiles(device):
@@ -142,7 +144,7 @@ def test_mbgmm_and_prefill_tiles(device):
 
 def test_decode_attention_choices(device):
     for D in (32, 64, 80, 96, 128, 160, 256):
-        assert attention.decode_config(D, device.device) == ladder_decode(D, device.cuda)
+        assert attention.decode_config(D, device.device) == ladder_decode(D, device.cuda, device.table)
     for B, kvh, ctx, bn in itertools.product((1, 2, 8, 32, 64, 128, 256), (1, 4, 8, 32),
                                              (16, 128, 1024, 4096, 32768), (16, 32, 64)):
         assert attention._default_splits(B, kvh, ctx, bn, device.device) == \
