@@ -13,7 +13,8 @@ Measures, in one run:
      same pages + bmm (the metadata that indexes both is built outside the timing).
      --batches, --ranks pick the shapes; --sharing puts the T tokens on N adapters (a list;
      0: each its own), the bytes counting each distinct adapter once; --modules 1 times one
-     4096 -> r -> 4096 layer;
+     4096 -> r -> 4096 layer; --vllm DIR also times vLLM's Triton LoRA kernels on the same
+     adapters (`experiments/vllm_peer.py` unpacks them into DIR);
   3. MBGMM (prefill): 8 segments x 512 tokens, each its own adapter, the same q/k/v group, ranks
      16 and 64: TFLOP/s and GB/s, beside torch gather + matmul per segment;
   4. paged decode attention (Llama-2-7B: 32 heads, head_dim 128, MHA and GQA 8 KV heads),
@@ -214,6 +215,39 @@ class Segmented:
                            strides=strides, **self._seg())
 
 
+class VllmPeer:
+    """vLLM's Triton LoRA kernels (`experiments/vllm_peer.py`) as a kernel module with MBGMV's
+    two calls, over the same adapters copied into vLLM's layout (per module, A [n_a, r, d_in]
+    and B [n_a, d_out, r], one copy a pool slice) and its metadata for `slots`, all built before
+    any timing. Called as vLLM's LoRA layers call them: the shrink into a zeroed fp32 buffer
+    [G, T, r] (scale 1: the adapters' scale is in B), the expand adding into y; the kernels'
+    default tiles, the launch grid over vLLM's default active-LoRA count (max_loras + 1)."""
+
+    def __init__(self, ops, P: Pool, slots, device):
+        self.ops, self.r, self.G = ops, P.r, P.G
+        n_a, T = P.pages.shape[0], slots.shape[0]
+        self.weights = {}
+        for l in range(P.pool.shape[0]):
+            chunks = P.pool[l].view(-1, ALIGN)
+            A = chunks.index_select(0, P.idx_a.reshape(-1)).view(n_a, P.G, P.r, P.d_in)
+            B = [chunks.index_select(0, P.idx_b[g].reshape(-1)).view(n_a, P.r, d_out)
+                 .transpose(1, 2).contiguous() for g, d_out in enumerate(P.out_dims)]
+            self.weights[P.pool[l].data_ptr()] = (
+                [A[:, g].contiguous() for g in range(P.G)], B)
+        self.meta = ops.LoRAKernelMeta.make(max_loras=n_a, max_num_tokens=T, device=device)
+        self.meta.prepare_tensors(slots)
+        self.args = self.meta.meta_args(T, False)
+
+    def mbgmv_shrink(self, x, pool_l, pages, offa, ranks, slots, stride, r):
+        xa = torch.empty(self.G, x.shape[0], self.r, dtype=torch.float32, device=x.device)
+        self.ops.lora_shrink(x, self.weights[pool_l.data_ptr()][0], xa, *self.args, 1.0)
+        return xa
+
+    def mbgmv_expand(self, xa, y, pool_l, pages, offb, ranks, slots, out_dims, strides):
+        self.ops.lora_expand(xa, self.weights[pool_l.data_ptr()][1], y, *self.args,
+                             offset_start=0, add_inputs=True)
+
+
 def share_slots(T, n_a, gen):
     """Adapter rows of T tokens on n_a adapters, round-robin, in a random order."""
     return (torch.arange(T) % n_a)[torch.randperm(T, generator=gen)].to(torch.int32)
@@ -249,6 +283,8 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True, adapters=0):
     cuda_k = _cuda_kernels(device)
     if cuda_k is not None:
         impls["cuda"] = cuda_k
+    if cfg.get("vllm") is not None:
+        impls["vllm"] = VllmPeer(cfg["vllm"], P, slots, device)
     errs, extra = {}, {}
     if check:
         y0 = y.clone()
@@ -266,8 +302,11 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True, adapters=0):
     t_ours = bench_graph(lambda: [apply(mbgmv, l) for l in range(L)], device) / L
     t_seg = bench_graph(lambda: [apply(seg, l) for l in range(L)], device) / L
     t_base = bench_graph(base, device) / L
-    if cuda_k is not None:
-        extra["us_cuda"] = bench_graph(lambda: [apply(cuda_k, l) for l in range(L)], device) / L * 1e3
+    for name in ("cuda", "vllm"):
+        if name in impls:
+            k = impls[name]
+            extra[f"us_{name}"] = bench_graph(lambda: [apply(k, l) for l in range(L)],
+                                              device) / L * 1e3
     el = x.element_size()
     nbytes = x.numel() * el + P.adapter_bytes(n_a) + 2 * y.numel() * el
     flops = 2 * T * r * (len(out_dims) * d + sum(out_dims))
@@ -276,8 +315,9 @@ def run_mbgmv(T, r, cfg, device, dtype, gen, check=True, adapters=0):
                                            [P.adapter_bytes(1) * MODEL_LAYERS] * n_a)
     extra["auto"] = ("mbgmv" if by_adapter is None else "segments" if rest is None
                      else "hybrid")
-    if "us_cuda" in extra:
-        extra["GBps_cuda"] = nbytes / extra["us_cuda"] / 1e3
+    for name in ("cuda", "vllm"):
+        if f"us_{name}" in extra:
+            extra[f"GBps_{name}"] = nbytes / extra[f"us_{name}"] / 1e3
     del P
     if device.type == "cuda":
         extra["GBps_copy_same"] = same_size_copy(nbytes, L, device)
@@ -849,6 +889,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--mbgmm-ranks", type=ints, help="--tune mbgmm: ranks (default: 16,32,64)")
     ap.add_argument("--overlap-tokens", type=int,
                     help="--only overlap: the prompt chunk's tokens (default 256)")
+    ap.add_argument("--vllm", metavar="DIR",
+                    help="MBGMV: also time vLLM's Triton LoRA kernels, unpacked into DIR by "
+                         "experiments/vllm_peer.py")
     ap.add_argument("--modules", type=int, default=3,
                     help="MBGMV: modules of the group, each hidden -> r -> hidden (3: q/k/v)")
     args = ap.parse_args(argv)
@@ -887,6 +930,10 @@ def main(argv=None) -> dict:
            "dtype": str(dtype), "torch": torch.__version__, "triton": triton.__version__,
            "config": {k: v for k, v in cfg.items()}}
     cfg["copy_GBps"] = res["ceilings"]["copy_GBps"]
+    if args.vllm:
+        from vllm_peer import load
+
+        cfg["vllm"], res["vllm"] = load(args.vllm)
     print(f"ceilings: {res['ceilings']}", flush=True)
     if args.tune:
         sweeps = {"mbgmv": tune_mbgmv, "mbgmm": tune_mbgmm, "attention": tune_attention,
@@ -955,8 +1002,10 @@ def main(argv=None) -> dict:
               f"{'seg us':>8} {'%copy':>6} {'auto':>9} | {'torch us':>9} {'%copy':>6} | "
               f"{'speedup':>7}")
     for w in res["mbgmv"]:
-        cu = (f" | csrc {w['us_cuda']:8.2f} us {pct(w['GBps_cuda'])} err {w.get('err_cuda', float('nan')):.1e}"
-              if "us_cuda" in w else "")
+        cu = "".join(f" | {label} {w[f'us_{name}']:8.2f} us {pct(w[f'GBps_{name}'])} err "
+                     f"{w.get(f'err_{name}', float('nan')):.1e}"
+                     for name, label in (("cuda", "csrc"), ("vllm", f"vLLM {res.get('vllm')}"))
+                     if f"us_{name}" in w)
         same = (f"{100 * w['GBps_ours'] / w['GBps_copy_same']:5.1f}%" if "GBps_copy_same" in w
                 else "    - ")
         print(f"{w['T']:5d} {w['rank']:5d} {w['adapters']:6d} {w['us_ours']:8.2f} "
