@@ -334,14 +334,15 @@ def tune_mbgmv(cfg, device, dtype, gen):
     # (CH 64: a 4096-wide d_in in one trip; BLOCK_R 16 / CHN 1: rank 16 in one trip)
     shrink_cfgs = [dict(BLOCK_R=br, CH=ch, num_warps=nw) for br in (1, 2, 4, 8)
                    for ch in (8, 16, 32, 64) for nw in (4, 8)]
-    expand_cfgs = [dict(BLOCK_R=br, CHN=chn, num_warps=nw) for br in (2, 4, 8, 16)
+    expand_cfgs = [dict(BLOCK_R=br, CHN=chn, num_warps=nw) for br in (2, 4, 8, 16, 32, 64)
                    for chn in (1, 2, 4, 8) for nw in (2, 4)]
-    shapes = [(16, 16), (32, 16), (64, 16), (64, 64), (256, 16), (256, 128)] if not cfg["smoke"] else [(2, 8)]
+    shapes = ([(2, 8)] if cfg["smoke"] else cfg["mbgmv_tune"] or
+              [(16, 16), (32, 16), (64, 16), (64, 64), (256, 16), (256, 128)])
     d = cfg["hidden"]
-    out_dims = (d,) * 3
+    out_dims = (d,) * cfg["modules"]
     for T, r in shapes:
-        P = Pool(T, r, d, out_dims, cfg["page_size"], layers_for(T * r * 6 * d * 2, cfg["smoke"]),
-                 dtype, device, gen)
+        P = Pool(T, r, d, out_dims, cfg["page_size"],
+                 layers_for(T * r * 2 * len(out_dims) * d * 2, cfg["smoke"]), dtype, device, gen)
         L = P.pool.shape[0]
         slots = torch.randperm(T, generator=gen).to(torch.int32).to(device)
         x = torch.randn(T, d, generator=gen).to(dtype).to(device)
@@ -349,7 +350,7 @@ def tune_mbgmv(cfg, device, dtype, gen):
         xa = mbgmv.mbgmv_shrink(x, P.pool[0], P.pages, P.offsets[:, :, 0], P.ranks, slots,
                                P.stride, r)
         el = x.element_size()
-        a_bytes = T * r * 3 * d * el + x.numel() * el
+        a_bytes = T * r * len(out_dims) * d * el + x.numel() * el
         b_bytes = T * r * sum(out_dims) * el + 2 * y.numel() * el
         for kind, cfgs, nbytes in (("shrink", shrink_cfgs, a_bytes),
                                    ("expand", expand_cfgs, b_bytes)):
@@ -879,7 +880,8 @@ def main(argv=None) -> dict:
                     help="only the ceilings and one table: MBGMV (batch x rank), attention, or "
                          "the overlap of decode attention and prompt GEMMs on two streams")
     ints = lambda t: tuple(int(v) for v in t.split(",") if v)  # noqa: E731
-    ap.add_argument("--batches", type=ints, help="MBGMV: tokens (default: 1-256)")
+    ap.add_argument("--batches", type=ints, help="MBGMV: tokens (default: 1-256); with --tune "
+                    "mbgmv also its shapes, each at every --ranks (default there: 16, 64)")
     ap.add_argument("--ranks", type=ints, help="MBGMV: ranks (default: 8-128)")
     ap.add_argument("--sharing", type=ints, default=(0,),
                     help="MBGMV: adapters the tokens share, a list (0: every token its own)")
@@ -918,6 +920,9 @@ def main(argv=None) -> dict:
     if args.overlap_tokens:
         B, ctx, _, L = cfg["overlap"]
         cfg["overlap"] = (B, ctx, args.overlap_tokens, L)
+    # --tune mbgmv's shapes: --batches x --ranks where --batches is given
+    cfg["mbgmv_tune"] = ([(T, r) for T in args.batches for r in args.ranks or (16, 64)]
+                         if args.batches else None)
     cfg["batches"] = args.batches or cfg["batches"]
     cfg["ranks"] = args.ranks or cfg["ranks"]
     cfg["mbgmm_tune"] = args.mbgmm_shapes or cfg["mbgmm_tune"]
