@@ -16,8 +16,11 @@ Tiling, and why:
     fp32 [BLOCK_R, CH] accumulator. Expand programs own (token, module, 64*CHN output columns),
     read their out tile first (its latency hides behind the adapter reads) and stream the rank
     rows ([BLOCK_R, CHN, 64] tiles). Small tiles keep registers low, so more programs fit on an
-    SM and more loads are in flight: occupancy decides the speed more than tile size does. The
-    tiles per GPU and shape are data (`_mbgmv_shrink_cfg`, `_mbgmv_expand_cfg`).
+    SM and more loads are in flight: occupancy decides the speed more than tile size does.
+    A launch of few rows has SMs to spare and is latency-bound: there (in the `generic`
+    table) an expand program takes 64 columns and up to 64 rank rows a trip, so a rank-64
+    row costs one trip of dependent loads, not sixteen. The tiles per GPU and shape are data
+    (`_mbgmv_shrink_cfg`, `_mbgmv_expand_cfg`).
   * Rows with slot -1 return at their first instruction; ranks differ per adapter and per
     module and every load is masked to the row's own rank, so the grid is sized for `max_rank`
     but an adapter of rank r reads r rows, not max_rank.

@@ -16,10 +16,10 @@ ones its config function passes (its docstring names them): shape buckets such a
 evaluated after the config function has fitted the tile to the data.
 
 Kinds: a table per tuned GPU (`h200`), `generic` for any other CUDA GPU (the H200's choices,
-except where another GPU measured better: decode attention's tile, timed on an H100), and
-`interpreter` for CPU tensors under TRITON_INTERPRET (small tiles:
-its cost grows with a tile's elements and a loop's trips). A device's kind is resolved once,
-from its name (`torch.cuda.get_device_name`: "NVIDIA H200" -> h200).
+except where another GPU measured better: decode attention's tile and MBGMV's expand at under
+16 rows, timed on an H100), and `interpreter` for CPU tensors under TRITON_INTERPRET (small
+tiles: its cost grows with a tile's elements and a loop's trips). A device's kind is resolved
+once, from its name (`torch.cuda.get_device_name`: "NVIDIA H200" -> h200).
 """
 
 from __future__ import annotations

@@ -41,10 +41,14 @@ def ladder_mbgmv_shrink(T, G, max_rank, d_in, cuda):
     return dict(BLOCK_R=block_r, CH=ch, num_warps=4 if block_r > 1 else 8)
 
 
-def ladder_mbgmv_expand(T, G, max_rank, max_out, cuda):
+def ladder_mbgmv_expand(T, G, max_rank, max_out, cuda, table):
     chn = min(8, pow2(cdiv(max_out, 64)))
     if not cuda:
         return dict(BLOCK_R=min(16, pow2(max_rank)), CHN=min(4, chn))
+    if table == "generic" and T * G < 16:  # few rows: every rank (or 32) a trip, 64 columns
+        wide = T * G < 8
+        return dict(BLOCK_R=min(64 if wide else 32, pow2(max_rank)), CHN=1,
+                    num_warps=4 if wide else 2)
     if T * G < 128 or (G == 1 and T * cdiv(max_out, chn * 64) < 4096):
         return dict(BLOCK_R=min(4, pow2(max_rank)), CHN=min(4, chn), num_warps=4)
     return dict(BLOCK_R=min(2, pow2(max_rank)), CHN=chn, num_warps=4)
@@ -128,7 +132,7 @@ def test_mbgmv_tiles(device):
         assert mbgmv._mbgmv_shrink_cfg(T, G, r, d, device.device) == \
             ladder_mbgmv_shrink(T, G, r, d, device.cuda), (T, G, r, d)
         assert mbgmv._mbgmv_expand_cfg(T, G, r, d, device.device) == \
-            ladder_mbgmv_expand(T, G, r, d, device.cuda), (T, G, r, d)
+            ladder_mbgmv_expand(T, G, r, d, device.cuda, device.table), (T, G, r, d)
 
 
 def test_mbgmm_and_prefill_tiles(device):

@@ -436,13 +436,14 @@ def test_runner_style_strided_metadata():
     check_expand(out, out_ref, out0, slots, torch.float16)
 
 
-@pytest.mark.parametrize("tiles", [(1, 1, 2, 1), (2, 2, 2, 8), (4, 4, 1, 2)],
+@pytest.mark.parametrize("tiles", [(1, 1, 2, 1), (2, 2, 2, 8), (4, 4, 1, 2), (2, 1, 64, 1)],
                          ids=lambda t: "shrink%dx%d-expand%dx%d" % t)
 @pytest.mark.parametrize("pre_wait", [0, 1 << 30], ids=["after-wait", "before-wait"])
 def test_mbgmv_other_tilings(monkeypatch, tiles, pre_wait):
-    """The GPU's tile choices (1-4 rank rows per program) on the interpreter too, whose own
-    default tiles are larger to keep it fast: every tiling must compute the same function,
-    with each program's first adapter tile loaded before or after the PDL wait."""
+    """The GPU's tile choices (1-64 rank rows per program, those past the rank masked) on the
+    interpreter too, whose own default tiles are larger to keep it fast: every tiling must
+    compute the same function, with each program's first adapter tile loaded before or after
+    the PDL wait."""
     from slora.kernels import mbgmv
 
     monkeypatch.setattr(mbgmv, "PRE_WAIT_ROWS", pre_wait)
