@@ -234,9 +234,9 @@ class VllmPeer:
                  .transpose(1, 2).contiguous() for g, d_out in enumerate(P.out_dims)]
             self.weights[P.pool[l].data_ptr()] = (
                 [A[:, g].contiguous() for g in range(P.G)], B)
-        self.meta = ops.LoRAKernelMeta.make(max_loras=n_a, max_num_tokens=T, device=device)
-        self.meta.prepare_tensors(slots)
-        self.args = self.meta.meta_args(T, False)
+        meta = ops.LoRAKernelMeta.make(max_loras=n_a, max_num_tokens=T, device=device)
+        meta.prepare_tensors(slots)
+        self.args = meta.meta_args(T, False)  # (holds every metadata tensor the kernels read)
 
     def mbgmv_shrink(self, x, pool_l, pages, offa, ranks, slots, stride, r):
         xa = torch.empty(self.G, x.shape[0], self.r, dtype=torch.float32, device=x.device)
