@@ -322,7 +322,9 @@ class StepTrace:
                          for k in keys)
 
 
-def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
+def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens, run: int = 1) -> dict:
+    """One S2 run of `trace` (`run`: its number among the point's --repeats, which names its
+    step log and timeline when there are several)."""
     modules = MODULE_SETS[modules_key]
     lens = [(r.prompt_len, r.output_len) for r in trace.requests]
     assert lens == ref_lens, "the S2 trace should give every adapter count the same lengths"
@@ -365,7 +367,8 @@ def scaling_row(eng: Engine, args, trace, modules_key: str, ref_lens) -> dict:
     itl = itl_ms(gaps)
     out = Path(args.out)
     tag = (f"chunk{eng.config.max_prefill_chunk}-"
-           f"{len(trace.adapters) if modules is not None else 0}-{modules_key}")
+           f"{len(trace.adapters) if modules is not None else 0}-{modules_key}"
+           + (f"-run{run}" if args.repeats > 1 else ""))
     if args.step_logs:  # every step's features and time, for `slora profile --add-steps` or study
         out.mkdir(parents=True, exist_ok=True)
         write_step_log(steps, out / f"steps-{tag}.jsonl")
@@ -485,11 +488,11 @@ def part_scaling(eng: Engine, args) -> list[dict]:
     for chunk in args.max_prefill_chunk or [eng.config.max_prefill_chunk]:
         set_prefill_chunk(eng, chunk)
         runs = [[] for _ in points]  # each point's runs, the points interleaved
-        for _ in range(args.repeats):
+        for run in range(1, args.repeats + 1):
             for i, (trace, key, alpha, mode) in enumerate(points):
                 if mode is not None:
                     decode_lora(eng, mode)
-                row = scaling_row(eng, args, trace, key, ref_lens)
+                row = scaling_row(eng, args, trace, key, ref_lens, run)
                 row.update(alpha=alpha, decode_lora=mode)
                 runs[i].append(row)
                 print(f"scaling: chunk {chunk}, {row['adapters']} adapters, modules {key}, "
@@ -933,7 +936,8 @@ def parse_args(argv=None):
                          "slora.graphs.GRAPH_PIECES; 1 = one graph a step, to compare)")
     ap.add_argument("--step-logs", action="store_true",
                     help="scaling: write each row's step log (every step's plan features and "
-                         "time) to OUT/steps-chunkC-ADAPTERS-MODULES.jsonl")
+                         "time) to OUT/steps-chunkC-ADAPTERS-MODULES.jsonl (-runN.jsonl for "
+                         "each of --repeats)")
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="scaling: profile each row's first N steps (torch.profiler), print "
                          "the ops with the most host and device time and write the timeline "

@@ -1,6 +1,6 @@
 """vLLM's Triton LoRA kernels as a peer for `bench_kernels.py`: never a dependency of slora.
 
-    python experiments/vllm_peer.py [--version 0.33.0] [--dest results/peer]
+    python experiments/vllm_peer.py [--version 0.33.0 | --wheel vllm-VERSION-TAGS.whl] [--dest results/peer]
 
 fetches vLLM's wheel (`pip download --no-deps`, on a machine that reaches PyPI), unpacks its
 LoRA Triton ops (`vllm/lora/ops/triton_ops`: the shrink, the expand and their metadata) and
@@ -114,9 +114,28 @@ from .lora_shrink_op import lora_shrink
 }
 
 
-def fetch(version: str, dest: Path, wheel: Path | None = None) -> Path:
+def wheel_version(wheel: Path) -> str:
+    """The version in a vLLM wheel's file name (`vllm-VERSION-TAGS.whl`)."""
+    parts = Path(wheel).name.split("-")
+    if len(parts) < 3 or parts[0] != "vllm" or not parts[-1].endswith(".whl"):
+        raise SystemExit(f"{wheel}: not a vLLM wheel's name (expected vllm-VERSION-TAGS.whl)")
+    return parts[1]
+
+
+DEFAULT_VERSION = "0.33.0"  # the version fetched when neither --version nor --wheel names one
+
+
+def fetch(version: str | None, dest: Path, wheel: Path | None = None) -> Path:
     """Unpack vLLM `version`'s LoRA Triton ops (from `wheel`, else a downloaded one) and the
-    stand-ins into `dest`; returns dest."""
+    stand-ins into `dest`; returns dest. With a wheel, `version` None is the wheel's; another
+    version than the wheel's is an error."""
+    if wheel is not None:
+        found = wheel_version(wheel)
+        if version is not None and version != found:
+            raise SystemExit(f"{wheel} is vLLM {found}, not --version {version}: drop --version "
+                             "or pass that version's wheel")
+        version = found
+    version = version or DEFAULT_VERSION
     with tempfile.TemporaryDirectory() as tmp:
         if wheel is None:
             subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
@@ -154,9 +173,9 @@ def load(dest: str | Path):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", default="0.33.0", help="vLLM's version (default: 0.33.0)")
-    ap.add_argument("--wheel", type=Path, help="a vLLM wheel already downloaded (its version "
-                    "must be --version's)")
+    ap.add_argument("--version", help=f"vLLM's version (default: the wheel's, else "
+                    f"{DEFAULT_VERSION})")
+    ap.add_argument("--wheel", type=Path, help="a vLLM wheel already downloaded")
     ap.add_argument("--dest", type=Path, default=Path("results/peer"),
                     help="the folder to write (default: results/peer, git-ignored)")
     args = ap.parse_args(argv)

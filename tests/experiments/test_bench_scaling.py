@@ -306,10 +306,11 @@ def test_repeats_interleave_the_rows_and_keep_each_median_run(bench, tiny_model_
     """--repeats 3: each S2 row's trace three times, the rows interleaved; a row is its median
     run by tok/s, with every run's tok/s beside it, and its ratio over the no-LoRA median.
     Every run repeats the same prompts on a cold prefix cache: none finds an earlier run's
-    KV (prompts of 20-40 tokens fill a cached page)."""
+    KV (prompts of 20-40 tokens fill a cached page). With --step-logs each run writes its
+    own step log."""
     rows = run_tiny(bench, tiny_model_dir, tmp_path, "--part", "scaling", "--adapters", "2",
                     "--num-requests", "4", "--input-len", "20,40", "--output-len", "2,4",
-                    "--modules", "qkvo", "--repeats", "3")["scaling"]
+                    "--modules", "qkvo", "--repeats", "3", "--step-logs")["scaling"]
     assert [(r["adapters"], r["modules"]) for r in rows] == [(0, "none"), (2, "qkvo")]
     for r in rows:
         assert len(r["runs"]) == 3 and r["output_tok_s"] == sorted(r["runs"])[1]
@@ -320,6 +321,9 @@ def test_repeats_interleave_the_rows_and_keep_each_median_run(bench, tiny_model_
                    for p in r["run_parts"])
     assert rows[0]["ratio"] == 1.0
     assert rows[1]["ratio"] == rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
+    logs = sorted(p.name for p in tmp_path.glob("steps-*.jsonl"))
+    assert logs == sorted(f"steps-chunk{rows[0]['max_prefill_chunk']}-{n}-{m}-run{k}.jsonl"
+                          for n, m in ((0, "none"), (2, "qkvo")) for k in (1, 2, 3))
     # an even count: the lower middle run
     runs = [{"output_tok_s": t, "n": i, "compiles": []} for i, t in enumerate((7.0, 5.0))]
     row = bench.median_run(runs)

@@ -49,6 +49,18 @@ def test_fetch_then_load(peer, tmp_path):
     assert ops.lora_expand() == "expand" and ops.LoRAKernelMeta.__name__ == "LoRAKernelMeta"
 
 
+def test_the_wheel_names_the_version(peer, tmp_path):
+    wheel = tmp_path / "vllm-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in OPS.items():
+            z.writestr(peer.OPS + name, text)
+    assert peer.load(peer.fetch(None, tmp_path / "peer", wheel))[1] == "9.9.9"
+    with pytest.raises(SystemExit, match="is vLLM 9.9.9, not --version 1.0.0"):
+        peer.fetch("1.0.0", tmp_path / "other", wheel)
+    with pytest.raises(SystemExit, match="not a vLLM wheel's name"):
+        peer.fetch(None, tmp_path / "other", tmp_path / "torch-2.0-py3-none-any.whl")
+
+
 def test_load_names_the_fetch_command(peer, tmp_path):
     with pytest.raises(SystemExit, match="experiments/vllm_peer.py --dest"):
         peer.load(tmp_path)
