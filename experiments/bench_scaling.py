@@ -23,7 +23,8 @@ scaling: S-LoRA's S2 setting (`slora.workload.synthesize`, seed 42): --num-reque
     --repeats R: every row's trace R times, the rows of a chunk size interleaved (all rows
     once, then again), so drift falls on each alike; a row is its median run by tok/s
     (the lower middle one of an even count), with every run's tok/s beside it ("runs") and
-    its ratio over the no-LoRA row's median run (--step-logs: the last run's steps).
+    its ratio over the no-LoRA row's median run (--step-logs: each run's steps in a file of
+    its own).
 long: one prompt of --long-prompt tokens (random ids) and --long-output new tokens, after a
     short request that compiles the kernels: its first-token time (the chunked prefill),
     the decode time per token and the steps. For a 128k-context shape, e.g. --model
