@@ -249,7 +249,8 @@ def itl_ms(gaps) -> dict:
 def set_prefill_chunk(eng: Engine, chunk: int) -> None:
     """Run the engine on with EngineConfig.max_prefill_chunk = `chunk`: a setting only the
     scheduler reads, step by step (one engine and one warm-up for every chunk size swept)."""
-    eng.config = eng.scheduler.config = eng.config.replace(max_prefill_chunk=chunk)
+    eng.config = eng.config.replace(max_prefill_chunk=chunk)
+    eng.scheduler.config = eng.scheduler.config.replace(max_prefill_chunk=chunk)
 
 
 # ----------------------------------------------------------------------------- scaling

@@ -67,7 +67,9 @@ class Engine:
         self.runner = ModelRunner(config, self.model_config, config.model, tp=tp)
         self.allocator = PageAllocator(self.runner.num_pages)
         self.adapters = AdapterManager(self.allocator, config.host_cache_bytes)
-        self.scheduler = Scheduler(config, self.allocator, self.adapters)
+        # the scheduler fits chunks to the mixed-step graphs in effect (none on CPU)
+        self.scheduler = Scheduler(config.replace(mixed_graph_tokens=self.runner.mixed_graph_tokens),
+                                   self.allocator, self.adapters)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer
                               else self.model_config.eos_token_ids)

@@ -14,6 +14,8 @@ order within `schedule`:
 2. Chunked prefill (`EngineConfig.max_prefill_chunk`): the step's prompt tokens, at most
    max_prefill_chunk and what max_batch_tokens leaves after the decode rows, go first to the
    next chunks of running requests still prefilling (admission order), then to new prompts.
+   A chunk that fits the largest mixed-step CUDA graph (`mixed_graph_tokens`) leaves room
+   in it for the decode rows, unless that would halve it.
    A chunk that does not reach the end of its request's known tokens samples nothing
    (`SchedulerPlan.partial`); each request's chunk this step is `SchedulerPlan.chunks`.
 3. Waiting requests are admitted in the policy's order within `max_num_seqs` and that
@@ -237,6 +239,12 @@ class Scheduler:
         if not cfg.max_prefill_chunk:
             return budget
         budget = min(budget, cfg.max_prefill_chunk)
+        # A chunk that fits the largest mixed-step graph (mixed_graph_tokens) is cut so that
+        # the step, decode rows and all, fits it too: a step past it runs eagerly, its launch
+        # bound by the host. Not below half a chunk: past that the step runs whole, eagerly.
+        fit = cfg.mixed_graph_tokens - len(plan.decode)
+        if cfg.max_prefill_chunk <= cfg.mixed_graph_tokens and 2 * fit >= cfg.max_prefill_chunk:
+            budget = min(budget, fit)
         for req in self.prefilling():
             if budget <= 0:
                 break

@@ -355,6 +355,38 @@ def test_prompts_whole_and_prefix_cache_off_hold_within_their_block_only():
     assert sched.prefix is cache and sched.config is cfg
 
 
+@pytest.mark.parametrize("graph_tokens, decode, chunk", [
+    (16, 5, 11),   # the chunk leaves room for the decode rows: 16 tokens in all
+    (16, 8, 8),    # half the chunk is left: still cut
+    (16, 9, 16),   # under half: the chunk whole, the step past the graphs
+    (0, 5, 16),    # no mixed-step graphs: the chunk whole
+    (12, 2, 16),   # a chunk past the graphs: whole
+])
+def test_a_chunk_leaves_room_in_the_graph_for_the_decode_rows(graph_tokens, decode, chunk):
+    """A chunk that fits mixed_graph_tokens is cut so that the step with its decode rows fits
+    it too (a larger step runs eagerly, bound by the host's launch), unless that would halve
+    it; every prompt token is still computed once."""
+    alloc = PageAllocator(64)
+    cfg = Cfg(block_size=4, num_pages=64, max_batch_tokens=64, max_prefill_chunk=16,
+              mixed_graph_tokens=graph_tokens)
+    sched = Scheduler(cfg, alloc, AdapterManager(alloc, 0))
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    for i in range(decode):
+        sched.add(Request(f"d{i}", [2, 3], sp, None, 0.0))
+    while sched.waiting or len(sched.prefilling()) or not sched.running:  # all decoding
+        plan = sched.schedule(0.0)
+        sched.update(plan, [5] * len(plan.seqs), [None] * len(plan.seqs), 0.0)
+    sched.add(Request("p", list(range(2, 42)), sp, None, 1.0))
+    plan = sched.schedule(1.0)
+    assert len(plan.decode) == decode and plan.chunks == {"p": chunk}
+    done = chunk
+    while done < 40:  # the rest in later steps, each cut the same way
+        sched.update(plan, [5] * len(plan.seqs), [None] * len(plan.seqs), 1.0)
+        plan = sched.schedule(1.0)
+        done += plan.chunks["p"]
+    assert done == 40
+
+
 def test_decode_rows_come_largest_adapter_first():
     """Decode rows are ordered by adapter size (pages), largest first, base-only rows last, and
     rows of equal size keep the running order (MBGMV's expand starts the longest rows first);
