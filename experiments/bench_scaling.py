@@ -188,8 +188,10 @@ class HostPhases:
     preparation, the graph's inputs fed and its replay, the step's own adapter loads and its
     prefetches), the collect's wait for the device ("wait": the sampled tokens' event) and
     the rest of the collect, the scheduler's resolve. A step whose time exceeds its device
-    work shows here where the host spent it. Wraps instance attributes over whatever the
-    methods are now; `close()` puts them back."""
+    work shows here where the host spent it. The phases are those of the `engine.step()` call
+    that collected the step: with async scheduling that call launched the next step, so its
+    schedule and launch phases are the next step's (the first step's own are in no record).
+    Wraps instance attributes over whatever the methods are now; `close()` puts them back."""
 
     def __init__(self, eng: Engine, steps: list[dict]) -> None:
         self.eng, self.steps, self.cur = eng, steps, {}
