@@ -9,10 +9,11 @@
 #   --label NAME    the run's name (default: new): $OUT/NAME.tar.gz holds every log and JSON,
 #                   $OUT/NAME.txt the table; $OUT defaults to results/gpu
 #   --no-tests      the benchmarks alone (a tree whose tests are laid out otherwise)
-#   --bench LIST    of: engine s2 decode serve fp8 dora prefix chunk long shared (default: engine s2 decode);
+#   --bench LIST    of: engine s2 decode serve fp8 dora prefix chunk long shared vllm (default: engine s2 decode);
 #                   serve: S2 via `slora serve`; fp8: bench_fp8's GEMMs; dora: decode + DoRA; prefix: shared-prompt
 #                   trace, caching off/on; chunk: S2 at $CHUNKS (step logs); long: a 100k prompt; shared: S2 on one
-#                   adapter, at popularity alphas 0.1/0.5/1, and the shared-adapter (and half-on-one) decode table
+#                   adapter, at popularity alphas 0.1/0.5/1, and the shared-adapter (and half-on-one) decode table;
+#                   vllm: one LoRA layer, MBGMV beside vLLM's kernels (vllm_peer.py's, in $VLLM_PEER: results/peer)
 #   --quantization fp8  engine, s2 and decode with FP8 base weights (the table names them)
 #   --compare NAME  the table also holds run NAME (an earlier $OUT/NAME.tar.gz), and this one over it
 # Before / after in one call, an older tree copied to results/base (carried to the device): bash
@@ -32,8 +33,7 @@ while [ $# -gt 0 ]; do
     --compare) COMPARE=${2:?}; shift 2 ;;
     --quantization) QUANT=(--quantization "${2:?}"); shift 2 ;;
     *) usage ;;
-  esac
-done
+  esac; done
 OUT=${OUT:-$HERE/results/gpu}; mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 D=$OUT/$LABEL
 rm -rf "$D" "$OUT/$LABEL.tar.gz" && mkdir -p "$D"
@@ -50,8 +50,7 @@ failed=(); step() {  # step NAME SECONDS COMMAND...: COMMAND's output in $D/NAME
   [ "$rc" = 0 ] || { tail -n 5 "$D/$name.log"; failed+=("$name"); }
 }
 if [ "$TESTS" = 1 ]; then
-  xdist=()
-  python3 -c 'import xdist' 2>/dev/null && [ "${JOBS:-8}" != 0 ] && xdist=(-n "${JOBS:-8}")
+  xdist=(); python3 -c 'import xdist' 2>/dev/null && [ "${JOBS:-8}" != 0 ] && xdist=(-n "${JOBS:-8}")
   # the folders whose tests have CUDA paths; the rest of the suite is CPU-only and runs in CI
   step pytest 480 python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/kernels tests/model tests/engine
   [[ " ${failed[*]} " == *" pytest "* ]] || tail -n 1 "$D/pytest.log"
@@ -68,13 +67,14 @@ bench chunk && step chunk 600 python3 $sc "${s2[@]}" --max-prefill-chunk "${CHUN
 bench shared && step shared 600 python3 $sc "${s2[@]}" --part scaling,shared --adapters 1,2000 --alpha 0.1,0.5,1 $(
   grep -q -- --shared-hot $sc && echo --shared-hot 0.5) --out "$D/shared"
 bench long && step long 420 python3 $sc --part long --model experiments/models/llama-3-8b "${QUANT[@]}" --out "$D/long"
+bench vllm && step vllm 240 python3 experiments/bench_kernels.py --only mbgmv --modules 1 \
+  --batches 1,4,16,64,256 --ranks 8,16,64 --vllm "${VLLM_PEER:-$HERE/results/peer}" --out "$D/vllm"
 bench decode && step decode 300 python3 $sc --part decode --batches 32 --breakdown '' "${QUANT[@]}" \
   $(bench dora && echo --dora) --out "$D/decode"
 bench serve && step serve 420 python3 experiments/bench_serve.py --out "$D/serve" && tail -n 12 "$D/serve.log"
 bench prefix && step prefix 300 python3 experiments/bench_prefix.py \
   --profile experiments/profiles/h200-llama2-7b.json --out "$D/prefix" && tail -n 8 "$D/prefix.log"
 tar czf "$OUT/$LABEL.tar.gz" -C "$OUT" "$LABEL" && rm -rf "$D"
-runs=(${COMPARE:+"$OUT/$COMPARE.tar.gz"} "$OUT/$LABEL.tar.gz")
-echo
+runs=(${COMPARE:+"$OUT/$COMPARE.tar.gz"} "$OUT/$LABEL.tar.gz"); echo
 python3 "$HERE/experiments/gpu_table.py" "${runs[@]}" | tee "$OUT/$LABEL.txt"
 [ ${#failed[@]} = 0 ] || { echo "failed: ${failed[*]} (logs in $OUT/$LABEL.tar.gz)"; exit 1; }

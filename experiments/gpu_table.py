@@ -9,8 +9,9 @@ A run holds engine/bench_engine.json, s2/bench_scaling.json, decode/bench_scalin
 fp8/bench_fp8.json, chunk/bench_scaling.json (S2 at several max_prefill_chunk sizes: each
 chunked row's tok/s and p99 inter-token latency beside the unchunked row's),
 long/bench_scaling.json (one long prompt), shared/bench_scaling.json (S2 at other adapter
-counts and popularity alphas, and the shared-adapter decode table), pytest.log and
-commit.txt, any of them missing.
+counts and popularity alphas, and the shared-adapter decode table), vllm/bench_kernels.json
+(MBGMV's one-layer times beside vLLM's Triton LoRA kernels on the same adapters), pytest.log
+and commit.txt, any of them missing.
 Only fields that these files have always carried are read (the rows' gen_tok_s and
 decode_tok_s; scaling rows' output_tok_s; decode rows' step_ms and floor_ms; ceilings;
 bench_fp8's rows; chunk and long rows, which only trees with chunked prefill write), so that
@@ -31,8 +32,9 @@ DATASHEET = {"H200": (4800, 989), "H100": (3350, 989)}
 FILES = {"engine": "engine/bench_engine.json", "s2": "s2/bench_scaling.json",
          "decode": "decode/bench_scaling.json", "fp8": "fp8/bench_fp8.json",
          "chunk": "chunk/bench_scaling.json", "long": "long/bench_scaling.json",
-         "shared": "shared/bench_scaling.json", "tests": "pytest.log", "commit": "commit.txt"}
-BENCHES = ("engine", "s2", "decode", "fp8", "chunk", "long", "shared")
+         "shared": "shared/bench_scaling.json", "vllm": "vllm/bench_kernels.json",
+         "tests": "pytest.log", "commit": "commit.txt"}
+BENCHES = ("engine", "s2", "decode", "fp8", "chunk", "long", "shared", "vllm")
 
 
 def load(src: str) -> dict:
@@ -112,7 +114,13 @@ def rows(run: dict) -> list[tuple[str, float, float, str]]:
         if path == "fp8 unpacked" and old:
             out.append((f"FP8 GEMM {module} x{M}: GB/s", r["weight_GBps"], old["weight_GBps"],
                         "converted"))
-    src = next((d for d in (run["decode"], eng, run.get("fp8")) if d and d.get("ceilings")), None)
+    # one LoRA layer (MBGMV) beside vLLM's Triton LoRA kernels on the same adapters, in us
+    for w in (run.get("vllm") or {}).get("mbgmv") or []:
+        if "us_vllm" in w:
+            out.append((f"LoRA layer, {w['T']} tokens, rank {w['rank']}: us", w["us_ours"],
+                        w["us_vllm"], "vLLM"))
+    src = next((d for d in (run["decode"], eng, run.get("fp8"), run.get("vllm"))
+                if d and d.get("ceilings")), None)
     if src:
         c = src["ceilings"]
         sheet = next((v for k, v in DATASHEET.items() if k in (src.get("gpu") or "")), None)

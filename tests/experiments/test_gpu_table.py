@@ -161,3 +161,19 @@ def test_shared_run_adds_its_s2_rows_and_decode_table(gpu_table, tmp_path):
     assert got["S2 qkvo, 1 adapters: tok/s"] == (7500.0, 7900.0, "no LoRA")
     assert got["S2 qkvo, 2000 adapters, alpha 0.1: tok/s"] == (7100.0, 7900.0, "no LoRA")
     assert got["decode batch 128, 1 adapters, auto: ms/step"] == (10.5, 10.0, "no LoRA")
+
+
+def test_vllm_rows_set_mbgmv_beside_vllms_kernels(gpu_table, tmp_path):
+    """vllm/bench_kernels.json (gpu.sh --bench vllm): a row per (tokens, rank) that timed vLLM's
+    kernels, MBGMV's us beside theirs; a row without them (no --vllm) gives none."""
+    run = write_run(tmp_path / "vllm")
+    (run / "vllm").mkdir()
+    (run / "vllm" / "bench_kernels.json").write_text(json.dumps({"mbgmv": [
+        {"T": 1, "rank": 64, "us_ours": 5.35, "us_vllm": 10.15},
+        {"T": 16, "rank": 8, "us_ours": 6.0, "us_vllm": 12.0},
+        {"T": 256, "rank": 8, "us_ours": 30.0}]}))
+    got = {what: (fig, peer, name) for what, fig, peer, name in
+           gpu_table.rows(gpu_table.load(str(run)))}
+    assert got["LoRA layer, 1 tokens, rank 64: us"] == (5.35, 10.15, "vLLM")
+    assert got["LoRA layer, 16 tokens, rank 8: us"] == (6.0, 12.0, "vLLM")
+    assert not [w for w in got if "256 tokens" in w]
