@@ -188,13 +188,17 @@ class HostPhases:
     preparation, the graph's inputs fed and its replay, the step's own adapter loads and its
     prefetches), the collect's wait for the device ("wait": the sampled tokens' event) and
     the rest of the collect, the scheduler's resolve. A step whose time exceeds its device
-    work shows here where the host spent it. The phases are those of the `engine.step()` call
-    that collected the step: with async scheduling that call launched the next step, so its
-    schedule and launch phases are the next step's (the first step's own are in no record).
-    Wraps instance attributes over whatever the methods are now; `close()` puts them back."""
+    work shows here where the host spent it. Each step gets its own phases: with async
+    scheduling one `engine.step()` call schedules and launches a step and collects an earlier
+    one, so the phases up to a launch go to the plan launched (`pending`, by plan) and join
+    its entry at its collect. Wraps instance attributes over whatever the methods are now;
+    `close()` puts them back."""
 
     def __init__(self, eng: Engine, steps: list[dict]) -> None:
         self.eng, self.steps, self.cur = eng, steps, {}
+        self.is_async = bool(eng.config.async_scheduling)
+        self.pending: dict[int, dict] = {}  # async: id(plan) -> its phases up to its launch
+        self.last: dict | None = None  # async: the phases of the step collected last
         run, graphs = eng.runner, eng.runner.graphs
         self.targets = [(eng.scheduler, "schedule", "schedule"), (eng, "_stage", "stage"),
                         (run, "launch", "launch"), (run.batches, "prepare", "prepare"),
@@ -213,6 +217,7 @@ class HostPhases:
     def _timed(self, fn, phase: str):
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
+            n = len(self.steps)
             try:
                 if phase == "collect" and args and getattr(args[0], "done", None) is not None:
                     args[0].done.synchronize()  # the device's part of the collect, alone
@@ -222,13 +227,28 @@ class HostPhases:
                 return fn(*args, **kwargs)
             finally:
                 self.cur[phase] = self.cur.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+                if self.is_async:
+                    self._attribute(phase, args, len(self.steps) > n)
         return timed
 
+    def _attribute(self, phase: str, args, logged: bool) -> None:
+        """Async scheduling: a launch closes its plan's phases so far; a collect that logged
+        its step gives the entry them and its own; the resolve after it adds to that entry."""
+        if phase == "launch" and args:
+            self.pending[id(args[0])], self.cur = self.cur, {}
+        elif phase == "collect" and args and args[0] is not None:
+            own = self.pending.pop(id(args[0].plan), {})
+            if logged:
+                self.last = self.steps[-1]["host_ms"] = {**own, **self.cur}
+            self.cur = {}
+        elif phase == "resolve" and self.last is not None:
+            self.last["resolve"] = self.last.get("resolve", 0.0) + self.cur.pop("resolve")
+
     def _step(self):
-        self.cur = {}
+        self.cur, self.last = {}, None
         n = len(self.steps)
         out = self.step()
-        if len(self.steps) > n:
+        if not self.is_async and len(self.steps) > n:
             self.steps[-1]["host_ms"] = self.cur
         return out
 

@@ -243,6 +243,29 @@ def test_s2_rows_at_each_prefill_chunk_with_inter_token_latency(bench, tiny_mode
         assert all(v >= 0 for s in steps for v in s["host_ms"].values())
 
 
+def test_host_phases_go_to_the_step_they_timed_under_async_scheduling(bench, tiny_model_dir,
+                                                                      tmp_path):
+    """--step-logs with async scheduling (a call launches a step, then collects the one before
+    it): each step's entry holds its own scheduling and launch, and its own collect. On a CPU
+    the launch computes the step, so the step with every prompt (the first: prompts of 40-60
+    tokens, where the others decode one token a request) has the longest launch (read on the
+    base model's row, whose decode steps launch fewest kernels)."""
+    rows = run_tiny(bench, tiny_model_dir, tmp_path, "--part", "scaling", "--adapters", "2",
+                    "--num-requests", "4", "--input-len", "40,60", "--output-len", "4,6",
+                    "--modules", "qkvo", "--max-prefill-chunk", "0", "--async-scheduling",
+                    "--step-logs")["scaling"]
+    for r in rows:
+        tag = f"chunk0-{r['adapters']}-{r['modules']}"
+        steps = [json.loads(line) for line in (tmp_path / f"steps-{tag}.jsonl").open()]
+        assert len(steps) == r["steps"] and steps[0]["features"]["prefill_tokens"] > 0
+        assert not any(s["features"]["prefill_tokens"] for s in steps[1:])
+        assert all({"schedule", "launch", "collect", "resolve"} <= set(s["host_ms"])
+                   for s in steps)
+        launch = [s["host_ms"]["launch"] for s in steps]
+        if r["modules"] == "none":
+            assert launch[0] == max(launch) > 2 * sorted(launch)[len(launch) // 2]
+
+
 def test_long_prompt_part(bench, tiny_model_dir, tmp_path):
     """--part long: one prompt of many chunks completes; its first-token time and steps."""
     bench.main(["--part", "long", "--model", str(tiny_model_dir), "--device", "cpu",
