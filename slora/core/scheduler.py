@@ -241,7 +241,8 @@ class Scheduler:
         budget = min(budget, cfg.max_prefill_chunk)
         # A chunk that fits the largest mixed-step graph (mixed_graph_tokens) is cut so that
         # the step, decode rows and all, fits it too: a step past it runs eagerly, its launch
-        # bound by the host. Not below half a chunk: past that the step runs whole, eagerly.
+        # bound by the host. Not below half a chunk: past that the chunk stays whole and the
+        # step runs eagerly.
         fit = cfg.mixed_graph_tokens - len(plan.decode)
         if cfg.max_prefill_chunk <= cfg.mixed_graph_tokens and 2 * fit >= cfg.max_prefill_chunk:
             budget = min(budget, fit)
