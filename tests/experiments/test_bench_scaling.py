@@ -247,11 +247,11 @@ def test_host_phases_go_to_the_step_they_timed_under_async_scheduling(bench, tin
                                                                       tmp_path):
     """--step-logs with async scheduling (a call launches a step, then collects the one before
     it): each step's entry holds its own scheduling and launch, and its own collect. On a CPU
-    the launch computes the step, so the step with every prompt (the first: prompts of 40-60
+    the launch computes the step, so the step with every prompt (the first: prompts of 200-240
     tokens, where the others decode one token a request) has the longest launch (read on the
     base model's row, whose decode steps launch fewest kernels)."""
     rows = run_tiny(bench, tiny_model_dir, tmp_path, "--part", "scaling", "--adapters", "2",
-                    "--num-requests", "4", "--input-len", "40,60", "--output-len", "4,6",
+                    "--num-requests", "8", "--input-len", "200,240", "--output-len", "4,6",
                     "--modules", "qkvo", "--max-prefill-chunk", "0", "--async-scheduling",
                     "--step-logs")["scaling"]
     for r in rows:
