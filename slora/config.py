@@ -93,8 +93,8 @@ class EngineConfig:
         decode rows wait, is bounded; a prompt of any length up to max_model_len runs. 0:
         prompts run whole (a prompt longer than max_batch_tokens runs in a step alone).
         Where graphs replay steps with prompts and a chunk fits mixed_graph_tokens, a step's
-        chunk leaves room there for its decode rows (unless that would halve it), so the
-        step replays a graph rather than running eagerly.
+        chunk leaves room there for its decode rows (unless that would leave under half of
+        it), so the step replays a graph rather than running eagerly.
     max_model_len: longest sequence (prompt + output); None means the model's limit, capped by
         what the pool can hold.
     backend: kernels. "auto" is triton on CUDA and torch on CPU.

@@ -15,7 +15,7 @@ order within `schedule`:
    max_prefill_chunk and what max_batch_tokens leaves after the decode rows, go first to the
    next chunks of running requests still prefilling (admission order), then to new prompts.
    A chunk that fits the largest mixed-step CUDA graph (`mixed_graph_tokens`) leaves room
-   in it for the decode rows, unless that would halve it.
+   in it for the decode rows, unless that would leave under half of it.
    A chunk that does not reach the end of its request's known tokens samples nothing
    (`SchedulerPlan.partial`); each request's chunk this step is `SchedulerPlan.chunks`.
 3. Waiting requests are admitted in the policy's order within `max_num_seqs` and that
