@@ -155,13 +155,16 @@ def table(runs: list[dict]) -> str:
                      f"tests: {run['tests'] or 'not run'}")
     per = [{what: (fig, peer, name) for what, fig, peer, name in rows(run)} for run in runs]
     names = {what: name for p in per for what, (_, _, name) in p.items()}
-    head = f"{'benchmark':<36}{'peer (same run)':<16}" + "".join(
+    # the first two columns as wide as their longest entry, two spaces apart
+    w1 = max([len("benchmark")] + [len(what) for what in names]) + 2
+    w2 = max([len("peer (same run)")] + [len(name) for name in names.values()]) + 2
+    head = f"{'benchmark':<{w1}}{'peer (same run)':<{w2}}" + "".join(
         f"{run['label'][:9]:>10}{'peer':>8}{'ratio':>7}" for run in runs)
     if len(runs) > 1:
         head += f"{runs[-1]['label'][:6] + '/' + runs[0]['label'][:6]:>15}"
     lines += ["", head]
     for what, name in names.items():
-        line, figs = f"{what:<36}{name:<16}", []
+        line, figs = f"{what:<{w1}}{name:<{w2}}", []
         for p in per:
             fig, peer, _ = p.get(what, (float("nan"), float("nan"), ""))
             figs.append(fig)

@@ -120,7 +120,9 @@ def test_chunk_rows_sit_beside_the_unchunked_row(gpu_table, tmp_path):
     assert got["S2 none, 0 ad., chunk 1024: ITL p99 ms"] == (50.0, 200.0, "unchunked")
     assert not any("chunk 0" in what for what in got)
     assert got["100000-token prompt: prompt tok/s"][0] == 9000.0
-    assert "chunk 1024: ITL p99 ms" in gpu_table.table([gpu_table.load(str(path))])
+    text = gpu_table.table([gpu_table.load(str(path))])
+    # a label longer than the usual column still stands apart from its peer's name
+    assert "S2 qkvo, 2000 ad., chunk 1024: ITL p99 ms  unchunked" in text
 
 
 def test_popularity_path_and_shared_rows_are_named_by_them(gpu_table, tmp_path):
