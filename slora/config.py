@@ -95,8 +95,9 @@ class EngineConfig:
         Where graphs replay steps with prompts and a chunk fits mixed_graph_tokens, a step's
         chunk leaves room there for its decode rows (unless that would leave under half of
         it), so the step replays a graph rather than running eagerly.
-    max_model_len: longest sequence (prompt + output); None means the model's limit, capped by
-        what the pool can hold.
+    max_model_len: longest sequence (prompt + output); None means the model's context window,
+        capped by what the pool can hold. A value past either is refused (ConfigError) when the
+        engine is built (`max_model_len`).
     backend: kernels. "auto" is triton on CUDA and torch on CPU.
     host_cache_gb: bound of the host-memory LRU tier that holds adapters between disk and the pool.
     policy: queue order, one of `POLICIES` (see slora.core.policies).
@@ -488,6 +489,25 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
     else:
         layers = list(range(n))
     return (window, tuple(layers)) if layers else (None, ())
+
+
+def max_model_len(config: EngineConfig, model: ModelConfig, pool_pages: int) -> int:
+    """The longest sequence (prompt + output) an engine admits: `config.max_model_len`, or
+    (None) the model's context window capped by what a pool of `pool_pages` pages holds. A
+    value set past either bound is refused (ConfigError), not cut down: positions past the
+    model's window were never trained, and a sequence longer than the pool could never run."""
+    limit, pool_tokens = config.max_model_len, pool_pages * config.block_size
+    if limit is None:
+        return min(model.max_position_embeddings, pool_tokens)
+    if limit > model.max_position_embeddings:
+        raise ConfigError(f"EngineConfig.max_model_len={limit}: past the model's context window "
+                          f"(max_position_embeddings {model.max_position_embeddings}); lower it, "
+                          "or leave it None for the model's")
+    if limit > pool_tokens:
+        raise ConfigError(f"EngineConfig.max_model_len={limit}: the pool holds {pool_tokens} "
+                          f"tokens ({pool_pages} pages of {config.block_size}); raise num_pages "
+                          "or gpu_memory_fraction, or lower max_model_len")
+    return limit
 
 
 def round_up(x: int, to: int) -> int:

@@ -26,7 +26,7 @@ import contextlib
 
 import torch
 
-from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv, round_up
+from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv, max_model_len, round_up
 from slora.core.adapters import AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.graphs import StepGraphs, piece_starts
@@ -142,9 +142,7 @@ class ModelRunner:
         self.pool = torch.zeros(model_config.num_layers, self.num_pages + 1, self.page_size,
                                 dtype=self.dtype, device=self.device)
         self.scratch_page = self.num_pages
-        # the longest sequence the engine admits: the model's limit, capped by the pool's size
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 self.num_pages * self.block_size)
+        self.max_model_len = max_model_len(config, model_config, self.num_pages)
         self.cuda = self.device.type == "cuda"
         # the first layer of each piece a step is cut into: its CUDA graphs, and the copies of
         # the adapters it loads itself, each piece waited for before its layers run

@@ -61,7 +61,8 @@ ENGINE_HELP = {
     "max_num_seqs": "most sequences in a batch",
     "max_batch_tokens": "most tokens computed in a step",
     "max_prefill_chunk": "chunked prefill: most prompt tokens a step computes (0: whole prompts)",
-    "max_model_len": "longest sequence (prompt + output); default: the model's, capped by the pool",
+    "max_model_len": "longest sequence (prompt + output); default: the model's, capped by the pool; "
+                     "a value past either is refused",
     "backend": "kernels; auto: triton on CUDA, torch on CPU",
     "host_cache_gb": "host-memory LRU tier for adapters between disk and pool",
     "policy": "queue order",

@@ -33,7 +33,7 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
-from slora.config import DTYPE_BYTES, EngineConfig, ModelConfig
+from slora.config import DTYPE_BYTES, EngineConfig, ModelConfig, max_model_len
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager, synthetic_identity
 from slora.core.pages import KV, PageAllocator
 from slora.core.policies import Policy
@@ -177,8 +177,7 @@ class SimEngine:
         self.adapters = AdapterManager(self.allocator, config.host_cache_bytes)
         self.scheduler = Scheduler(config, self.allocator, self.adapters)
         self.runner = SimRunner(cost, config.mixed_graph_tokens)
-        limit = config.max_model_len or model.max_position_embeddings
-        self.max_model_len = min(limit, config.num_pages * config.block_size)
+        self.max_model_len = max_model_len(config, model, config.num_pages)
         self.check = check
         self.on_step = on_step
         self.steps = 0

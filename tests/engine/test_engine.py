@@ -91,6 +91,20 @@ def test_too_long_prompt_fails_alone(tiny_model_dir):
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 3
 
 
+def test_max_model_len_past_the_model_or_the_pool_is_refused(tiny_model_dir):
+    kw = dict(model=str(tiny_model_dir), device="cpu", dtype="float32", block_size=16)
+    with pytest.raises(ConfigError, match=r"max_model_len=257: past the model's context window "
+                       r"\(max_position_embeddings 256\)"):
+        Engine(EngineConfig(max_model_len=257, num_pages=64, **kw))
+    with pytest.raises(ConfigError, match=r"max_model_len=200: the pool holds 64 tokens "
+                       r"\(4 pages of 16\); raise num_pages"):
+        Engine(EngineConfig(max_model_len=200, num_pages=4, **kw))
+    # unset: the model's window, capped by the pool; set within both: as set
+    assert Engine(EngineConfig(num_pages=4, **kw)).max_model_len == 64
+    assert Engine(EngineConfig(num_pages=64, **kw)).max_model_len == 256
+    assert Engine(EngineConfig(max_model_len=100, num_pages=64, **kw)).max_model_len == 100
+
+
 def test_bad_inputs_are_clear_errors(engine):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)

@@ -18,7 +18,7 @@ import pytest
 import slora.sim.profile
 from slora import Engine, EngineConfig
 from slora.cli import main
-from slora.config import ModelConfig
+from slora.config import ConfigError, ModelConfig
 from slora.sim import CostModel, Profile, simulate
 from slora.sim.simulator import (ProfileOrderWarning, adapter_pages, best_point,
                                  pages_for_memory, parse_sweep, rescale_rate, simulate_point)
@@ -95,6 +95,17 @@ def test_every_request_finishes_or_fails_with_a_reason(policy, num_pages):
     assert run.result["num_failed"] == len(errors) >= 2
     if policy == "abort":
         assert stats["slo_aborted"] > 0
+
+
+def test_max_model_len_is_bounded_as_the_engine_bounds_it():
+    trace = Trace([TraceRequest(0.0, None, 4, prompt_len=100)], {}, {})
+    # 7B: a window of 4,096 positions; 300 pages of 16 tokens hold 4,800
+    assert simulate(trace, _profile_7b(), num_pages=300).engine.max_model_len == 4096
+    assert simulate(trace, _profile_7b(), num_pages=200).engine.max_model_len == 3200
+    with pytest.raises(ConfigError, match=r"max_model_len=5000: past the model's context window"):
+        simulate(trace, _profile_7b(), engine_options=dict(max_model_len=5000), num_pages=400)
+    with pytest.raises(ConfigError, match=r"max_model_len=4000: the pool holds 3200 tokens"):
+        simulate(trace, _profile_7b(), engine_options=dict(max_model_len=4000), num_pages=200)
 
 
 def test_sweep_rescales_rate_and_finds_capacity(tmp_path):
