@@ -95,9 +95,10 @@ class EngineConfig:
         Where graphs replay steps with prompts and a chunk fits mixed_graph_tokens, a step's
         chunk leaves room there for its decode rows (unless that would leave under half of
         it), so the step replays a graph rather than running eagerly.
-    max_model_len: longest sequence (prompt + output); None means the model's context window,
-        capped by what the pool can hold. A value past either is refused (ConfigError) when the
-        engine is built (`max_model_len`).
+    max_model_len: longest sequence (prompt + output); None means the model's
+        max_position_embeddings, capped by what the pool can hold. A value past the model's
+        context window or the pool is refused (ConfigError) when the engine is built
+        (`max_model_len`).
     backend: kernels. "auto" is triton on CUDA and torch on CPU.
     host_cache_gb: bound of the host-memory LRU tier that holds adapters between disk and the pool.
     policy: queue order, one of `POLICIES` (see slora.core.policies).
@@ -493,15 +494,21 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
 
 def max_model_len(config: EngineConfig, model: ModelConfig, pool_pages: int) -> int:
     """The longest sequence (prompt + output) an engine admits: `config.max_model_len`, or
-    (None) the model's context window capped by what a pool of `pool_pages` pages holds. A
-    value set past either bound is refused (ConfigError), not cut down: positions past the
-    model's window were never trained, and a sequence longer than the pool could never run."""
+    (None) the model's `max_position_embeddings` capped by what a pool of `pool_pages` pages
+    holds. A value set past the model's context window (`max_position_embeddings`, times the
+    factor of a linear rope_scaling, as vLLM derives it) or past the pool is refused
+    (ConfigError), not cut down: those positions were never trained, and a sequence longer
+    than the pool could never run."""
     limit, pool_tokens = config.max_model_len, pool_pages * config.block_size
     if limit is None:
         return min(model.max_position_embeddings, pool_tokens)
-    if limit > model.max_position_embeddings:
+    scaling = model.rope_scaling or {}
+    linear = scaling.get("rope_type", scaling.get("type")) == "linear"
+    window = int(model.max_position_embeddings * (scaling.get("factor", 1.0) if linear else 1))
+    if limit > window:
         raise ConfigError(f"EngineConfig.max_model_len={limit}: past the model's context window "
-                          f"(max_position_embeddings {model.max_position_embeddings}); lower it, "
+                          f"({window}: max_position_embeddings {model.max_position_embeddings}"
+                          f"{' x the linear rope_scaling factor' if linear else ''}); lower it, "
                           "or leave it None for the model's")
     if limit > pool_tokens:
         raise ConfigError(f"EngineConfig.max_model_len={limit}: the pool holds {pool_tokens} "

@@ -94,7 +94,7 @@ def test_too_long_prompt_fails_alone(tiny_model_dir):
 def test_max_model_len_past_the_model_or_the_pool_is_refused(tiny_model_dir):
     kw = dict(model=str(tiny_model_dir), device="cpu", dtype="float32", block_size=16)
     with pytest.raises(ConfigError, match=r"max_model_len=257: past the model's context window "
-                       r"\(max_position_embeddings 256\)"):
+                       r"\(256: max_position_embeddings 256\)"):
         Engine(EngineConfig(max_model_len=257, num_pages=64, **kw))
     with pytest.raises(ConfigError, match=r"max_model_len=200: the pool holds 64 tokens "
                        r"\(4 pages of 16\); raise num_pages"):
