@@ -294,6 +294,20 @@ class ModelConfig:
     # sliding layers use rope_theta and rope_scaling like the others.
     rope_local_theta: float | None = None
 
+    @property
+    def rope_kind(self) -> str | None:
+        """rope_scaling's type ("linear" or "llama3"); None without scaling."""
+        s = self.rope_scaling
+        return None if s is None else s.get("rope_type", s.get("type"))
+
+    @property
+    def context_window(self) -> int:
+        """The positions the model serves: max_position_embeddings, times the factor of a
+        linear rope_scaling, as vLLM derives it (a llama3 config already gives the extended
+        length)."""
+        factor = self.rope_scaling["factor"] if self.rope_kind == "linear" else 1
+        return int(self.max_position_embeddings * factor)
+
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
@@ -495,21 +509,18 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
 def max_model_len(config: EngineConfig, model: ModelConfig, pool_pages: int) -> int:
     """The longest sequence (prompt + output) an engine admits: `config.max_model_len`, or
     (None) the model's `max_position_embeddings` capped by what a pool of `pool_pages` pages
-    holds. A value set past the model's context window (`max_position_embeddings`, times the
-    factor of a linear rope_scaling, as vLLM derives it) or past the pool is refused
+    holds. A value set past the model's `context_window` or past the pool is refused
     (ConfigError), not cut down: those positions were never trained, and a sequence longer
     than the pool could never run."""
     limit, pool_tokens = config.max_model_len, pool_pages * config.block_size
     if limit is None:
         return min(model.max_position_embeddings, pool_tokens)
-    scaling = model.rope_scaling or {}
-    linear = scaling.get("rope_type", scaling.get("type")) == "linear"
-    window = int(model.max_position_embeddings * (scaling.get("factor", 1.0) if linear else 1))
-    if limit > window:
+    if limit > model.context_window:
+        linear = " x the linear rope_scaling factor" if model.rope_kind == "linear" else ""
         raise ConfigError(f"EngineConfig.max_model_len={limit}: past the model's context window "
-                          f"({window}: max_position_embeddings {model.max_position_embeddings}"
-                          f"{' x the linear rope_scaling factor' if linear else ''}); lower it, "
-                          "or leave it None for the model's")
+                          f"({model.context_window}: max_position_embeddings "
+                          f"{model.max_position_embeddings}{linear}); lower it, or leave it "
+                          "None for the model's")
     if limit > pool_tokens:
         raise ConfigError(f"EngineConfig.max_model_len={limit}: the pool holds {pool_tokens} "
                           f"tokens ({pool_pages} pages of {config.block_size}); raise num_pages "

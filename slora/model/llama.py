@@ -159,9 +159,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     s = cfg.rope_scaling
     if s is None:
         return inv
-    kind = s.get("rope_type", s.get("type"))
     factor = s["factor"]
-    if kind == "linear":
+    if cfg.rope_kind == "linear":
         return inv / factor
     # llama3: long wavelengths scaled by `factor`, short ones kept, a smooth ramp between.
     low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
