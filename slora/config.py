@@ -38,6 +38,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# The rope_scaling types served (rope_inv_freq in slora/model/llama.py computes each).
+ROPE_KINDS = "linear, llama3, yarn"
 # Checkpoint modules that stack several of LORA_MODULES by output rows, in this order (Phi-3's
 # qkv_proj and gate_up_proj). A LoRA on one is the LoRAs of its parts with its A shared and its
 # B split by the same rows.
@@ -296,17 +298,28 @@ class ModelConfig:
 
     @property
     def rope_kind(self) -> str | None:
-        """rope_scaling's type ("linear" or "llama3"); None without scaling."""
+        """rope_scaling's type (one of ROPE_KINDS); None without scaling."""
         s = self.rope_scaling
         return None if s is None else s.get("rope_type", s.get("type"))
 
     @property
     def context_window(self) -> int:
-        """The positions the model serves: max_position_embeddings, times the factor of a
-        linear rope_scaling, as vLLM derives it (a llama3 config already gives the extended
-        length)."""
-        factor = self.rope_scaling["factor"] if self.rope_kind == "linear" else 1
-        return int(self.max_position_embeddings * factor)
+        """The positions the model serves, as vLLM derives them: max_position_embeddings,
+        times the factor of a linear rope_scaling; with YaRN its original_max_position_embeddings
+        times its factor (or max_position_embeddings, if longer). A llama3 config already
+        gives the extended length."""
+        return int(self._context_window()[0])
+
+    def _context_window(self) -> tuple[float, str]:
+        """(the window, how it is derived: for error messages)."""
+        s, n = self.rope_scaling, self.max_position_embeddings
+        if self.rope_kind == "linear":
+            return n * s["factor"], f"max_position_embeddings {n} x the linear rope_scaling factor"
+        if self.rope_kind == "yarn" and s["original_max_position_embeddings"] * s["factor"] > n:
+            return (s["original_max_position_embeddings"] * s["factor"],
+                    f"original_max_position_embeddings {s['original_max_position_embeddings']} "
+                    "x the yarn rope_scaling factor")
+        return n, f"max_position_embeddings {n}"
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -364,19 +377,22 @@ class ModelConfig:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} is not supported "
                               "(slora rotates every element of a head: 1.0 only)")
         scaling = c.get("rope_scaling") or (rope or None)
+        max_pos = c.get("max_position_embeddings", 4096)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
+            # (HF's Phi-3 reads "su" and "yarn" as LongRoPE)
             if kind in ("longrope", "su", "yarn") and arch == "Phi3ForCausalLM":
                 raise ConfigError(f"{source}: rope_scaling type {kind!r} (Phi-3's LongRoPE, "
                                   "factors switched by sequence length) is not supported; "
                                   "Phi-3 checkpoints without rope_scaling (e.g. the 4k-context "
-                                  "ones) are served (supported types: linear, llama3)")
-            if kind not in ("default", "linear", "llama3"):
+                                  f"ones) are served (supported types: {ROPE_KINDS})")
+            if kind not in ("default", "linear", "llama3", "yarn"):
                 raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported "
-                                  "(supported: linear, llama3)")
+                                  f"(supported: {ROPE_KINDS})")
             if kind == "default":
                 scaling = None
-        max_pos = c.get("max_position_embeddings", 4096)
+            elif kind == "yarn":
+                scaling = _yarn(scaling, c, max_pos, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -415,8 +431,11 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        """The attention scores' scale: 1 / sqrt(query_pre_attn_scalar or head_dim)."""
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        """The attention scores' scale: 1 / sqrt(query_pre_attn_scalar or head_dim), times
+        the square of YaRN's attention factor. (HF multiplies the rotary's cos and sin by that
+        factor, so q and k each carry it; slora rotates without it and scales the scores.)"""
+        m = self.rope_scaling["attention_factor"] if self.rope_kind == "yarn" else 1.0
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * m * m
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window in positions; 0 where it attends to all of them."""
@@ -474,6 +493,45 @@ class ModelConfig:
         return rest + L * linear * dtype_bytes
 
 
+def _yarn(s: dict, c: dict, max_pos: int, gemma3: bool, source: str) -> dict:
+    """A YaRN rope_scaling with every field HF reads settled, as HF settles it: the factor
+    (or max_position_embeddings / original_max_position_embeddings where it is null), the
+    pretraining length (a top-level original_max_position_embeddings first, else the
+    scaling's, else max_position_embeddings), beta_fast / beta_slow (32 / 1), truncate
+    (true), and the attention factor: given, or 0.1 * ln(factor) + 1, or with mscale and
+    mscale_all_dim the ratio of that form at each."""
+    def bad(key, why):
+        return ConfigError(f"{source}: rope_scaling (yarn) {key}={s.get(key)!r} {why}")
+
+    if gemma3:
+        raise ConfigError(f"{source}: rope_scaling type 'yarn' is not supported on Gemma 3 "
+                          "(its sliding layers keep their own unscaled rope; supported: "
+                          "linear)")
+    original = c.get("original_max_position_embeddings") or s.get(
+        "original_max_position_embeddings") or max_pos
+    if not (is_int(original) and original > 0):
+        raise bad("original_max_position_embeddings", "must be an integer > 0")
+    factor = s.get("factor")
+    if factor is None:
+        factor = max_pos / original
+    if not (_of_type(factor, "float") and factor >= 1):
+        raise bad("factor", "must be a number >= 1")
+    for key in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
+        if not _of_type(s.get(key), "float | None") or (s.get(key) or 0) < 0:
+            raise bad(key, "must be a number >= 0 (or null)")
+
+    def mscale(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = float(mscale(m) / mscale(m_all)) if m and m_all else mscale(1)
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "attention_factor": attention, "beta_fast": s.get("beta_fast") or 32,
+            "beta_slow": s.get("beta_slow") or 1, "truncate": bool(s.get("truncate", True))}
+
+
 def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[int, ...]]:
     """(sliding_window, the layers it applies to) as HF reads a config: its `layer_types`
     where it lists them, else the family's rule: Mistral and Phi-3 every layer, Qwen2/3
@@ -508,19 +566,17 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
 
 def max_model_len(config: EngineConfig, model: ModelConfig, pool_pages: int) -> int:
     """The longest sequence (prompt + output) an engine admits: `config.max_model_len`, or
-    (None) the model's `max_position_embeddings` capped by what a pool of `pool_pages` pages
-    holds. A value set past the model's `context_window` or past the pool is refused
-    (ConfigError), not cut down: those positions were never trained, and a sequence longer
-    than the pool could never run."""
+    (None) the model's `context_window` capped by what a pool of `pool_pages` pages holds, as
+    vLLM derives it. A value set past the window or past the pool is refused (ConfigError),
+    not cut down: those positions were never trained, and a sequence longer than the pool
+    could never run."""
     limit, pool_tokens = config.max_model_len, pool_pages * config.block_size
     if limit is None:
-        return min(model.max_position_embeddings, pool_tokens)
+        return min(model.context_window, pool_tokens)
     if limit > model.context_window:
-        linear = " x the linear rope_scaling factor" if model.rope_kind == "linear" else ""
         raise ConfigError(f"EngineConfig.max_model_len={limit}: past the model's context window "
-                          f"({model.context_window}: max_position_embeddings "
-                          f"{model.max_position_embeddings}{linear}); lower it, or leave it "
-                          "None for the model's")
+                          f"({model.context_window}: {model._context_window()[1]}); lower it, "
+                          "or leave it None for the model's")
     if limit > pool_tokens:
         raise ConfigError(f"EngineConfig.max_model_len={limit}: the pool holds {pool_tokens} "
                           f"tokens ({pool_pages} pages of {config.block_size}); raise num_pages "

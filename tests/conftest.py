@@ -31,11 +31,12 @@ CORPUS = [
 ] * 20
 
 # name -> kwargs of the HF config. Small, but covering GQA/MQA, tied embeddings, head_dim that
-# differs from hidden/heads, q/k/v bias (Qwen2), attention_bias (Llama), rope scaling, per-head
-# q/k RMSNorm (Qwen3), fused qkv_proj / gate_up_proj (Phi-3), Gemma 2 / 3 ((1 + w) norms, scaled
-# embeddings, GeGLU, four norms a layer, query_pre_attn_scalar, soft-capping, a rope base of
-# its own on Gemma 3's sliding layers). Sliding windows of 8 tokens, shorter than the tests'
-# prompts plus outputs: on every layer (Mistral, Phi-3), on layer 1 (Qwen3), on layer 0 (Gemma).
+# differs from hidden/heads, q/k/v bias (Qwen2), attention_bias (Llama), rope scaling (linear,
+# llama3, YaRN), per-head q/k RMSNorm (Qwen3), fused qkv_proj / gate_up_proj (Phi-3), Gemma 2
+# / 3 ((1 + w) norms, scaled embeddings, GeGLU, four norms a layer, query_pre_attn_scalar,
+# soft-capping, a rope base of its own on Gemma 3's sliding layers). Sliding windows of 8
+# tokens, shorter than the tests' prompts plus outputs: on every layer (Mistral, Phi-3), on
+# layer 1 (Qwen3), on layer 0 (Gemma).
 # `random_norms` draws every RMSNorm weight around its initial value (HF's ones, or Gemma's
 # zeros) instead of leaving it there, so that a norm applied wrongly shows.
 TINY = {
@@ -52,6 +53,9 @@ TINY = {
                     sliding_window=8),
     "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2,
                   tie_word_embeddings=True),
+    "qwen2_yarn": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                     "original_max_position_embeddings": 64}),
     "qwen3": dict(arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   random_norms=True, use_sliding_window=True, sliding_window=8,
                   max_window_layers=1),

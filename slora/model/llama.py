@@ -2,7 +2,7 @@
 Gemma 2, Gemma 3 (text).
 
 They differ only by configuration (`ModelConfig`): GQA/MQA head counts, head_dim, q/k/v (and
-o) biases, tied embeddings, rope theta and scaling (linear, llama3), Qwen3's and Gemma 3's
+o) biases, tied embeddings, rope theta and scaling (linear, llama3, yarn), Qwen3's and Gemma 3's
 per-head RMSNorm on q and k (`qk_norm`), sliding-window layers (Mistral, Qwen, Phi-3, Gemma);
 Phi-3 differs only in its checkpoint's names (q|k|v and gate|up stored fused, see the loader).
 Gemma adds scaled embeddings, GeGLU, an RMSNorm after attention and after the MLP
@@ -153,7 +153,8 @@ def _to(obj, device, moved: dict | None = None):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies, with linear or llama3 scaling, as HF computes them."""
+    """Rotary inverse frequencies, with linear, llama3 or YaRN scaling, as HF computes them.
+    (YaRN's attention factor is in `cfg.attn_scale`.)"""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling
@@ -162,6 +163,22 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     factor = s["factor"]
     if cfg.rope_kind == "linear":
         return inv / factor
+    if cfg.rope_kind == "yarn":
+        # Dimensions that turn fewer than beta_slow times over the pretraining length are
+        # interpolated (divided by `factor`), those that turn more than beta_fast times are
+        # kept, with a linear ramp between (the YaRN paper's NTK-by-parts).
+        def dim_of(turns):  # the dimension that turns `turns` times over that length
+            return d * math.log(s["original_max_position_embeddings"] / (turns * 2 * math.pi)) \
+                / (2 * math.log(cfg.rope_theta))
+        lo, hi = dim_of(s["beta_fast"]), dim_of(s["beta_slow"])
+        if s["truncate"]:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo if hi != lo else 0.001)
+                ).clamp(0, 1)
+        pos = cfg.rope_theta ** (torch.arange(0, d, 2).float() / d)
+        keep = 1 - ramp
+        return 1.0 / (factor * pos) * (1 - keep) + 1.0 / pos * keep
     # llama3: long wavelengths scaled by `factor`, short ones kept, a smooth ramp between.
     low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_len = s.get("original_max_position_embeddings", 8192)

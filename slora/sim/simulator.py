@@ -155,7 +155,7 @@ class SimEngine:
 
     config: the EngineConfig the simulated engine runs with; `num_pages` must be set (see
         `pages_for_memory`). Device, dtype, backend and CUDA-graph settings do not apply.
-    model: the model's shapes (page size, adapter pages, max_position_embeddings).
+    model: the model's shapes (page size, adapter pages, context window).
     dtype: the pool's dtype, for adapter bytes.
     check: assert the page invariant (`PageAllocator.check`) after every step.
     on_step: called after every step as on_step(plan, start, seconds) (tests record decisions).

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from slora import Engine, EngineConfig, SamplingParams
-from slora.config import LORA_MODULES, ConfigError, ModelConfig
+from slora.config import LORA_MODULES, ConfigError, EngineConfig, ModelConfig, max_model_len
 from slora.model.loader import AdapterError, PeftAdapter, strides
 from tests.conftest import batch_against_peft, peft_greedy
 
@@ -121,6 +121,9 @@ def test_unsupported_phi3_configs_say_why(tiny_models):
     for key in ("rope_scaling", "rope_parameters"):
         with pytest.raises(ConfigError, match="'longrope'.*LongRoPE.*not supported"):
             ModelConfig.from_dict(_config(tiny_models, "phi3", **{key: longrope}))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.raises(ConfigError, match=r"'yarn' \(Phi-3's LongRoPE.*not supported"):
+        ModelConfig.from_dict(_config(tiny_models, "phi3", rope_scaling=yarn))
     with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported"):
         ModelConfig.from_dict(_config(tiny_models, "phi3", partial_rotary_factor=0.5))
     with pytest.raises(ConfigError, match="hidden_act 'gelu' is not supported"):
@@ -168,6 +171,72 @@ def test_configs_as_hf_reads_them(tiny_models):
     assert mistral.sliding_layers == (0, 1) and mistral.window(1) == 16
     llama = ModelConfig.from_dict(_config(tiny_models, "llama", sliding_window=16))
     assert llama.sliding_window is None and llama.sliding_layers == ()
+
+
+YARN = [  # Qwen2.5's long-context setting, DeepSeek's mscale pair, a given attention factor
+    dict(factor=4.0, original_max_position_embeddings=64),
+    dict(factor=4.0, original_max_position_embeddings=32768),
+    dict(factor=40, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=0.707),
+    dict(factor=2.0, attention_factor=1.3, truncate=False, beta_fast=16, beta_slow=2,
+         original_max_position_embeddings=128),
+    dict(factor=None, original_max_position_embeddings=64),  # max_position_embeddings / 64
+]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("yarn", YARN)
+def test_yarn_as_hf_computes_it(tiny_models, kind, yarn):
+    """YaRN's inverse frequencies equal HF's bit for bit, its attention factor is HF's (in
+    attn_scale, squared), and the context window is the pretraining length times the factor
+    (vLLM's rule). The end-to-end greedy match is the "qwen2_yarn" kind of test_vs_hf.py."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from slora.model.llama import rope_inv_freq
+
+    c = _config(tiny_models, kind, rope_scaling={"rope_type": "yarn", **yarn})
+    hf = transformers.AutoConfig.for_model(**c)
+    inv, attention = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = ModelConfig.from_dict(c)
+    assert torch.equal(rope_inv_freq(cfg), inv.float())
+    assert cfg.rope_scaling["attention_factor"] == pytest.approx(attention, rel=1e-12)
+    plain = ModelConfig.from_dict(_config(tiny_models, kind))
+    assert cfg.attn_scale == pytest.approx(plain.attn_scale * attention ** 2, rel=1e-12)
+    factor = yarn["factor"] or 256 / 64
+    assert cfg.context_window == max(256, int(yarn["original_max_position_embeddings"] * factor))
+
+
+def test_yarn_configs_say_why(tiny_models):
+    # a pretraining length at the top level of the config comes first, as in HF
+    top = ModelConfig.from_dict(_config(
+        tiny_models, "qwen2", original_max_position_embeddings=32,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}))
+    assert top.rope_scaling["original_max_position_embeddings"] == 32
+    assert top.context_window == 256  # 32 x 8, not past max_position_embeddings
+    # the window bounds max_model_len: past max_position_embeddings, within 64 x 4
+    long = ModelConfig.from_dict(_config(tiny_models, "qwen2_yarn", max_position_embeddings=64))
+    assert max_model_len(EngineConfig(max_model_len=256, block_size=16), long, 64) == 256
+    assert max_model_len(EngineConfig(block_size=16), long, 64) == 256  # unset: the window
+    with pytest.raises(ConfigError, match=r"max_model_len=257: past the model's context window "
+                       r"\(256: original_max_position_embeddings 64 x the yarn rope_scaling "):
+        max_model_len(EngineConfig(max_model_len=257, block_size=16), long, 64)
+    for bad, why in ((dict(factor=0.5), "factor=0.5 must be a number >= 1"),
+                     (dict(factor="4"), "factor='4' must be a number >= 1"),
+                     (dict(factor=4, original_max_position_embeddings=-1),
+                      "original_max_position_embeddings=-1 must be an integer > 0"),
+                     (dict(factor=4, attention_factor=-1.0),
+                      r"attention_factor=-1.0 must be a number >= 0 \(or null\)")):
+        with pytest.raises(ConfigError, match=r"rope_scaling \(yarn\) " + why):
+            ModelConfig.from_dict(_config(tiny_models, "qwen2",
+                                          rope_scaling={"rope_type": "yarn", **bad}))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(ConfigError, match="'yarn' is not supported on Gemma 3"):
+        ModelConfig.from_dict(_config(tiny_models, "gemma3", rope_parameters={
+            "full_attention": yarn, "sliding_attention": {"rope_type": "default"}}))
+    with pytest.raises(ConfigError, match=r"type 'dynamic' is not supported \(supported: "
+                                          r"linear, llama3, yarn\)"):
+        ModelConfig.from_dict(_config(tiny_models, "llama",
+                                      rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
 
 
 def test_unsupported_gemma_configs_say_why(tiny_models):

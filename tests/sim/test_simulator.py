@@ -106,13 +106,13 @@ def test_max_model_len_is_bounded_as_the_engine_bounds_it():
         simulate(trace, _profile_7b(), engine_options=dict(max_model_len=5000), num_pages=400)
     with pytest.raises(ConfigError, match=r"max_model_len=4000: the pool holds 3200 tokens"):
         simulate(trace, _profile_7b(), engine_options=dict(max_model_len=4000), num_pages=200)
-    # a linear rope_scaling widens the window by its factor (the default stays the model's)
+    # a linear rope_scaling widens the window by its factor, and the default with it
     model = simulate(trace, _profile_7b(), num_pages=300).engine.model
     linear = dataclasses.replace(model, rope_scaling={"rope_type": "linear", "factor": 2.0})
     run = simulate(trace, _profile_7b(), engine_options=dict(max_model_len=8000),
                    num_pages=600, model=linear)
     assert run.engine.max_model_len == 8000
-    assert simulate(trace, _profile_7b(), num_pages=600, model=linear).engine.max_model_len == 4096
+    assert simulate(trace, _profile_7b(), num_pages=600, model=linear).engine.max_model_len == 8192
     with pytest.raises(ConfigError, match=r"\(8192: max_position_embeddings 4096 x the linear"):
         simulate(trace, _profile_7b(), engine_options=dict(max_model_len=8193), num_pages=600,
                  model=linear)
