@@ -77,6 +77,7 @@ class Engine:
         self._ids = itertools.count()
         self._ended: list[Request] = []  # ended outside a step (failed, aborted): reported next step
         self._decoders: dict[str, IncrementalDecoder] = {}  # per running request
+        self._stop_from: dict[str, int] = {}  # request id -> where stop strings may begin
         self._synthetic: dict[tuple, object] = {}  # (rank, targets, seed) -> shared host buffer
         self._tokenizers: dict[str, Tokenizer] = {}  # adapter -> its own (it adds tokens)
         self._flight = None  # async scheduling: the launched step not yet collected
@@ -200,6 +201,9 @@ class Engine:
         if adapter is not None:
             self.adapters.get(adapter)  # raises a clear KeyError for unknown names
         ids = self._encode(prompt, adapter)
+        if sampling.logit_bias:
+            self._check_ids([t for t, _ in sampling.logit_bias], adapter,
+                            "SamplingParams.logit_bias token ids")
         rid = request_id if request_id is not None else str(next(self._ids))
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id={rid!r}: expected a non-empty string")
@@ -254,18 +258,23 @@ class Engine:
                              f"{type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
+        self._check_ids(ids, adapter, "prompt token ids")
+        return ids
+
+    def _check_ids(self, ids: list[int], adapter: str | None, what: str) -> None:
+        """ValueError naming `what` unless every id is in the base vocabulary or one of the
+        tokens `adapter` adds."""
         vocab = self.model_config.vocab_size
         added = self.adapters.get(adapter).layout.added_tokens if adapter is not None else 0
         bad = [t for t in ids if not 0 <= t < vocab + added]
         if bad:
-            what = (f"the vocabulary [0, {vocab + added}) of the base model and adapter "
-                    f"{adapter!r}'s {added} added tokens" if added else
-                    f"the vocabulary [0, {vocab}) of the base model"
-                    + (f" (adapter {adapter!r} adds no tokens)" if adapter else ""))
-            raise ValueError(f"prompt token ids {bad[:5]} are outside {what}; ids past the base "
+            where = (f"the vocabulary [0, {vocab + added}) of the base model and adapter "
+                     f"{adapter!r}'s {added} added tokens" if added else
+                     f"the vocabulary [0, {vocab}) of the base model"
+                     + (f" (adapter {adapter!r} adds no tokens)" if adapter else ""))
+            raise ValueError(f"{what} {bad[:5]} are outside {where}; ids past the base "
                              "vocabulary are an adapter's added tokens, served only with that "
                              "adapter")
-        return ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its final output (finish_reason "abort") comes from the next step."""
@@ -359,7 +368,8 @@ class Engine:
         collect the last one: the host's work for a step overlaps the device's for the one
         before. The scheduler sees this step's tokens as PENDING until they are collected; a
         request found stopped meanwhile drops the token it got in the step that was already
-        running. A step with a sampled (not greedy) row or logprobs is collected at once."""
+        running. A step with a sampled (not greedy) row, logprobs or logits to change
+        (`SamplingParams.changes_logits`) is collected at once."""
         plan = self._plan = self.scheduler.schedule(time.monotonic())
         self._stage(plan)
         flight = self.runner.launch(plan, self.adapters, prev=self._flight)
@@ -410,7 +420,16 @@ class Engine:
             dec = self._decoders[req.request_id] = IncrementalDecoder(
                 self.tokenizer_of(req.adapter))
         text = dec.update(ids)
-        cuts = [at for at in (text.find(s) for s in req.sampling.stop) if at >= 0]
+        # Stop strings count once more than min_tokens tokens are out, and only where they
+        # end in the text past the first min_tokens tokens' (as vLLM checks them).
+        sp, rid = req.sampling, req.request_id
+        cuts = []
+        if len(ids) <= sp.min_tokens:
+            self._stop_from[rid] = len(text)
+        elif sp.stop:
+            start = self._stop_from.get(rid, 0)
+            cuts = [at for at in (text.find(s, max(0, start - len(s) + 1)) for s in sp.stop)
+                    if at >= 0]
         if cuts:
             text = text[:min(cuts)]
             self.scheduler.abort(req, "stop", time.monotonic())
@@ -437,6 +456,7 @@ class Engine:
             if req.finished:
                 self.runner.sampler.release(req.request_id)
                 self._decoders.pop(req.request_id, None)
+                self._stop_from.pop(req.request_id, None)
                 self.requests.pop(req.request_id, None)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

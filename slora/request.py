@@ -19,11 +19,20 @@ def _is_real(x) -> bool:
 class SamplingParams:
     """How to pick tokens, and when to stop (vLLM's names and meanings).
 
-    temperature 0 is greedy. top_k 0 and top_p 1 disable those filters. `seed` makes sampling
-    reproducible per request. `stop` strings end generation and are cut from the text;
-    `stop_token_ids` and EOS (unless `ignore_eos`) end it too. `logprobs=N` returns, for every
-    generated token, a dict token id -> log-prob holding the chosen token and the top N
-    (log-probs of the model's raw distribution, before temperature and filters).
+    temperature 0 is greedy. top_k 0, top_p 1 and min_p 0 disable those filters. `seed` makes
+    sampling reproducible per request. `stop` strings end generation and are cut from the
+    text; `stop_token_ids` and EOS (unless `ignore_eos`) end it too, but not before
+    `min_tokens` tokens (the stop ids are masked until then, and stop strings wait). `logprobs=N`
+    returns, for every generated token, a dict token id -> log-prob holding the chosen token
+    and the top N (log-probs of the model's raw distribution, before any of what follows).
+
+    Before a token is picked, greedy or sampled, the logits are changed in vLLM's order: the
+    stop ids masked (min_tokens), `logit_bias` ({token id: bias in [-100, 100]}) added, then
+    the penalties: `repetition_penalty` (HF's: a logit of a token in the prompt or the output
+    so far divided by it if positive, multiplied if not; 1 is off), `frequency_penalty` times
+    the token's count in the output so far and `presence_penalty` once per token in it,
+    subtracted (OpenAI's, each in [-2, 2]; 0 is off). Sampling then applies temperature,
+    min_p (drops tokens below min_p times the likeliest one's probability), top_k and top_p.
     """
 
     max_tokens: int = 16
@@ -35,10 +44,26 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # {token id: bias}; kept as sorted (id, bias) pairs, so the params stay hashable
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        try:
+            bias = tuple(sorted((k, v) for k, v in (bias or ())))
+        except (TypeError, ValueError):
+            raise ValueError(f"SamplingParams.logit_bias={self.logit_bias!r}: expected a dict "
+                             "{token id: bias}") from None
+        object.__setattr__(self, "logit_bias", bias)
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)):
@@ -62,6 +87,20 @@ class SamplingParams:
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be True or False"),
             (self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
              "must be None or an integer >= 0"),
+            (is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",
+             "must be an integer >= 0"),
+            (not is_int(self.min_tokens) or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must be at most max_tokens={self.max_tokens!r}"),
+            (_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be a number in [0, 1]"),
+            (_is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "presence_penalty", "must be a number in [-2, 2]"),
+            (_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "frequency_penalty", "must be a number in [-2, 2]"),
+            (_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+             "repetition_penalty", "must be a number > 0 (1 is off)"),
+            (all(is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100
+                 for t, b in self.logit_bias), "logit_bias",
+             "must map token ids (integers >= 0) to biases in [-100, 100]"),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -70,6 +109,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the logits are changed before the token is picked (min_tokens, logit_bias,
+        a penalty): then even a greedy row's token is not the raw argmax."""
+        return bool(self.min_tokens or self.logit_bias or self.presence_penalty
+                    or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 class RequestStatus(enum.Enum):

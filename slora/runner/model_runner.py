@@ -45,9 +45,9 @@ from slora.runner.sampling import Sampler, finite_rows, nonfinite_error
 
 class Flight:
     """A launched step: its plan and its sampled tokens, on the device and, once `done`, on
-    the host. Steps whose rows all decode greedily without logprobs copy back the tokens
-    alone (`pipelined`: into pinned memory, without waiting); others keep their logits for
-    the sampler. A graph's logits are its static output, which the next replay overwrites:
+    the host. Steps whose rows all decode greedily without logprobs or logit changes
+    (penalties, logit_bias, min_tokens) copy back the tokens alone (`pipelined`: into pinned
+    memory, without waiting); others keep their logits for the sampler. A graph's logits are its static output, which the next replay overwrites:
     the argmax (or the copy) is taken at launch."""
 
     def __init__(self, plan: SchedulerPlan, logits: torch.Tensor, pipelined: bool,
@@ -56,6 +56,7 @@ class Flight:
         self.tokens = logits.argmax(dim=-1)
         # (a chunk short of its prompt's end samples nothing: its row is not looked at)
         tokens_only = all(r.sampling.greedy and r.sampling.logprobs is None
+                          and not r.sampling.changes_logits
                           for r, s in zip(plan.seqs, plan.samples) if s)
         # (collected at once unless pipelined: no later replay can overwrite the logits)
         self.logits = None if tokens_only else logits.clone() if pipelined else logits

@@ -8,15 +8,18 @@ from slora.request import Request, SamplingParams
 
 
 class Sampler:
-    """Greedy rows take the argmax the runner computed at launch; sampled rows draw from
-    their own generator, seeded by the request's seed or, without one, from `seed`'s stream
-    in the order requests first sample. A request's generator lives until `release`.
+    """Greedy rows take the argmax the runner computed at launch, unless their sampling
+    changes the logits first (`SamplingParams.changes_logits`: `process_logits`); sampled
+    rows draw from their own generator, seeded by the request's seed or, without one, from
+    `seed`'s stream in the order requests first sample. A request's generator (and its
+    prompt's token ids, for a repetition penalty) lives until `release`.
     `vocab`: the base vocabulary, whose logits must be finite (the columns past it, adapters'
     added tokens, are -inf where a row's adapter has none)."""
 
     def __init__(self, seed: int, vocab: int | None = None) -> None:
         self.vocab = vocab
         self.generators: dict[str, torch.Generator] = {}  # request id -> its generator
+        self.prompts: dict[str, torch.Tensor] = {}  # request id -> its prompt's distinct ids
         self.rng = torch.Generator().manual_seed(seed)  # seeds requests without a seed
 
     def sample(self, logits: torch.Tensor, seqs: list[Request], greedy: torch.Tensor,
@@ -42,8 +45,11 @@ class Sampler:
                 if not finite[i]:
                     raise FloatingPointError(nonfinite_error(r))
                 sp = r.sampling
+                row = self.process_logits(logits[i], r) if sp.changes_logits else logits[i]
                 if not sp.greedy:
-                    tokens[i] = self._sample_row(logits[i], sp, r.request_id)
+                    tokens[i] = self._sample_row(row, sp, r.request_id)
+                elif sp.changes_logits:
+                    tokens[i] = int(row.argmax())
                 if sp.logprobs is not None:
                     row = logp[i]
                     entry = {}
@@ -58,8 +64,37 @@ class Sampler:
             out_lp.append(entry)
         return tokens, out_lp, errors
 
+    def process_logits(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
+        """A copy of one row's logits (fp32) changed as `req.sampling` says, in vLLM's order:
+        the stop ids masked while fewer than min_tokens tokens are known, logit_bias added,
+        the repetition penalty on the prompt's and the output's tokens, the frequency and
+        presence penalties on the output's. The output so far is its known tokens (a step
+        still running holds a PENDING place for the token sampled here)."""
+        sp, x = req.sampling, logits.float().clone()
+        known = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]
+        width = x.shape[-1]
+        if len(known) < sp.min_tokens:
+            stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
+            x[[t for t in stops if t < width]] = float("-inf")
+        if sp.logit_bias:
+            ids, bias = zip(*sp.logit_bias)
+            x[list(ids)] += torch.tensor(bias, dtype=x.dtype, device=x.device)
+        out = torch.tensor(known, dtype=torch.long, device=x.device)
+        if sp.repetition_penalty != 1.0:
+            prompt = self.prompts.get(req.request_id)
+            if prompt is None:
+                prompt = self.prompts[req.request_id] = torch.tensor(
+                    req.prompt_token_ids, device=x.device).unique()
+            seen = torch.cat([prompt, out]).unique()
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
+        if (sp.frequency_penalty or sp.presence_penalty) and len(known):
+            ids, counts = out.unique(return_counts=True)
+            x[ids] -= sp.frequency_penalty * counts.to(x.dtype) + sp.presence_penalty
+        return x
+
     def _sample_row(self, logits: torch.Tensor, sp: SamplingParams, request_id: str) -> int:
-        """One token from `logits` with temperature, then top-k, then top-p applied."""
+        """One token from `logits` with temperature, then min-p, top-k and top-p applied."""
         gen = self.generators.get(request_id)
         if gen is None:
             gen = torch.Generator(device=logits.device)
@@ -67,6 +102,9 @@ class Sampler:
             gen.manual_seed(seed)
             self.generators[request_id] = gen
         x = logits / sp.temperature
+        if sp.min_p > 0:
+            probs = torch.softmax(x, dim=-1)
+            x = x.masked_fill(probs < sp.min_p * probs.max(), float("-inf"))
         if sp.top_k and sp.top_k < x.shape[-1]:
             kth = torch.topk(x, sp.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -79,8 +117,9 @@ class Sampler:
         return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gen))
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
+        """Forget a finished request's generator and prompt ids."""
         self.generators.pop(request_id, None)
+        self.prompts.pop(request_id, None)
 
 
 def finite_rows(logits: torch.Tensor, vocab: int | None) -> torch.Tensor:

@@ -12,18 +12,22 @@ unless `do_sample` is set or temperature, top_k or top_p ask for sampling. Token
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from slora.request import RequestOutput
+from slora.request import RequestOutput, SamplingParams
 from slora.server.errors import APIError, sse_error
 from slora.server.generation import EventStream, Generation, until_disconnected
 from slora.server.openai_api import holdback
 from slora.server.protocol import GenerateParameters, GenerateRequest
 from slora.server.state import ServerState
 
-NAMES = {"max_tokens": "max_new_tokens", "logprobs": "return_k_alternatives"}
+# SamplingParams' fields -> the request's names for them (for errors naming the field)
+RENAMED = {"max_tokens": "max_new_tokens", "logprobs": "return_k_alternatives",
+           "ignore_eos": "ignore_eos_token"}
+NAMES = {f.name: f"parameters.{RENAMED.get(f.name, f.name)}" for f in fields(SamplingParams)}
 
 
 def register(app: FastAPI, state: ServerState) -> None:
@@ -44,7 +48,6 @@ def _refuse_unsupported(p: GenerateParameters) -> None:
     refused = {
         "merged_adapters": p.merged_adapters is not None,
         "best_of": p.best_of not in (None, 1),
-        "repetition_penalty": p.repetition_penalty not in (None, 1.0),
         "typical_p": p.typical_p is not None,
         "watermark": p.watermark,
         "decoder_input_details": p.decoder_input_details,
@@ -67,6 +70,7 @@ def _sampling(p: GenerateParameters, details: bool) -> dict:
     return dict(max_tokens=p.max_new_tokens, temperature=temperature if sample else 0.0,
                 top_k=p.top_k or 0, top_p=1.0 if p.top_p is None else p.top_p, seed=p.seed,
                 stop=p.stop, ignore_eos=p.ignore_eos_token,
+                repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
                 logprobs=(p.return_k_alternatives or 0) if details else None)
 
 
@@ -80,7 +84,7 @@ async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_
     state.check_length(ids, "inputs")
     gen = await Generation.open(state, p.adapter_id, lambda _: [ids],
                                 _sampling(p, p.details or stream),
-                                names={k: f"parameters.{v}" for k, v in NAMES.items()},
+                                names=NAMES,
                                 cache_salt=p.cache_salt)
     if stream:
         try:

@@ -174,16 +174,45 @@ def _chat_chunk(state, body, out: RequestOutput, text: str, start: int) -> dict:
 # -- shared
 
 
+# Fields slora does not implement -> whether a request's value asks for them (their neutral
+# values pass: a text response format, no tools, one candidate)
+UNSUPPORTED = {
+    "response_format": lambda v: v is not None and v.get("type") != "text",
+    "tools": bool, "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "best_of": lambda v: v not in (None, 1), "use_beam_search": bool,
+    "guided_json": lambda v: v is not None, "guided_regex": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None, "guided_grammar": lambda v: v is not None,
+    "prompt_logprobs": lambda v: v is not None, "allowed_token_ids": lambda v: v is not None,
+    "bad_words": bool, "include_stop_str_in_output": bool,
+}
+
+
 def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> dict:
     """SamplingParams' keywords of an OpenAI request (temperature defaults to 1, as OpenAI's;
-    top_k -1 disables, as vLLM's)."""
+    top_k -1 disables, as vLLM's; logit_bias keys are token ids written as strings). A field
+    of UNSUPPORTED that asks for something is a 400 naming it."""
+    for field, asks in UNSUPPORTED.items():
+        if asks(getattr(body, field)):
+            raise APIError(400, f"{field} is not supported by slora (structured output, tools, "
+                           "beam search and prompt log-probs are not implemented)", field)
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id (an integer)",
+                           "logit_bias") from None
     return dict(max_tokens=max_tokens,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=0 if body.top_k in (None, -1) else body.top_k,
                 seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
                 stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
-                logprobs=logprobs)
+                logprobs=logprobs, min_tokens=body.min_tokens,
+                min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None
+                else body.repetition_penalty, logit_bias=bias)
 
 
 def _top(probs: dict[int, float], k: int | None) -> list[tuple[int, float]]:

@@ -33,6 +33,13 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float | None = None  # None: 0, as OpenAI
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
+    # vLLM's extensions
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM: logprobs' tokens as "token_id:<id>" (token strings may not be unique)
@@ -40,6 +47,21 @@ class _Sampling(_Body):
     user: str | None = None
     # vLLM: enters the prefix cache's keys; requests of different salts share no cached KV
     cache_salt: str | None = Field(None, min_length=1)
+    # OpenAI's and vLLM's fields that slora does not implement, read only to be refused
+    # (400) when set to anything but their neutral value: `openai_api.UNSUPPORTED`
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list | None = None
+    bad_words: list | None = None
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_Sampling):

@@ -152,6 +152,40 @@ def test_stop_string_streamed_never_sends_text_it_cuts(serve, reference):
     assert events[-1].details.finish_reason == "stop_sequence"
 
 
+def test_penalties_bias_and_min_tokens_reach_the_engine(serve, reference):
+    """OpenAI's penalties and logit_bias (keys as strings), vLLM's repetition_penalty, min_p
+    and min_tokens, and LoRAX's repetition_penalty give the in-process engine's tokens."""
+    prompt, eos = "The quick brown fox", reference.eos_token_ids[0]
+    forced = reference.tokenizer.encode(prompt)[-1]
+    cases = [(dict(frequency_penalty=1.5, presence_penalty=0.5),
+              dict(frequency_penalty=1.5, presence_penalty=0.5)),
+             (dict(logit_bias={str(forced): 100}), dict(logit_bias={forced: 100.0})),
+             (dict(extra_body={"repetition_penalty": 1.7, "min_p": 0.5}),
+              dict(repetition_penalty=1.7, min_p=0.5)),
+             (dict(logit_bias={str(eos): 100}, extra_body={"min_tokens": 3}),
+              dict(logit_bias={eos: 100.0}, min_tokens=3))]
+    with serve() as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        got = [client.completions.create(model="a0", prompt=prompt, max_tokens=MAX_TOKENS,
+                                         temperature=0, logprobs=0, **{
+                                             **kw, "extra_body": {**IDS, **kw.get(
+                                                 "extra_body", {})}}).choices[0]
+               for kw, _ in cases]
+        lx = lorax.Client(live.url).generate(prompt, adapter_id="a0", max_new_tokens=MAX_TOKENS,
+                                             repetition_penalty=1.7)
+    for choice, (_, ours) in zip(got, cases):
+        want = reference.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, **ours),
+                                  adapters="a0")[0]
+        assert _ids(choice.logprobs.tokens) == want.token_ids, ours
+        assert choice.finish_reason == want.finish_reason
+    assert _ids(got[1].logprobs.tokens) == [forced] * MAX_TOKENS
+    ended = _ids(got[3].logprobs.tokens)  # EOS as soon as min_tokens allows
+    assert len(ended) == 4 and ended[-1] == eos and got[3].finish_reason == "stop"
+    want = reference.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS,
+                                                     repetition_penalty=1.7), adapters="a0")[0]
+    assert [t.id for t in lx.details.tokens] == want.token_ids
+
+
 def test_lorax_sync_client_details_and_alternatives(serve, reference):
     with serve() as live:
         client = lorax.Client(live.url)

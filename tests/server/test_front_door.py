@@ -61,11 +61,36 @@ def test_bad_sampling_values_are_400_naming_the_field(live):
              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                        "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
              ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 0}},
-              "parameters.max_new_tokens")]
+              "parameters.max_new_tokens"),
+             ("/v1/completions", {"prompt": "Hi", "presence_penalty": 3}, "presence_penalty"),
+             ("/v1/completions", {"prompt": "Hi", "frequency_penalty": -2.5},
+              "frequency_penalty"),
+             ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
+             ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3},
+              "min_tokens"),
+             ("/v1/completions", {"prompt": "Hi", "min_p": 1.5}, "min_p"),
+             ("/v1/completions", {"prompt": "Hi", "logit_bias": {"3": 500}}, "logit_bias"),
+             ("/generate", {"inputs": "Hi", "parameters": {"repetition_penalty": -1}},
+              "parameters.repetition_penalty")]
     for path, body, param in cases:
         assert param in error_of(post(live, path, body), 400, param)
-    res = post(live, "/generate", {"inputs": "Hi", "parameters": {"repetition_penalty": 1.3}})
-    assert "not supported" in error_of(res, 400, "parameters.repetition_penalty")
+    res = post(live, "/v1/completions", {"prompt": "Hi", "logit_bias": {"abc": 1}})
+    assert "'abc' is not a token id" in error_of(res, 400, "logit_bias")
+    res = post(live, "/v1/completions", {"prompt": "Hi", "logit_bias": {"99999": 1}})
+    assert "logit_bias token ids [99999] are outside the vocabulary" in error_of(res, 400)
+    res = post(live, "/generate", {"inputs": "Hi", "parameters": {"typical_p": 0.5}})
+    assert "not supported" in error_of(res, 400, "parameters.typical_p")
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for field, value in (("response_format", {"type": "json_object"}),
+                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                         ("best_of", 2), ("guided_choice", ["a", "b"]), ("prompt_logprobs", 1),
+                         ("include_stop_str_in_output", True)):
+        res = post(live, "/v1/chat/completions", {**chat, field: value})
+        assert "not supported by slora" in error_of(res, 400, field)
+    # their neutral values pass
+    res = post(live, "/v1/chat/completions", {**chat, "response_format": {"type": "text"},
+                                              "tools": [], "best_of": 1})
+    assert res.status_code == 200, res.text
 
 
 def test_unknown_adapter_is_404(live):
