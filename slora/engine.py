@@ -394,7 +394,8 @@ class Engine:
         """The output text of each request so far, decoded incrementally from its known
         tokens (the full decode once finished). The earliest stop string in a text finishes
         its request (finish_reason "stop", over a length limit hit in the same step) and is
-        cut off with what follows. A request listed twice gets the same text twice."""
+        cut off with what follows (what follows alone with `include_stop_str_in_output`). A
+        request listed twice gets the same text twice."""
         if self.tokenizer is None:
             return [""] * len(reqs)
         texts: dict[str, str] = {}  # request id -> its text: decoded once per call
@@ -423,15 +424,16 @@ class Engine:
         # Stop strings count once more than min_tokens tokens are out, and only where they
         # end in the text past the first min_tokens tokens' (as vLLM checks them).
         sp, rid = req.sampling, req.request_id
-        cuts = []
+        cuts = []  # (where a stop string begins, where it ends)
         if len(ids) <= sp.min_tokens:
             self._stop_from[rid] = len(text)
         elif sp.stop:
             start = self._stop_from.get(rid, 0)
-            cuts = [at for at in (text.find(s, max(0, start - len(s) + 1)) for s in sp.stop)
-                    if at >= 0]
+            cuts = [(at, at + len(s)) for s in sp.stop
+                    if (at := text.find(s, max(0, start - len(s) + 1))) >= 0]
         if cuts:
-            text = text[:min(cuts)]
+            at, end = min(cuts, key=lambda c: (c[0], -c[1]))  # the first; the longest there
+            text = text[:end if sp.include_stop_str_in_output else at]
             self.scheduler.abort(req, "stop", time.monotonic())
             req.finish_reason = "stop"
         elif req.finished:

@@ -21,10 +21,11 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k 0, top_p 1 and min_p 0 disable those filters. `seed` makes
     sampling reproducible per request. `stop` strings end generation and are cut from the
-    text; `stop_token_ids` and EOS (unless `ignore_eos`) end it too, but not before
-    `min_tokens` tokens (the stop ids are masked until then, and stop strings wait). `logprobs=N`
-    returns, for every generated token, a dict token id -> log-prob holding the chosen token
-    and the top N (log-probs of the model's raw distribution, before any of what follows).
+    text (kept with `include_stop_str_in_output`); `stop_token_ids` and EOS (unless
+    `ignore_eos`) end it too, but not before `min_tokens` tokens (the stop ids are masked until
+    then, and stop strings wait). `logprobs=N` returns, for every generated token, a dict
+    token id -> log-prob holding the chosen token and the top N (log-probs of the model's raw
+    distribution, before any of what follows).
 
     Before a token is picked, greedy or sampled, the logits are changed in vLLM's order: the
     stop ids masked (min_tokens), `logit_bias` ({token id: bias in [-100, 100]}) added, then
@@ -49,6 +50,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
     # {token id: bias}; kept as sorted (id, bias) pairs, so the params stay hashable
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()
 
@@ -85,6 +87,8 @@ class SamplingParams:
             (all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be True or False"),
+            (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
+             "must be True or False"),
             (self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
              "must be None or an integer >= 0"),
             (is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",

@@ -183,7 +183,7 @@ UNSUPPORTED = {
     "guided_json": lambda v: v is not None, "guided_regex": lambda v: v is not None,
     "guided_choice": lambda v: v is not None, "guided_grammar": lambda v: v is not None,
     "prompt_logprobs": lambda v: v is not None, "allowed_token_ids": lambda v: v is not None,
-    "bad_words": bool, "include_stop_str_in_output": bool,
+    "bad_words": bool,
 }
 
 
@@ -209,6 +209,7 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
                 seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
                 stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
                 logprobs=logprobs, min_tokens=body.min_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
                 min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None

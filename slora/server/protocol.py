@@ -40,6 +40,7 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM: logprobs' tokens as "token_id:<id>" (token strings may not be unique)
@@ -61,7 +62,6 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = None
     allowed_token_ids: list | None = None
     bad_words: list | None = None
-    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_Sampling):

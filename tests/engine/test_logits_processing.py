@@ -129,7 +129,7 @@ def test_min_p_one_keeps_only_the_likeliest_token(engine):
         engine.generate(PROMPT, SamplingParams(**sp))[0].token_ids
 
 
-def test_stop_strings_wait_for_min_tokens(engine):
+def test_stop_strings_wait_for_min_tokens_and_may_stay(engine):
     full = engine.generate(PROMPT, SamplingParams(max_tokens=NEW, ignore_eos=True))[0]
     stop = next(full.text[i:i + 2] for i in range(len(full.text)) if full.text[i:i + 2].strip()
                 and len(full.text[i:i + 2]) == 2)
@@ -141,6 +141,10 @@ def test_stop_strings_wait_for_min_tokens(engine):
     assert len(late.token_ids) > len(early.token_ids)
     assert late.token_ids == full.token_ids[:len(late.token_ids)]
     assert full.text.startswith(late.text) and len(late.text) > len(early.text)
+    # include_stop_str_in_output keeps the stop string and cuts only what follows it
+    kept = engine.generate(PROMPT, SamplingParams(max_tokens=NEW, ignore_eos=True, stop=stop,
+                                                  include_stop_str_in_output=True))[0]
+    assert kept.token_ids == early.token_ids and kept.text == early.text + stop
 
 
 def test_bad_values_are_clear_errors(engine):

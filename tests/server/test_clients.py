@@ -173,6 +173,9 @@ def test_penalties_bias_and_min_tokens_reach_the_engine(serve, reference):
                for kw, _ in cases]
         lx = lorax.Client(live.url).generate(prompt, adapter_id="a0", max_new_tokens=MAX_TOKENS,
                                              repetition_penalty=1.7)
+        stop_kept = httpx.post(f"{live.url}/v1/completions", json={
+            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [" "],
+            "include_stop_str_in_output": True})
     for choice, (_, ours) in zip(got, cases):
         want = reference.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, **ours),
                                   adapters="a0")[0]
@@ -184,6 +187,10 @@ def test_penalties_bias_and_min_tokens_reach_the_engine(serve, reference):
     want = reference.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS,
                                                      repetition_penalty=1.7), adapters="a0")[0]
     assert [t.id for t in lx.details.tokens] == want.token_ids
+    kept = stop_kept.json()["choices"][0]
+    assert kept["text"] == reference.generate(prompt, SamplingParams(
+        max_tokens=MAX_TOKENS, stop=[" "], include_stop_str_in_output=True))[0].text
+    assert kept["text"].endswith(" ") and kept["finish_reason"] == "stop"
 
 
 def test_lorax_sync_client_details_and_alternatives(serve, reference):

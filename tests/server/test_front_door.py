@@ -84,7 +84,7 @@ def test_bad_sampling_values_are_400_naming_the_field(live):
     for field, value in (("response_format", {"type": "json_object"}),
                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
                          ("best_of", 2), ("guided_choice", ["a", "b"]), ("prompt_logprobs", 1),
-                         ("include_stop_str_in_output", True)):
+                         ("bad_words", ["a"])):
         res = post(live, "/v1/chat/completions", {**chat, field: value})
         assert "not supported by slora" in error_of(res, 400, field)
     # their neutral values pass
