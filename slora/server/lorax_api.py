@@ -78,11 +78,15 @@ async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_
     state.check_accepting()
     p = body.parameters or GenerateParameters()
     _refuse_unsupported(p)
-    ids = state.encode(body.inputs, "inputs")
-    if p.truncate is not None:
-        ids = ids[-p.truncate:]
-    state.check_length(ids, "inputs")
-    gen = await Generation.open(state, p.adapter_id, lambda _: [ids],
+
+    def prompts(adapter: str | None) -> list[list[int]]:
+        ids = state.encode(body.inputs, "inputs", adapter)
+        if p.truncate is not None:
+            ids = ids[-p.truncate:]
+        state.check_length(ids, "inputs")
+        return [ids]
+
+    gen = await Generation.open(state, p.adapter_id, prompts,
                                 _sampling(p, p.details or stream),
                                 names=NAMES,
                                 cache_salt=p.cache_salt)
@@ -128,8 +132,9 @@ def _token(state: ServerState, p: GenerateParameters, out: RequestOutput, j: int
     alternatives = None
     if p.return_k_alternatives:
         top = sorted(probs.items(), key=lambda kv: -kv[1])[:p.return_k_alternatives]
-        alternatives = [{"id": t, "text": state.token_text(t), "logprob": v} for t, v in top]
-    return {"id": tid, "text": state.token_text(tid) if text is None else text,
+        alternatives = [{"id": t, "text": state.token_text(t, out.adapter), "logprob": v}
+                        for t, v in top]
+    return {"id": tid, "text": state.token_text(tid, out.adapter) if text is None else text,
             "logprob": probs[tid], "special": tid in state.eos_token_ids,
             "alternative_tokens": alternatives}
 

@@ -54,24 +54,25 @@ async def _completions(state: ServerState, body: CompletionRequest):
     for field in ("echo", "suffix"):
         if getattr(body, field):
             raise APIError(400, f"{field} is not supported", field)
-    prompts = _prompt_ids(state, body.prompt)
     sampling = _sampling(body, body.max_tokens, body.logprobs)
-    gen = await Generation.open(state, body.model, lambda _: prompts, sampling, body.n,
-                                cache_salt=body.cache_salt)
+    gen = await Generation.open(state, body.model,
+                                lambda adapter: _prompt_ids(state, body.prompt, adapter),
+                                sampling, body.n, cache_salt=body.cache_salt)
     reply = _Reply(state, body, "cmpl", "text_completion")
     return await reply.respond(gen, _completion_chunk, lambda out: {
         "text": out.text, "logprobs": _completion_logprobs(state, body, out, 0, 0)})
 
 
-def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
-    """A completion's prompts as token ids: a string, a list of strings, a token-id list or
-    a list of them."""
+def _prompt_ids(state: ServerState, prompt, adapter: str | None) -> list[list[int]]:
+    """A completion's prompts as token ids (strings with `adapter`'s tokenizer): a string, a
+    list of strings, a token-id list or a list of them."""
     if isinstance(prompt, str):
-        prompts = [state.encode(prompt, "prompt")]
+        prompts = [state.encode(prompt, "prompt", adapter)]
     elif prompt and all(isinstance(t, int) for t in prompt):
         prompts = [list(prompt)]
     else:
-        prompts = [state.encode(p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
+        prompts = [state.encode(p, "prompt", adapter) if isinstance(p, str) else list(p)
+                   for p in prompt]
     if not prompts:
         raise APIError(400, "the prompt list is empty", "prompt")
     for ids in prompts:
@@ -83,14 +84,14 @@ def _completion_logprobs(state, body, out: RequestOutput, start: int, offset: in
     """OpenAI's completion logprobs of tokens `start`.. (text offsets from `offset`)."""
     if out.logprobs is None:
         return None
-    name = _token_name(state, body)
+    name = _token_name(state, body, out.adapter)
     lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, probs in zip(out.token_ids[start:], out.logprobs[start:]):
         lp["tokens"].append(name(tid))
         lp["token_logprobs"].append(probs.get(tid))
         lp["top_logprobs"].append({name(t): v for t, v in _top(probs, body.logprobs)})
         lp["text_offset"].append(offset)
-        offset += len(state.token_text(tid))
+        offset += len(state.token_text(tid, out.adapter))
     return lp
 
 
@@ -108,7 +109,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
 
     def prompts(adapter: str | None) -> list[list[int]]:
         text = _render_chat(state, adapter, messages, body.add_generation_prompt)
-        ids = state.encode(text, "messages", add_special_tokens=False)
+        ids = state.encode(text, "messages", adapter, add_special_tokens=False)
         state.check_length(ids, "messages")
         return [ids]
 
@@ -139,9 +140,9 @@ def _render_chat(state: ServerState, adapter: str | None, messages: list[dict],
                  add_generation_prompt: bool) -> str:
     """The chat prompt: the adapter's own template if its directory has one, else the
     model's."""
-    if state.tokenizer is None:
+    tokenizer = state.tokenizer_of(adapter)
+    if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
-    tokenizer = state.tokenizer
     own = state.adapters.templates.get(adapter) if adapter is not None else None
     if own:
         tokenizer = copy.copy(tokenizer)
@@ -156,7 +157,7 @@ def _render_chat(state: ServerState, adapter: str | None, messages: list[dict],
 def _chat_logprobs(state, body, out: RequestOutput, start: int) -> dict | None:
     if out.logprobs is None:
         return None
-    name = _token_name(state, body)
+    name = _token_name(state, body, out.adapter)
 
     def entry(tid, value):
         text = name(tid)
@@ -220,10 +221,10 @@ def _top(probs: dict[int, float], k: int | None) -> list[tuple[int, float]]:
     return sorted(probs.items(), key=lambda kv: -kv[1])[:k or 0]
 
 
-def _token_name(state: ServerState, body: _Sampling):
+def _token_name(state: ServerState, body: _Sampling, adapter: str | None):
     if body.return_tokens_as_token_ids:
         return lambda tid: f"token_id:{tid}"
-    return state.token_text
+    return lambda tid: state.token_text(tid, adapter)
 
 
 def holdback(text: str, stops) -> int:

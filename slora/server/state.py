@@ -24,6 +24,8 @@ class ServerState:
         self.settings = settings
         eng = engine.engine  # fixed at construction: safe to read from the server's thread
         self.tokenizer = eng.tokenizer
+        self.tokenizer_of = eng.tokenizer_of  # an adapter's own, where it adds tokens
+        self.vocab_size = eng.model_config.vocab_size
         self.max_model_len = eng.max_model_len
         self.max_logprobs = eng.config.max_logprobs
         self.eos_token_ids = frozenset(eng.eos_token_ids)
@@ -58,10 +60,14 @@ class ServerState:
         """The adapter a request's `model` names: None for the base model."""
         return None if model is None or model == self.settings.model_name else model
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
+    def encode(self, text: str, param: str, adapter: str | None = None,
+               add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids, with `adapter`'s tokenizer (its own where it adds tokens: call
+        once the adapter is loaded)."""
+        tokenizer = self.tokenizer_of(adapter)
+        if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send token ids", param)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_length(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -71,8 +77,13 @@ class ServerState:
                            f"{self.max_model_len - 1} (max_model_len {self.max_model_len}, "
                            "prompt and output together)", param)
 
-    def token_text(self, token_id: int) -> str:
-        """One token's text, special tokens included (logprobs, LoRAX token events)."""
+    def token_text(self, token_id: int, adapter: str | None = None) -> str:
+        """One token's text, special tokens included (logprobs, LoRAX token events); a token
+        past the base vocabulary is one `adapter` adds, read with its own tokenizer."""
+        if token_id >= self.vocab_size:
+            tokenizer = self.tokenizer_of(adapter)
+            return "" if tokenizer is None else tokenizer.decode([token_id],
+                                                                  skip_special_tokens=False)
         text = self._token_texts.get(token_id)
         if text is None:
             text = (self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -306,3 +306,49 @@ def test_cuda_graphs_match_eager(added):
         if graphs:
             assert {k[0] for k in engine.runner.graphs.graphs} == {"decode", "mixed"}
     assert results[True] == results[False]
+
+
+def test_served_prompts_and_token_texts_use_the_adapters_tokenizer(added):
+    """Over HTTP (OpenAI and LoRAX routes), an adapter's prompt is encoded with its own
+    tokenizer and its added tokens' texts are its own: the in-process engine's tokens, text
+    and prompt length."""
+    for name in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(name)
+    import httpx
+
+    from slora.async_engine import AsyncEngine
+    from slora.server.app import build_app
+    from slora.server.settings import ServerSettings
+    from slora.server.testing import serve_in_thread
+
+    base, paths = added
+    cfg = EngineConfig(model=str(base), device="cpu", dtype="float32", num_pages=64,
+                       max_added_tokens=4)
+    reference = Engine(cfg)
+    reference.add_adapter("sql", paths["sql"])
+    prompts = ["<sql>The quick brown fox", "Paris is </sql> the"]
+    sp = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=1)
+    wants = reference.generate(prompts, sp, adapters="sql")
+    engine = AsyncEngine(cfg)
+    try:
+        engine.add_adapter("sql", paths["sql"])
+        with serve_in_thread(build_app(engine, ServerSettings(model_name="base"))) as live:
+            answers = [(httpx.post(f"{live.url}/v1/completions", json={
+                "model": "sql", "prompt": p, "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True, "logprobs": 1}).json(),
+                httpx.post(f"{live.url}/generate", json={"inputs": p, "parameters": {
+                    "adapter_id": "sql", "max_new_tokens": NEW, "ignore_eos_token": True,
+                    "details": True}}).json()) for p in prompts]
+    finally:
+        engine.shutdown()
+    tokenizer = reference.tokenizer_of("sql")
+    for (oa, lx), want in zip(answers, wants):
+        assert oa["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+        assert max(want.prompt_token_ids) >= 300  # "<sql>" / "</sql>" as one added token
+        choice = oa["choices"][0]
+        assert choice["text"] == want.text == lx["generated_text"]
+        assert choice["logprobs"]["tokens"] == [
+            tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
+        assert [t["id"] for t in lx["details"]["tokens"]] == want.token_ids
+        assert [t["text"] for t in lx["details"]["tokens"]] == choice["logprobs"]["tokens"]
+    assert any(t >= 300 for want in wants for t in want.token_ids)  # added tokens came out
