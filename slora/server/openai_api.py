@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 from slora.request import RequestOutput
 from slora.server.errors import APIError, sse_error
 from slora.server.generation import EventStream, Generation, until_disconnected
-from slora.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from slora.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   TokenizeRequest, _Sampling)
 from slora.server.state import ServerState
 
 DONE = "data: [DONE]\n\n"
@@ -35,6 +36,14 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await until_disconnected(request, _chat(state, body))
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await _tokenize(state, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await _detokenize(state, body)
+
     @app.get("/v1/models")
     async def models():
         created, base = int(time.time()), state.settings.model_name
@@ -44,6 +53,61 @@ def register(app: FastAPI, state: ServerState) -> None:
         data += [{"id": name, "root": name, "parent": base, **card}
                  for name in state.adapters.names()]
         return {"object": "list", "data": data}
+
+
+# -- tokenize, detokenize (vLLM's)
+
+
+async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
+    """A prompt's or chat's token ids with the tokenizer (and chat template) its model's
+    requests use."""
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give either prompt or messages", "prompt")
+    adapter = await _acquire(state, body.model)
+    try:
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": _content(m.content, i)}
+                        for i, m in enumerate(body.messages)]
+            text = _render_chat(state, adapter, messages, body.add_generation_prompt)
+            ids = state.encode(text, "messages", adapter, bool(body.add_special_tokens))
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = state.encode(body.prompt, "prompt", adapter, special)
+    finally:
+        _release(state, adapter)
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+            "token_strs": None}
+
+
+async def _detokenize(state: ServerState, body: DetokenizeRequest) -> dict:
+    """Token ids' text (special tokens kept), with the tokenizer of the model named; ids past
+    the base vocabulary only where that adapter adds them."""
+    adapter = await _acquire(state, body.model)
+    try:
+        tokenizer = state.tokenizer_of(adapter)
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "tokens")
+        known = tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < known]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {known}) "
+                           f"of {body.model or state.settings.model_name!r}", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    finally:
+        _release(state, adapter)
+
+
+async def _acquire(state: ServerState, model: str | None) -> str | None:
+    """The adapter `model` names (None: the base model), loaded and counted in use."""
+    adapter = state.adapter_of(model)
+    if adapter is not None:
+        await state.adapters.acquire(adapter)
+    return adapter
+
+
+def _release(state: ServerState, adapter: str | None) -> None:
+    if adapter is not None:
+        state.adapters.release(adapter)
 
 
 # -- completions

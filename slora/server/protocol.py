@@ -86,6 +86,21 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 class LoadAdapterRequest(_Body):
     lora_name: str
     lora_path: str

@@ -224,3 +224,25 @@ def test_lorax_example_sends_its_multi_adapter_batch(serve, capsys):
     assert all("(length, 4 tokens)" in line for line in lines[:3])
     answer = lines[1].split(": ", 1)[1].rsplit(" (", 1)[0]
     assert lines[3] == f"a0, streamed: {answer}"  # the stream adds up to the same answer
+
+
+def test_tokenize_and_detokenize(serve, reference):
+    """vLLM's /tokenize (a prompt, or chat messages through the template the model's chats
+    use) and /detokenize give the engine's own token ids and text; bad input is a 400."""
+    prompt = "The quick brown fox"
+    with serve() as live:
+        url = live.url
+        plain = httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()
+        chat = httpx.post(f"{url}/tokenize", json={"model": "chatty", "messages": CHAT}).json()
+        text = httpx.post(f"{url}/detokenize", json={"tokens": plain["tokens"]}).json()
+        both = httpx.post(f"{url}/tokenize", json={"prompt": prompt, "messages": CHAT})
+        past = httpx.post(f"{url}/detokenize", json={"tokens": [0, 10 ** 6]})
+        unknown = httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": prompt})
+    ids = reference.tokenizer.encode(prompt)
+    assert plain == {"count": len(ids), "max_model_len": reference.max_model_len, "tokens": ids,
+                     "token_strs": None}
+    assert chat["tokens"] == chat_prompt(reference, "chatty")  # the adapter's own template
+    assert text == {"prompt": reference.tokenizer.decode(ids, skip_special_tokens=False)}
+    assert both.status_code == 400 and "either prompt or messages" in both.text
+    assert past.status_code == 400 and "[1000000] are outside the vocabulary" in past.text
+    assert unknown.status_code == 404
