@@ -19,9 +19,19 @@ from typing import AsyncIterator, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from slora.config import is_seed
 from slora.request import RequestOutput, SamplingParams
 from slora.server.errors import APIError
 from slora.server.state import ServerState, engine_error, sampling_error
+
+
+def _choice(sampling: dict, j: int) -> dict:
+    """SamplingParams' keywords of choice j of a prompt: its seed moved on by j (wrapping
+    within 64 bits)."""
+    seed = sampling.get("seed")
+    if not j or not is_seed(seed):
+        return sampling
+    return {**sampling, "seed": (seed + j) % (1 << 64) if seed >= 0 else seed + j}
 
 
 class Generation:
@@ -63,7 +73,10 @@ class Generation:
         gen.cache_salt = cache_salt
         try:
             gen.prompts = [ids for ids in prompts(adapter) for _ in range(n)]
-            params = [gen._sampling(ids, sampling, names or {}) for ids in gen.prompts]
+            # the n choices of a prompt are n draws: with a seed, choice j samples with
+            # seed + j (as vLLM's parallel sampling), so they differ and each is reproducible
+            params = [gen._sampling(ids, _choice(sampling, j % n), names or {})
+                      for j, ids in enumerate(gen.prompts)]
             count = len(gen.prompts)
             if state.pending + count > state.settings.max_waiting:
                 raise APIError(503, f"too many requests waiting ({state.pending} of at most "

@@ -129,6 +129,22 @@ def test_n_choices_usage_and_models(serve, reference):
     assert listed["a0"].parent == BASE and listed[BASE].parent is None
 
 
+def test_seeded_choices_differ_and_repeat(serve, reference):
+    """n seeded choices are n draws (choice j with seed + j, as vLLM's): they differ, the
+    same request gives them again, and choice j equals the engine's draw with seed + j."""
+    kw = dict(model=BASE, prompt="The quick brown fox", n=3, max_tokens=MAX_TOKENS,
+              temperature=1.5, seed=11, extra_body={"ignore_eos": True})
+    with serve() as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        first, again = (client.completions.create(**kw) for _ in range(2))
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices] and len(set(texts)) == 3
+    for j, text in enumerate(texts):
+        want = reference.generate("The quick brown fox", SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=1.5, seed=11 + j, ignore_eos=True))[0]
+        assert text == want.text
+
+
 def test_stop_string_streamed_never_sends_text_it_cuts(serve, reference):
     full = reference.generate("Hello world", SamplingParams(max_tokens=12, ignore_eos=True))[0]
     stop = full.text[len(full.text) // 2:][:3]
