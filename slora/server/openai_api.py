@@ -115,14 +115,24 @@ def _release(state: ServerState, adapter: str | None) -> None:
 
 async def _completions(state: ServerState, body: CompletionRequest):
     state.check_accepting()
-    for field in ("echo", "suffix"):
-        if getattr(body, field):
-            raise APIError(400, f"{field} is not supported", field)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", "suffix")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported: it needs the prompt's "
+                       "log-probs, which slora does not compute", "echo")
+    if body.echo and state.tokenizer is None:
+        raise APIError(400, "echo needs a tokenizer to write the prompt's text", "echo")
     sampling = _sampling(body, body.max_tokens, body.logprobs)
     gen = await Generation.open(state, body.model,
                                 lambda adapter: _prompt_ids(state, body.prompt, adapter),
                                 sampling, body.n, cache_salt=body.cache_salt)
     reply = _Reply(state, body, "cmpl", "text_completion")
+    if body.echo:  # each choice's text begins with its prompt: as sent, or its ids' text
+        sent = [body.prompt] if isinstance(body.prompt, str) or all(
+            isinstance(t, int) for t in body.prompt) else body.prompt
+        tokenizer = state.tokenizer_of(gen.adapter)
+        reply.echo = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
+                      for p, ids in zip(sent, gen.prompts[::body.n]) for _ in range(body.n)]
     return await reply.respond(gen, _completion_chunk, lambda out: {
         "text": out.text, "logprobs": _completion_logprobs(state, body, out, 0, 0)})
 
@@ -311,6 +321,7 @@ class _Reply:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = body.model or state.settings.model_name
+        self.echo: list[str] | None = None  # completions' echo: each choice's prompt text
 
     def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -336,6 +347,8 @@ class _Reply:
             gen.close()
         choices = [{"index": i, **choice(out), "finish_reason": out.finish_reason,
                     "stop_reason": None} for i, out in enumerate(outs)]
+        for i, c in enumerate(choices if self.echo else ()):
+            c["text"] = self.echo[i] + c["text"]
         return JSONResponse(self.answer(choices, outs, gen))
 
     async def stream(self, gen: Generation, chunk) -> EventStream:
@@ -365,6 +378,8 @@ class _Reply:
                 # it back (a partial character, a possible stop string), as vLLM streams
                 if not text and not out.finished and len(out.token_ids) == sent_tokens[i]:
                     continue
+                if self.echo and not sent_tokens[i]:  # a choice's first event
+                    text = self.echo[i] + text
                 fields = chunk(state, body, out, text, sent_tokens[i])
                 sent_text[i], sent_tokens[i] = max(end, sent_text[i]), len(out.token_ids)
                 choice = {"index": i, **fields, "finish_reason": out.finish_reason

@@ -262,3 +262,30 @@ def test_tokenize_and_detokenize(serve, reference):
     assert both.status_code == 400 and "either prompt or messages" in both.text
     assert past.status_code == 400 and "[1000000] are outside the vocabulary" in past.text
     assert unknown.status_code == 404
+
+
+def test_echo_puts_each_prompt_before_its_completion(serve, reference):
+    """echo: each choice's text is its prompt (a string as sent, ids as their text) then its
+    completion, streamed or not; with logprobs it is a 400 (no prompt log-probs)."""
+    prompts = ["The quick brown fox", "Paris is"]
+    ids = reference.tokenizer.encode("Hello world")
+    sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    wants = reference.generate(prompts + [ids], sp)
+    with serve() as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        kw = dict(model=BASE, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, n=2,
+                  echo=True, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kw)
+        streamed = ["", "", "", ""]
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                streamed[c.index] += c.text
+        by_ids = client.completions.create(**{**kw, "prompt": ids, "n": 1})
+        refused = httpx.post(f"{live.url}/v1/completions", json={
+            "prompt": "Hi", "echo": True, "logprobs": 1})
+    want = [p + w.text for p, w in zip(prompts, wants) for _ in range(2)]
+    assert [c.text for c in whole.choices] == want == streamed
+    echoed = reference.tokenizer.decode(ids, skip_special_tokens=False)
+    assert echoed.startswith("<s>")  # the ids' text keeps their special tokens
+    assert by_ids.choices[0].text == echoed + wants[2].text
+    assert refused.status_code == 400 and "prompt's log-probs" in refused.text
