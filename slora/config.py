@@ -97,10 +97,9 @@ class EngineConfig:
         Where graphs replay steps with prompts and a chunk fits mixed_graph_tokens, a step's
         chunk leaves room there for its decode rows (unless that would leave under half of
         it), so the step replays a graph rather than running eagerly.
-    max_model_len: longest sequence (prompt + output); None means the model's
-        max_position_embeddings, capped by what the pool can hold. A value past the model's
-        context window or the pool is refused (ConfigError) when the engine is built
-        (`max_model_len`).
+    max_model_len: longest sequence (prompt + output); None means the model's context window
+        (`ModelConfig.context_window`), capped by what the pool can hold. A value past the
+        window or the pool is refused (ConfigError) when the engine is built (`max_model_len`).
     backend: kernels. "auto" is triton on CUDA and torch on CPU.
     host_cache_gb: bound of the host-memory LRU tier that holds adapters between disk and the pool.
     policy: queue order, one of `POLICIES` (see slora.core.policies).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -114,7 +115,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property  # (read for every row of every step: computed once)
     def changes_logits(self) -> bool:
         """Whether the logits are changed before the token is picked (min_tokens, logit_bias,
         a penalty): then even a greedy row's token is not the raw argmax."""

@@ -176,9 +176,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         lo, hi = max(lo, 0), min(hi, d - 1)
         ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo if hi != lo else 0.001)
                 ).clamp(0, 1)
-        pos = cfg.rope_theta ** (torch.arange(0, d, 2).float() / d)
+        pos = cfg.rope_theta ** (torch.arange(0, d, 2).float() / d)  # 1 / inv
         keep = 1 - ramp
-        return 1.0 / (factor * pos) * (1 - keep) + 1.0 / pos * keep
+        return 1.0 / (factor * pos) * (1 - keep) + inv * keep
     # llama3: long wavelengths scaled by `factor`, short ones kept, a smooth ramp between.
     low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_len = s.get("original_max_position_embeddings", 8192)

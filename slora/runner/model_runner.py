@@ -47,8 +47,9 @@ class Flight:
     """A launched step: its plan and its sampled tokens, on the device and, once `done`, on
     the host. Steps whose rows all decode greedily without logprobs or logit changes
     (penalties, logit_bias, min_tokens) copy back the tokens alone (`pipelined`: into pinned
-    memory, without waiting); others keep their logits for the sampler. A graph's logits are its static output, which the next replay overwrites:
-    the argmax (or the copy) is taken at launch."""
+    memory, without waiting); others keep their logits for the sampler. A graph's logits are
+    its static output, which the next replay overwrites: the argmax (or the copy) is taken at
+    launch."""
 
     def __init__(self, plan: SchedulerPlan, logits: torch.Tensor, pipelined: bool,
                  vocab: int | None = None) -> None:

@@ -45,11 +45,11 @@ class Sampler:
                 if not finite[i]:
                     raise FloatingPointError(nonfinite_error(r))
                 sp = r.sampling
-                row = self.process_logits(logits[i], r) if sp.changes_logits else logits[i]
+                x = self.process_logits(logits[i], r) if sp.changes_logits else logits[i]
                 if not sp.greedy:
-                    tokens[i] = self._sample_row(row, sp, r.request_id)
+                    tokens[i] = self._sample_row(x, sp, r.request_id)
                 elif sp.changes_logits:
-                    tokens[i] = int(row.argmax())
+                    tokens[i] = int(x.argmax())
                 if sp.logprobs is not None:
                     row = logp[i]
                     entry = {}
@@ -79,6 +79,8 @@ class Sampler:
         if sp.logit_bias:
             ids, bias = zip(*sp.logit_bias)
             x[list(ids)] += torch.tensor(bias, dtype=x.dtype, device=x.device)
+        if not (sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty):
+            return x
         out = torch.tensor(known, dtype=torch.long, device=x.device)
         if sp.repetition_penalty != 1.0:
             prompt = self.prompts.get(req.request_id)

@@ -66,9 +66,7 @@ class Generation:
         `cache_salt`: the requests' prefix-cache salt (`Engine.add_request`).
         Raises APIError: 404 unknown adapter, 400 bad prompt or sampling, 503 when the
         waiting requests would pass `max_waiting`."""
-        adapter = state.adapter_of(model)
-        if adapter is not None:
-            await state.adapters.acquire(adapter)
+        adapter = await state.acquire(model)
         gen = cls(state, adapter, adapter or state.settings.model_name)
         gen.cache_salt = cache_salt
         try:
@@ -201,8 +199,7 @@ class Generation:
                 self._counted.add(i)
                 self.state.pending -= 1
             self._end(i, "abort")
-        if self.adapter is not None:
-            self.state.adapters.release(self.adapter)
+        self.state.release(self.adapter)
 
 
 async def until_disconnected(request: Request, handler: Awaitable[Response]) -> Response:

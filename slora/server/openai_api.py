@@ -63,18 +63,17 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     requests use."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give either prompt or messages", "prompt")
-    adapter = await _acquire(state, body.model)
+    adapter = await state.acquire(body.model)
     try:
         if body.messages is not None:
-            messages = [{"role": m.role, "content": _content(m.content, i)}
-                        for i, m in enumerate(body.messages)]
-            text = _render_chat(state, adapter, messages, body.add_generation_prompt)
+            text = _render_chat(state, adapter, _messages(body.messages),
+                                body.add_generation_prompt)
             ids = state.encode(text, "messages", adapter, bool(body.add_special_tokens))
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = state.encode(body.prompt, "prompt", adapter, special)
     finally:
-        _release(state, adapter)
+        state.release(adapter)
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
             "token_strs": None}
 
@@ -82,7 +81,7 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
 async def _detokenize(state: ServerState, body: DetokenizeRequest) -> dict:
     """Token ids' text (special tokens kept), with the tokenizer of the model named; ids past
     the base vocabulary only where that adapter adds them."""
-    adapter = await _acquire(state, body.model)
+    adapter = await state.acquire(body.model)
     try:
         tokenizer = state.tokenizer_of(adapter)
         if tokenizer is None:
@@ -94,20 +93,7 @@ async def _detokenize(state: ServerState, body: DetokenizeRequest) -> dict:
                            f"of {body.model or state.settings.model_name!r}", "tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
     finally:
-        _release(state, adapter)
-
-
-async def _acquire(state: ServerState, model: str | None) -> str | None:
-    """The adapter `model` names (None: the base model), loaded and counted in use."""
-    adapter = state.adapter_of(model)
-    if adapter is not None:
-        await state.adapters.acquire(adapter)
-    return adapter
-
-
-def _release(state: ServerState, adapter: str | None) -> None:
-    if adapter is not None:
-        state.adapters.release(adapter)
+        state.release(adapter)
 
 
 # -- completions
@@ -178,8 +164,7 @@ def _completion_chunk(state, body, out: RequestOutput, text: str, start: int) ->
 
 async def _chat(state: ServerState, body: ChatCompletionRequest):
     state.check_accepting()
-    messages = [{"role": m.role, "content": _content(m.content, i)}
-                for i, m in enumerate(body.messages)]
+    messages = _messages(body.messages)
 
     def prompts(adapter: str | None) -> list[list[int]]:
         text = _render_chat(state, adapter, messages, body.add_generation_prompt)
@@ -195,6 +180,11 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
     return await reply.respond(gen, _chat_chunk, lambda out: {
         "message": {"role": "assistant", "content": out.text},
         "logprobs": _chat_logprobs(state, body, out, 0)})
+
+
+def _messages(messages) -> list[dict]:
+    """A request's chat messages as the chat template takes them (text content only)."""
+    return [{"role": m.role, "content": _content(m.content, i)} for i, m in enumerate(messages)]
 
 
 def _content(content, index: int) -> str:

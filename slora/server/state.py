@@ -60,6 +60,18 @@ class ServerState:
         """The adapter a request's `model` names: None for the base model."""
         return None if model is None or model == self.settings.model_name else model
 
+    async def acquire(self, model: str | None) -> str | None:
+        """The adapter `model` names (None: the base model), loaded if need be and counted in
+        use until `release`."""
+        adapter = self.adapter_of(model)
+        if adapter is not None:
+            await self.adapters.acquire(adapter)
+        return adapter
+
+    def release(self, adapter: str | None) -> None:
+        if adapter is not None:
+            self.adapters.release(adapter)
+
     def encode(self, text: str, param: str, adapter: str | None = None,
                add_special_tokens: bool = True) -> list[int]:
         """`text`'s token ids, with `adapter`'s tokenizer (its own where it adds tokens: call
