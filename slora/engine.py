@@ -195,9 +195,11 @@ class Engine:
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
-        if sampling.logprobs is not None and sampling.logprobs > self.config.max_logprobs:
-            raise ValueError(f"SamplingParams.logprobs={sampling.logprobs}: at most "
-                             f"EngineConfig.max_logprobs={self.config.max_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(sampling, name)
+            if n is not None and n > self.config.max_logprobs:
+                raise ValueError(f"SamplingParams.{name}={n}: at most "
+                                 f"EngineConfig.max_logprobs={self.config.max_logprobs}")
         if adapter is not None:
             self.adapters.get(adapter)  # raises a clear KeyError for unknown names
         ids = self._encode(prompt, adapter)
@@ -450,7 +452,9 @@ class Engine:
             token_ids=ids,
             logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None,
             finish_reason=req.finish_reason, finished=req.finished, metrics=req.metrics,
-            error=req.error, num_cached_tokens=req.num_cached_tokens)
+            error=req.error, num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=(list(req.prompt_logprobs)
+                             if req.sampling.prompt_logprobs is not None else None))
 
     def _release(self, reqs: list[Request]) -> None:
         """Forget the finished requests' per-request state: sampler, decoder, id."""

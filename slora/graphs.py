@@ -226,8 +226,8 @@ class StepGraphs:
 
     def fits(self, b: Batch) -> bool:
         n_tok, n_seq = b.input_ids.shape[0], len(b.q_start_list) - 1
-        if n_seq > self.max_batch or b.block_tables.shape[1] > self.max_blocks:
-            return False
+        if n_seq > self.max_batch or b.block_tables.shape[1] > self.max_blocks or b.prompt_rows:
+            return False  # (prompt log-prob rows: more logits rows than a graph's output has)
         return n_tok == b.num_decode or n_tok <= self.mixed_tokens
 
     def feed(self, b: Batch, ids_from_prev: tuple[torch.Tensor, torch.Tensor] | None = None):

@@ -26,7 +26,9 @@ class SamplingParams:
     `ignore_eos`) end it too, but not before `min_tokens` tokens (the stop ids are masked until
     then, and stop strings wait). `logprobs=N` returns, for every generated token, a dict
     token id -> log-prob holding the chosen token and the top N (log-probs of the model's raw
-    distribution, before any of what follows).
+    distribution, before any of what follows). `prompt_logprobs=N` returns the same for every
+    prompt token given the ones before it (None for the first, which has no context); such a
+    request skips the prefix cache, whose pages hold no logits.
 
     Before a token is picked, greedy or sampled, the logits are changed in vLLM's order: the
     stop ids masked (min_tokens), `logit_bias` ({token id: bias in [-100, 100]}) added, then
@@ -46,6 +48,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     min_p: float = 0.0
     presence_penalty: float = 0.0
@@ -91,6 +94,9 @@ class SamplingParams:
             (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
              "must be True or False"),
             (self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
+             "must be None or an integer >= 0"),
+            (self.prompt_logprobs is None
+             or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0), "prompt_logprobs",
              "must be None or an integer >= 0"),
             (is_int(self.min_tokens) and 0 <= self.min_tokens, "min_tokens",
              "must be an integer >= 0"),
@@ -158,6 +164,10 @@ class Request:
     pages have been found in or offered to the cache; `num_cached_tokens` were found cached at
     its last admission (not computed).
 
+    `prompt_logprobs` (asked for by `SamplingParams.prompt_logprobs`): entry p is prompt token
+    p's, None for the first; filled chunk by chunk from the logits of the positions before
+    (`prompt_logprob_rows`). A recompute after a preemption finds the entries it already has.
+
     Counters, between steps: 0 <= num_computed <= num_tokens - 1 once running (the last
     known token is the next step's input), and `num_new` = num_tokens - num_computed is
     what is left to compute: 1 for a decode row, more for a prompt (or a recompute) still
@@ -180,6 +190,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     finish_reason: str | None = None
@@ -203,6 +214,19 @@ class Request:
         assert self.prompt_token_ids, "a request needs at least one prompt token"
         self.metrics = RequestMetrics(self.arrival_time)
         self.cap_length(self.max_len)
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first token's: no context
+            self.cache_prefix = False  # every position's logits are needed
+
+    def prompt_logprob_rows(self, start: int, end: int) -> range:
+        """The positions among start..end-1 (a chunk's) whose logits give prompt log-probs
+        still missing: position q's give prompt token q + 1's. Empty unless asked for. The
+        chunk must begin at or before the first missing one (no skipped prefix)."""
+        if self.sampling.prompt_logprobs is None:
+            return range(0)
+        first = len(self.prompt_logprobs) - 1
+        assert start <= first or first == len(self.prompt_token_ids) - 1, (self, start)
+        return range(max(start, first), min(end, len(self.prompt_token_ids) - 1))
 
     def cap_length(self, max_len: int) -> None:
         """Lower its limit on prompt plus output tokens to `max_len` (if lower)."""
@@ -268,3 +292,6 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
+    # each prompt token's {token id: log-prob} (None for the first), once the prompt has run;
+    # None unless SamplingParams.prompt_logprobs asks
+    prompt_logprobs: list[dict[int, float] | None] | None = None

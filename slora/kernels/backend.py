@@ -83,6 +83,8 @@ class LoraMeta:
     # The decode rows grouped by adapter, when their LoRA runs so (None: MBGMV, a row at a
     # time), in decode-only steps and steps with prompts alike
     dec_segments: DecodeSegments | None = None
+    # A step with prompt log-prob rows: the adapter row of each logits row (Batch.logits_index)
+    head_slot: torch.Tensor | None = None  # int32 [R]
 
 
 class Pending(NamedTuple):
@@ -199,8 +201,9 @@ class TorchBackend:
             self._token_expand(xa, out, pool_l, meta, g)
 
     def head_lora(self, out, x, pool_l, meta: LoraMeta | None) -> None:
-        """Add each sequence's adapter's lm_head LoRA to its logits row `out` [S, vocab] (x
-        [S, hidden]: the normed last hidden states), in place. `pool_l`: the last layer's."""
+        """Add each row's adapter's lm_head LoRA to its logits row `out` [R, vocab] (x [R,
+        hidden]: the normed hidden states of the rows the head picks), in place. `pool_l`:
+        the last layer's."""
         g = meta.groups.get("lm_head") if meta is not None else None
         if g is not None:
             slot = _row_slot(meta)
@@ -437,8 +440,11 @@ class TritonBackend(TorchBackend):
 
 
 def _row_slot(meta: LoraMeta) -> torch.Tensor:
-    """The adapter row of each sequence (each logits row): the segments' in a step with
-    prompts, else the decode rows' own."""
+    """The adapter row of each logits row: `head_slot` where prompt log-prob rows follow the
+    sequences', else each sequence's: the segments' in a step with prompts, else the decode
+    rows' own."""
+    if meta.head_slot is not None:
+        return meta.head_slot
     return meta.seg_slot if meta.seg_slot is not None else meta.token_slot
 
 

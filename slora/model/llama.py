@@ -96,7 +96,8 @@ class Batch:
 
     Sequence s owns tokens q_start_list[s]:q_start_list[s+1]; the first `num_decode`
     sequences are decode rows (one token each). ctx_lens[s] counts its cached tokens including
-    the new ones. `logits_index` picks each sequence's last token. Fields named `_list` are
+    the new ones. `logits_index` picks each sequence's last token, then the prompt positions
+    whose logits give prompt log-probs (`prompt_rows`). Fields named `_list` are
     host lists for the code that loops or sizes grids on the host; their tensor twins are what
     kernels read.
     """
@@ -110,7 +111,7 @@ class Batch:
     q_start_list: list[int]  # [S+1]
     q_start_tensor: torch.Tensor  # int32 [S+1], q_start_list as a tensor (the prefill kernels)
     num_decode: int
-    logits_index: torch.Tensor  # [S]
+    logits_index: torch.Tensor  # [S + sum of prompt_rows' counts]
     lora: object | None  # kernels.LoraMeta, None when no row has an adapter
     # Steps with prompts: the prefill attention kernel's work list, the prompts' tiles
     # (slora.kernels.tiles), and how many programs walk it (None: one per tile).
@@ -119,6 +120,9 @@ class Batch:
     # Steps with prompts and decode rows: the context lengths of the first n sequences, for
     # the decode attention kernel (the decode rows; a graph's bucket pads it with 1s).
     dec_ctx_lens: torch.Tensor | None = None  # int32 [n]
+    # Prompt log-probs: (sequence, first position, count) of the logits rows after the S
+    # sequences' own, in order: that sequence's positions first.. first+count-1 (host only).
+    prompt_rows: tuple[tuple[int, int, int], ...] = ()
 
     def to(self, device: torch.device) -> "Batch":
         """The same batch with every tensor on `device` (host-side lists stay)."""
@@ -239,7 +243,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, b: Batch, pool: torch.Tensor) -> torch.Tensor:
-        """Logits [S, vocab] in float32 for each sequence's last token."""
+        """Logits in float32 of each sequence's last token (and the prompt log-prob rows)."""
         return self.head(b, self.layers(b, pool, self.embed(b, pool), 0, self.num_layers), pool)
 
     @torch.inference_mode()
@@ -320,10 +324,11 @@ class LlamaModel:
     @torch.inference_mode()
     def head(self, b: Batch, h: Hidden, pool: torch.Tensor,
              out: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [S, vocab + max_added] in float32 of each sequence's last token, from the
-        last layer's residual stream, with each sequence's adapter's lm_head LoRA and added
-        tokens' logits (their rows in the last layer's slot of the adapter's pages). `out`
-        (float32 [S, vocab + max_added]): written and returned instead of a new tensor."""
+        """Logits [R, vocab + max_added] in float32 of the rows `b.logits_index` picks (each
+        sequence's last token, then any prompt log-prob positions), from the last layer's
+        residual stream, with each row's adapter's lm_head LoRA and added tokens' logits
+        (their rows in the last layer's slot of the adapter's pages). `out` (float32 [R,
+        vocab + max_added]): written and returned instead of a new tensor."""
         x = (h.x + h.down)[b.logits_index]
         x = self.backend.rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
         logits = self.backend.linear(x, self.w.lm_head)

@@ -63,12 +63,18 @@ class BatchBuilder:
         """The step's batch as host tensors: decode rows first, then the prompts' tokens. Each
         row computes positions num_computed .. + its chunk (`SchedulerPlan.new_tokens`) and
         attends to every position before its own: a chunk's context is its cached prefix and
-        itself (ctx_lens = the chunk's end)."""
+        itself (ctx_lens = the chunk's end). The logits rows are each sequence's last token,
+        then the chunk positions that give prompt log-probs (`Request.prompt_logprob_rows`)."""
         seqs, bs = plan.seqs, self.block_size
         ids, positions, slots, q_start, ctx = [], [], [], [0], []
-        for r in seqs:
+        prompt_rows, prompt_index = [], []
+        for i, r in enumerate(seqs):
             start, table = r.num_computed, r.block_table
             end = start + plan.new_tokens(r)
+            rows = r.prompt_logprob_rows(start, end)
+            if rows:
+                prompt_rows.append((i, rows.start, len(rows)))
+                prompt_index += range(len(ids) + rows.start - start, len(ids) + rows.stop - start)
             ids += r.token_ids_from(start, end)
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -86,8 +92,9 @@ class BatchBuilder:
             q_start_list=q_start,
             q_start_tensor=torch.tensor(q_start, dtype=torch.int32),
             num_decode=len(plan.decode),
-            logits_index=torch.tensor(q_start[1:]) - 1,
+            logits_index=torch.tensor([q - 1 for q in q_start[1:]] + prompt_index),
             lora=None,
+            prompt_rows=tuple(prompt_rows),
         )
         d = batch.num_decode
         if d < len(seqs):  # prompts: the prefill kernel's work list; decode rows: their own
@@ -133,6 +140,10 @@ class BatchBuilder:
                                       dtype=torch.int32)
             if num_decode:
                 meta.dec_slot = meta.token_slot[:num_decode]
+        if batch.prompt_rows:
+            meta.head_slot = torch.tensor(
+                seq_slot + [seq_slot[i] for i, _, count in batch.prompt_rows
+                            for _ in range(count)], dtype=torch.int32)
         return meta
 
     def decode_segments(self, slots: list[int], nbytes: list[int]) -> DecodeSegments | None:

@@ -49,16 +49,18 @@ class Flight:
     (penalties, logit_bias, min_tokens) copy back the tokens alone (`pipelined`: into pinned
     memory, without waiting); others keep their logits for the sampler. A graph's logits are
     its static output, which the next replay overwrites: the argmax (or the copy) is taken at
-    launch."""
+    launch. `prompt_rows`: the batch's prompt log-prob rows (`Batch.prompt_rows`), the
+    logits rows after the sequences'."""
 
     def __init__(self, plan: SchedulerPlan, logits: torch.Tensor, pipelined: bool,
-                 vocab: int | None = None) -> None:
+                 vocab: int | None = None, prompt_rows: tuple = ()) -> None:
         self.plan = plan
+        self.prompt_rows = prompt_rows
         self.tokens = logits.argmax(dim=-1)
         # (a chunk short of its prompt's end samples nothing: its row is not looked at)
-        tokens_only = all(r.sampling.greedy and r.sampling.logprobs is None
-                          and not r.sampling.changes_logits
-                          for r, s in zip(plan.seqs, plan.samples) if s)
+        tokens_only = not prompt_rows and all(
+            r.sampling.greedy and r.sampling.logprobs is None and not r.sampling.changes_logits
+            for r, s in zip(plan.seqs, plan.samples) if s)
         # (collected at once unless pipelined: no later replay can overwrite the logits)
         self.logits = None if tokens_only else logits.clone() if pipelined else logits
         self.host, self.done = None, None
@@ -317,8 +319,9 @@ class ModelRunner:
                 logits = self.run(batch, pairs, tokens, loads, prefetch, adapters)
             except Exception as e:
                 raise self.tp.fail(e) from e
-        return None if logits is None else Flight(plan, logits, self.config.async_scheduling,
-                                                  self.model_config.vocab_size)
+        return None if logits is None else Flight(
+            plan, logits, self.config.async_scheduling, self.model_config.vocab_size,
+            batch.prompt_rows if batch is not None else ())
 
     def run(self, batch: Batch | None, pairs, prev_tokens, loads, prefetch,
             adapters: AdapterManager | None) -> torch.Tensor | None:
@@ -396,7 +399,8 @@ class ModelRunner:
 
     def collect(self, flight: Flight | None):
         """(tokens, logprobs, errors) of a launched step (waits for it); `errors`: {row:
-        message} for the rows that failed alone (see `Sampler.sample`)."""
+        message} for the rows that failed alone (see `Sampler.sample`). Prompt log-probs go
+        straight onto their requests (`Request.prompt_logprobs`)."""
         if flight is None:
             return [], [], {}
         if flight.tokens_only:
@@ -407,5 +411,8 @@ class ModelRunner:
             errors = {i: nonfinite_error(seqs[i]) for i, t in enumerate(tokens)
                       if t < 0 and samples[i]}
             return tokens, [None] * len(seqs), errors
-        return self.sampler.sample(flight.logits, flight.plan.seqs, flight.tokens,
-                                   flight.plan.samples)
+        seqs, logits = flight.plan.seqs, flight.logits
+        if flight.prompt_rows:
+            self.sampler.prompt_logprobs(logits[len(seqs):], seqs, flight.prompt_rows)
+            logits = logits[:len(seqs)]
+        return self.sampler.sample(logits, seqs, flight.tokens[:len(seqs)], flight.plan.samples)

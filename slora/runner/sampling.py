@@ -64,6 +64,29 @@ class Sampler:
             out_lp.append(entry)
         return tokens, out_lp, errors
 
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, seqs: list[Request], rows) -> None:
+        """Append prompt log-probs to the requests they belong to: `rows` ((sequence, first
+        position, count), `Batch.prompt_rows`) name the rows of `logits` in order; position
+        q's row gives prompt token q + 1's entry, {token id: log-prob} of the raw distribution
+        holding that token and the top `prompt_logprobs`."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        nxt = [t for i, q, n in rows for t in seqs[i].prompt_token_ids[q + 1:q + 1 + n]]
+        nxt_t = torch.tensor(nxt, device=logp.device)
+        chosen = logp.gather(1, nxt_t[:, None])[:, 0].tolist()
+        k = min(max(seqs[i].sampling.prompt_logprobs for i, _, _ in rows), logp.shape[-1])
+        top_v, top_i = torch.topk(logp, k) if k else (logp[:, :0], nxt_t[:, None][:, :0])
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        at = 0
+        for i, q, n in rows:
+            req, want = seqs[i], seqs[i].sampling.prompt_logprobs
+            assert len(req.prompt_logprobs) == q + 1, (req, q)  # (no gap, no repeat)
+            for j in range(at, at + n):
+                entry = dict(zip(top_i[j][:want], top_v[j][:want]))
+                entry[nxt[j]] = chosen[j]
+                req.prompt_logprobs.append(entry)
+            at += n
+
     def process_logits(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
         """A copy of one row's logits (fp32) changed as `req.sampling` says, in vLLM's order:
         the stop ids masked while fewer than min_tokens tokens are known, logit_bias added,

@@ -51,24 +51,28 @@ class Generation:
         self._buffer: list[tuple[int, RequestOutput]] = []
         self._closed = False
         self.cache_salt: str | None = None
+        self.view: Callable[[RequestOutput], RequestOutput] | None = None
 
     @classmethod
     async def open(cls, state: ServerState, model: str | None,
                    prompts: Callable[[str | None], list[list[int]]], sampling: dict,
                    n: int = 1, names: dict[str, str] | None = None,
-                   cache_salt: str | None = None) -> "Generation":
+                   cache_salt: str | None = None,
+                   view: Callable[[RequestOutput], RequestOutput] | None = None) -> "Generation":
         """Check everything, then start the engine requests.
 
         `model`: the base model's name or an adapter's (loaded on first use). `prompts`: the
         prompts' token ids for the adapter (its chat template may differ). `sampling`:
         SamplingParams' keywords; max_tokens None means up to the model's length.
         `names`: SamplingParams field -> the request's name for it, for error messages.
-        `cache_salt`: the requests' prefix-cache salt (`Engine.add_request`).
+        `cache_salt`: the requests' prefix-cache salt (`Engine.add_request`). `view`: what
+        the consumer sees of each output (default: the output as it is).
         Raises APIError: 404 unknown adapter, 400 bad prompt or sampling, 503 when the
         waiting requests would pass `max_waiting`."""
         adapter = await state.acquire(model)
         gen = cls(state, adapter, adapter or state.settings.model_name)
         gen.cache_salt = cache_salt
+        gen.view = view
         try:
             gen.prompts = [ids for ids in prompts(adapter) for _ in range(n)]
             # the n choices of a prompt are n draws: with a seed, choice j samples with
@@ -95,9 +99,11 @@ class Generation:
             kw["max_tokens"] = self.state.max_model_len - len(ids)
         try:
             sp = SamplingParams(**kw)
-            if sp.logprobs is not None and sp.logprobs > self.state.max_logprobs:
-                raise ValueError(f"SamplingParams.logprobs={sp.logprobs}: at most "
-                                 f"{self.state.max_logprobs} (--max-logprobs)")
+            for name in ("logprobs", "prompt_logprobs"):
+                k = getattr(sp, name)
+                if k is not None and k > self.state.max_logprobs:
+                    raise ValueError(f"SamplingParams.{name}={k}: at most "
+                                     f"{self.state.max_logprobs} (--max-logprobs)")
         except ValueError as e:
             raise sampling_error(e, names) from None
         return sp
@@ -127,6 +133,8 @@ class Generation:
             else:  # refused at submission (an adapter unloaded meanwhile): it never ran
                 self.ended.add(i)
             raise engine_error(item)
+        if self.view is not None:
+            item = self.view(item)
         self._observe(i, item, now)
         if item.finished:
             self._end(i, item.finish_reason)

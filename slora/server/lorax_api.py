@@ -50,7 +50,6 @@ def _refuse_unsupported(p: GenerateParameters) -> None:
         "best_of": p.best_of not in (None, 1),
         "typical_p": p.typical_p is not None,
         "watermark": p.watermark,
-        "decoder_input_details": p.decoder_input_details,
         "response_format": p.response_format is not None,
     }
     for field, asked in refused.items():
@@ -71,13 +70,17 @@ def _sampling(p: GenerateParameters, details: bool) -> dict:
                 top_k=p.top_k or 0, top_p=1.0 if p.top_p is None else p.top_p, seed=p.seed,
                 stop=p.stop, ignore_eos=p.ignore_eos_token,
                 repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
-                logprobs=(p.return_k_alternatives or 0) if details else None)
+                logprobs=(p.return_k_alternatives or 0) if details else None,
+                prompt_logprobs=0 if details and p.decoder_input_details else None)
 
 
 async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_list: bool):
     state.check_accepting()
     p = body.parameters or GenerateParameters()
     _refuse_unsupported(p)
+    if p.decoder_input_details and stream:
+        raise APIError(400, "parameters.decoder_input_details is not streamed (as in TGI); "
+                       "ask without stream", "parameters.decoder_input_details")
 
     def prompts(adapter: str | None) -> list[list[int]]:
         ids = state.encode(body.inputs, "inputs", adapter)
@@ -104,7 +107,11 @@ async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_
     answer = {"generated_text": _full_text(body, p, out)}
     if p.details:
         tokens = [_token(state, p, out, j) for j in range(len(out.token_ids))]
-        answer["details"] = {**_details(state, p, out), "prefill": [], "tokens": tokens,
+        # the prompt's tokens with decoder_input_details (the first one's log-prob null)
+        prefill = [{"id": t, "text": state.token_text(t, out.adapter),
+                    "logprob": None if probs is None else probs[t]}
+                   for t, probs in zip(out.prompt_token_ids, out.prompt_logprobs or ())]
+        answer["details"] = {**_details(state, p, out), "prefill": prefill, "tokens": tokens,
                              "best_of_sequences": None}
     return JSONResponse([answer] if as_list else answer)
 

@@ -10,6 +10,7 @@ could be that string's beginning is held back. Usage counts each prompt once, wh
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 import uuid
@@ -103,15 +104,20 @@ async def _completions(state: ServerState, body: CompletionRequest):
     state.check_accepting()
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported: it needs the prompt's "
-                       "log-probs, which slora does not compute", "echo")
     if body.echo and state.tokenizer is None:
         raise APIError(400, "echo needs a tokenizer to write the prompt's text", "echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens=0 needs echo (the prompt alone, scored with logprobs)",
+                       "max_tokens")
     sampling = _sampling(body, body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:  # the prompt's tokens' log-probs too
+        sampling["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
+    if body.max_tokens == 0:  # one token is generated, and dropped (`_prompt_only`)
+        sampling["max_tokens"] = 1
     gen = await Generation.open(state, body.model,
                                 lambda adapter: _prompt_ids(state, body.prompt, adapter),
-                                sampling, body.n, cache_salt=body.cache_salt)
+                                sampling, body.n, cache_salt=body.cache_salt,
+                                view=_prompt_only if body.max_tokens == 0 else None)
     reply = _Reply(state, body, "cmpl", "text_completion")
     if body.echo:  # each choice's text begins with its prompt: as sent, or its ids' text
         sent = [body.prompt] if isinstance(body.prompt, str) or all(
@@ -120,7 +126,8 @@ async def _completions(state: ServerState, body: CompletionRequest):
         reply.echo = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
                       for p, ids in zip(sent, gen.prompts[::body.n]) for _ in range(body.n)]
     return await reply.respond(gen, _completion_chunk, lambda out: {
-        "text": out.text, "logprobs": _completion_logprobs(state, body, out, 0, 0)})
+        "text": out.text, "logprobs": _completion_logprobs(state, body, out, 0),
+        **_prompt_logprobs_field(state, body, out)})
 
 
 def _prompt_ids(state: ServerState, prompt, adapter: str | None) -> list[list[int]]:
@@ -140,23 +147,51 @@ def _prompt_ids(state: ServerState, prompt, adapter: str | None) -> list[list[in
     return prompts
 
 
-def _completion_logprobs(state, body, out: RequestOutput, start: int, offset: int) -> dict | None:
-    """OpenAI's completion logprobs of tokens `start`.. (text offsets from `offset`)."""
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """A max_tokens=0 completion's output: the token generated to run the prompt dropped."""
+    return dataclasses.replace(out, text="", token_ids=[],
+                               logprobs=None if out.logprobs is None else [])
+
+
+def _completion_logprobs(state, body, out: RequestOutput, start: int) -> dict | None:
+    """OpenAI's completion logprobs of the output tokens `start`.., led by the prompt's when
+    echoed from the first (its first token's log-prob null: it has no context). Text
+    offsets count from the first token these logprobs hold."""
     if out.logprobs is None:
         return None
     name = _token_name(state, body, out.adapter)
     lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for tid, probs in zip(out.token_ids[start:], out.logprobs[start:]):
+    tokens = list(zip(out.token_ids[start:], out.logprobs[start:]))
+    if body.echo and not start:
+        tokens = list(zip(out.prompt_token_ids, out.prompt_logprobs)) + tokens
+    offset = 0
+    for tid, probs in tokens:
         lp["tokens"].append(name(tid))
-        lp["token_logprobs"].append(probs.get(tid))
-        lp["top_logprobs"].append({name(t): v for t, v in _top(probs, body.logprobs)})
+        lp["token_logprobs"].append(None if probs is None else probs.get(tid))
+        lp["top_logprobs"].append(None if probs is None else
+                                  {name(t): v for t, v in _top(probs, body.logprobs)})
         lp["text_offset"].append(offset)
         offset += len(state.token_text(tid, out.adapter))
     return lp
 
 
 def _completion_chunk(state, body, out: RequestOutput, text: str, start: int) -> dict:
-    return {"text": text, "logprobs": _completion_logprobs(state, body, out, start, 0)}
+    return {"text": text, "logprobs": _completion_logprobs(state, body, out, start),
+            **(_prompt_logprobs_field(state, body, out) if not start else {})}
+
+
+def _prompt_logprobs_field(state, body, out: RequestOutput) -> dict:
+    """vLLM's `prompt_logprobs` (asked for by the request's field of that name): per prompt
+    token, null for the first, else {token id: {"logprob", "decoded_token"}} holding that
+    token and the top `prompt_logprobs`. Empty unless asked for."""
+    if body.prompt_logprobs is None:
+        return {}
+    name = _token_name(state, body, out.adapter)
+    return {"prompt_logprobs": [
+        None if probs is None else
+        {str(t): {"logprob": v, "decoded_token": name(t)}
+         for t, v in {**dict(_top(probs, body.prompt_logprobs)), tid: probs[tid]}.items()}
+        for tid, probs in zip(out.prompt_token_ids, out.prompt_logprobs)]}
 
 
 # -- chat
@@ -172,6 +207,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
         state.check_length(ids, "messages")
         return [ids]
 
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(400, "prompt_logprobs is not streamed in chat completions; ask "
+                       "without stream", "prompt_logprobs")
     top = (body.top_logprobs or 0) if body.logprobs else None
     sampling = _sampling(body, body.max_completion_tokens or body.max_tokens, top)
     gen = await Generation.open(state, body.model, prompts, sampling, body.n,
@@ -247,7 +285,7 @@ UNSUPPORTED = {
     "best_of": lambda v: v not in (None, 1), "use_beam_search": bool,
     "guided_json": lambda v: v is not None, "guided_regex": lambda v: v is not None,
     "guided_choice": lambda v: v is not None, "guided_grammar": lambda v: v is not None,
-    "prompt_logprobs": lambda v: v is not None, "allowed_token_ids": lambda v: v is not None,
+    "allowed_token_ids": lambda v: v is not None,
     "bad_words": bool,
 }
 
@@ -258,8 +296,8 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
     of UNSUPPORTED that asks for something is a 400 naming it."""
     for field, asks in UNSUPPORTED.items():
         if asks(getattr(body, field)):
-            raise APIError(400, f"{field} is not supported by slora (structured output, tools, "
-                           "beam search and prompt log-probs are not implemented)", field)
+            raise APIError(400, f"{field} is not supported by slora (structured output, tools "
+                           "and beam search are not implemented)", field)
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -273,7 +311,8 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
                 top_k=0 if body.top_k in (None, -1) else body.top_k,
                 seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
                 stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
-                logprobs=logprobs, min_tokens=body.min_tokens,
+                logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
+                min_tokens=body.min_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
@@ -324,7 +363,11 @@ class _Reply:
                 "total_tokens": prompt + completion}
 
     def answer(self, choices: list[dict], outs: list[RequestOutput], gen: Generation) -> dict:
-        return {**self.envelope(self.obj, choices), "usage": self.usage(outs, gen)}
+        answer = {**self.envelope(self.obj, choices), "usage": self.usage(outs, gen)}
+        if self.obj == "chat.completion" and self.body.prompt_logprobs is not None:
+            # (vLLM's place in a chat answer: one prompt, whatever n)
+            answer.update(_prompt_logprobs_field(self.state, self.body, outs[0]))
+        return answer
 
     async def respond(self, gen: Generation, chunk, choice):
         """The answer: streamed when the body asks (`chunk`, see `stream`), else whole once

@@ -266,7 +266,7 @@ def test_tokenize_and_detokenize(serve, reference):
 
 def test_echo_puts_each_prompt_before_its_completion(serve, reference):
     """echo: each choice's text is its prompt (a string as sent, ids as their text) then its
-    completion, streamed or not; with logprobs it is a 400 (no prompt log-probs)."""
+    completion, streamed or not."""
     prompts = ["The quick brown fox", "Paris is"]
     ids = reference.tokenizer.encode("Hello world")
     sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -281,11 +281,65 @@ def test_echo_puts_each_prompt_before_its_completion(serve, reference):
             for c in chunk.choices:
                 streamed[c.index] += c.text
         by_ids = client.completions.create(**{**kw, "prompt": ids, "n": 1})
-        refused = httpx.post(f"{live.url}/v1/completions", json={
-            "prompt": "Hi", "echo": True, "logprobs": 1})
     want = [p + w.text for p, w in zip(prompts, wants) for _ in range(2)]
     assert [c.text for c in whole.choices] == want == streamed
     echoed = reference.tokenizer.decode(ids, skip_special_tokens=False)
     assert echoed.startswith("<s>")  # the ids' text keeps their special tokens
     assert by_ids.choices[0].text == echoed + wants[2].text
-    assert refused.status_code == 400 and "prompt's log-probs" in refused.text
+
+
+def test_prompt_logprobs_over_openai_and_lorax(serve, reference):
+    """The prompt's log-probs, as the in-process engine gives them: OpenAI's echo with
+    logprobs (lm-eval's loglikelihood request: max_tokens 0 or 1), streamed or not; vLLM's
+    prompt_logprobs in completions and chat; LoRAX's decoder_input_details."""
+    prompt, k = "The quick brown fox", 2
+    sp = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=k, prompt_logprobs=k)
+    want = reference.generate(prompt, sp, adapters="a0")[0]
+    ids, entries = want.prompt_token_ids, want.prompt_logprobs
+    chat_ids = chat_prompt(reference, "a1")
+    chat_want = reference.generate([chat_ids], SamplingParams(max_tokens=2, prompt_logprobs=1),
+                                   adapters="a1")[0]
+    with serve() as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        kw = dict(model="a0", prompt=prompt, temperature=0, echo=True, logprobs=k,
+                  extra_body={"ignore_eos": True, **IDS})
+        scored_all = client.completions.create(max_tokens=0, **kw)
+        scored = scored_all.choices[0]
+        whole = client.completions.create(max_tokens=3, **kw).choices[0]
+        chunks = list(client.completions.create(max_tokens=3, stream=True, **kw))
+        vllm = httpx.post(f"{live.url}/v1/completions", json={
+            "model": "a0", "prompt": prompt, "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "prompt_logprobs": k}).json()
+        chat = httpx.post(f"{live.url}/v1/chat/completions", json={
+            "model": "a1", "messages": CHAT, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 1}).json()
+        lx = lorax.Client(live.url).generate(prompt, adapter_id="a0", max_new_tokens=3,
+                                             decoder_input_details=True)
+    # max_tokens 0: the prompt alone, every token scored but the first
+    assert scored.text == prompt and scored.finish_reason == "length"
+    assert scored_all.usage.completion_tokens == 0
+    lp = scored.logprobs
+    assert _ids(lp.tokens) == ids and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == [e[t] for e, t in zip(entries[1:], ids[1:])]
+    for top, e in zip(lp.top_logprobs[1:], entries[1:]):
+        best = sorted(e.values(), reverse=True)[:k]
+        assert sorted(top.values(), reverse=True) == best
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # with output tokens: the prompt's entries, then the output's, streamed alike
+    assert _ids(whole.logprobs.tokens) == ids + want.token_ids
+    assert whole.logprobs.token_logprobs[len(ids):] == [
+        e[t] for e, t in zip(want.logprobs, want.token_ids)]
+    assert _ids([t for c in chunks for t in c.choices[0].logprobs.tokens]) == ids + want.token_ids
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    # vLLM's field: per prompt token, null first, then {id: {logprob, decoded_token}}
+    got = vllm["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    assert [{int(t): v["logprob"] for t, v in e.items()} for e in got[1:]] == entries[1:]
+    assert vllm["choices"][0]["logprobs"] is None
+    assert [{int(t): v["logprob"] for t, v in e.items()} if e else e
+            for e in chat["prompt_logprobs"]] == chat_want.prompt_logprobs
+    # LoRAX: details.prefill, the prompt's tokens (the first one's log-prob null)
+    assert [t.id for t in lx.details.prefill] == ids and lx.details.prefill[0].logprob is None
+    assert [t.logprob for t in lx.details.prefill[1:]] == [
+        e[t] for e, t in zip(entries[1:], ids[1:])]
+    assert [t.id for t in lx.details.tokens] == want.token_ids

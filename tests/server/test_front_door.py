@@ -69,6 +69,13 @@ def test_bad_sampling_values_are_400_naming_the_field(live):
              ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3},
               "min_tokens"),
              ("/v1/completions", {"prompt": "Hi", "min_p": 1.5}, "min_p"),
+             ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 50}, "prompt_logprobs"),
+             ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 50}, "logprobs"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                       "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+             ("/generate_stream", {"inputs": "Hi", "parameters": {
+                 "details": True, "decoder_input_details": True}},
+              "parameters.decoder_input_details"),
              ("/v1/completions", {"prompt": "Hi", "logit_bias": {"3": 500}}, "logit_bias"),
              ("/generate", {"inputs": "Hi", "parameters": {"repetition_penalty": -1}},
               "parameters.repetition_penalty")]
@@ -83,7 +90,7 @@ def test_bad_sampling_values_are_400_naming_the_field(live):
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for field, value in (("response_format", {"type": "json_object"}),
                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                         ("best_of", 2), ("guided_choice", ["a", "b"]), ("prompt_logprobs", 1),
+                         ("best_of", 2), ("guided_choice", ["a", "b"]), ("allowed_token_ids", [1]),
                          ("bad_words", ["a"])):
         res = post(live, "/v1/chat/completions", {**chat, field: value})
         assert "not supported by slora" in error_of(res, 400, field)
