@@ -8,7 +8,7 @@ eviction and preemption.
 from slora.config import EngineConfig
 from slora.request import RequestOutput, SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "MergeSpec"]
 __version__ = "0.1.0"
 
 
@@ -18,4 +18,8 @@ def __getattr__(name):
         from slora.engine import Engine
 
         return Engine
+    if name == "MergeSpec":
+        from slora.model.merge import MergeSpec
+
+        return MergeSpec
     raise AttributeError(f"module 'slora' has no attribute {name!r}")

@@ -171,6 +171,10 @@ class AsyncEngine:
     def add_adapter(self, name: str, path) -> None:
         self.call(self.engine.add_adapter, name, path)
 
+    def add_merged_adapter(self, name: str, spec) -> None:
+        """See `Engine.add_merged_adapter`."""
+        self.call(self.engine.add_merged_adapter, name, spec)
+
     def remove_adapter(self, name: str) -> None:
         """Unregister an adapter; its queued and running requests end with an error (see
         `Engine.remove_adapter`)."""

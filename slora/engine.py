@@ -22,7 +22,10 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from slora.config import EngineConfig, ModelConfig, cdiv, is_int, is_seed
+import torch
+
+from slora.config import (LORA_MODULES, VOCAB_MODULES, EngineConfig, ModelConfig, cdiv, is_int,
+                          is_seed)
 from slora.core.adapters import AdapterInfo, AdapterLayout, AdapterManager, synthetic_identity
 from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
@@ -30,7 +33,9 @@ from slora.distributed.group import torchrun_rank
 from slora.graphs import warmup_adapters, warmup_steps
 from slora.kernels.segments import PATHS
 from slora.model.llama import modules_of
-from slora.model.loader import AdapterError, PeftAdapter, synthetic_pack
+from slora.model.loader import (AdapterError, PeftAdapter, pack_adapter, synthetic_pack,
+                                unpack_adapter)
+from slora.model.merge import MergeSpec, merge_weights
 from slora.request import Request, RequestOutput, RequestStatus, SamplingParams
 from slora.runner import ModelRunner, resolve_device
 from slora.tokenizer import IncrementalDecoder, Tokenizer
@@ -141,6 +146,43 @@ class Engine:
                 self.adapters.unregister(name)
                 raise
 
+    def add_merged_adapter(self, name: str, spec: MergeSpec) -> None:
+        """Register adapter `name` as a merge of registered adapters (`slora.model.merge`:
+        LoRAX's merged_adapters), its weights computed here once and kept on the host.
+        KeyError for an unknown constituent; AdapterError for one that is DoRA or adds
+        tokens, for ranks that disagree, and under tensor parallelism."""
+        infos = [self.adapters.get(a) for a in spec.adapters]  # KeyError names an unknown one
+        if self.config.tensor_parallel_size > 1:
+            raise AdapterError(f"adapter {name!r}: merged adapters are not served with "
+                               f"tensor_parallel_size={self.config.tensor_parallel_size}",
+                               adapter=name)
+        for a, info in zip(spec.adapters, infos):
+            if info.layout.dora_modules or info.layout.added_tokens:
+                raise AdapterError(f"adapter {name!r}: {a!r} cannot be merged: DoRA adapters "
+                                   "and adapters that add tokens do not merge (LoRA only)",
+                                   adapter=name)
+        cfg, page_size, dtype = self.model_config, self.runner.page_size, self.runner.dtype
+        parts = [unpack_adapter(cfg, info.layout, info.pack(page_size, torch.float32))
+                 for info in infos]
+        try:
+            merged = merge_weights(parts, spec)
+        except ValueError as e:
+            raise AdapterError(f"adapter {name!r}: {e}", adapter=name) from None
+        ranks = [[0] * len(LORA_MODULES) for _ in range(cfg.num_layers)]
+        vocab = [0, 0]
+        for (layer, module), (A, _) in merged.items():
+            if module in VOCAB_MODULES:
+                vocab[VOCAB_MODULES.index(module)] = A.shape[0]
+            else:
+                ranks[layer][LORA_MODULES.index(module)] = A.shape[0]
+        layout = AdapterLayout.build(cfg, ranks, vocab_ranks=tuple(vocab))
+        flat = pack_adapter(cfg, layout, page_size, dtype, lambda layer, m: merged[(layer, m)])
+        if self.runner.device.type == "cuda":
+            flat = flat.pin_memory()  # (once: host-tier misses then copy it as it is)
+        self._register(name, layout, "merged: " + ", ".join(spec.adapters),
+                       lambda page_size, dtype: flat,
+                       identity=spec.identity([info.identity for info in infos]))
+
     def _register(self, name, layout, source, pack, shared=None, identity=None) -> None:
         layout, pack = self.runner.adapter_view(name, layout, pack)  # (a rank's, under TP)
         pages = layout.num_pages(self.runner.page_size)
@@ -206,6 +248,9 @@ class Engine:
         if sampling.logit_bias:
             self._check_ids([t for t, _ in sampling.logit_bias], adapter,
                             "SamplingParams.logit_bias token ids")
+        if sampling.allowed_token_ids is not None:
+            self._check_ids(list(sampling.allowed_token_ids), adapter,
+                            "SamplingParams.allowed_token_ids")
         rid = request_id if request_id is not None else str(next(self._ids))
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id={rid!r}: expected a non-empty string")
@@ -214,7 +259,8 @@ class Engine:
         return Request(rid, ids, sampling, adapter,
                        arrival_time if arrival_time is not None else time.monotonic(),
                        eos_token_ids=self.eos_token_ids, max_len=self.max_model_len,
-                       cache_salt=cache_salt, cache_prefix=cache_prefix)
+                       cache_salt=cache_salt, cache_prefix=cache_prefix,
+                       bad_words_ids=self._bad_words_ids(sampling.bad_words, adapter))
 
     def _queue(self, req: Request) -> str:
         rid, ids = req.request_id, req.prompt_token_ids
@@ -262,6 +308,25 @@ class Engine:
             raise ValueError("empty prompt: a request needs at least one token")
         self._check_ids(ids, adapter, "prompt token ids")
         return ids
+
+    def _bad_words_ids(self, words: tuple[str, ...], adapter: str | None):
+        """Each bad word's token ids by `adapter`'s tokenizer (vLLM's rule): the word as it
+        stands (leading spaces dropped), and after a space where that gives as many tokens
+        but another first one (the word in mid-text)."""
+        if not words:
+            return ()
+        tokenizer = self.tokenizer_of(adapter)
+        if tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; this engine has none "
+                             "(load_format='dummy' without tokenizer.json)")
+        out = []
+        for word in words:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(tuple(alone))
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                out.append(tuple(spaced))
+        return tuple(w for w in out if w)
 
     def _check_ids(self, ids: list[int], adapter: str | None, what: str) -> None:
         """ValueError naming `what` unless every id is in the base vocabulary or one of the
@@ -421,7 +486,7 @@ class Engine:
         dec = self._decoders.get(req.request_id)
         if dec is None:
             dec = self._decoders[req.request_id] = IncrementalDecoder(
-                self.tokenizer_of(req.adapter))
+                self.tokenizer_of(req.adapter), req.sampling.skip_special_tokens)
         text = dec.update(ids)
         # Stop strings count once more than min_tokens tokens are out, and only where they
         # end in the text past the first min_tokens tokens' (as vLLM checks them).
@@ -439,7 +504,7 @@ class Engine:
             self.scheduler.abort(req, "stop", time.monotonic())
             req.finish_reason = "stop"
         elif req.finished:
-            text = self.tokenizer_of(req.adapter).decode(ids)
+            text = self.tokenizer_of(req.adapter).decode(ids, sp.skip_special_tokens)
         return text
 
     @staticmethod

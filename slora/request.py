@@ -30,13 +30,17 @@ class SamplingParams:
     prompt token given the ones before it (None for the first, which has no context); such a
     request skips the prefix cache, whose pages hold no logits.
 
-    Before a token is picked, greedy or sampled, the logits are changed in vLLM's order: the
-    stop ids masked (min_tokens), `logit_bias` ({token id: bias in [-100, 100]}) added, then
+    Before a token is picked, greedy or sampled, the logits are changed in vLLM's order: every
+    token outside `allowed_token_ids` masked (None: all allowed), then each of `bad_words`
+    whose tokens up to its last match the end of the output (its last token masked; a word is
+    tried as encoded alone and after a space), the stop ids masked (min_tokens),
+    `logit_bias` ({token id: bias in [-100, 100]}) added, then
     the penalties: `repetition_penalty` (HF's: a logit of a token in the prompt or the output
     so far divided by it if positive, multiplied if not; 1 is off), `frequency_penalty` times
     the token's count in the output so far and `presence_penalty` once per token in it,
     subtracted (OpenAI's, each in [-2, 2]; 0 is off). Sampling then applies temperature,
     min_p (drops tokens below min_p times the likeliest one's probability), top_k and top_p.
+    `skip_special_tokens` (default True) leaves special tokens out of the text.
     """
 
     max_tokens: int = 16
@@ -55,6 +59,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     # {token id: bias}; kept as sorted (id, bias) pairs, so the params stay hashable
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()
 
@@ -70,7 +77,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.logit_bias={self.logit_bias!r}: expected a dict "
                              "{token id: bias}") from None
         object.__setattr__(self, "logit_bias", bias)
-        for name in ("stop", "stop_token_ids"):
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(f"SamplingParams.allowed_token_ids={self.allowed_token_ids!r}: "
+                                 "expected None or a non-empty list of token ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)):
                 raise ValueError(f"SamplingParams.{name}={value!r}: expected a list")
@@ -93,6 +105,12 @@ class SamplingParams:
             (isinstance(self.ignore_eos, bool), "ignore_eos", "must be True or False"),
             (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
              "must be True or False"),
+            (isinstance(self.skip_special_tokens, bool), "skip_special_tokens",
+             "must be True or False"),
+            (all(is_int(t) and t >= 0 for t in self.allowed_token_ids or ()), "allowed_token_ids",
+             "must be token ids (integers >= 0)"),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+             "must be non-empty strings"),
             (self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
              "must be None or an integer >= 0"),
             (self.prompt_logprobs is None
@@ -123,10 +141,12 @@ class SamplingParams:
 
     @functools.cached_property  # (read for every row of every step: computed once)
     def changes_logits(self) -> bool:
-        """Whether the logits are changed before the token is picked (min_tokens, logit_bias,
-        a penalty): then even a greedy row's token is not the raw argmax."""
-        return bool(self.min_tokens or self.logit_bias or self.presence_penalty
-                    or self.frequency_penalty or self.repetition_penalty != 1.0)
+        """Whether the logits are changed before the token is picked (allowed_token_ids,
+        bad_words, min_tokens, logit_bias, a penalty): then even a greedy row's token is not
+        the raw argmax."""
+        return bool(self.allowed_token_ids is not None or self.bad_words or self.min_tokens
+                    or self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 class RequestStatus(enum.Enum):
@@ -202,6 +222,8 @@ class Request:
     num_pending: int = 0
     cache_salt: str | None = None
     cache_prefix: bool = True
+    # SamplingParams.bad_words as token ids, by the request's tokenizer (the engine's)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     block_digests: list[bytes] = field(default_factory=list)
     num_cached_pages: int = 0
     num_cached_tokens: int = 0

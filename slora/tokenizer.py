@@ -45,18 +45,34 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the model's chat template; without one, join the contents line by line."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            variables: dict | None = None) -> str:
+        """Render the model's chat template (in jinja's sandbox, as HF does; `variables`: more
+        it may read, such as Qwen3's enable_thinking); without one, join the
+        contents line by line. `continue_final_message`: the text ends with the last
+        message's content (its end-of-turn cut), for the model to continue it."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each "
+                             "other: set add_generation_prompt to false")
         if not self.chat_template:
             text = "\n".join(m["content"] for m in messages)
             return text + "\n" if add_generation_prompt else text
-        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        text = env.from_string(self.chat_template).render(
+            **{**(variables or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+               "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
+        if continue_final_message:
+            final = (messages[-1]["content"] or "").strip() if messages else ""
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ValueError("continue_final_message: the chat template does not write "
+                                 "the last message's content as it stands")
+            text = text[:at + len(final)]
+        return text
 
 
 def _raise(message: str):
@@ -69,18 +85,20 @@ class IncrementalDecoder:
     Decodes a window from `prefix` (a few tokens of context, so decoders that treat a leading
     token specially see the same start both times) and keeps what the last `read` tokens
     added; a trailing U+FFFD (a UTF-8 sequence cut between tokens) waits for the next token.
+    Special tokens are left out of the text unless `skip_special_tokens` is False.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.text = ""
         self.prefix = 0
         self.read = 0
 
     def update(self, ids: list[int]) -> str:
-        decode = self.tokenizer.decode
-        before = decode(ids[self.prefix:self.read])
-        now = decode(ids[self.prefix:])
+        decode, skip = self.tokenizer.decode, self.skip
+        before = decode(ids[self.prefix:self.read], skip)
+        now = decode(ids[self.prefix:], skip)
         if len(now) > len(before) and not now.endswith("\ufffd"):
             self.text += now[len(before):]
             self.prefix, self.read = self.read, len(ids)

@@ -442,6 +442,26 @@ def pack_adapter(cfg: ModelConfig, layout: AdapterLayout, page_size: int, dtype:
     return flat
 
 
+def unpack_adapter(cfg: ModelConfig, layout: AdapterLayout,
+                   flat: torch.Tensor) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """The inverse of `pack_adapter` for LoRA rows: {(layer, module): (A [r, d_in], B [d_out,
+    r] scaled)} of every module with a rank there, the VOCAB_MODULES at the layer whose slot
+    holds them, in float32 (DoRA rows and added tokens are not read)."""
+    rows = [(layer, name, layout.ranks[layer][m], layout.offsets[m])
+            for layer in range(cfg.num_layers) for m, name in enumerate(LORA_MODULES)]
+    rows += list(zip(layout.vocab_layers, VOCAB_MODULES, layout.vocab_ranks,
+                     layout.vocab_offsets))
+    out = {}
+    for layer, name, r, (off_a, off_b) in rows:
+        if r:
+            s_in, s_out = strides(cfg, name)
+            d_in, d_out = cfg.module_dims(name)
+            A = flat[layer, off_a:off_a + r * s_in].view(r, s_in)[:, :d_in]
+            B = flat[layer, off_b:off_b + r * s_out].view(r, s_out)[:, :d_out].T
+            out[(layer, name)] = (A.float(), B.float())
+    return out
+
+
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16}  # the weight dtypes an adapter file may hold
 _MAX_HEADER = 100 << 20  # safetensors' own bound on a header's JSON

@@ -89,13 +89,24 @@ class Sampler:
 
     def process_logits(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
         """A copy of one row's logits (fp32) changed as `req.sampling` says, in vLLM's order:
-        the stop ids masked while fewer than min_tokens tokens are known, logit_bias added,
-        the repetition penalty on the prompt's and the output's tokens, the frequency and
-        presence penalties on the output's. The output so far is its known tokens (a step
-        still running holds a PENDING place for the token sampled here)."""
+        the tokens outside allowed_token_ids masked, the last token of each bad word whose
+        other tokens end the output masked, the stop ids masked while fewer than min_tokens
+        tokens are known, logit_bias added, the repetition penalty on the prompt's and the
+        output's tokens, the frequency and presence penalties on the output's. The output so
+        far is its known tokens (a step still running holds a PENDING place for the token
+        sampled here)."""
         sp, x = req.sampling, logits.float().clone()
         known = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]
         width = x.shape[-1]
+        if sp.allowed_token_ids is not None:
+            allowed = [t for t in sp.allowed_token_ids if t < width]
+            kept = x[allowed]
+            x.fill_(float("-inf"))
+            x[allowed] = kept
+        for word in req.bad_words_ids:
+            head = len(word) - 1
+            if head <= len(known) and (not head or known[-head:] == list(word[:-1])):
+                x[word[-1]] = float("-inf")
         if len(known) < sp.min_tokens:
             stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
             x[[t for t in stops if t < width]] = float("-inf")

@@ -9,14 +9,20 @@ Rules the registry keeps:
   so two requests for one new adapter load it once.
 - An unload waits for the requests that use the adapter to finish; from its start, new
   requests for that name are answered 404.
+- A merge of adapters (LoRAX's `merged_adapters`) is registered on first use under a name
+  made from its spec ("merged-" and a digest), kept for the next request that asks for it,
+  and not listed among the served models. At most MAX_MERGED stay registered: past that, the
+  least recently used one no request uses goes. Unloading an adapter unloads the merges that
+  hold it, so a name loaded again never serves an old merge.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
 import json
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +30,9 @@ from slora.server.errors import APIError
 
 if TYPE_CHECKING:
     from slora.async_engine import AsyncEngine
+    from slora.model.merge import MergeSpec
+
+MAX_MERGED = 16  # merged adapters kept registered
 
 
 class AdapterPathError(ValueError):
@@ -102,10 +111,50 @@ class ServedAdapters:
         self.templates = {n: _template_of(src) for n, src in registered.items()}
         self.users: Counter[str] = Counter()  # running HTTP requests per adapter
         self.unloading: set[str] = set()
+        self.merged: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # name -> its parts
         self._lock = asyncio.Lock()
 
     def names(self) -> list[str]:
-        return sorted(self.templates)
+        """The adapters served by name (merges are not)."""
+        return sorted(n for n in self.templates if n not in self.merged)
+
+    async def merge(self, spec: "MergeSpec", param: str) -> str:
+        """The name of the merge `spec` of adapters (each loaded first if need be), registered
+        on first use and counted in use until `release`. 404 for an unknown part; 400 for
+        parts that do not merge."""
+        name = "merged-" + hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
+        if name not in self.templates:
+            held = []
+            try:
+                for part in spec.adapters:
+                    await self.acquire(part, param)
+                    held.append(part)
+                async with self._lock:
+                    if name not in self.templates:
+                        await self._add_merged(name, spec, param)
+            finally:
+                for part in held:
+                    self.release(part)
+        if name in self.unloading or name not in self.templates:
+            raise APIError(404, f"a part of merged adapter {name!r} is being unloaded", param)
+        self.merged.move_to_end(name)
+        self.users[name] += 1
+        return name
+
+    async def _add_merged(self, name: str, spec: "MergeSpec", param: str) -> None:
+        idle = [m for m in self.merged if not self.users[m] and m not in self.unloading]
+        for old in idle[:max(0, len(self.merged) + 1 - MAX_MERGED)]:  # least recent first
+            await self._remove(old)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.engine.add_merged_adapter, name, spec)
+        except KeyError as e:
+            raise APIError(404, str(e.args[0]) if e.args else str(e), param) from None
+        except ValueError as e:  # AdapterError is a ValueError
+            raise APIError(400, f"adapters {list(spec.adapters)} cannot be merged: {e}",
+                           param) from None
+        self.templates[name] = None
+        self.merged[name] = spec.adapters
 
     async def acquire(self, name: str, param: str = "model") -> None:
         """Count one more request on `name`, loading it first if the resolver finds it.
@@ -174,12 +223,20 @@ class ServedAdapters:
         try:
             while self.users[name]:
                 await asyncio.sleep(0.02)
-            self.users.pop(name, None)
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self.engine.remove_adapter, name)
-            del self.templates[name]
+            await self._remove(name)
         finally:
             self.unloading.discard(name)
+        for merge in [m for m, parts in self.merged.items() if name in parts]:
+            if merge not in self.unloading:
+                await self.unload(merge)
+
+    async def _remove(self, name: str) -> None:
+        """Unregister `name` from the engine and from here (no request uses it)."""
+        self.users.pop(name, None)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.engine.remove_adapter, name)
+        del self.templates[name]
+        self.merged.pop(name, None)
 
 
 def _template_of(source: str) -> str | None:

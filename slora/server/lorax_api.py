@@ -4,7 +4,8 @@ token events when `stream` is true).
 
 `parameters.adapter_id` names the adapter (none: the base model). With `adapter_source`
 "local" or "hub" (or none) an id that is not registered is looked up under --adapter-dir
-and loaded on first use; "s3" and "pbase" are not served. Sampling follows LoRAX: greedy
+and loaded on first use; "s3" and "pbase" are not served. `merged_adapters` serves a merge
+of adapters (`ServedAdapters.merge`). Sampling follows LoRAX: greedy
 unless `do_sample` is set or temperature, top_k or top_p ask for sampling. Token log-probs
 (required by the token events) are computed for streams and for `details`.
 """
@@ -17,11 +18,12 @@ from dataclasses import fields
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from slora.model.merge import MergeSpec
 from slora.request import RequestOutput, SamplingParams
 from slora.server.errors import APIError, sse_error
 from slora.server.generation import EventStream, Generation, until_disconnected
 from slora.server.openai_api import holdback
-from slora.server.protocol import GenerateParameters, GenerateRequest
+from slora.server.protocol import GenerateParameters, GenerateRequest, MergedAdapters
 from slora.server.state import ServerState
 
 # SamplingParams' fields -> the request's names for them (for errors naming the field)
@@ -46,7 +48,6 @@ def register(app: FastAPI, state: ServerState) -> None:
 
 def _refuse_unsupported(p: GenerateParameters) -> None:
     refused = {
-        "merged_adapters": p.merged_adapters is not None,
         "best_of": p.best_of not in (None, 1),
         "typical_p": p.typical_p is not None,
         "watermark": p.watermark,
@@ -60,6 +61,14 @@ def _refuse_unsupported(p: GenerateParameters) -> None:
         raise APIError(400, f"adapter_source {p.adapter_source!r} is not supported: serve "
                        "adapters from --adapter-dir ('local' or 'hub')",
                        "parameters.adapter_source")
+
+
+def _merge_spec(m: MergedAdapters) -> MergeSpec:
+    try:
+        return MergeSpec(tuple(m.ids), None if m.weights is None else tuple(m.weights),
+                         m.merge_strategy or "linear", m.density, m.majority_sign_method or "total")
+    except ValueError as e:
+        raise APIError(400, str(e), "parameters.merged_adapters") from None
 
 
 def _sampling(p: GenerateParameters, details: bool) -> dict:
@@ -89,10 +98,19 @@ async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_
         state.check_length(ids, "inputs")
         return [ids]
 
-    gen = await Generation.open(state, p.adapter_id, prompts,
-                                _sampling(p, p.details or stream),
-                                names=NAMES,
-                                cache_salt=p.cache_salt)
+    model = merged = None
+    if p.merged_adapters is not None:
+        if p.adapter_id:
+            raise APIError(400, "give parameters.adapter_id or parameters.merged_adapters, not "
+                           "both", "parameters.merged_adapters")
+        model = merged = await state.adapters.merge(_merge_spec(p.merged_adapters),
+                                                    "parameters.merged_adapters")
+    try:
+        gen = await Generation.open(state, model or p.adapter_id, prompts,
+                                    _sampling(p, p.details or stream), names=NAMES,
+                                    cache_salt=p.cache_salt)
+    finally:
+        state.release(merged)  # (Generation holds its own use of it)
     if stream:
         try:
             await gen.wait_started()

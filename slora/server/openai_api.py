@@ -67,8 +67,7 @@ async def _tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     adapter = await state.acquire(body.model)
     try:
         if body.messages is not None:
-            text = _render_chat(state, adapter, _messages(body.messages),
-                                body.add_generation_prompt)
+            text = _render_chat(state, adapter, _messages(body.messages), body)
             ids = state.encode(text, "messages", adapter, bool(body.add_special_tokens))
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -115,7 +114,7 @@ async def _completions(state: ServerState, body: CompletionRequest):
     if body.max_tokens == 0:  # one token is generated, and dropped (`_prompt_only`)
         sampling["max_tokens"] = 1
     gen = await Generation.open(state, body.model,
-                                lambda adapter: _prompt_ids(state, body.prompt, adapter),
+                                lambda adapter: _prompt_ids(state, body, adapter),
                                 sampling, body.n, cache_salt=body.cache_salt,
                                 view=_prompt_only if body.max_tokens == 0 else None)
     reply = _Reply(state, body, "cmpl", "text_completion")
@@ -123,28 +122,40 @@ async def _completions(state: ServerState, body: CompletionRequest):
         sent = [body.prompt] if isinstance(body.prompt, str) or all(
             isinstance(t, int) for t in body.prompt) else body.prompt
         tokenizer = state.tokenizer_of(gen.adapter)
-        reply.echo = [p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False)
+        cut = body.truncate_prompt_tokens is not None  # (a cut prompt: its tokens' text)
+        reply.echo = [p if isinstance(p, str) and not cut
+                      else tokenizer.decode(ids, skip_special_tokens=False)
                       for p, ids in zip(sent, gen.prompts[::body.n]) for _ in range(body.n)]
     return await reply.respond(gen, _completion_chunk, lambda out: {
         "text": out.text, "logprobs": _completion_logprobs(state, body, out, 0),
         **_prompt_logprobs_field(state, body, out)})
 
 
-def _prompt_ids(state: ServerState, prompt, adapter: str | None) -> list[list[int]]:
-    """A completion's prompts as token ids (strings with `adapter`'s tokenizer): a string, a
-    list of strings, a token-id list or a list of them."""
+def _prompt_ids(state: ServerState, body: CompletionRequest,
+                adapter: str | None) -> list[list[int]]:
+    """A completion's prompts as token ids (strings with `adapter`'s tokenizer, with its
+    special tokens unless add_special_tokens is false): a string, a list of strings, a
+    token-id list or a list of them; each cut to its last truncate_prompt_tokens."""
+    prompt, special = body.prompt, body.add_special_tokens
     if isinstance(prompt, str):
-        prompts = [state.encode(prompt, "prompt", adapter)]
+        prompts = [state.encode(prompt, "prompt", adapter, special)]
     elif prompt and all(isinstance(t, int) for t in prompt):
         prompts = [list(prompt)]
     else:
-        prompts = [state.encode(p, "prompt", adapter) if isinstance(p, str) else list(p)
-                   for p in prompt]
+        prompts = [state.encode(p, "prompt", adapter, special) if isinstance(p, str)
+                   else list(p) for p in prompt]
     if not prompts:
         raise APIError(400, "the prompt list is empty", "prompt")
-    for ids in prompts:
-        state.check_length(ids, "prompt")
-    return prompts
+    return [_truncated(state, body, ids, "prompt") for ids in prompts]
+
+
+def _truncated(state: ServerState, body: _Sampling, ids: list[int], field: str) -> list[int]:
+    """A prompt's ids cut to their last `truncate_prompt_tokens` (if set), checked against
+    the model's length."""
+    if body.truncate_prompt_tokens is not None:
+        ids = ids[-body.truncate_prompt_tokens:]
+    state.check_length(ids, field)
+    return ids
 
 
 def _prompt_only(out: RequestOutput) -> RequestOutput:
@@ -199,13 +210,18 @@ def _prompt_logprobs_field(state, body, out: RequestOutput) -> dict:
 
 async def _chat(state: ServerState, body: ChatCompletionRequest):
     state.check_accepting()
+    if body.echo:
+        raise APIError(400, "echo is not supported in chat completions", "echo")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(400, "continue_final_message needs add_generation_prompt false (the "
+                       "text ends in the last message, not in a new turn)",
+                       "continue_final_message")
     messages = _messages(body.messages)
 
     def prompts(adapter: str | None) -> list[list[int]]:
-        text = _render_chat(state, adapter, messages, body.add_generation_prompt)
-        ids = state.encode(text, "messages", adapter, add_special_tokens=False)
-        state.check_length(ids, "messages")
-        return [ids]
+        text = _render_chat(state, adapter, messages, body)
+        ids = state.encode(text, "messages", adapter, body.add_special_tokens)
+        return [_truncated(state, body, ids, "messages")]
 
     if body.prompt_logprobs is not None and body.stream:
         raise APIError(400, "prompt_logprobs is not streamed in chat completions; ask "
@@ -239,9 +255,10 @@ def _content(content, index: int) -> str:
 
 
 def _render_chat(state: ServerState, adapter: str | None, messages: list[dict],
-                 add_generation_prompt: bool) -> str:
+                 body: ChatCompletionRequest | TokenizeRequest) -> str:
     """The chat prompt: the adapter's own template if its directory has one, else the
-    model's."""
+    model's, with the body's add_generation_prompt, continue_final_message and
+    chat_template_kwargs."""
     tokenizer = state.tokenizer_of(adapter)
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
@@ -250,7 +267,10 @@ def _render_chat(state: ServerState, adapter: str | None, messages: list[dict],
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = own
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            variables=body.chat_template_kwargs)
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages
         raise APIError(400, f"the chat template cannot render these messages: {e}",
                        "messages") from None
@@ -279,14 +299,17 @@ def _chat_chunk(state, body, out: RequestOutput, text: str, start: int) -> dict:
 
 # Fields slora does not implement -> whether a request's value asks for them (their neutral
 # values pass: a text response format, no tools, one candidate)
+_SET = lambda v: v is not None  # noqa: E731 - a field asks for something when given
 UNSUPPORTED = {
     "response_format": lambda v: v is not None and v.get("type") != "text",
     "tools": bool, "tool_choice": lambda v: v not in (None, "none", "auto"),
     "best_of": lambda v: v not in (None, 1), "use_beam_search": bool,
-    "guided_json": lambda v: v is not None, "guided_regex": lambda v: v is not None,
-    "guided_choice": lambda v: v is not None, "guided_grammar": lambda v: v is not None,
-    "allowed_token_ids": lambda v: v is not None,
-    "bad_words": bool,
+    "length_penalty": lambda v: v != 1.0,
+    "guided_json": _SET, "guided_regex": _SET, "guided_choice": _SET, "guided_grammar": _SET,
+    "structured_outputs": _SET, "logits_processors": _SET, "priority": bool,
+    "spaces_between_special_tokens": lambda v: not v,
+    # completions' and chat's own
+    "prompt_embeds": _SET, "chat_template": _SET, "documents": _SET,
 }
 
 
@@ -295,9 +318,10 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
     top_k -1 disables, as vLLM's; logit_bias keys are token ids written as strings). A field
     of UNSUPPORTED that asks for something is a 400 naming it."""
     for field, asks in UNSUPPORTED.items():
-        if asks(getattr(body, field)):
-            raise APIError(400, f"{field} is not supported by slora (structured output, tools "
-                           "and beam search are not implemented)", field)
+        if field in type(body).model_fields and asks(getattr(body, field)):
+            raise APIError(400, f"{field} is not supported by slora (structured output, tools, "
+                           "beam search, priorities, logits processors, prompt embeddings and "
+                           "request chat templates are not implemented)", field)
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -314,6 +338,8 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
                 logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
                 min_tokens=body.min_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
                 min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None

@@ -41,6 +41,12 @@ class _Sampling(_Body):
     min_p: float | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
+    # the prompt's last N tokens alone (vLLM's)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM: logprobs' tokens as "token_id:<id>" (token strings may not be unique)
@@ -59,9 +65,11 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list | None = None
     guided_grammar: str | None = None
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list | None = None
-    bad_words: list | None = None
+    structured_outputs: dict | None = None
+    logits_processors: list | None = None
+    priority: int = 0
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
 
 
 class CompletionRequest(_Sampling):
@@ -70,6 +78,8 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # (vLLM's: the tokenizer's BOS before a string prompt)
+    prompt_embeds: str | list | None = None  # refused
 
 
 class ChatMessage(_Body):
@@ -84,6 +94,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
+    # vLLM's: the text ends in the last message, for the model to go on with it
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # (the template writes them)
+    chat_template_kwargs: dict | None = None  # more variables for the template
+    chat_template: str | None = None  # refused: templates come from the model or adapter
+    documents: list | None = None  # refused
+    echo: bool = False  # refused
 
 
 class TokenizeRequest(_Body):
@@ -94,6 +111,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -110,12 +129,23 @@ class UnloadAdapterRequest(_Body):
     lora_name: str
 
 
+class MergedAdapters(_Body):
+    """LoRAX's `merged_adapters`: adapters merged into one for the request
+    (`slora.model.merge`)."""
+
+    ids: list[str] = Field(min_length=1)
+    weights: list[float] | None = None
+    merge_strategy: str | None = None  # None: linear
+    density: float = 1.0
+    majority_sign_method: str | None = None  # None: total
+
+
 class GenerateParameters(_Body):
     """LoRAX's `parameters` (lorax-client's `Parameters`)."""
 
     adapter_id: str | None = None
     adapter_source: Literal["hub", "local", "s3", "pbase"] | None = None
-    merged_adapters: dict | None = None
+    merged_adapters: MergedAdapters | None = None
     api_token: str | None = None
     do_sample: bool = False
     max_new_tokens: int | None = None  # None: up to the model's length

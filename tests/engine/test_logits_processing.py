@@ -1,5 +1,6 @@
 """The sampling knobs that change the logits before a token is picked (vLLM's semantics and
-order): min_tokens, logit_bias, repetition / frequency / presence penalties; and min_p.
+order): allowed_token_ids, bad_words, min_tokens, logit_bias, repetition / frequency /
+presence penalties; and min_p; and skip_special_tokens.
 References: HF transformers' own generate (repetition penalty, min_new_tokens, sequence
 bias), and a greedy loop over HF's forward that applies the documented rules by hand."""
 
@@ -28,14 +29,21 @@ def hf(tiny_model_dir):
         tiny_model_dir, dtype=torch.float32, attn_implementation="eager").to(DEVICE).eval()
 
 
-def by_hand(hf, ids, new, eos, min_tokens=0, bias=(), rep=1.0, freq=0.0, pres=0.0):
-    """Greedy tokens of HF's model with the rules applied by hand, in vLLM's order: the stop
-    ids masked before min_tokens, the bias added, the repetition penalty over prompt and
-    output, then frequency and presence over the output."""
+def by_hand(hf, ids, new, eos, min_tokens=0, bias=(), rep=1.0, freq=0.0, pres=0.0,
+            allowed=None, bad=()):
+    """Greedy tokens of HF's model with the rules applied by hand, in vLLM's order: only the
+    allowed ids kept, each bad word's last token masked where its other tokens end the
+    output, the stop ids masked before min_tokens, the bias added, the repetition penalty
+    over prompt and output, then frequency and presence over the output."""
     seq, out = list(ids), []
     with torch.no_grad():
         for _ in range(new):
             x = hf(torch.tensor([seq], device=DEVICE)).logits[0, -1].clone()
+            if allowed is not None:
+                x[[t for t in range(x.shape[0]) if t not in allowed]] = float("-inf")
+            for word in bad:
+                if len(word) - 1 <= len(out) and out[len(out) - len(word) + 1:] == word[:-1]:
+                    x[word[-1]] = float("-inf")
             if len(out) < min_tokens:
                 x[eos] = float("-inf")
             for t, b in bias:
@@ -82,6 +90,46 @@ def test_penalties_bias_and_min_tokens_follow_the_rules(engine, hf):
             max_tokens=NEW, min_tokens=case["min_tokens"], logit_bias={eos: 100.0}))[0]
         assert len(out.token_ids) == case["min_tokens"] + 1 and out.finish_reason == "stop"
         assert out.token_ids[-1] == eos and eos not in out.token_ids[:-1]
+
+
+def test_allowed_token_ids_and_bad_words_follow_the_rules(engine, hf):
+    """allowed_token_ids keeps those ids alone; a bad word (as encoded alone and after a
+    space) never ends the output, though its first tokens may appear."""
+    ids, tok = engine.tokenizer.encode(PROMPT), engine.tokenizer
+    eos = engine.eos_token_ids[0]
+    plain = engine.generate(PROMPT, SamplingParams(max_tokens=NEW, ignore_eos=True))[0]
+    allowed = sorted({plain.token_ids[3], plain.token_ids[5], ids[1], ids[2], 7})
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=NEW, ignore_eos=True,
+                                                 allowed_token_ids=allowed))[0]
+    assert out.token_ids == by_hand(hf, ids, NEW, eos, allowed=set(allowed))
+    assert set(out.token_ids) <= set(allowed) and out.token_ids != plain.token_ids
+    # bad words: the first one- and two-token pieces of the plain output whose text encodes
+    # (alone or after a space) to those tokens again
+    def encodings(w):
+        alone = tok.encode(w.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + w.lstrip(), add_special_tokens=False)
+        return [alone] + ([spaced] if len(spaced) == len(alone) and spaced[0] != alone[0] else [])
+
+    out_ids = plain.token_ids
+    words = [next(w for i in range(NEW - n) if (w := tok.decode(out_ids[i:i + n])).strip()
+                  and out_ids[i:i + n] in encodings(w)) for n in (1, 2)]
+    bad = [e for w in words for e in encodings(w)]
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=NEW, ignore_eos=True,
+                                                 bad_words=words))[0]
+    assert out.token_ids == by_hand(hf, ids, NEW, eos, bad=bad)
+    assert out.token_ids != plain.token_ids and max(map(len, bad)) == 2
+    for w in bad:
+        assert not any(out.token_ids[i:i + len(w)] == w for i in range(len(out.token_ids)))
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(engine):
+    eos = engine.eos_token_ids[0]
+    sp = dict(max_tokens=3, min_tokens=2, logit_bias={eos: 100.0})
+    kept = engine.generate(PROMPT, SamplingParams(**sp, skip_special_tokens=False))[0]
+    dropped = engine.generate(PROMPT, SamplingParams(**sp))[0]
+    assert kept.token_ids == dropped.token_ids and kept.token_ids[-1] == eos
+    name = engine.tokenizer.decode([eos], skip_special_tokens=False)
+    assert name and kept.text == dropped.text + name
 
 
 def test_repetition_penalty_min_new_tokens_and_bias_equal_hf_generate(engine, hf):
@@ -152,6 +200,8 @@ def test_bad_values_are_clear_errors(engine):
     with pytest.raises(ValueError, match=r"logit_bias token ids \[%d\] are outside the "
                                          r"vocabulary \[0, %d\)" % (vocab, vocab)):
         engine.add_request(PROMPT, SamplingParams(logit_bias={vocab: 1.0}))
+    with pytest.raises(ValueError, match=r"allowed_token_ids \[%d\] are outside" % vocab):
+        engine.add_request(PROMPT, SamplingParams(allowed_token_ids=[1, vocab]))
     for kw, why in ((dict(min_tokens=20), "min_tokens=20: must be at most max_tokens=16"),
                     (dict(presence_penalty=2.5), r"presence_penalty=2.5: must be a number in "
                                                  r"\[-2, 2\]"),
@@ -159,7 +209,11 @@ def test_bad_values_are_clear_errors(engine):
                     (dict(min_p=-0.1), r"min_p=-0.1: must be a number in \[0, 1\]"),
                     (dict(logit_bias={3: 101}), r"logit_bias=\(\(3, 101\),\): must map token "
                                                 r"ids \(integers >= 0\) to biases in \[-100, 100\]"),
-                    (dict(logit_bias=[1, 2]), "logit_bias=.*expected a dict")):
+                    (dict(logit_bias=[1, 2]), "logit_bias=.*expected a dict"),
+                    (dict(allowed_token_ids=[]), "allowed_token_ids=.*non-empty list"),
+                    (dict(allowed_token_ids=[-1]), "allowed_token_ids=.*token ids"),
+                    (dict(bad_words=[" "]), "bad_words=.*non-empty strings"),
+                    (dict(skip_special_tokens=1), "skip_special_tokens=1: must be True")):
         with pytest.raises(ValueError, match=why):
             SamplingParams(**kw)
     assert engine.generate("Hello", SamplingParams(max_tokens=2))[0].finish_reason is not None

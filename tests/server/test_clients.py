@@ -343,3 +343,52 @@ def test_prompt_logprobs_over_openai_and_lorax(serve, reference):
     assert [t.logprob for t in lx.details.prefill[1:]] == [
         e[t] for e, t in zip(entries[1:], ids[1:])]
     assert [t.id for t in lx.details.tokens] == want.token_ids
+
+
+def test_lorax_merged_adapters(serve, reference, monkeypatch):
+    """LoRAX's merged_adapters through lorax-client: the answer equals the in-process engine
+    serving the same merge; the merge stays registered for the next request (not listed as
+    a model); past MAX_MERGED the idle one goes; unloading a part unloads its merges."""
+    from lorax import MergedAdapters
+
+    import slora.server.adapters as served
+    from slora import MergeSpec
+
+    monkeypatch.setattr(served, "MAX_MERGED", 1)
+    spec = dict(ids=["m0", "a1"], weights=[0.6, 0.4], merge_strategy="ties", density=0.5)
+    reference.add_adapter("m0", reference.adapters.get("a0").source)
+    reference.add_merged_adapter("ref-merge", MergeSpec(("m0", "a1"), (0.6, 0.4), "ties", 0.5))
+    want = reference.generate("Hello world", SamplingParams(max_tokens=6),
+                              adapters="ref-merge")[0]
+    reference.remove_adapter("ref-merge")
+    reference.remove_adapter("m0")
+    with serve() as live:
+        assert httpx.post(f"{live.url}/v1/load_lora_adapter", json={
+            "lora_name": "m0", "lora_path": "a0"}).status_code == 200
+        client = lorax.Client(live.url)
+        res = [client.generate("Hello world", merged_adapters=MergedAdapters(**spec),
+                               max_new_tokens=6) for _ in range(2)]
+        merges = list(live.state.adapters.merged)
+        models = httpx.get(f"{live.url}/v1/models").json()["data"]
+        other = client.generate("Hello world", max_new_tokens=2, merged_adapters=MergedAdapters(
+            ids=["m0", "a1"], weights=[1.0, 1.0], density=1.0))
+        after_other = list(live.state.adapters.merged)
+        unknown = httpx.post(f"{live.url}/generate", json={"inputs": "Hi", "parameters": {
+            "merged_adapters": {"ids": ["a0", "nope"]}}})
+        both = httpx.post(f"{live.url}/generate", json={"inputs": "Hi", "parameters": {
+            "adapter_id": "a0", "merged_adapters": {"ids": ["a0"]}}})
+        ranks = httpx.post(f"{live.url}/generate", json={"inputs": "Hi", "parameters": {
+            "merged_adapters": {"ids": ["a0"], "merge_strategy": "svd"}}})
+        assert httpx.post(f"{live.url}/v1/unload_lora_adapter",
+                          json={"lora_name": "m0"}).status_code == 200
+        left = list(live.state.adapters.merged)
+        registered = live.state.engine.call(live.state.engine.engine.list_adapters)
+    assert [r.generated_text for r in res] == [want.text] * 2
+    assert len(merges) == 1 and merges[0] not in {m["id"] for m in models}
+    assert other.details.generated_tokens == 2
+    assert len(after_other) == 1 and after_other != merges  # the idle merge made room
+    assert unknown.status_code == 404 and "nope" in unknown.text
+    assert both.status_code == 400 and "not both" in both.text
+    assert ranks.status_code == 400 and "strategy='svd'" in ranks.text
+    assert left == [] and "m0" not in registered
+    assert not any(n.startswith("merged-") for n in registered)

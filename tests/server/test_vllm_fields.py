@@ -1,0 +1,111 @@
+"""vLLM's request fields beyond OpenAI's, over HTTP: allowed_token_ids, bad_words,
+skip_special_tokens, truncate_prompt_tokens, add_special_tokens, and chat's
+continue_final_message and chat_template_kwargs, each answer equal to the in-process
+engine's for the same request; the fields slora does not implement are a 400 naming them."""
+
+from __future__ import annotations
+
+import httpx
+
+from slora import SamplingParams
+
+from .conftest import BASE
+
+PROMPT = "The quick brown fox"
+
+
+def post(live, path, body):
+    return httpx.post(f"{live.url}{path}", json=body, timeout=30)
+
+
+def tokens_of(res) -> list[int]:
+    assert res.status_code == 200, res.text
+    lp = res.json()["choices"][0]["logprobs"]
+    return [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+
+
+def test_logits_fields_and_special_tokens_equal_the_engine(serve, reference):
+    ids = reference.tokenizer.encode(PROMPT)
+    eos = reference.eos_token_ids[0]
+    plain = reference.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True),
+                               adapters="a0")[0]
+    allowed = sorted({plain.token_ids[2], plain.token_ids[4], ids[1], 7})
+    word = reference.tokenizer.decode(plain.token_ids[:1])
+    cases = [dict(allowed_token_ids=allowed), dict(bad_words=[word])]
+    base = dict(model="a0", prompt=PROMPT, max_tokens=8, temperature=0, ignore_eos=True,
+                logprobs=0, return_tokens_as_token_ids=True)
+    with serve() as live:
+        got = [tokens_of(post(live, "/v1/completions", {**base, **case})) for case in cases]
+        special = post(live, "/v1/completions", {
+            "prompt": PROMPT, "max_tokens": 3, "min_tokens": 2, "temperature": 0,
+            "logit_bias": {str(eos): 100}, "skip_special_tokens": False}).json()
+    for case, tokens in zip(cases, got):
+        want = reference.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True, **case),
+                                  adapters="a0")[0]
+        assert tokens == want.token_ids and tokens != plain.token_ids, case
+    assert special["choices"][0]["text"].endswith("</s>")
+
+
+def test_prompt_truncation_and_special_tokens(serve, reference):
+    ids = reference.tokenizer.encode(PROMPT)
+    assert ids[0] == 0  # the tokenizer's BOS
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    with serve() as live:
+        cut = post(live, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                             "ignore_eos": True, "truncate_prompt_tokens": 5,
+                                             "echo": True}).json()
+        bare = post(live, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4,
+                                              "temperature": 0, "ignore_eos": True,
+                                              "add_special_tokens": False}).json()
+        chat_cut = post(live, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True, "truncate_prompt_tokens": 3}).json()
+    want = reference.generate([ids[-5:]], sp)[0]
+    echoed = reference.tokenizer.decode(ids[-5:], skip_special_tokens=False)
+    assert cut["choices"][0]["text"] == echoed + want.text
+    assert cut["usage"]["prompt_tokens"] == 5
+    assert bare["usage"]["prompt_tokens"] == len(ids) - 1
+    assert bare["choices"][0]["text"] == reference.generate([ids[1:]], sp)[0].text
+    assert chat_cut["usage"]["prompt_tokens"] == 3
+
+
+def test_chat_continues_the_final_message_and_passes_template_kwargs(serve, reference):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Paris is"}]
+    tok = reference.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=False,
+                                   continue_final_message=True)
+    assert text.endswith("Paris is") and not text.endswith("\n")
+    want = reference.generate([tok.encode(text, add_special_tokens=False)],
+                              SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    with serve() as live:
+        res = post(live, "/v1/chat/completions", {
+            "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False}}).json()
+        ids = post(live, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                       "continue_final_message": True}).json()
+        both = post(live, "/v1/chat/completions", {
+            "messages": messages, "continue_final_message": True})
+    assert res["choices"][0]["message"]["content"] == want.text
+    assert ids["tokens"] == want.prompt_token_ids
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_vllm_fields_slora_does_not_implement_are_400(serve):
+    cases = [("/v1/completions", "priority", 1), ("/v1/completions", "length_penalty", 2.0),
+             ("/v1/completions", "logits_processors", ["x"]),
+             ("/v1/completions", "structured_outputs", {"choice": ["a"]}),
+             ("/v1/completions", "spaces_between_special_tokens", False),
+             ("/v1/completions", "prompt_embeds", "AAAA"),
+             ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+             ("/v1/chat/completions", "documents", [{"text": "x"}]),
+             ("/v1/chat/completions", "echo", True)]
+    with serve() as live:
+        for path, field, value in cases:
+            body = {"model": BASE, "max_tokens": 2, field: value}
+            body.update({"prompt": "Hi"} if path == "/v1/completions"
+                        else {"messages": [{"role": "user", "content": "Hi"}]})
+            res = post(live, path, body)
+            assert res.status_code == 400, (field, res.text)
+            error = res.json()["error"]
+            assert error["param"] == field and "not supported" in error["message"], error
