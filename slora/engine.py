@@ -31,6 +31,7 @@ from slora.core.pages import PageAllocator
 from slora.core.scheduler import Scheduler
 from slora.distributed.group import torchrun_rank
 from slora.graphs import warmup_adapters, warmup_steps
+from slora.guided import Grammar, Guide, TokenPieces, choice_pattern
 from slora.kernels.segments import PATHS
 from slora.model.llama import modules_of
 from slora.model.loader import (AdapterError, PeftAdapter, pack_adapter, synthetic_pack,
@@ -41,6 +42,7 @@ from slora.runner import ModelRunner, resolve_device
 from slora.tokenizer import IncrementalDecoder, Tokenizer
 
 Prompt = str | list[int]
+GRAMMARS = 64  # guided decoding's compiled patterns kept (their states' token masks with them)
 
 
 class Engine:
@@ -84,6 +86,8 @@ class Engine:
         self._decoders: dict[str, IncrementalDecoder] = {}  # per running request
         self._stop_from: dict[str, int] = {}  # request id -> where stop strings may begin
         self._synthetic: dict[tuple, object] = {}  # (rank, targets, seed) -> shared host buffer
+        self._pieces: dict[int, TokenPieces] = {}  # id(tokenizer) -> its token pieces
+        self._grammars: dict[tuple[int, str], Grammar] = {}  # (id(tokenizer), pattern)
         self._tokenizers: dict[str, Tokenizer] = {}  # adapter -> its own (it adds tokens)
         self._flight = None  # async scheduling: the launched step not yet collected
         # the step being scheduled and run, and the launched steps being collected: the
@@ -260,7 +264,8 @@ class Engine:
                        arrival_time if arrival_time is not None else time.monotonic(),
                        eos_token_ids=self.eos_token_ids, max_len=self.max_model_len,
                        cache_salt=cache_salt, cache_prefix=cache_prefix,
-                       bad_words_ids=self._bad_words_ids(sampling.bad_words, adapter))
+                       bad_words_ids=self._bad_words_ids(sampling.bad_words, adapter),
+                       guide=self._guide(sampling, adapter))
 
     def _queue(self, req: Request) -> str:
         rid, ids = req.request_id, req.prompt_token_ids
@@ -308,6 +313,28 @@ class Engine:
             raise ValueError("empty prompt: a request needs at least one token")
         self._check_ids(ids, adapter, "prompt token ids")
         return ids
+
+    def _guide(self, sampling: SamplingParams, adapter: str | None) -> Guide | None:
+        """Guided decoding's Guide for a request (None unless asked for): its pattern
+        compiled once per tokenizer (the last GRAMMARS kept), with the tokenizer's pieces."""
+        if not sampling.guided:
+            return None
+        tokenizer = self.tokenizer_of(adapter)
+        if tokenizer is None:
+            raise ValueError("SamplingParams.guided_regex / guided_choice need a tokenizer; "
+                             "this engine has none (load_format='dummy' without tokenizer.json)")
+        pattern = sampling.guided_regex or choice_pattern(sampling.guided_choice)
+        key = (id(tokenizer), pattern)
+        grammar = self._grammars.pop(key, None)
+        if grammar is None:
+            pieces = self._pieces.get(id(tokenizer))
+            if pieces is None:
+                pieces = self._pieces[id(tokenizer)] = TokenPieces(tokenizer, tokenizer.vocab_size)
+            grammar = Grammar(pattern, pieces, self.eos_token_ids)  # ValueError names it
+        self._grammars[key] = grammar  # (the most recent last)
+        while len(self._grammars) > GRAMMARS:
+            self._grammars.pop(next(iter(self._grammars)))
+        return Guide(grammar)
 
     def _bad_words_ids(self, words: tuple[str, ...], adapter: str | None):
         """Each bad word's token ids by `adapter`'s tokenizer (vLLM's rule): the word as it

@@ -41,6 +41,10 @@ class SamplingParams:
     subtracted (OpenAI's, each in [-2, 2]; 0 is off). Sampling then applies temperature,
     min_p (drops tokens below min_p times the likeliest one's probability), top_k and top_p.
     `skip_special_tokens` (default True) leaves special tokens out of the text.
+
+    Guided decoding (vLLM's): `guided_regex` holds the output to a full match of the pattern,
+    `guided_choice` to one of the strings (`slora.guided`); the end-of-sequence token comes
+    once the output matches.
     """
 
     max_tokens: int = 16
@@ -62,6 +66,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    guided_regex: str | None = None
+    guided_choice: tuple[str, ...] | None = None
     # {token id: bias}; kept as sorted (id, bias) pairs, so the params stay hashable
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()
 
@@ -82,6 +88,11 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.allowed_token_ids={self.allowed_token_ids!r}: "
                                  "expected None or a non-empty list of token ids")
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.guided_choice is not None:
+            if not isinstance(self.guided_choice, (list, tuple)):
+                raise ValueError(f"SamplingParams.guided_choice={self.guided_choice!r}: "
+                                 "expected a list of strings")
+            object.__setattr__(self, "guided_choice", tuple(self.guided_choice))
         for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)):
@@ -111,6 +122,14 @@ class SamplingParams:
              "must be token ids (integers >= 0)"),
             (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
              "must be non-empty strings"),
+            (self.guided_choice is None or (self.guided_choice and all(
+                isinstance(c, str) and c for c in self.guided_choice)), "guided_choice",
+             "must be None or a non-empty list of non-empty strings"),
+            (self.guided_regex is None or (isinstance(self.guided_regex, str)
+                                           and self.guided_regex), "guided_regex",
+             "must be None or a non-empty string"),
+            (self.guided_regex is None or self.guided_choice is None, "guided_regex",
+             "and guided_choice exclude each other"),
             (self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
              "must be None or an integer >= 0"),
             (self.prompt_logprobs is None
@@ -139,12 +158,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def guided(self) -> bool:
+        return self.guided_regex is not None or self.guided_choice is not None
+
     @functools.cached_property  # (read for every row of every step: computed once)
     def changes_logits(self) -> bool:
         """Whether the logits are changed before the token is picked (allowed_token_ids,
-        bad_words, min_tokens, logit_bias, a penalty): then even a greedy row's token is not
-        the raw argmax."""
-        return bool(self.allowed_token_ids is not None or self.bad_words or self.min_tokens
+        bad_words, guided decoding, min_tokens, logit_bias, a penalty): then even a greedy
+        row's token is not the raw argmax."""
+        return bool(self.allowed_token_ids is not None or self.bad_words or self.guided
+                    or self.min_tokens
                     or self.logit_bias or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
 
@@ -224,6 +248,7 @@ class Request:
     cache_prefix: bool = True
     # SamplingParams.bad_words as token ids, by the request's tokenizer (the engine's)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    guide: object | None = None  # guided decoding's slora.guided.Guide (the engine's)
     block_digests: list[bytes] = field(default_factory=list)
     num_cached_pages: int = 0
     num_cached_tokens: int = 0

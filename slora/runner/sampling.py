@@ -89,7 +89,7 @@ class Sampler:
 
     def process_logits(self, logits: torch.Tensor, req: Request) -> torch.Tensor:
         """A copy of one row's logits (fp32) changed as `req.sampling` says, in vLLM's order:
-        the tokens outside allowed_token_ids masked, the last token of each bad word whose
+        the tokens outside allowed_token_ids and those the guide rules out masked, the last token of each bad word whose
         other tokens end the output masked, the stop ids masked while fewer than min_tokens
         tokens are known, logit_bias added, the repetition penalty on the prompt's and the
         output's tokens, the frequency and presence penalties on the output's. The output so
@@ -98,11 +98,15 @@ class Sampler:
         sp, x = req.sampling, logits.float().clone()
         known = req.output_token_ids[:len(req.output_token_ids) - req.num_pending]
         width = x.shape[-1]
-        if sp.allowed_token_ids is not None:
-            allowed = [t for t in sp.allowed_token_ids if t < width]
-            kept = x[allowed]
-            x.fill_(float("-inf"))
-            x[allowed] = kept
+        for allowed in (sp.allowed_token_ids, req.guide and req.guide.allowed(known)):
+            if allowed is not None:
+                allowed = [t for t in allowed if t < width]
+                if not allowed:  # (a guide with no way on: the pattern needs text no token has)
+                    raise ValueError(f"guided decoding: no token continues the output toward a "
+                                     f"match of {req.guide.pattern!r}")
+                kept = x[allowed]
+                x.fill_(float("-inf"))
+                x[allowed] = kept
         for word in req.bad_words_ids:
             head = len(word) - 1
             if head <= len(known) and (not head or known[-head:] == list(word[:-1])):

@@ -305,8 +305,9 @@ UNSUPPORTED = {
     "tools": bool, "tool_choice": lambda v: v not in (None, "none", "auto"),
     "best_of": lambda v: v not in (None, 1), "use_beam_search": bool,
     "length_penalty": lambda v: v != 1.0,
-    "guided_json": _SET, "guided_regex": _SET, "guided_choice": _SET, "guided_grammar": _SET,
-    "structured_outputs": _SET, "logits_processors": _SET, "priority": bool,
+    "guided_json": _SET, "guided_grammar": _SET,
+    "structured_outputs": lambda v: bool(set(v or {}) - {"choice", "regex"}),
+    "logits_processors": _SET, "priority": bool,
     "spaces_between_special_tokens": lambda v: not v,
     # completions' and chat's own
     "prompt_embeds": _SET, "chat_template": _SET, "documents": _SET,
@@ -319,9 +320,10 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
     of UNSUPPORTED that asks for something is a 400 naming it."""
     for field, asks in UNSUPPORTED.items():
         if field in type(body).model_fields and asks(getattr(body, field)):
-            raise APIError(400, f"{field} is not supported by slora (structured output, tools, "
-                           "beam search, priorities, logits processors, prompt embeddings and "
-                           "request chat templates are not implemented)", field)
+            raise APIError(400, f"{field} is not supported by slora (JSON and grammar output, "
+                           "tools, beam search, priorities, logits processors, prompt embeddings "
+                           "and request chat templates are not implemented; guided_choice and "
+                           "guided_regex are)", field)
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -340,6 +342,8 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
+                guided_choice=body.guided_choice or (body.structured_outputs or {}).get("choice"),
+                guided_regex=body.guided_regex or (body.structured_outputs or {}).get("regex"),
                 min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None

@@ -47,6 +47,9 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = Field(None, ge=0)
     # the prompt's last N tokens alone (vLLM's)
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    # guided decoding: the output one of the strings, or a full match of the regex
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM: logprobs' tokens as "token_id:<id>" (token strings may not be unique)
@@ -62,10 +65,8 @@ class _Sampling(_Body):
     best_of: int | None = None
     use_beam_search: bool = False
     guided_json: str | dict | None = None
-    guided_regex: str | None = None
-    guided_choice: list | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict | None = None
+    structured_outputs: dict | None = None  # (its "choice" and "regex" are served)
     logits_processors: list | None = None
     priority: int = 0
     length_penalty: float = 1.0

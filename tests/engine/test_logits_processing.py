@@ -217,3 +217,29 @@ def test_bad_values_are_clear_errors(engine):
         with pytest.raises(ValueError, match=why):
             SamplingParams(**kw)
     assert engine.generate("Hello", SamplingParams(max_tokens=2))[0].finish_reason is not None
+
+
+def test_guided_choice_and_regex_hold_the_output(engine):
+    """guided_choice ends on one of the strings and stops there; guided_regex's output is a
+    full match; beside unguided rows in one batch, with sampling too."""
+    import re
+
+    choices = ["quick brown dog", "lazy", "Paris"]
+    pattern = r"-?\d{1,3}(\.\d)? [a-z]+"
+    params = [SamplingParams(max_tokens=NEW, guided_choice=choices),
+              SamplingParams(max_tokens=NEW, guided_regex=pattern),
+              SamplingParams(max_tokens=NEW, guided_regex=pattern, temperature=1.0, seed=5),
+              SamplingParams(max_tokens=NEW, ignore_eos=True)]
+    outs = engine.generate([PROMPT] * 4, params)
+    assert outs[0].text in choices and outs[0].finish_reason == "stop"
+    for out in outs[1:3]:
+        assert re.fullmatch(pattern, out.text), out.text
+        assert out.finish_reason in ("stop", "length")
+    assert outs[3].token_ids == engine.generate(PROMPT, params[3])[0].token_ids
+    # a sure pattern: the output is the pattern's one string
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=NEW, guided_regex="abc( def)?!"))[0]
+    assert out.text in ("abc!", "abc def!") and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="lookaround"):
+        engine.add_request(PROMPT, SamplingParams(guided_regex="(?=a)b"))
+    with pytest.raises(ValueError, match="exclude each other"):
+        SamplingParams(guided_regex="a", guided_choice=["a"])

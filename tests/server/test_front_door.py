@@ -90,8 +90,8 @@ def test_bad_sampling_values_are_400_naming_the_field(live):
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for field, value in (("response_format", {"type": "json_object"}),
                          ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                         ("best_of", 2), ("guided_choice", ["a", "b"]), ("priority", 1),
-                         ("structured_outputs", {"regex": "a+"})):
+                         ("best_of", 2), ("guided_json", {"type": "object"}), ("priority", 1),
+                         ("structured_outputs", {"json": {"type": "object"}})):
         res = post(live, "/v1/chat/completions", {**chat, field: value})
         assert "not supported by slora" in error_of(res, 400, field)
     # their neutral values pass

@@ -46,6 +46,32 @@ def test_logits_fields_and_special_tokens_equal_the_engine(serve, reference):
     assert special["choices"][0]["text"].endswith("</s>")
 
 
+def test_guided_decoding_equals_the_engine(serve, reference):
+    """guided_choice and guided_regex (and structured_outputs' choice and regex) over HTTP give
+    the engine's answer for the same request; a pattern slora does not take is a 400."""
+    import re
+
+    choices, pattern = ["quick brown dog", "lazy", "Paris"], r"\d{1,3}( [a-z]+)?"
+    want_choice = reference.generate(PROMPT, SamplingParams(max_tokens=8, guided_choice=choices),
+                                     adapters="a0")[0]
+    want_regex = reference.generate(PROMPT, SamplingParams(max_tokens=8, guided_regex=pattern),
+                                    adapters="a0")[0]
+    base = dict(model="a0", prompt=PROMPT, max_tokens=8, temperature=0)
+    with serve() as live:
+        texts = [post(live, "/v1/completions", {**base, **kw}).json()["choices"][0]["text"]
+                 for kw in (dict(guided_choice=choices), dict(guided_regex=pattern),
+                            dict(structured_outputs={"choice": choices}),
+                            dict(structured_outputs={"regex": pattern}))]
+        chat = post(live, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+            "guided_choice": ["yes", "no"]}).json()
+        bad = post(live, "/v1/completions", {**base, "guided_regex": "(?=a)b"})
+    assert texts == [want_choice.text, want_regex.text] * 2
+    assert want_choice.text in choices and re.fullmatch(pattern, want_regex.text)
+    assert chat["choices"][0]["message"]["content"] in ("yes", "no")
+    assert bad.status_code == 400 and "lookaround" in bad.text
+
+
 def test_prompt_truncation_and_special_tokens(serve, reference):
     ids = reference.tokenizer.encode(PROMPT)
     assert ids[0] == 0  # the tokenizer's BOS
@@ -94,7 +120,8 @@ def test_chat_continues_the_final_message_and_passes_template_kwargs(serve, refe
 def test_vllm_fields_slora_does_not_implement_are_400(serve):
     cases = [("/v1/completions", "priority", 1), ("/v1/completions", "length_penalty", 2.0),
              ("/v1/completions", "logits_processors", ["x"]),
-             ("/v1/completions", "structured_outputs", {"choice": ["a"]}),
+             ("/v1/completions", "structured_outputs", {"grammar": "root ::= a"}),
+             ("/v1/completions", "guided_json", {"type": "object"}),
              ("/v1/completions", "spaces_between_special_tokens", False),
              ("/v1/completions", "prompt_embeds", "AAAA"),
              ("/v1/chat/completions", "chat_template", "{{ messages }}"),
