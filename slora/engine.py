@@ -32,6 +32,7 @@ from slora.core.scheduler import Scheduler
 from slora.distributed.group import torchrun_rank
 from slora.graphs import warmup_adapters, warmup_steps
 from slora.guided import Grammar, Guide, TokenPieces, choice_pattern
+from slora.json_regex import schema_regex
 from slora.kernels.segments import PATHS
 from slora.model.llama import modules_of
 from slora.model.loader import (AdapterError, PeftAdapter, pack_adapter, synthetic_pack,
@@ -321,9 +322,17 @@ class Engine:
             return None
         tokenizer = self.tokenizer_of(adapter)
         if tokenizer is None:
-            raise ValueError("SamplingParams.guided_regex / guided_choice need a tokenizer; "
+            raise ValueError("guided decoding (SamplingParams.guided_*) needs a tokenizer; "
                              "this engine has none (load_format='dummy' without tokenizer.json)")
-        pattern = sampling.guided_regex or choice_pattern(sampling.guided_choice)
+        if sampling.guided_json is not None:
+            try:
+                pattern = schema_regex(sampling.guided_json)
+            except ValueError as e:
+                raise ValueError(f"SamplingParams.guided_json: {e}") from None
+        elif sampling.guided_choice is not None:
+            pattern = choice_pattern(sampling.guided_choice)
+        else:
+            pattern = sampling.guided_regex
         key = (id(tokenizer), pattern)
         grammar = self._grammars.pop(key, None)
         if grammar is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ class SamplingParams:
     `skip_special_tokens` (default True) leaves special tokens out of the text.
 
     Guided decoding (vLLM's): `guided_regex` holds the output to a full match of the pattern,
-    `guided_choice` to one of the strings (`slora.guided`); the end-of-sequence token comes
-    once the output matches.
+    `guided_choice` to one of the strings, `guided_json` to JSON that a JSON Schema (a dict or
+    its text; kept as text) accepts (`slora.guided`, `slora.json_regex`); the end-of-sequence
+    token comes once the output matches. One of the three at most.
     """
 
     max_tokens: int = 16
@@ -68,6 +70,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     guided_regex: str | None = None
     guided_choice: tuple[str, ...] | None = None
+    guided_json: str | dict | None = None
     # {token id: bias}; kept as sorted (id, bias) pairs, so the params stay hashable
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()
 
@@ -88,6 +91,8 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.allowed_token_ids={self.allowed_token_ids!r}: "
                                  "expected None or a non-empty list of token ids")
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.guided_json, (dict, bool)):
+            object.__setattr__(self, "guided_json", json.dumps(self.guided_json))
         if self.guided_choice is not None:
             if not isinstance(self.guided_choice, (list, tuple)):
                 raise ValueError(f"SamplingParams.guided_choice={self.guided_choice!r}: "
@@ -128,8 +133,11 @@ class SamplingParams:
             (self.guided_regex is None or (isinstance(self.guided_regex, str)
                                            and self.guided_regex), "guided_regex",
              "must be None or a non-empty string"),
-            (self.guided_regex is None or self.guided_choice is None, "guided_regex",
-             "and guided_choice exclude each other"),
+            (self.guided_json is None or isinstance(self.guided_json, str), "guided_json",
+             "must be None, a JSON Schema (a dict) or its JSON text"),
+            (sum(x is not None for x in (self.guided_regex, self.guided_choice,
+                                         self.guided_json)) <= 1, "guided_regex",
+             "guided_choice and guided_json exclude each other"),
             (self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
              "must be None or an integer >= 0"),
             (self.prompt_logprobs is None
@@ -160,7 +168,8 @@ class SamplingParams:
 
     @property
     def guided(self) -> bool:
-        return self.guided_regex is not None or self.guided_choice is not None
+        return (self.guided_regex is not None or self.guided_choice is not None
+                or self.guided_json is not None)
 
     @functools.cached_property  # (read for every row of every step: computed once)
     def changes_logits(self) -> bool:

@@ -51,7 +51,8 @@ def _refuse_unsupported(p: GenerateParameters) -> None:
         "best_of": p.best_of not in (None, 1),
         "typical_p": p.typical_p is not None,
         "watermark": p.watermark,
-        "response_format": p.response_format is not None,
+        "response_format": p.response_format is not None
+        and p.response_format.get("type") != "json_object",
     }
     for field, asked in refused.items():
         if asked:
@@ -80,7 +81,10 @@ def _sampling(p: GenerateParameters, details: bool) -> dict:
                 stop=p.stop, ignore_eos=p.ignore_eos_token,
                 repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
                 logprobs=(p.return_k_alternatives or 0) if details else None,
-                prompt_logprobs=0 if details and p.decoder_input_details else None)
+                prompt_logprobs=0 if details and p.decoder_input_details else None,
+                # LoRAX's structured output: JSON its schema accepts (any object without one)
+                guided_json=None if p.response_format is None
+                else p.response_format.get("schema") or {"type": "object"})
 
 
 async def _generate(state: ServerState, body: GenerateRequest, stream: bool, as_list: bool):

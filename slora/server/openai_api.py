@@ -301,12 +301,14 @@ def _chat_chunk(state, body, out: RequestOutput, text: str, start: int) -> dict:
 # values pass: a text response format, no tools, one candidate)
 _SET = lambda v: v is not None  # noqa: E731 - a field asks for something when given
 UNSUPPORTED = {
-    "response_format": lambda v: v is not None and v.get("type") != "text",
+    "response_format": lambda v: v is not None and v.get("type") not in (
+        "text", "json_object", "json_schema"),
     "tools": bool, "tool_choice": lambda v: v not in (None, "none", "auto"),
     "best_of": lambda v: v not in (None, 1), "use_beam_search": bool,
     "length_penalty": lambda v: v != 1.0,
-    "guided_json": _SET, "guided_grammar": _SET,
-    "structured_outputs": lambda v: bool(set(v or {}) - {"choice", "regex"}),
+    "guided_grammar": _SET,
+    "structured_outputs": lambda v: bool(set(v or {}) - {"choice", "regex", "json",
+                                                         "json_object"}),
     "logits_processors": _SET, "priority": bool,
     "spaces_between_special_tokens": lambda v: not v,
     # completions' and chat's own
@@ -320,10 +322,10 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
     of UNSUPPORTED that asks for something is a 400 naming it."""
     for field, asks in UNSUPPORTED.items():
         if field in type(body).model_fields and asks(getattr(body, field)):
-            raise APIError(400, f"{field} is not supported by slora (JSON and grammar output, "
-                           "tools, beam search, priorities, logits processors, prompt embeddings "
-                           "and request chat templates are not implemented; guided_choice and "
-                           "guided_regex are)", field)
+            raise APIError(400, f"{field} is not supported by slora (grammars, tools, beam "
+                           "search, priorities, logits processors, prompt embeddings and request "
+                           "chat templates are not implemented; choice, regex and JSON output "
+                           "are)", field)
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -342,12 +344,29 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
-                guided_choice=body.guided_choice or (body.structured_outputs or {}).get("choice"),
-                guided_regex=body.guided_regex or (body.structured_outputs or {}).get("regex"),
+                **_guided(body),
                 min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None
                 else body.repetition_penalty, logit_bias=bias)
+
+
+def _guided(body: _Sampling) -> dict:
+    """SamplingParams' guided decoding keywords from vLLM's guided_* fields, its
+    structured_outputs, or OpenAI's response_format (json_object: any JSON object;
+    json_schema: its schema)."""
+    so = body.structured_outputs or {}
+    schema = body.guided_json if body.guided_json is not None else so.get("json")
+    if so.get("json_object") or (body.response_format or {}).get("type") == "json_object":
+        schema = {"type": "object"} if schema is None else schema
+    if (body.response_format or {}).get("type") == "json_schema":
+        spec = body.response_format.get("json_schema") or {}
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise APIError(400, "response_format json_schema needs json_schema.schema",
+                           "response_format")
+        schema = spec["schema"]
+    return dict(guided_choice=body.guided_choice or so.get("choice"),
+                guided_regex=body.guided_regex or so.get("regex"), guided_json=schema)
 
 
 def _top(probs: dict[int, float], k: int | None) -> list[tuple[int, float]]:

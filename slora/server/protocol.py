@@ -50,6 +50,7 @@ class _Sampling(_Body):
     # guided decoding: the output one of the strings, or a full match of the regex
     guided_choice: list[str] | None = None
     guided_regex: str | None = None
+    guided_json: str | dict | None = None  # a JSON Schema
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM: logprobs' tokens as "token_id:<id>" (token strings may not be unique)
@@ -59,14 +60,13 @@ class _Sampling(_Body):
     cache_salt: str | None = Field(None, min_length=1)
     # OpenAI's and vLLM's fields that slora does not implement, read only to be refused
     # (400) when set to anything but their neutral value: `openai_api.UNSUPPORTED`
-    response_format: dict | None = None
+    response_format: dict | None = None  # (text, json_object and json_schema are served)
     tools: list | None = None
     tool_choice: str | dict | None = None
     best_of: int | None = None
     use_beam_search: bool = False
-    guided_json: str | dict | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict | None = None  # (its "choice" and "regex" are served)
+    structured_outputs: dict | None = None  # (choice, regex, json, json_object are served)
     logits_processors: list | None = None
     priority: int = 0
     length_penalty: float = 1.0

@@ -243,3 +243,25 @@ def test_guided_choice_and_regex_hold_the_output(engine):
         engine.add_request(PROMPT, SamplingParams(guided_regex="(?=a)b"))
     with pytest.raises(ValueError, match="exclude each other"):
         SamplingParams(guided_regex="a", guided_choice=["a"])
+
+
+def test_guided_json_gives_json_the_schema_accepts(engine):
+    import json
+
+    schema = {"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "tag": {"enum": ["x", "y", None]},
+        "s": {"type": "string", "maxLength": 3}, "more": {"type": "array", "maxItems": 2,
+                                                          "items": {"type": "boolean"}}},
+        "required": ["ok", "tag", "s"]}
+    outs = engine.generate([PROMPT] * 3, [
+        SamplingParams(max_tokens=64, guided_json=schema),
+        SamplingParams(max_tokens=64, guided_json=json.dumps(schema), temperature=1.0, seed=2),
+        SamplingParams(max_tokens=64, temperature=1.0, seed=9, guided_json=schema)])
+    for out in outs:
+        value = json.loads(out.text)
+        assert out.finish_reason == "stop", out.text
+        assert list(value)[:3] == ["ok", "tag", "s"] and set(value) <= set(schema["properties"])
+        assert isinstance(value["ok"], bool) and value["tag"] in ("x", "y", None)
+        assert isinstance(value["s"], str) and len(value["s"]) <= 3
+    with pytest.raises(ValueError, match="guided_json: JSON schema at #: minimum not supported"):
+        engine.add_request(PROMPT, SamplingParams(guided_json={"type": "integer", "minimum": 1}))

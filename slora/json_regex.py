@@ -1,0 +1,191 @@
+"""JSON output for guided decoding: a JSON Schema, or any JSON object, as a regular expression
+for `slora.guided` (vLLM's `guided_json`, OpenAI's and LoRAX's `response_format`).
+
+The text is compact JSON: no whitespace but one optional space after each `:` and `,`.
+Objects list their properties in the schema's order, each required one always, each other
+one where the model writes it. The keywords read (anything else is a ValueError naming it):
+
+- `type` (a name or a list of them): object, array, string, integer, number, boolean, null;
+- object: `properties`, `required`, `additionalProperties` false or absent (no other keys;
+  an object without `properties` is any object unless it is false), `title` and
+  `description` (notes for people);
+- array: `items`, `minItems`, `maxItems`; string: `minLength`, `maxLength`, `pattern`
+  (a regex of `slora.guided`'s syntax, its characters written as they are: one that can
+  match `"` or `\\` can give invalid JSON), `format` date, time, date-time or uuid;
+- `enum`, `const`, `anyOf`/`oneOf` (any of the schemas), `allOf` of one schema, `$ref` to
+  `#/$defs/...` or `#/definitions/...` (not recursive), and the empty schema: any JSON value.
+
+Any JSON value nests objects and arrays at most ANY_DEPTH deep (a regular expression cannot
+count brackets without a bound).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+ANY_DEPTH = 3
+WS = "[ ]?"
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+STRING = f'"{STRING_CHAR}*"'
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER,
+           "boolean": "(?:true|false)", "null": "null"}
+FORMATS = {"date": r'"\d{4}-\d{2}-\d{2}"', "time": r'"\d{2}:\d{2}:\d{2}(?:\.\d+)?"',
+           "date-time": r'"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:\d{2})?"',
+           "uuid": r'"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"'}
+_NOTES = {"title", "description", "$schema", "$id", "examples", "default", "$comment"}
+_READ = {"type", "properties", "required", "additionalProperties", "items", "minItems",
+         "maxItems", "minLength", "maxLength", "pattern", "format", "enum", "const", "anyOf",
+         "oneOf", "allOf", "$ref", "$defs", "definitions"} | _NOTES
+
+
+def any_json(depth: int = ANY_DEPTH) -> str:
+    """Any JSON value with objects and arrays nested at most `depth` deep."""
+    value = "(?:" + "|".join(SCALARS.values()) + ")"
+    for _ in range(depth):
+        inner = value
+        obj = rf"\{{(?:{STRING}:{WS}{inner}(?:,{WS}{STRING}:{WS}{inner})*)?\}}"
+        arr = rf"\[(?:{inner}(?:,{WS}{inner})*)?\]"
+        value = f"(?:{value}|{obj}|{arr})"
+    return value
+
+
+def json_object_regex() -> str:
+    """Any JSON object (OpenAI's response_format json_object)."""
+    inner = any_json(ANY_DEPTH - 1)
+    return rf"\{{(?:{STRING}:{WS}{inner}(?:,{WS}{STRING}:{WS}{inner})*)?\}}"
+
+
+def schema_regex(schema) -> str:
+    """The regex of the JSON texts `schema` allows (see the module docstring)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"JSON schema: not valid JSON ({e})") from None
+    return _Schema(schema).regex(schema, "#", ())
+
+
+class _Schema:
+    def __init__(self, root) -> None:
+        self.root = root
+
+    def fail(self, where: str, why: str):
+        raise ValueError(f"JSON schema at {where}: {why}")
+
+    def regex(self, s, where: str, refs: tuple[str, ...]) -> str:
+        if s is True or s == {}:
+            return any_json()
+        if not isinstance(s, dict):
+            self.fail(where, f"expected an object, got {s!r}")
+        unknown = sorted(set(s) - _READ)
+        if unknown:
+            self.fail(where, f"{', '.join(unknown)} not supported (slora reads: type, "
+                      "properties, required, items, enum, const, anyOf, oneOf, $ref, and the "
+                      "string, array and object bounds listed in slora/json_regex.py)")
+        if "$ref" in s:
+            return self.ref(s["$ref"], where, refs)
+        if "const" in s:
+            return re.escape(json.dumps(s["const"]))
+        if "enum" in s:
+            if not isinstance(s["enum"], list) or not s["enum"]:
+                self.fail(where, "enum must be a non-empty list")
+            return "(?:" + "|".join(re.escape(json.dumps(v)) for v in s["enum"]) + ")"
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                if not isinstance(s[key], list) or not s[key]:
+                    self.fail(where, f"{key} must be a non-empty list")
+                return "(?:" + "|".join(self.regex(x, f"{where}/{key}/{i}", refs)
+                                        for i, x in enumerate(s[key])) + ")"
+        if "allOf" in s:
+            if not isinstance(s["allOf"], list) or len(s["allOf"]) != 1:
+                self.fail(where, "allOf is supported with one schema only")
+            return self.regex(s["allOf"][0], f"{where}/allOf/0", refs)
+        kind = s.get("type")
+        if kind is None:
+            kind = ("object" if "properties" in s else "array" if "items" in s
+                    else "string" if {"pattern", "format", "minLength", "maxLength"} & set(s)
+                    else None)
+            if kind is None:
+                return any_json()
+        if isinstance(kind, list):
+            return "(?:" + "|".join(self.regex({**s, "type": k}, where, refs) for k in kind) + ")"
+        if kind == "object":
+            return self.object(s, where, refs)
+        if kind == "array":
+            return self.array(s, where, refs)
+        if kind == "string":
+            return self.string(s, where)
+        if kind not in SCALARS:
+            self.fail(where, f"type {kind!r} is not a JSON Schema type")
+        return SCALARS[kind]
+
+    def ref(self, ref, where: str, refs: tuple[str, ...]) -> str:
+        m = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
+        if m is None or m.group(2) not in self.root.get(m.group(1), {}):
+            self.fail(where, f"$ref {ref!r}: only #/$defs/NAME and #/definitions/NAME that "
+                      "exist are supported")
+        if ref in refs:
+            self.fail(where, f"$ref {ref!r} is recursive: not supported")
+        return self.regex(self.root[m.group(1)][m.group(2)], ref, refs + (ref,))
+
+    def object(self, s: dict, where: str, refs: tuple[str, ...]) -> str:
+        props = s.get("properties", {})
+        if not isinstance(props, dict):
+            self.fail(where, "properties must be an object")
+        required = s.get("required", [])
+        missing = [r for r in required if r not in props]
+        if missing:
+            self.fail(where, f"required names {missing}, which are not in properties")
+        extra = s.get("additionalProperties")
+        if not props:  # {"type": "object"}: any object, unless no key may be added
+            return r"\{\}" if extra is False else json_object_regex()
+        if extra not in (False, None):
+            self.fail(where, "additionalProperties beside properties is not supported (set "
+                      "it false or leave it out)")
+        items = [(f"{re.escape(json.dumps(k))}:{WS}"
+                  f"{self.regex(v, f'{where}/properties/{k}', refs)}", k in required)
+                 for k, v in props.items()]
+        if not items:
+            return r"\{\}"
+        # the first property written is k: every required one before k would be missing
+        firsts = []
+        for k, (item, _) in enumerate(items):
+            if any(req for _, req in items[:k]):
+                break
+            rest = "".join(f",{WS}{it}" if req else f"(?:,{WS}{it})?"
+                           for it, req in items[k + 1:])
+            firsts.append(item + rest)
+        body = "(?:" + "|".join(firsts) + ")"
+        if not any(req for _, req in items):
+            body += "?"
+        return rf"\{{{body}\}}"
+
+    def array(self, s: dict, where: str, refs: tuple[str, ...]) -> str:
+        item = self.regex(s.get("items", {}), f"{where}/items", refs)
+        lo, hi = s.get("minItems", 0), s.get("maxItems")
+        if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int)
+                                                                     or hi < lo)):
+            self.fail(where, f"minItems {lo!r} / maxItems {hi!r}: expected 0 <= minItems <= "
+                      "maxItems")
+        if hi == 0:
+            return r"\[\]"
+        more_lo = max(lo - 1, 0)
+        more = f"{{{more_lo},{'' if hi is None else hi - 1}}}"
+        items = f"{item}(?:,{WS}{item}){more}"
+        return rf"\[{items}\]" if lo else rf"\[(?:{items})?\]"
+
+    def string(self, s: dict, where: str) -> str:
+        if "format" in s:
+            if s["format"] not in FORMATS:
+                self.fail(where, f"format {s['format']!r} is not supported (supported: "
+                          f"{', '.join(FORMATS)})")
+            return FORMATS[s["format"]]
+        if "pattern" in s:
+            return '"' + s["pattern"].removeprefix("^").removesuffix("$") + '"'
+        lo, hi = s.get("minLength", 0), s.get("maxLength")
+        if lo or hi is not None:
+            return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
+        return STRING

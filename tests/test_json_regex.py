@@ -1,0 +1,72 @@
+"""JSON Schema -> regex for guided decoding: the texts it allows are JSON that the schema
+accepts (written compactly, an optional space after `:` and `,`), and it refuses what it does
+not read by name."""
+
+import json
+import re
+
+import pytest
+
+from slora.guided import Regex
+from slora.json_regex import json_object_regex, schema_regex
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer"},
+    "email": {"type": "string", "format": "uuid"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "maxItems": 2},
+    "kind": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/kind"}]}},
+    "required": ["name", "age"], "$defs": {"kind": {"const": "x"}}}
+
+
+def accepts(pattern: str, text: str) -> bool:
+    rx = Regex(pattern)
+    return rx.accepts(rx.step(rx.start, text))
+
+
+@pytest.mark.parametrize("value,ok", [
+    ({"name": "Al", "age": 3}, True),
+    ({"name": "Al", "age": -30, "tags": ["a", 3], "kind": None}, True),
+    ({"name": "Al", "age": 3, "kind": "x"}, True),
+    ({"name": "Al", "age": 3, "email": "123e4567-e89b-12d3-a456-426614174000"}, True),
+    ({"age": 3, "name": "Al"}, False),  # the schema's order
+    ({"name": "Al"}, False),  # a required one missing
+    ({"name": "Al", "age": 3.5}, False),
+    ({"name": "Alexander the Great", "age": 3}, False),  # maxLength
+    ({"name": "Al", "age": 3, "tags": ["a", "b", "a"]}, False),  # maxItems
+    ({"name": "Al", "age": 3, "kind": "y"}, False),
+    ({"name": "Al", "age": 3, "other": 1}, False),  # no other keys
+])
+def test_schema_texts(value, ok):
+    pattern = schema_regex(PERSON)
+    for seps in ((",", ":"), (", ", ": ")):
+        assert accepts(pattern, json.dumps(value, separators=seps)) == ok, (value, seps)
+
+
+def test_optional_properties_and_any_json():
+    schema = {"properties": {"a": {"type": "boolean"}, "b": {"type": "number"},
+                             "c": {"type": "string", "pattern": "[a-z]{2}"}}}
+    pattern = schema_regex(json.dumps(schema))
+    for text in ('{}', '{"b":1e5}', '{"a":true,"c":"xy"}', '{"c":"ab"}', '{"a":false, "b":-0.5}'):
+        assert accepts(pattern, text), text
+    for text in ('{,}', '{"a":true,}', '{"c":"abc"}', '{"b":01}'):
+        assert not accepts(pattern, text), text
+    anything = json_object_regex()
+    for value in ({}, {"k": [1, {"x": None}], "s": "q\"\\u00e9"}, {"n": -1.5e-3}):
+        assert accepts(anything, json.dumps(value)), value
+    assert not accepts(anything, "[1]") and not accepts(anything, '{"a":{"b":{"c":{}}}}')
+    assert accepts(schema_regex({"type": "object"}), '{"a": [1, 2]}')
+
+
+@pytest.mark.parametrize("schema,why", [
+    ({"type": "string", "minimum": 3}, "minimum not supported"),
+    ({"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/x"}}}, "recursive"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+     "additionalProperties beside properties"),
+    ({"type": "object", "properties": {}, "required": ["a"]}, "required names"),
+    ({"type": "string", "format": "email"}, "format 'email' is not supported"),
+    ("{not json", "not valid JSON"),
+])
+def test_what_it_does_not_read_is_refused_by_name(schema, why):
+    with pytest.raises(ValueError, match=re.escape(why)):
+        schema_regex(schema)
