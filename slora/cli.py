@@ -96,6 +96,7 @@ def _generate(argv: list[str]) -> int:
 
 def _add_serve(sub) -> None:
     from slora.server.settings import add_engine_config_args
+    from slora.server.tools import PARSERS
 
     p = sub.add_parser(
         "serve", help="serve the model and its adapters over HTTP (OpenAI and LoRAX APIs)",
@@ -128,6 +129,9 @@ def _add_serve(sub) -> None:
                    "Retry-After (default 4096)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="BYTES",
                    help="larger request bodies get 413 (default 8 MiB)")
+    p.add_argument("--tool-call-parser", choices=PARSERS,
+                   help="find tool calls in chat answers' text (hermes: <tool_call> JSON, as "
+                   "Hermes and Qwen write them); enables tool_choice auto, the default with tools")
     p.add_argument("--drain-timeout", type=float, metavar="S",
                    help="on SIGTERM, wait at most S seconds for running requests (default: "
                    "until they finish)")

@@ -3,6 +3,7 @@ from `tokenizer_config.json` rendered with jinja2 (no transformers at run time).
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -63,8 +64,12 @@ class Tokenizer:
             return text + "\n" if add_generation_prompt else text
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # what HF's templates use: loop controls, a plain `tojson`, `strftime_now`
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         text = env.from_string(self.chat_template).render(
             **{**(variables or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
                "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""})
@@ -76,6 +81,12 @@ class Tokenizer:
                                  "the last message's content as it stands")
             text = text[:at + len(final)]
         return text
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """JSON text as HF's chat templates expect it (jinja's own escapes HTML characters)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _raise(message: str):

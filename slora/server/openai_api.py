@@ -24,6 +24,7 @@ from slora.server.generation import EventStream, Generation, until_disconnected
 from slora.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, _Sampling)
 from slora.server.state import ServerState
+from slora.server.tools import ToolChoice
 
 DONE = "data: [DONE]\n\n"
 
@@ -228,17 +229,42 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
                        "without stream", "prompt_logprobs")
     top = (body.top_logprobs or 0) if body.logprobs else None
     sampling = _sampling(body, body.max_completion_tokens or body.max_tokens, top)
+    tools = ToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls,
+                          state.settings.tool_call_parser,
+                          guided=any(sampling[k] is not None for k in GUIDED))
+    if tools.schema is not None:
+        sampling["guided_json"] = tools.schema
     gen = await Generation.open(state, body.model, prompts, sampling, body.n,
                                 names={"logprobs": "top_logprobs"}, cache_salt=body.cache_salt)
     reply = _Reply(state, body, "chatcmpl", "chat.completion")
-    return await reply.respond(gen, _chat_chunk, lambda out: {
-        "message": {"role": "assistant", "content": out.text},
-        "logprobs": _chat_logprobs(state, body, out, 0)})
+    reply.tools = tools if tools.parses else None
+
+    def choice(out: RequestOutput) -> dict:
+        content, calls, reason = tools.split(out.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message, "logprobs": _chat_logprobs(state, body, out, 0),
+                **({"finish_reason": reason} if reason else {})}
+
+    return await reply.respond(gen, _chat_chunk, choice)
+
+
+GUIDED = ("guided_choice", "guided_regex", "guided_json")
 
 
 def _messages(messages) -> list[dict]:
-    """A request's chat messages as the chat template takes them (text content only)."""
-    return [{"role": m.role, "content": _content(m.content, i)} for i, m in enumerate(messages)]
+    """A request's chat messages as the chat template takes them: text content, and an
+    assistant's tool calls (arguments as JSON text, as OpenAI sends them) or the call a tool
+    message answers, where given."""
+    out = []
+    for i, m in enumerate(messages):
+        message = {"role": m.role, "content": _content(m.content, i)}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
+    return out
 
 
 def _content(content, index: int) -> str:
@@ -257,8 +283,8 @@ def _content(content, index: int) -> str:
 def _render_chat(state: ServerState, adapter: str | None, messages: list[dict],
                  body: ChatCompletionRequest | TokenizeRequest) -> str:
     """The chat prompt: the adapter's own template if its directory has one, else the
-    model's, with the body's add_generation_prompt, continue_final_message and
-    chat_template_kwargs."""
+    model's, with the body's add_generation_prompt, continue_final_message,
+    chat_template_kwargs and tools."""
     tokenizer = state.tokenizer_of(adapter)
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
@@ -266,11 +292,13 @@ def _render_chat(state: ServerState, adapter: str | None, messages: list[dict],
     if own:
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = own
+    variables = dict(body.chat_template_kwargs or {})
+    if getattr(body, "tools", None):
+        variables["tools"] = body.tools
     try:
         return tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            variables=body.chat_template_kwargs)
+            continue_final_message=body.continue_final_message, variables=variables)
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages
         raise APIError(400, f"the chat template cannot render these messages: {e}",
                        "messages") from None
@@ -303,7 +331,6 @@ _SET = lambda v: v is not None  # noqa: E731 - a field asks for something when g
 UNSUPPORTED = {
     "response_format": lambda v: v is not None and v.get("type") not in (
         "text", "json_object", "json_schema"),
-    "tools": bool, "tool_choice": lambda v: v not in (None, "none", "auto"),
     "best_of": lambda v: v not in (None, 1), "use_beam_search": bool,
     "length_penalty": lambda v: v != 1.0,
     "guided_grammar": _SET,
@@ -400,6 +427,7 @@ class _Reply:
         self.created = int(time.time())
         self.model = body.model or state.settings.model_name
         self.echo: list[str] | None = None  # completions' echo: each choice's prompt text
+        self.tools: ToolChoice | None = None  # chat's tool calls, when its output may hold them
 
     def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -427,8 +455,11 @@ class _Reply:
             outs = await gen.finals()
         finally:
             gen.close()
-        choices = [{"index": i, **choice(out), "finish_reason": out.finish_reason,
-                    "stop_reason": None} for i, out in enumerate(outs)]
+        choices = []
+        for i, out in enumerate(outs):
+            fields = choice(out)
+            reason = fields.pop("finish_reason", out.finish_reason)
+            choices.append({"index": i, **fields, "finish_reason": reason, "stop_reason": None})
         for i, c in enumerate(choices if self.echo else ()):
             c["text"] = self.echo[i] + c["text"]
         return JSONResponse(self.answer(choices, outs, gen))
@@ -455,6 +486,8 @@ class _Reply:
                 yield _event(self.envelope(obj, role))
             async for i, out in gen.outputs():
                 end = len(out.text) if out.finished else holdback(out.text, stops)
+                if self.tools is not None:  # (no content past where a call begins)
+                    end = min(end, self.tools.sendable(out.text))
                 text = out.text[sent_text[i]:end]
                 # one event per new token, its text delta empty while the detokeniser holds
                 # it back (a partial character, a possible stop string), as vLLM streams
@@ -464,8 +497,16 @@ class _Reply:
                     text = self.echo[i] + text
                 fields = chunk(state, body, out, text, sent_tokens[i])
                 sent_text[i], sent_tokens[i] = max(end, sent_text[i]), len(out.token_ids)
-                choice = {"index": i, **fields, "finish_reason": out.finish_reason
-                          if out.finished else None}
+                reason = out.finish_reason if out.finished else None
+                if out.finished and self.tools is not None:  # the calls, whole, at the end
+                    content, calls, why = self.tools.split(out.text)
+                    if calls:
+                        fields["delta"]["tool_calls"] = [{"index": k, **c}
+                                                         for k, c in enumerate(calls)]
+                    elif content and sent_text[i] < len(content):  # (held back: no call)
+                        fields["delta"]["content"] += content[sent_text[i]:]
+                    reason = why or reason
+                choice = {"index": i, **fields, "finish_reason": reason}
                 yield _event(self.envelope(obj, [choice]))
             if body.stream_options is not None and body.stream_options.include_usage:
                 outs = [gen.last[i] for i in range(gen.count)]

@@ -61,8 +61,6 @@ class _Sampling(_Body):
     # OpenAI's and vLLM's fields that slora does not implement, read only to be refused
     # (400) when set to anything but their neutral value: `openai_api.UNSUPPORTED`
     response_format: dict | None = None  # (text, json_object and json_schema are served)
-    tools: list | None = None
-    tool_choice: str | dict | None = None
     best_of: int | None = None
     use_beam_search: bool = False
     guided_grammar: str | None = None
@@ -86,6 +84,9 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Body):
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, as answers give them
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -95,6 +96,10 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
+    # OpenAI's function tools (slora.server.tools)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     # vLLM's: the text ends in the last message, for the model to go on with it
     continue_final_message: bool = False
     add_special_tokens: bool = False  # (the template writes them)

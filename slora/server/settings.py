@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass, fields
 
 from slora.config import BACKENDS, DTYPES, POLICIES, EngineConfig
 from slora.server.adapters import AdapterResolver
+from slora.server.tools import PARSERS
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class ServerSettings:
     max_body_bytes: larger request bodies are answered 413 unread.
     retry_after_s: the Retry-After of 503 answers.
     resolver: finds adapters by name; None: a `LocalDirResolver` over `adapter_dir`, if any.
+    tool_call_parser: how chat answers find the model's tool calls in its text
+        (`slora.server.tools.PARSERS`); None: tool_choice "auto" is refused.
     """
 
     model_name: str = "slora"
@@ -37,8 +40,12 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20
     retry_after_s: int = 1
     resolver: AdapterResolver | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise ValueError(f"ServerSettings.tool_call_parser={self.tool_call_parser!r}: "
+                             f"expected one of {', '.join(PARSERS)}")
         if self.max_waiting < 1:
             raise ValueError(f"ServerSettings.max_waiting={self.max_waiting}: must be at least 1")
         if self.max_body_bytes < 1:

@@ -1,0 +1,144 @@
+"""Tool calls in chat completions (OpenAI's `tools` and `tool_choice`, vLLM's rules).
+
+The request's tools go to the chat template (its `tools` variable). What the answer does with
+the output follows `tool_choice`:
+
+- "none": the output is the message's content, as without tools.
+- "auto" (the default when tools are given and the server has a `--tool-call-parser`): the
+  model decides; the parser finds its calls in the text. `hermes` (Hermes, Qwen 2.5 and 3,
+  and most templates that write `<tool_call>`): each `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>` is a call, the text before the first one the content; text that does not
+  parse as calls stays content. Without a parser, "auto" is refused (vLLM's rule).
+- "required": guided decoding holds the output to a JSON array of one or more
+  `{"name": <a tool's name>, "parameters": <its parameters schema>}`; each item is a call.
+- {"type": "function", "function": {"name": N}}: the output is N's arguments, guided by its
+  parameters schema; the answer is that one call (finish_reason "stop", as OpenAI answers a
+  forced call).
+
+Calls get ids "call_" + 24 hex digits; their arguments are JSON text. With calls made by the
+model ("auto", "required") the finish_reason is "tool_calls".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from slora.server.errors import APIError
+
+PARSERS = ("hermes",)
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+HERMES_START = "<tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a chat request does with its output (see the module docstring). `mode`: none,
+    auto, required or named; `name`: the named tool; `schema`: the guided JSON schema of
+    "required" and named calls (None otherwise); `single`: at most one call
+    (parallel_tool_calls false)."""
+
+    mode: str
+    name: str | None = None
+    schema: dict | None = None
+    single: bool = False
+
+    @classmethod
+    def of(cls, tools: list | None, tool_choice, parallel: bool, parser: str | None,
+           guided: bool) -> "ToolChoice":
+        """The request's choice; APIError 400 naming the field for a malformed tool, an
+        unknown named tool, "auto" without a parser, or guided decoding beside a call the
+        server guides itself."""
+        functions = {}
+        for i, tool in enumerate(tools or []):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if (tool.get("type", "function") != "function" or not isinstance(fn, dict)
+                    or not isinstance(fn.get("name"), str) or not fn["name"]
+                    or not isinstance(fn.get("parameters", {}), dict)):
+                raise APIError(400, 'a tool is {"type": "function", "function": {"name": ..., '
+                               '"parameters": {JSON Schema}}}', f"tools.{i}")
+            functions[fn["name"]] = fn.get("parameters") or {"type": "object"}
+        if tool_choice is None:
+            tool_choice = "auto" if functions and parser else "none"
+        if isinstance(tool_choice, dict):
+            name = (tool_choice.get("function") or {}).get("name")
+            if tool_choice.get("type") != "function" or name not in functions:
+                raise APIError(400, f"tool_choice names function {name!r}, which is not among "
+                               f"the tools {sorted(functions)}", "tool_choice")
+            mode, schema = "named", functions[name]
+        elif tool_choice in ("none", "auto", "required"):
+            mode, name, schema = tool_choice, None, None
+        else:
+            raise APIError(400, f"tool_choice {tool_choice!r}: expected none, auto, required "
+                           "or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           "tool_choice")
+        if mode != "none" and not functions:
+            raise APIError(400, f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+        if mode == "auto" and parser is None:
+            raise APIError(400, "tool_choice auto needs the server started with "
+                           f"--tool-call-parser (one of {', '.join(PARSERS)})", "tool_choice")
+        if mode == "required":
+            items = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                      "required": ["name", "parameters"]} for n, p in functions.items()]
+            schema = {"type": "array", "items": {"anyOf": items}, "minItems": 1,
+                      **({"maxItems": 1} if not parallel else {})}
+        if schema is not None and guided:
+            raise APIError(400, f"tool_choice {tool_choice!r} guides the output itself: leave "
+                           "out guided_* and response_format", "tool_choice")
+        return cls(mode, name, schema, not parallel)
+
+    @property
+    def parses(self) -> bool:
+        return self.mode != "none"
+
+    def sendable(self, text: str) -> int:
+        """How much of a streamed output may go out as content: all of it without calls to
+        find; before the first call (and before what may begin one) with "auto"; none of
+        it when the whole output is a call."""
+        if self.mode == "none":
+            return len(text)
+        if self.mode != "auto":
+            return 0
+        at = text.find(HERMES_START)
+        if at >= 0:
+            return at
+        for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+            if text.endswith(HERMES_START[:k]):
+                return len(text) - k
+        return len(text)
+
+    def split(self, text: str) -> tuple[str | None, list[dict], str | None]:
+        """(content, calls, finish_reason or None to keep the output's) of a finished
+        output."""
+        if self.mode == "none":
+            return text, [], None
+        if self.mode == "named":
+            return None, [_call(self.name, text)], None
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:  # (cut by max_tokens)
+                return text, [], None
+            return None, [_call(c["name"], json.dumps(c["parameters"])) for c in items], \
+                "tool_calls"
+        at = text.find(HERMES_START)
+        if at < 0:
+            return text, [], None
+        calls = []
+        for body in _HERMES.findall(text[at:]):
+            try:
+                call = json.loads(body.strip())
+                args = call.get("arguments", call.get("parameters", {}))
+                calls.append(_call(call["name"], args if isinstance(args, str)
+                                   else json.dumps(args)))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                return text, [], None  # not calls after all: the text is the content
+        content = text[:at].strip() or None
+        return content, calls[:1] if self.single else calls, "tool_calls"
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
