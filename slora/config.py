@@ -34,7 +34,7 @@ VOCAB_MODULES = ("embed_tokens", "lm_head")
 MAX_ADDED_TOKENS = 256  # EngineConfig.max_added_tokens' bound
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", "GraniteForCausalLM")
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -294,6 +294,15 @@ class ModelConfig:
     # Gemma 3: the rope base of the sliding layers (rope_local_base_freq), unscaled; None: the
     # sliding layers use rope_theta and rope_scaling like the others.
     rope_local_theta: float | None = None
+    # Granite: token embeddings times embed_multiplier (exact, as HF multiplies by the float);
+    # each residual branch (attention's and the MLP's output) times residual_multiplier,
+    # folded into o_proj's and down_proj's weights and their adapters' B (see
+    # loader.load_weights, PeftAdapter); attention scores scaled by attention_multiplier
+    # instead of 1 / sqrt(head_dim); logits divided by logits_scaling. 1 / None: off.
+    embed_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     @property
     def rope_kind(self) -> str | None:
@@ -347,8 +356,13 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (slora's MLP is "
                               "SwiGLU, silu(gate) * up, or GeGLU, gelu_pytorch_tanh(gate) * up)")
-        for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-            v = c.get(key) if gemma else None
+        granite = arch == "GraniteForCausalLM"
+        positive = ((("query_pre_attn_scalar", "attn_logit_softcapping",
+                      "final_logit_softcapping") if gemma else ())
+                    + (("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                        "logits_scaling") if granite else ()))
+        for key in positive:
+            v = c.get(key)
             if v is not None and not (_of_type(v, "float") and v > 0):
                 raise ConfigError(f"{source}: {key}={v!r} must be a number > 0 (or null)")
         if c.get("use_bidirectional_attention"):
@@ -426,15 +440,21 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=sliding,
             rope_local_theta=local_theta,
+            embed_multiplier=c.get("embedding_multiplier") if granite else None,
+            residual_multiplier=c.get("residual_multiplier") or 1.0 if granite else 1.0,
+            attention_multiplier=c.get("attention_multiplier") if granite else None,
+            logits_scaling=c.get("logits_scaling") or 1.0 if granite else 1.0,
         )
 
     @property
     def attn_scale(self) -> float:
-        """The attention scores' scale: 1 / sqrt(query_pre_attn_scalar or head_dim), times
-        the square of YaRN's attention factor. (HF multiplies the rotary's cos and sin by that
-        factor, so q and k each carry it; slora rotates without it and scales the scores.)"""
+        """The attention scores' scale: Granite's attention_multiplier, else 1 /
+        sqrt(query_pre_attn_scalar or head_dim); times the square of YaRN's attention factor.
+        (HF multiplies the rotary's cos and sin by that factor, so q and k each carry it;
+        slora rotates without it and scales the scores.)"""
         m = self.rope_scaling["attention_factor"] if self.rope_kind == "yarn" else 1.0
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * m * m
+        base = self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return base * m * m
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window in positions; 0 where it attends to all of them."""

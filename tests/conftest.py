@@ -34,7 +34,8 @@ CORPUS = [
 # differs from hidden/heads, q/k/v bias (Qwen2), attention_bias (Llama), rope scaling (linear,
 # llama3, YaRN), per-head q/k RMSNorm (Qwen3), fused qkv_proj / gate_up_proj (Phi-3), Gemma 2
 # / 3 ((1 + w) norms, scaled embeddings, GeGLU, four norms a layer, query_pre_attn_scalar,
-# soft-capping, a rope base of its own on Gemma 3's sliding layers). Sliding windows of 8
+# soft-capping, a rope base of its own on Gemma 3's sliding layers), Granite (embedding,
+# residual, attention and logits multipliers, tied embeddings). Sliding windows of 8
 # tokens, shorter than the tests' prompts plus outputs: on every layer (Mistral, Phi-3), on
 # layer 1 (Qwen3), on layer 0 (Gemma).
 # `random_norms` draws every RMSNorm weight around its initial value (HF's ones, or Gemma's
@@ -67,6 +68,9 @@ TINY = {
     "gemma3": dict(arch="gemma3", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                    query_pre_attn_scalar=48, sliding_window=8, sliding_window_pattern=2,
                    rope_theta=10000.0, rope_local_base_freq=100.0, random_norms=True),
+    "granite": dict(arch="granite", num_attention_heads=4, num_key_value_heads=2,
+                    tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.4,
+                    attention_multiplier=0.3, logits_scaling=2.5, random_norms=True),
 }
 
 
@@ -103,7 +107,8 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
            "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
-           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
+           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+           "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

@@ -226,7 +226,9 @@ class LlamaModel:
             replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)).to(
                 weights.embed.device)
         self.scale = cfg.attn_scale
-        self.embed_scale = None if cfg.embed_scale is None else float(
+        # Gemma's scale rounded to the dtype, as HF multiplies by a tensor of it; Granite's
+        # multiplier as it is, as HF multiplies by the float
+        self.embed_scale = cfg.embed_multiplier if cfg.embed_scale is None else float(
             torch.tensor(cfg.embed_scale, dtype=weights.embed.dtype))
         self.act_mul = backend.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" \
             else backend.silu_mul
@@ -249,8 +251,9 @@ class LlamaModel:
     @torch.inference_mode()
     def embed(self, b: Batch, pool: torch.Tensor) -> Hidden:
         """The token embeddings (Gemma: times embed_scale rounded to their dtype, as HF
-        does), with each token's adapter's embedding LoRA (its rows in layer 0's slot of the
-        adapter's pages, not scaled, as PEFT adds it): the residual stream before layer 0. A
+        does; Granite: times its embedding multiplier), with each token's adapter's embedding
+        LoRA (its rows in layer 0's slot of the adapter's pages, not scaled, as PEFT adds it):
+        the residual stream before layer 0. A
         token past the base vocabulary (an adapter-added one; the engine admits it only with
         its adapter) takes its adapter's added embedding row, scaled like the others."""
         ids, vocab = b.input_ids, self.cfg.vocab_size
@@ -335,12 +338,16 @@ class LlamaModel:
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits)
         self.backend.head_lora(logits, x, pool[-1], b.lora)
-        cap = self.cfg.final_softcap
+        cap, divisor = self.cfg.final_softcap, self.cfg.logits_scaling
+        if divisor != 1.0:  # (Granite's logits_scaling)
+            logits = logits / divisor
         if cap:
             logits = ref.cap_logits(logits, cap)
         if not self.max_added:
             return logits.float() if out is None else out.copy_(logits)
         added = self.backend.added_logits(x, pool[-1], b.lora, self.max_added)
+        if divisor != 1.0:
+            added = added / divisor
         if cap:  # (-inf, an added token not the row's adapter's, stays -inf)
             added = torch.where(added.isneginf(), added, ref.cap_logits(added, cap))
         if out is None:

@@ -114,6 +114,16 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             return get(module + ".weight")
         return _fp8_linear(tensors, module, path).to(device)
 
+    def residual(w):
+        """A residual branch's output weight (o_proj, down_proj; o's bias) times Granite's
+        residual_multiplier (an FP8 weight's scale): HF multiplies the branch's output."""
+        m = cfg.residual_multiplier
+        if m == 1.0 or w is None:
+            return w
+        if isinstance(w, Fp8Weight):
+            return Fp8Weight(w.weight, w.scale * m)
+        return (w.float() * m).to(dtype)
+
     def fused(modules: list[str]) -> Fp8Weight | torch.Tensor:
         parts = [linear(m) for m in modules]
         if len(parts) == 1:
@@ -141,12 +151,12 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             ln1=norm(p + "input_layernorm.weight"),
             qkv=fused(qkv),
             qkv_bias=qkv_bias,
-            o=fused([a + "o_proj"]),
-            o_bias=maybe(a + "o_proj.bias") if cfg.o_bias else None,
+            o=residual(fused([a + "o_proj"])),
+            o_bias=residual(maybe(a + "o_proj.bias") if cfg.o_bias else None),
             ln2=norm(p + ("pre_feedforward_layernorm.weight" if sandwich
                           else "post_attention_layernorm.weight")),
             gate_up=fused(gate_up),
-            down=fused([p + "mlp.down_proj"]),
+            down=residual(fused([p + "mlp.down_proj"])),
             q_norm=norm(a + "q_norm.weight") if cfg.qk_norm else None,
             k_norm=norm(a + "k_norm.weight") if cfg.qk_norm else None,
             post_attn=norm(p + "post_attention_layernorm.weight") if sandwich else None,
@@ -461,6 +471,8 @@ def unpack_adapter(cfg: ModelConfig, layout: AdapterLayout,
             out[(layer, name)] = (A.float(), B.float())
     return out
 
+
+RESIDUAL_MODULES = ("o_proj", "down_proj")  # the residual branches' output layers
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16}  # the weight dtypes an adapter file may hold
@@ -838,6 +850,9 @@ class PeftAdapter:
                            f"(expected A [{r}, {want_in}], B [{want_out}, {r}])")
             alpha = float(_pattern(self.alpha_pattern, path_, self.alpha))
             scaling = alpha / (math.sqrt(r) if self.rslora else r)
+            # (Granite: a residual branch's output, its LoRA's too, times residual_multiplier;
+            # the base weight holds it already, load_weights)
+            scaling *= cfg.residual_multiplier if module in RESIDUAL_MODULES else 1.0
             if not (math.isfinite(scaling) and scaling > 0):
                 self._fail(self.config_file, f"layer {layer} {module}: scaling {scaling!r} "
                            f"(lora_alpha {alpha!r}, rank {r}) is not a finite number > 0")
@@ -1026,6 +1041,8 @@ class PeftAdapter:
         for (layer, module), norm in zip(items, norms):
             start, end = self.rows.get((layer, module), (0, None))
             mag = tensors[self.magnitudes[(layer, module)]][start:end].float()
+            if module in RESIDUAL_MODULES:  # (W and B hold residual_multiplier: the norm too)
+                mag = mag * self.cfg.residual_multiplier
             delta = mag / norm.float() - 1
             if not bool(torch.isfinite(delta).all()):
                 self._fail(self.weights_file, f"layer {layer} {module}: DoRA's magnitude / "

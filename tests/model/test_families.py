@@ -1,7 +1,8 @@
 """Qwen3 (per-head RMSNorm on q and k), Phi-3 (fused qkv_proj / gate_up_proj in the checkpoint
 and in its PEFT adapters), Gemma 2 and Gemma 3 text ((1 + w) norms, scaled embeddings, GeGLU,
-four norms a layer, soft-capping, a rope base of its own on Gemma 3's sliding layers) in the
-one parameterised model, fp32 on CPU. Every tiny model here has 8-token sliding windows
+four norms a layer, soft-capping, a rope base of its own on Gemma 3's sliding layers), Granite
+(embedding, residual, attention and logits multipliers; LoRA and DoRA on the residual
+branches, LoRA on the tied lm_head) in the one parameterised model, fp32 on CPU. Every tiny model here has 8-token sliding windows
 (tests/conftest.py's TINY), shorter than the prompts and outputs.
 
 Greedy tokens and log-probs of the base models against HF transformers run in
@@ -45,6 +46,12 @@ ADAPTERS = {
         "all": dict(r=8, lora_alpha=16, target_modules=list(LORA_MODULES)),
         "attn": dict(r=4, lora_alpha=4, use_rslora=True,
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    },
+    "granite": {
+        "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+        "head": dict(r=6, lora_alpha=6, target_modules=["lm_head", "o_proj", "down_proj"]),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["o_proj", "down_proj",
+                                                                        "v_proj"]),
     },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
@@ -302,3 +309,17 @@ def test_gemma_on_triton_backend_matches_hf(tiny_models):
         assert out.token_ids == toks, f"{kind}: {prompt!r}"
         mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
         assert mine == pytest.approx(lps, abs=1e-3), f"{kind}: {prompt!r}"
+
+
+def test_granite_config_is_read_as_hf_reads_it(tiny_models):
+    cfg = ModelConfig.from_dir(tiny_models("granite"))
+    assert (cfg.embed_multiplier, cfg.residual_multiplier, cfg.attention_multiplier,
+            cfg.logits_scaling) == (3.0, 0.4, 0.3, 2.5)
+    assert cfg.attn_scale == 0.3 and cfg.tie_word_embeddings
+    raw = json.loads((tiny_models("granite") / "config.json").read_text())
+    with pytest.raises(ConfigError, match="residual_multiplier=-1 must be a number > 0"):
+        ModelConfig.from_dict({**raw, "residual_multiplier": -1})
+    # the multipliers belong to Granite: a Llama config that carries one is read without it
+    llama = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})
+    assert (llama.embed_multiplier, llama.residual_multiplier, llama.logits_scaling) == (
+        None, 1.0, 1.0)
