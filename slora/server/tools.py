@@ -5,10 +5,13 @@ the output follows `tool_choice`:
 
 - "none": the output is the message's content, as without tools.
 - "auto" (the default when tools are given and the server has a `--tool-call-parser`): the
-  model decides; the parser finds its calls in the text. `hermes` (Hermes, Qwen 2.5 and 3,
-  and most templates that write `<tool_call>`): each `<tool_call>{"name": ..., "arguments":
-  {...}}</tool_call>` is a call, the text before the first one the content; text that does not
-  parse as calls stays content. Without a parser, "auto" is refused (vLLM's rule).
+  model decides; the parser finds its calls in the text, and text that does not parse as
+  calls stays content. Without a parser, "auto" is refused (vLLM's rule).
+  - `hermes` (Hermes, Qwen 2.5 and 3, and most templates that write `<tool_call>`): each
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` is a call, the text before the
+    first one the content.
+  - `llama3_json` (Llama 3.1 to 3.3's JSON tool calls): an output that is a JSON object
+    `{"name": ..., "parameters": {...}}` (or several, joined by `;`) is calls, with no content.
 - "required": guided decoding holds the output to a JSON array of one or more
   `{"name": <a tool's name>, "parameters": <its parameters schema>}`; each item is a call.
 - {"type": "function", "function": {"name": N}}: the output is N's arguments, guided by its
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 from slora.server.errors import APIError
 
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 HERMES_START = "<tool_call>"
 
@@ -44,6 +47,7 @@ class ToolChoice:
     name: str | None = None
     schema: dict | None = None
     single: bool = False
+    parser: str = "hermes"  # (auto's)
 
     @classmethod
     def of(cls, tools: list | None, tool_choice, parallel: bool, parser: str | None,
@@ -87,7 +91,7 @@ class ToolChoice:
         if schema is not None and guided:
             raise APIError(400, f"tool_choice {tool_choice!r} guides the output itself: leave "
                            "out guided_* and response_format", "tool_choice")
-        return cls(mode, name, schema, not parallel)
+        return cls(mode, name, schema, not parallel, parser or "hermes")
 
     @property
     def parses(self) -> bool:
@@ -101,6 +105,8 @@ class ToolChoice:
             return len(text)
         if self.mode != "auto":
             return 0
+        if self.parser == "llama3_json":  # a call is the whole output: wait for its start
+            return 0 if not text.strip() or text.lstrip().startswith("{") else len(text)
         at = text.find(HERMES_START)
         if at >= 0:
             return at
@@ -123,11 +129,15 @@ class ToolChoice:
                 return text, [], None
             return None, [_call(c["name"], json.dumps(c["parameters"])) for c in items], \
                 "tool_calls"
-        at = text.find(HERMES_START)
-        if at < 0:
+        if self.parser == "llama3_json":
+            at, bodies = 0, text.strip().split(";") if text.lstrip().startswith("{") else []
+        else:
+            at = text.find(HERMES_START)
+            bodies = _HERMES.findall(text[at:]) if at >= 0 else []
+        if not bodies:
             return text, [], None
         calls = []
-        for body in _HERMES.findall(text[at:]):
+        for body in bodies:
             try:
                 call = json.loads(body.strip())
                 args = call.get("arguments", call.get("parameters", {}))

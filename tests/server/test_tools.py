@@ -42,6 +42,18 @@ def test_hermes_text_splits_into_content_and_calls():
     assert [auto.sendable(t) for t in ("abc <tool", "abc <tool_call>{", "abc <")] == [4, 4, 4]
 
 
+def test_llama3_json_output_is_calls_when_it_is_json():
+    llama = ToolChoice("auto", parser="llama3_json")
+    content, calls, reason = llama.split(' {"name": "a", "parameters": {"x": 1}}; '
+                                         '{"name": "b", "arguments": {}}')
+    assert content is None and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("a", {"x": 1}), ("b", {})]
+    assert llama.split("The weather is fine.") == ("The weather is fine.", [], None)
+    assert llama.split('{"no": "name"}') == ('{"no": "name"}', [], None)
+    assert [llama.sendable(t) for t in ("  ", ' {"na', "Hello {")] == [0, 0, 7]
+
+
 def test_requests_that_cannot_be_answered_are_400():
     def error(*args):
         with pytest.raises(APIError) as e:
