@@ -392,3 +392,19 @@ def test_lorax_merged_adapters(serve, reference, monkeypatch):
     assert ranks.status_code == 400 and "strategy='svd'" in ranks.text
     assert left == [] and "m0" not in registered
     assert not any(n.startswith("merged-") for n in registered)
+
+
+def test_structured_example_gets_what_it_asks_for(serve, capsys):
+    path = Path(__file__).resolve().parents[2] / "examples" / "structured.py"
+    spec = importlib.util.spec_from_file_location("structured_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with serve() as live:
+        example.main(["--url", live.url, "--model", BASE, "--adapter", "a0",
+                      "--max-tokens", "160"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "a0, JSON", "label", "tool call", "log-likelihoods"]
+    assert lines[1] in ("label: positive", "label: negative")
+    assert lines[2].startswith("tool call: get_weather({'city': ")
+    assert "'topic': " in lines[0] and "'answer': " in lines[0]
