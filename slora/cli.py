@@ -102,7 +102,8 @@ def _add_serve(sub) -> None:
         "serve", help="serve the model and its adapters over HTTP (OpenAI and LoRAX APIs)",
         formatter_class=HelpFormatter,
         description="Build the engine, register the adapters, warm up, then serve the OpenAI "
-        "API (/v1/completions, /v1/chat/completions, /v1/models; `model` names the base model "
+        "API (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, "
+        "/detokenize; `model` names the base model "
         "or an adapter), the LoRAX API (/generate, /generate_stream, /), runtime adapter loads "
         "(/v1/load_lora_adapter, /v1/unload_lora_adapter), /health and Prometheus /metrics. "
         "SIGTERM drains: new requests get 503, running ones finish, then the server exits 0.",

@@ -1,7 +1,8 @@
 """The app: `build_app(async_engine, settings) -> FastAPI`, and `DrainingServer`, the uvicorn
 server that drains on SIGTERM.
 
-Routes: the OpenAI API (slora.server.openai_api), the LoRAX API (slora.server.lorax_api),
+Routes: the OpenAI API (slora.server.openai_api, and its Responses API in
+slora.server.responses_api), the LoRAX API (slora.server.lorax_api),
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), GET /health, GET /metrics.
 
 The front door (`FrontDoor`, an ASGI middleware) checks, before any handler runs: the Bearer
@@ -29,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slora.async_engine import AsyncEngine
-from slora.server import lorax_api, openai_api
+from slora.server import lorax_api, openai_api, responses_api
 from slora.server.errors import APIError, error_body
 from slora.server.metrics import engine_snapshot
 from slora.server.protocol import LoadAdapterRequest, UnloadAdapterRequest
@@ -87,6 +88,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
                                  "successfully.")
 
     openai_api.register(app, state)
+    responses_api.register(app, state)
     lorax_api.register(app, state)
     return app
 

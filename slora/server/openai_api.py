@@ -210,6 +210,25 @@ def _prompt_logprobs_field(state, body, out: RequestOutput) -> dict:
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest):
+    gen, tools = await open_chat(state, body)
+    reply = _Reply(state, body, "chatcmpl", "chat.completion")
+    reply.tools = tools if tools.parses else None
+
+    def choice(out: RequestOutput) -> dict:
+        content, calls, reason = tools.split(out.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message, "logprobs": _chat_logprobs(state, body, out, 0),
+                **({"finish_reason": reason} if reason else {})}
+
+    return await reply.respond(gen, _chat_chunk, choice)
+
+
+async def open_chat(state: ServerState, body: ChatCompletionRequest
+                    ) -> tuple[Generation, ToolChoice]:
+    """A chat request checked and started: its Generation (close it) and what its output's
+    tool calls are (`ToolChoice`). APIError for what cannot be served."""
     state.check_accepting()
     if body.echo:
         raise APIError(400, "echo is not supported in chat completions", "echo")
@@ -236,18 +255,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
         sampling["guided_json"] = tools.schema
     gen = await Generation.open(state, body.model, prompts, sampling, body.n,
                                 names={"logprobs": "top_logprobs"}, cache_salt=body.cache_salt)
-    reply = _Reply(state, body, "chatcmpl", "chat.completion")
-    reply.tools = tools if tools.parses else None
-
-    def choice(out: RequestOutput) -> dict:
-        content, calls, reason = tools.split(out.text)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = calls
-        return {"message": message, "logprobs": _chat_logprobs(state, body, out, 0),
-                **({"finish_reason": reason} if reason else {})}
-
-    return await reply.respond(gen, _chat_chunk, choice)
+    return gen, tools
 
 
 GUIDED = ("guided_choice", "guided_regex", "guided_json")

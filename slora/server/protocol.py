@@ -109,6 +109,33 @@ class ChatCompletionRequest(_Sampling):
     echo: bool = False  # refused
 
 
+class ResponsesRequest(_Body):
+    """OpenAI's Responses API request (slora.server.responses_api)."""
+
+    model: str | None = None
+    input: str | list = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict | None = None  # {"format": {"type": text | json_object | json_schema, ...}}
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    store: bool | None = None  # (nothing is stored either way)
+    metadata: dict | None = None
+    user: str | None = None
+    # refused when set (responses_api.REFUSED)
+    previous_response_id: str | None = None
+    reasoning: dict | None = None
+    include: list | None = None
+    background: bool = False
+    conversation: str | dict | None = None
+    prompt: dict | None = None
+    truncation: str | None = None
+
+
 class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 

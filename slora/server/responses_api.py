@@ -1,0 +1,239 @@
+"""OpenAI's Responses API: POST /v1/responses, one model turn answered as a Response object
+(streamed as its typed events when `stream` is true), served through the chat path.
+
+`input` (a string, or a list of messages and `function_call` / `function_call_output` items)
+and `instructions` (a system message first) become chat messages; `max_output_tokens`,
+`temperature`, `top_p`, `text.format` (text, json_object, json_schema: guided JSON), function
+`tools`, `tool_choice` and `parallel_tool_calls` become the chat request's fields
+(`openai_api.open_chat`). The output is an assistant message of one `output_text` part, and a
+`function_call` item per tool call (`slora.server.tools`). Status "incomplete" with reason
+max_output_tokens where the output reached its length.
+
+Stateless: nothing is stored (the answer says `store: false`), so `previous_response_id` is
+refused, as are `reasoning`, `include`, `background`, `truncation: auto`, `conversation`,
+`prompt`, and tools other than functions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from slora.request import RequestOutput
+from slora.server.errors import APIError, sse_error
+from slora.server.generation import EventStream, Generation, until_disconnected
+from slora.server.openai_api import open_chat
+from slora.server.protocol import ChatCompletionRequest, ResponsesRequest
+from slora.server.state import ServerState
+from slora.server.tools import ToolChoice
+
+REFUSED = {"previous_response_id": lambda v: v is not None, "reasoning": lambda v: bool(v),
+           "include": lambda v: bool(v), "background": bool, "conversation": lambda v: bool(v),
+           "prompt": lambda v: v is not None, "truncation": lambda v: v not in (None, "disabled")}
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await until_disconnected(request, _respond(state, body))
+
+
+async def _respond(state: ServerState, body: ResponsesRequest):
+    for field, asks in REFUSED.items():
+        if asks(getattr(body, field)):
+            raise APIError(400, f"{field} is not supported by slora's Responses API (it stores "
+                           "nothing and serves function tools, text and JSON output)", field)
+    gen, tools = await open_chat(state, _chat_body(body))
+    turn = _Turn(state, body, gen, tools)
+    if body.stream:
+        try:
+            await gen.wait_started()
+        except BaseException:
+            gen.close()
+            raise
+        return EventStream(turn.events())
+    try:
+        (out,) = await gen.finals()
+    finally:
+        gen.close()
+    return JSONResponse(turn.response(out))
+
+
+def _chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that serves a Responses request."""
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
+        else body.input
+    for i, item in enumerate(items):
+        messages.append(_message(item, f"input.{i}"))
+    fmt = (body.text or {}).get("format") or {"type": "text"}
+    if fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f"text.format type {fmt.get('type')!r}: expected text, json_object "
+                       "or json_schema", "text.format")
+    response_format = None if fmt["type"] == "text" else (
+        {"type": "json_object"} if fmt["type"] == "json_object"
+        else {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
+                                                     "schema": fmt.get("schema")}})
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.get("type") != "function":
+            raise APIError(400, f"tool type {tool.get('type')!r} is not supported (function "
+                           "tools only)", f"tools.{i}")
+        tools.append({"type": "function", "function": {
+            k: tool[k] for k in ("name", "description", "parameters") if k in tool}})
+    choice = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    try:
+        return ChatCompletionRequest(
+            model=body.model, messages=messages, max_tokens=body.max_output_tokens,
+            temperature=body.temperature, top_p=body.top_p, tools=tools or None,
+            tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
+            response_format=response_format, user=body.user)
+    except ValidationError as e:
+        raise APIError(400, f"input: {e.errors()[0]['msg']}", "input") from None
+
+
+def _message(item, param: str) -> dict:
+    """One input item as a chat message."""
+    if not isinstance(item, dict):
+        raise APIError(400, "an input item is an object (a message or a function call item)",
+                       param)
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        return {"role": "assistant", "content": "", "tool_calls": [{
+            "id": item.get("call_id"), "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}]}
+    if kind == "function_call_output":
+        return {"role": "tool", "tool_call_id": item.get("call_id"),
+                "content": item.get("output", "")}
+    if kind != "message" or item.get("role") not in ("user", "assistant", "system", "developer"):
+        raise APIError(400, f"input item of type {kind!r} and role {item.get('role')!r} is not "
+                       "supported (messages of user, assistant, system or developer, "
+                       "function_call, function_call_output)", param)
+    content = item.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("input_text",
+                                                                      "output_text"):
+                raise APIError(400, "content parts of type input_text or output_text only "
+                               "(text)", param)
+            texts.append(part.get("text", ""))
+        content = "".join(texts)
+    role = "system" if item["role"] == "developer" else item["role"]
+    return {"role": role, "content": content or ""}
+
+
+class _Turn:
+    """One Responses answer: its ids, its Response object, its stream of events."""
+
+    def __init__(self, state: ServerState, body: ResponsesRequest, gen: Generation,
+                 tools: ToolChoice) -> None:
+        self.state, self.body, self.gen, self.tools = state, body, gen, tools
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.seq = 0
+
+    def response(self, out: RequestOutput | None, status: str | None = None) -> dict:
+        """The Response object: in progress (no output yet) or of the finished `out`."""
+        b = self.body
+        done = out is not None and out.finished
+        incomplete = done and out.finish_reason == "length"
+        output, usage = [], None
+        if done:
+            content, calls, _ = self.tools.split(out.text)
+            if content or not calls:
+                output.append(self.message(content or "", "completed"))
+            output += [self.call_item(c) for c in calls]
+            n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
+            usage = {"input_tokens": n_in, "output_tokens": n_out,
+                     "total_tokens": n_in + n_out,
+                     "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                     "output_tokens_details": {"reasoning_tokens": 0}}
+        return {"id": self.id, "object": "response", "created_at": self.created,
+                "status": status or ("incomplete" if incomplete else "completed"),
+                "model": b.model or self.state.settings.model_name, "output": output,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "error": None, "instructions": b.instructions,
+                "max_output_tokens": b.max_output_tokens, "temperature": b.temperature,
+                "top_p": b.top_p, "parallel_tool_calls": b.parallel_tool_calls,
+                "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
+                "text": b.text or {"format": {"type": "text"}}, "store": False,
+                "previous_response_id": None, "reasoning": None, "truncation": "disabled",
+                "metadata": b.metadata or {}, "user": b.user, "usage": usage}
+
+    def message(self, text: str, status: str) -> dict:
+        return {"type": "message", "id": self.message_id, "status": status,
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+    @staticmethod
+    def call_item(call: dict) -> dict:
+        fn = call["function"]
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+                "call_id": call["id"], "name": fn["name"], "arguments": fn["arguments"],
+                "status": "completed"}
+
+    def event(self, kind: str, **fields) -> str:
+        self.seq += 1
+        data = {"type": kind, "sequence_number": self.seq - 1, **fields}
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    async def events(self):
+        """The typed events: created, in progress, the message's text deltas (none past
+        where a tool call may begin), then each call's item, then completed / incomplete."""
+        gen, ev, mid = self.gen, self.event, self.message_id
+        part = {"type": "output_text", "text": "", "annotations": []}
+        at = {"item_id": mid, "output_index": 0, "content_index": 0}
+        sent, opened, out = 0, False, None
+        try:
+            yield ev("response.created", response=self.response(None, "in_progress"))
+            yield ev("response.in_progress", response=self.response(None, "in_progress"))
+            async for _, out in gen.outputs():
+                end = self.tools.sendable(out.text)
+                if end > sent:
+                    if not opened:
+                        opened = True
+                        yield ev("response.output_item.added", output_index=0,
+                                 item=self.message("", "in_progress") | {"content": []})
+                        yield ev("response.content_part.added", **at, part=part)
+                    yield ev("response.output_text.delta", **at, delta=out.text[sent:end])
+                    sent = end
+            final = self.response(out)
+            items = final["output"]
+            if items and items[0]["type"] == "message":
+                text = items[0]["content"][0]["text"]
+                if not opened:
+                    yield ev("response.output_item.added", output_index=0,
+                             item=self.message("", "in_progress") | {"content": []})
+                    yield ev("response.content_part.added", **at, part=part)
+                if len(text) > sent and text.startswith(out.text[:sent]):
+                    yield ev("response.output_text.delta", **at, delta=text[sent:])
+                yield ev("response.output_text.done", **at, text=text)
+                yield ev("response.content_part.done", **at, part=items[0]["content"][0])
+                yield ev("response.output_item.done", output_index=0, item=items[0])
+            for k, item in enumerate(items):
+                if item["type"] != "function_call":
+                    continue
+                yield ev("response.output_item.added", output_index=k,
+                         item=item | {"arguments": "", "status": "in_progress"})
+                yield ev("response.function_call_arguments.delta", item_id=item["id"],
+                         output_index=k, delta=item["arguments"])
+                yield ev("response.function_call_arguments.done", item_id=item["id"],
+                         output_index=k, arguments=item["arguments"])
+                yield ev("response.output_item.done", output_index=k, item=item)
+            kind = "response.incomplete" if final["status"] == "incomplete" \
+                else "response.completed"
+            yield ev(kind, response=final)
+        except APIError as e:
+            self.state.metrics.rejected.labels(str(e.status)).inc()
+            yield sse_error(e)
+        finally:
+            gen.close()

@@ -1,0 +1,72 @@
+"""OpenAI's Responses API through the real `openai` client: text, instructions and a
+conversation with a function call and its output, JSON output, a forced tool call, streamed
+and not, each equal to the chat path's answer for the same turn; what it does not serve is a
+400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from openai import OpenAI
+
+from slora import SamplingParams
+
+from .conftest import BASE
+
+TOOL = {"type": "function", "name": "get_weather", "description": "the weather",
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                       "required": ["city"]}}
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def chat_ids(reference, messages, adapter=None) -> list[int]:
+    tok = reference.tokenizer
+    return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+
+
+def test_responses_equal_the_chat_path(serve, reference):
+    turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    want = reference.generate([chat_ids(reference, turn)],
+                              SamplingParams(max_tokens=8), adapters="a0")[0]
+    want_json = reference.generate([chat_ids(reference, turn[1:])], SamplingParams(
+        max_tokens=32, guided_json=SCHEMA))[0]
+    with serve() as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        res = client.responses.create(model="a0", instructions="Be brief.", input="Hi there",
+                                      max_output_tokens=8, temperature=0)
+        events = list(client.responses.create(model="a0", instructions="Be brief.",
+                                              input=[{"role": "user", "content": "Hi there"}],
+                                              max_output_tokens=8, temperature=0, stream=True))
+        as_json = client.responses.create(model=BASE, input="Hi there", temperature=0,
+                                          max_output_tokens=32, text={"format": {
+                                              "type": "json_schema", "name": "x",
+                                              "schema": SCHEMA}})
+        called = client.responses.create(
+            model=BASE, temperature=0, max_output_tokens=48, tools=[TOOL],
+            tool_choice={"type": "function", "name": "get_weather"},
+            input=[{"role": "user", "content": "Weather?"},
+                   {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                    "arguments": '{"city": "Rome"}'},
+                   {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                   {"role": "user", "content": [{"type": "input_text", "text": "And Paris?"}]}])
+        refused = httpx.post(f"{live.url}/v1/responses", json={
+            "input": "Hi", "previous_response_id": "resp_1"})
+        bad_tool = httpx.post(f"{live.url}/v1/responses", json={
+            "input": "Hi", "tools": [{"type": "web_search"}]})
+    assert res.output_text == want.text and res.usage.output_tokens == len(want.token_ids)
+    assert res.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    assert res.usage.input_tokens == len(want.prompt_token_ids)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text == res.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert as_json.output_text == want_json.text and json.loads(as_json.output_text)
+    call = called.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "previous_response_id"
+    assert bad_tool.status_code == 400 and bad_tool.json()["error"]["param"] == "tools.0"
