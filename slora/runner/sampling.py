@@ -101,9 +101,6 @@ class Sampler:
         for allowed in (sp.allowed_token_ids, req.guide and req.guide.allowed(known)):
             if allowed is not None:
                 allowed = [t for t in allowed if t < width]
-                if not allowed:  # (a guide with no way on: the pattern needs text no token has)
-                    raise ValueError(f"guided decoding: no token continues the output toward a "
-                                     f"match of {req.guide.pattern!r}")
                 kept = x[allowed]
                 x.fill_(float("-inf"))
                 x[allowed] = kept
@@ -114,6 +111,11 @@ class Sampler:
         if len(known) < sp.min_tokens:
             stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
             x[[t for t in stops if t < width]] = float("-inf")
+        if not bool(torch.isfinite(x).any()):  # (a bias would not bring one back)
+            why = (f"guided decoding's pattern {req.guide.pattern!r}" if req.guide is not None
+                   else "allowed_token_ids, bad_words")
+            raise ValueError(f"no token is left to pick after {len(known)} tokens: {why} and "
+                             f"min_tokens={sp.min_tokens} rule out every one")
         if sp.logit_bias:
             ids, bias = zip(*sp.logit_bias)
             x[list(ids)] += torch.tensor(bias, dtype=x.dtype, device=x.device)

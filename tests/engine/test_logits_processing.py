@@ -265,3 +265,17 @@ def test_guided_json_gives_json_the_schema_accepts(engine):
         assert isinstance(value["s"], str) and len(value["s"]) <= 3
     with pytest.raises(ValueError, match="guided_json: JSON schema at #: minimum not supported"):
         engine.add_request(PROMPT, SamplingParams(guided_json={"type": "integer", "minimum": 1}))
+
+
+def test_rules_that_leave_no_token_fail_that_request_alone(engine):
+    """A guide that allows only EOS while min_tokens masks it, or allowed_token_ids that are
+    all stop ids under min_tokens: the request fails with the reason, its neighbour runs."""
+    eos = engine.eos_token_ids[0]
+    outs = engine.generate([PROMPT] * 3, [
+        SamplingParams(max_tokens=8, guided_choice=["a"], min_tokens=4),
+        SamplingParams(max_tokens=8, allowed_token_ids=[eos], min_tokens=2),
+        SamplingParams(max_tokens=4, ignore_eos=True)])
+    assert outs[0].finish_reason == "error" and "guided decoding's pattern" in outs[0].error
+    assert "no token is left to pick after 1 tokens" in outs[0].error
+    assert outs[1].finish_reason == "error" and "allowed_token_ids" in outs[1].error
+    assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 4
