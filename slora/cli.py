@@ -114,6 +114,10 @@ def _add_serve(sub) -> None:
         "      -d '{\"model\": \"pirate\", \"prompt\": \"Hello\", \"max_tokens\": 16}'")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                    help="register the PEFT adapter directory PATH as NAME (repeatable)")
+    p.add_argument("--lora-modules", dest="adapter", action="extend", nargs="+",
+                   metavar="NAME=PATH",
+                   help="vLLM's spelling of --adapter: NAME=PATH or {\"name\": ..., "
+                   "\"path\": ...}, several after one flag")
     p.add_argument("--adapter-dir", metavar="DIR",
                    help="adapters not registered are looked up by name as DIR/<name> and "
                    "loaded on first use; runtime loads take paths under DIR only")
@@ -130,6 +134,9 @@ def _add_serve(sub) -> None:
                    "Retry-After (default 4096)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="BYTES",
                    help="larger request bodies get 413 (default 8 MiB)")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                   help="the chat template (a Jinja file, or the template itself) for the base "
+                   "model and the adapters without their own; default: the model's")
     p.add_argument("--tool-call-parser", choices=PARSERS,
                    help="find tool calls in chat answers' text (hermes: <tool_call> JSON, as "
                    "Hermes and Qwen write them; llama3_json: an answer that is {\"name\", "

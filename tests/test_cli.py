@@ -159,3 +159,19 @@ def test_replay_engine_options_carry_the_gemm_row_limit():
     args = build_parser().parse_args(["replay", "t.jsonl", "--model", "m", "-o", "r.json",
                                       "--gemm-max-rows", "0", "--num-pages", "64"])
     assert _engine_options(args) == {"gemm_max_rows": 0, "num_pages": 64}
+
+
+def test_serve_takes_vllms_adapter_and_template_flags(tmp_path):
+    from slora.cli import build_parser
+    from slora.server.serve import _adapter_spec, _template
+
+    args = build_parser().parse_args([
+        "serve", "--adapter", "a=/x", "--lora-modules", "b=/y", '{"name": "c", "path": "/z"}',
+        "--chat-template", "{{ messages }}"])
+    assert [_adapter_spec(s) for s in args.adapter] == [("a", "/x"), ("b", "/y"), ("c", "/z")]
+    assert _template(args.chat_template) == "{{ messages }}"
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert _template(str(tmp_path / "t.jinja")).startswith("{% for m in messages")
+    for bad in ("noequals", '{"name": "c"}'):
+        with pytest.raises(ValueError, match="--adapter"):
+            _adapter_spec(bad)

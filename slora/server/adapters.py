@@ -188,14 +188,22 @@ class ServedAdapters:
                            f"found by the adapter resolver; served: {known}", param)
         return path
 
-    async def load(self, name: str, path: str) -> None:
-        """Register adapter `name` from `path` (confined to the adapter directory)."""
+    async def load(self, name: str, path: str, inplace: bool = False) -> None:
+        """Register adapter `name` from `path` (confined to the adapter directory). With
+        `inplace` (vLLM's load_inplace) a loaded `name` is unloaded first (its running
+        requests finish on the old weights); should the new weights fail to load, the name
+        stays unloaded and the error says why."""
         if not name:
             raise APIError(400, "lora_name must be non-empty", "lora_name")
         try:
             resolved = confine(path, self.adapter_dir, self.allow_any)
         except AdapterPathError as e:
             raise APIError(403, str(e), "lora_path") from None
+        if inplace and name in self.templates and name not in self.merged:
+            if not resolved.is_dir():
+                raise APIError(404, f"adapter directory {str(path)!r} does not exist",
+                               "lora_path")
+            await self.unload(name)
         async with self._lock:
             if name in self.templates or name in self.unloading:
                 raise APIError(400, f"adapter {name!r} is already loaded; unload it first",

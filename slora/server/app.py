@@ -78,7 +78,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadAdapterRequest):
-        await state.adapters.load(body.lora_name, body.lora_path)
+        await state.adapters.load(body.lora_name, body.lora_path, body.load_inplace)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -291,12 +291,13 @@ def _content(content, index: int) -> str:
 def _render_chat(state: ServerState, adapter: str | None, messages: list[dict],
                  body: ChatCompletionRequest | TokenizeRequest) -> str:
     """The chat prompt: the adapter's own template if its directory has one, else the
-    model's, with the body's add_generation_prompt, continue_final_message,
+    server's --chat-template, else the model's, with the body's add_generation_prompt, continue_final_message,
     chat_template_kwargs and tools."""
     tokenizer = state.tokenizer_of(adapter)
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
     own = state.adapters.templates.get(adapter) if adapter is not None else None
+    own = own or state.settings.chat_template
     if own:
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = own

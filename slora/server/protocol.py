@@ -156,6 +156,7 @@ class DetokenizeRequest(_Body):
 class LoadAdapterRequest(_Body):
     lora_name: str
     lora_path: str
+    load_inplace: bool = False  # vLLM's: a loaded name's weights replaced
 
 
 class UnloadAdapterRequest(_Body):

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
+from pathlib import Path
 
 from slora.server.settings import ServerSettings, engine_config_from_args
 
@@ -20,7 +22,7 @@ def run(args) -> int:
         model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
         adapter_dir=args.adapter_dir, allow_any_adapter_path=args.allow_any_adapter_path,
         api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, chat_template=_template(args.chat_template))
     engine = Engine(config)
     for name, path in adapters:
         engine.add_adapter(name, path)
@@ -42,7 +44,23 @@ def run(args) -> int:
 
 
 def _adapter_spec(spec: str) -> tuple[str, str]:
+    """NAME=PATH, or vLLM's {"name": NAME, "path": PATH} (its other keys unused)."""
+    if spec.lstrip().startswith("{"):
+        try:
+            d = json.loads(spec)
+            return str(d["name"]), str(d["path"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"--adapter {spec!r}: expected {{\"name\": ..., \"path\": ...}}"
+                             ) from None
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"--adapter {spec!r}: expected NAME=PATH")
     return name, path
+
+
+def _template(value: str | None) -> str | None:
+    """--chat-template: a file's text, else the value itself (vLLM's rule)."""
+    if value is None:
+        return None
+    path = Path(value)
+    return path.read_text() if path.is_file() else value

@@ -30,6 +30,8 @@ class ServerSettings:
     resolver: finds adapters by name; None: a `LocalDirResolver` over `adapter_dir`, if any.
     tool_call_parser: how chat answers find the model's tool calls in its text
         (`slora.server.tools.PARSERS`); None: tool_choice "auto" is refused.
+    chat_template: the chat template of the base model and of the adapters without their
+        own (in place of the model's); None: the model's.
     """
 
     model_name: str = "slora"
@@ -41,6 +43,7 @@ class ServerSettings:
     retry_after_s: int = 1
     resolver: AdapterResolver | None = None
     tool_call_parser: str | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *PARSERS):

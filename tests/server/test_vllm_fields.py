@@ -183,3 +183,35 @@ def test_vllm_fields_slora_does_not_implement_are_400(serve):
             assert res.status_code == 400, (field, res.text)
             error = res.json()["error"]
             assert error["param"] == field and "not supported" in error["message"], error
+
+
+def test_chat_template_flag_and_load_inplace(serve, reference):
+    """--chat-template renders the base model's chats (an adapter keeps its own template);
+    load_inplace gives a loaded name new weights, a plain load of it is a 400."""
+    from .conftest import OWN_TEMPLATE
+
+    template = "{% for m in messages %}({{ m.role }}) {{ m.content }}{% endfor %}>"
+    chat = [{"role": "user", "content": "Hi"}]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = {name: reference.generate(PROMPT, sp, adapters=name)[0].text for name in ("a0", "a1")}
+    with serve(chat_template=template) as live:
+        base = post(live, "/tokenize", {"messages": chat}).json()["tokens"]
+        own = post(live, "/tokenize", {"model": "chatty", "messages": chat}).json()["tokens"]
+        body = {"model": "swap", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+        assert post(live, "/v1/load_lora_adapter", {"lora_name": "swap",
+                                                     "lora_path": "a0"}).status_code == 200
+        first = post(live, "/v1/completions", body).json()["choices"][0]["text"]
+        again = post(live, "/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": "a1"})
+        swapped = post(live, "/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": "a1",
+                                                       "load_inplace": True})
+        second = post(live, "/v1/completions", body).json()["choices"][0]["text"]
+        assert post(live, "/v1/unload_lora_adapter", {"lora_name": "swap"}).status_code == 200
+    tok = reference.tokenizer
+    assert base == tok.encode("(user) Hi>", add_special_tokens=False)
+    own_text = OWN_TEMPLATE.replace("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n"
+                                    "{% endfor %}", "[user] Hi\n")
+    assert own == tok.encode(own_text, add_special_tokens=False)
+    assert (first, second) == (want["a0"], want["a1"]) and first != second
+    assert again.status_code == 400 and "already loaded" in again.text
+    assert swapped.status_code == 200
