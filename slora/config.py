@@ -39,7 +39,8 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The rope_scaling types served (rope_inv_freq in slora/model/llama.py computes each).
-ROPE_KINDS = "linear, llama3, yarn"
+ROPE_KINDS = ("linear, llama3, yarn, longrope (Phi-3's, served within its "
+              "original_max_position_embeddings)")
 # Checkpoint modules that stack several of LORA_MODULES by output rows, in this order (Phi-3's
 # qkv_proj and gate_up_proj). A LoRA on one is the LoRAs of its parts with its A shared and its
 # B split by the same rows.
@@ -315,7 +316,8 @@ class ModelConfig:
         """The positions the model serves, as vLLM derives them: max_position_embeddings,
         times the factor of a linear rope_scaling; with YaRN its original_max_position_embeddings
         times its factor (or max_position_embeddings, if longer). A llama3 config already
-        gives the extended length."""
+        gives the extended length. LongRoPE: original_max_position_embeddings (its short
+        factors' window)."""
         return int(self._context_window()[0])
 
     def _context_window(self) -> tuple[float, str]:
@@ -327,6 +329,11 @@ class ModelConfig:
             return (s["original_max_position_embeddings"] * s["factor"],
                     f"original_max_position_embeddings {s['original_max_position_embeddings']} "
                     "x the yarn rope_scaling factor")
+        if self.rope_kind == "longrope":
+            orig = s["original_max_position_embeddings"]
+            return min(orig, n), (f"original_max_position_embeddings {orig}: LongRoPE is served "
+                                  "with its short factors, whose window that is; its long "
+                                  "factors, which HF switches to past it, are not served")
         return n, f"max_position_embeddings {n}"
 
     @classmethod
@@ -394,18 +401,17 @@ class ModelConfig:
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             # (HF's Phi-3 reads "su" and "yarn" as LongRoPE)
-            if kind in ("longrope", "su", "yarn") and arch == "Phi3ForCausalLM":
-                raise ConfigError(f"{source}: rope_scaling type {kind!r} (Phi-3's LongRoPE, "
-                                  "factors switched by sequence length) is not supported; "
-                                  "Phi-3 checkpoints without rope_scaling (e.g. the 4k-context "
-                                  f"ones) are served (supported types: {ROPE_KINDS})")
-            if kind not in ("default", "linear", "llama3", "yarn"):
+            if kind in ("su", "yarn") and arch == "Phi3ForCausalLM":
+                kind = "longrope"
+            if kind not in ("default", "linear", "llama3", "yarn", "longrope"):
                 raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported "
                                   f"(supported: {ROPE_KINDS})")
             if kind == "default":
                 scaling = None
             elif kind == "yarn":
                 scaling = _yarn(scaling, c, max_pos, gemma3, source)
+            elif kind == "longrope":
+                scaling = _longrope(scaling, c, max_pos, head_dim, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -449,10 +455,12 @@ class ModelConfig:
     @property
     def attn_scale(self) -> float:
         """The attention scores' scale: Granite's attention_multiplier, else 1 /
-        sqrt(query_pre_attn_scalar or head_dim); times the square of YaRN's attention factor.
+        sqrt(query_pre_attn_scalar or head_dim); times the square of YaRN's or LongRoPE's
+        attention factor.
         (HF multiplies the rotary's cos and sin by that factor, so q and k each carry it;
         slora rotates without it and scales the scores.)"""
-        m = self.rope_scaling["attention_factor"] if self.rope_kind == "yarn" else 1.0
+        m = self.rope_scaling["attention_factor"] if self.rope_kind in ("yarn", "longrope") \
+            else 1.0
         base = self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
         return base * m * m
 
@@ -549,6 +557,38 @@ def _yarn(s: dict, c: dict, max_pos: int, gemma3: bool, source: str) -> dict:
     return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
             "attention_factor": attention, "beta_fast": s.get("beta_fast") or 32,
             "beta_slow": s.get("beta_slow") or 1, "truncate": bool(s.get("truncate", True))}
+
+
+def _longrope(s: dict, c: dict, max_pos: int, head_dim: int, gemma3: bool, source: str) -> dict:
+    """A LongRoPE rope_scaling with the fields HF reads settled: short and long factors (one
+    per rotated pair), the pretraining length (a top-level original_max_position_embeddings
+    first), and the attention factor (given, or sqrt(1 + ln(factor) / ln(original)) with
+    factor max_position_embeddings / original where the scaling gives none)."""
+    def bad(key, why):
+        return ConfigError(f"{source}: rope_scaling (longrope) {key}={s.get(key)!r} {why}")
+
+    if gemma3:
+        raise ConfigError(f"{source}: rope_scaling type 'longrope' is not supported on Gemma 3")
+    original = c.get("original_max_position_embeddings") or s.get(
+        "original_max_position_embeddings")
+    if not (is_int(original) and original > 0):
+        raise ConfigError(f"{source}: rope_scaling (longrope) needs "
+                          "original_max_position_embeddings, an integer > 0")
+    for key in ("short_factor", "long_factor"):
+        v = s.get(key)
+        if not (isinstance(v, list) and len(v) == head_dim // 2
+                and all(_of_type(x, "float") and x > 0 for x in v)):
+            raise bad(key, f"must be {head_dim // 2} numbers > 0 (one per rotated pair of "
+                      f"head_dim {head_dim})")
+    factor = s.get("factor") or max_pos / original
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if not (_of_type(attention, "float") and attention > 0):
+        raise bad("attention_factor", "must be a number > 0 (or null)")
+    return {"rope_type": "longrope", "short_factor": tuple(s["short_factor"]),
+            "long_factor": tuple(s["long_factor"]), "original_max_position_embeddings": original,
+            "attention_factor": float(attention)}
 
 
 def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[int, ...]]:

@@ -157,13 +157,18 @@ def _to(obj, device, moved: dict | None = None):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies, with linear, llama3 or YaRN scaling, as HF computes them.
-    (YaRN's attention factor is in `cfg.attn_scale`.)"""
+    """Rotary inverse frequencies, with linear, llama3, YaRN or LongRoPE (its short factors)
+    scaling, as HF computes them. (YaRN's and LongRoPE's attention factor is in
+    `cfg.attn_scale`.)"""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling
     if s is None:
         return inv
+    if cfg.rope_kind == "longrope":  # the short factors (ModelConfig.context_window)
+        shape = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+        return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32)
+                      * cfg.rope_theta ** shape)
     factor = s["factor"]
     if cfg.rope_kind == "linear":
         return inv / factor

@@ -13,6 +13,7 @@ in a step mixing decode rows and prompts; configurations are read as HF reads th
 ones slora does not serve are refused with the reason."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -122,15 +123,34 @@ def _config(tiny_models, kind, **changes):
     return c
 
 
-def test_unsupported_phi3_configs_say_why(tiny_models):
+def test_phi3_longrope_serves_its_short_window(tiny_models):
+    """LongRoPE (as rope_scaling or rope_parameters; Phi-3's "su" and "yarn" spell it too) is
+    served within original_max_position_embeddings, the short factors' window (HF's and slora's
+    tokens agree there: test_vs_hf.py's phi3_longrope); a longer max_model_len is refused with
+    the reason, as are factors that do not fit head_dim."""
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
                 "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
-    for key in ("rope_scaling", "rope_parameters"):
-        with pytest.raises(ConfigError, match="'longrope'.*LongRoPE.*not supported"):
-            ModelConfig.from_dict(_config(tiny_models, "phi3", **{key: longrope}))
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    with pytest.raises(ConfigError, match=r"'yarn' \(Phi-3's LongRoPE.*not supported"):
-        ModelConfig.from_dict(_config(tiny_models, "phi3", rope_scaling=yarn))
+    for key, kind in (("rope_scaling", "longrope"), ("rope_parameters", "longrope"),
+                      ("rope_scaling", "su"), ("rope_scaling", "yarn")):
+        # (HF takes a top-level original_max_position_embeddings first, as Phi-3's configs
+        # write it)
+        cfg = ModelConfig.from_dict(_config(tiny_models, "phi3", max_position_embeddings=1024,
+                                            original_max_position_embeddings=64,
+                                            **{key: {**longrope, "rope_type": kind}}))
+        assert cfg.rope_kind == "longrope" and cfg.context_window == 64, (key, kind)
+        # the attention factor: sqrt(1 + ln(1024 / 64) / ln(64)), squared into the scale
+        assert cfg.attn_scale == pytest.approx(16 ** -0.5 * (1 + math.log(16) / math.log(64)))
+    with pytest.raises(ConfigError, match="long_factor=.* must be 8 numbers > 0"):
+        ModelConfig.from_dict(_config(tiny_models, "phi3", rope_scaling={
+            **longrope, "long_factor": [2.0] * 4}))
+    cfg = ModelConfig.from_dict(_config(tiny_models, "phi3", rope_scaling=longrope,
+                                        original_max_position_embeddings=64))
+    with pytest.raises(ConfigError, match="original_max_position_embeddings 64: LongRoPE is served "
+                                          "with its short factors"):
+        max_model_len(EngineConfig(max_model_len=65), cfg, 100)
+
+
+def test_unsupported_phi3_configs_say_why(tiny_models):
     with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported"):
         ModelConfig.from_dict(_config(tiny_models, "phi3", partial_rotary_factor=0.5))
     with pytest.raises(ConfigError, match="hidden_act 'gelu' is not supported"):
