@@ -304,6 +304,38 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Rotary on the first rotary_dim elements of each head (partial_rotary_factor: Phi-4-mini's
+    # 0.75), the rest left as they are; 0: head_dim. Served by a fixed permutation of each
+    # q and k head's elements (`rotary_permutation`), so the kernels rotate whole heads.
+    rotary_dim: int = 0
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """YaRN's or LongRoPE's attention factor (1 for other kinds): HF multiplies the rotated
+        elements' cos and sin by it."""
+        return self.rope_scaling["attention_factor"] if self.rope_kind in ("yarn", "longrope") \
+            else 1.0
+
+    @property
+    def rotary(self) -> int:
+        """The elements of a head that rotary turns."""
+        return self.rotary_dim or self.head_dim
+
+    def rotary_permutation(self) -> list[int] | None:
+        """Where each element of a served q or k head comes from in HF's head (None: no
+        permutation, every element rotates). HF pairs element i with i + r/2 (r = rotary_dim)
+        and leaves r.. alone; the kernels pair i with i + D/2. Served head: HF's first r/2
+        elements, half of the unrotated ones, HF's next r/2, the other half: served pair (i,
+        i + D/2) is HF's pair for i < r/2 and two unrotated elements past it, whose inverse
+        frequency is 0 (cos 1, sin 0). The scores q.k are the same under one permutation
+        of both. (The unrotated elements are also divided by the rope's attention factor,
+        `loader.served_qk`, which HF applies to the rotated ones alone and slora to the scores.)"""
+        d, r = self.head_dim, self.rotary
+        if r == d:
+            return None
+        rest = list(range(r, d))
+        half = (d - r) // 2
+        return (list(range(r // 2)) + rest[:half] + list(range(r // 2, r)) + rest[half:])
 
     @property
     def rope_kind(self) -> str | None:
@@ -393,9 +425,14 @@ class ModelConfig:
                                   "sliding-window layers is not supported (default only)")
             local_theta = c.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0))
         partial = c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-        if partial != 1:
-            raise ConfigError(f"{source}: partial_rotary_factor={partial!r} is not supported "
-                              "(slora rotates every element of a head: 1.0 only)")
+        rotary_dim = int(head_dim * partial) if _of_type(partial, "float") and 0 < partial <= 1 \
+            else 0
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ConfigError(f"{source}: partial_rotary_factor={partial!r} must be a number in "
+                              f"(0, 1] that rotates an even number (>= 2) of head_dim {head_dim}")
+        if rotary_dim != head_dim and arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+            raise ConfigError(f"{source}: partial_rotary_factor={partial!r} with q/k norms is "
+                              "not supported (a whole rotary only)")
         scaling = c.get("rope_scaling") or (rope or None)
         max_pos = c.get("max_position_embeddings", 4096)
         if scaling is not None:
@@ -411,7 +448,7 @@ class ModelConfig:
             elif kind == "yarn":
                 scaling = _yarn(scaling, c, max_pos, gemma3, source)
             elif kind == "longrope":
-                scaling = _longrope(scaling, c, max_pos, head_dim, gemma3, source)
+                scaling = _longrope(scaling, c, max_pos, rotary_dim, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -450,6 +487,7 @@ class ModelConfig:
             residual_multiplier=c.get("residual_multiplier") or 1.0 if granite else 1.0,
             attention_multiplier=c.get("attention_multiplier") if granite else None,
             logits_scaling=c.get("logits_scaling") or 1.0 if granite else 1.0,
+            rotary_dim=rotary_dim,
         )
 
     @property
@@ -459,8 +497,7 @@ class ModelConfig:
         attention factor.
         (HF multiplies the rotary's cos and sin by that factor, so q and k each carry it;
         slora rotates without it and scales the scores.)"""
-        m = self.rope_scaling["attention_factor"] if self.rope_kind in ("yarn", "longrope") \
-            else 1.0
+        m = self.rope_attention_factor
         base = self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
         return base * m * m
 

@@ -34,7 +34,8 @@ CORPUS = [
 # differs from hidden/heads, q/k/v bias (Qwen2), attention_bias (Llama), rope scaling (linear,
 # llama3, YaRN), per-head q/k RMSNorm (Qwen3), fused qkv_proj / gate_up_proj (Phi-3), Gemma 2
 # / 3 ((1 + w) norms, scaled embeddings, GeGLU, four norms a layer, query_pre_attn_scalar,
-# soft-capping, a rope base of its own on Gemma 3's sliding layers), Phi-3's LongRoPE, Granite (embedding,
+# soft-capping, a rope base of its own on Gemma 3's sliding layers), Phi-3's LongRoPE, a
+# partial rotary (Phi-4-mini), Granite (embedding,
 # residual, attention and logits multipliers, tied embeddings). Sliding windows of 8
 # tokens, shorter than the tests' prompts plus outputs: on every layer (Mistral, Phi-3), on
 # layer 1 (Qwen3), on layer 0 (Gemma).
@@ -75,6 +76,13 @@ TINY = {
                           rope_scaling={"type": "longrope",
                                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                                         "long_factor": [1.5, 2, 3, 5, 8, 13, 21, 34]}),
+    # Phi-4-mini's shape: a partial rotary (3/4 of each head), LongRoPE, tied embeddings
+    "phi4_mini": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2,
+                      pad_token_id=None, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                      max_position_embeddings=1024, original_max_position_embeddings=128,
+                      rope_scaling={"type": "longrope",
+                                    "short_factor": [1.0, 1.2, 1.5, 2.0, 2.6, 3.4],
+                                    "long_factor": [2, 3, 5, 8, 13, 21]}, random_norms=True),
     "granite": dict(arch="granite", num_attention_heads=4, num_key_value_heads=2,
                     tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.4,
                     attention_multiplier=0.3, logits_scaling=2.5, random_norms=True),

@@ -157,10 +157,18 @@ def _to(obj, device, moved: dict | None = None):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The inverse frequencies of each served head's rotated pairs: `hf_inv_freq` of the
+    rotary_dim elements HF turns, then zeros (cos 1, sin 0) for the pairs of elements it
+    leaves alone (`ModelConfig.rotary_permutation`)."""
+    inv = hf_inv_freq(cfg)
+    return torch.cat((inv, inv.new_zeros(cfg.head_dim // 2 - inv.shape[0])))
+
+
+def hf_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Rotary inverse frequencies, with linear, llama3, YaRN or LongRoPE (its short factors)
     scaling, as HF computes them. (YaRN's and LongRoPE's attention factor is in
     `cfg.attn_scale`.)"""
-    d = cfg.head_dim
+    d = cfg.rotary
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling
     if s is None:

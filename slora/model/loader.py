@@ -124,6 +124,19 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             return Fp8Weight(w.weight, w.scale * m)
         return (w.float() * m).to(dtype)
 
+    qkv_served = served_qk(cfg, cfg.num_heads + cfg.num_kv_heads, cfg.kv_size)
+    head = torch.tensor(cfg.rotary_permutation() or range(cfg.head_dim))
+
+    def served_qkv(w):
+        """q|k|v rows (or a bias) as served: each q and k head's rows permuted and scaled for
+        a partial rotary (`served_qk`)."""
+        if qkv_served is None or w is None:
+            return w
+        rows, scale = (t.to(w.device) for t in qkv_served)
+        if isinstance(w, Fp8Weight):
+            return Fp8Weight(w.weight[rows], w.scale[rows] * scale)
+        return (w[rows].float() * (scale[:, None] if w.dim() == 2 else scale)).to(w.dtype)
+
     def fused(modules: list[str]) -> Fp8Weight | torch.Tensor:
         parts = [linear(m) for m in modules]
         if len(parts) == 1:
@@ -149,16 +162,16 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         sandwich = cfg.sandwich_norms
         layers.append(LayerWeights(
             ln1=norm(p + "input_layernorm.weight"),
-            qkv=fused(qkv),
-            qkv_bias=qkv_bias,
+            qkv=served_qkv(fused(qkv)),
+            qkv_bias=served_qkv(qkv_bias),
             o=residual(fused([a + "o_proj"])),
             o_bias=residual(maybe(a + "o_proj.bias") if cfg.o_bias else None),
             ln2=norm(p + ("pre_feedforward_layernorm.weight" if sandwich
                           else "post_attention_layernorm.weight")),
             gate_up=fused(gate_up),
             down=residual(fused([p + "mlp.down_proj"])),
-            q_norm=norm(a + "q_norm.weight") if cfg.qk_norm else None,
-            k_norm=norm(a + "k_norm.weight") if cfg.qk_norm else None,
+            q_norm=norm(a + "q_norm.weight")[head.to(device)] if cfg.qk_norm else None,
+            k_norm=norm(a + "k_norm.weight")[head.to(device)] if cfg.qk_norm else None,
             post_attn=norm(p + "post_attention_layernorm.weight") if sandwich else None,
             post_mlp=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
         ))
@@ -473,6 +486,24 @@ def unpack_adapter(cfg: ModelConfig, layout: AdapterLayout,
 
 
 RESIDUAL_MODULES = ("o_proj", "down_proj")  # the residual branches' output layers
+
+
+def served_qk(cfg: ModelConfig, heads: int, tail: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, scale): the served order of the rows of `heads` q or k heads (then `tail` rows
+    as they are), each head's elements in `ModelConfig.rotary_permutation`'s order, and each
+    served row's factor: 1, or 1 / the rope's attention factor for an element rotary leaves
+    alone (HF scales the rotated elements' cos and sin by it, slora the scores by its
+    square: so q.k of the unrotated elements keeps its scale). None with a whole rotary."""
+    perm = cfg.rotary_permutation()
+    if perm is None:
+        return None
+    d, r = cfg.head_dim, cfg.rotary
+    rows = [h * d + i for h in range(heads) for i in perm] + list(range(heads * d,
+                                                                        heads * d + tail))
+    m = cfg.rope_attention_factor
+    scale = [1.0 if i < r else 1.0 / m for _ in range(heads) for i in perm] + [1.0] * tail
+    return torch.tensor(rows), torch.tensor(scale)
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16}  # the weight dtypes an adapter file may hold
@@ -1010,7 +1041,7 @@ class PeftAdapter:
             def get_ab(layer, module):
                 ka, kb = self.keys[(layer, module)]
                 start, end = self.rows.get((layer, module), (0, None))
-                B = tensors[kb][start:end].float()
+                B = self._served_rows(module, tensors[kb][start:end].float())
                 return tensors[ka].float(), B * self.scaling[(layer, module)]
 
             deltas = self._dora_deltas(tensors, get_ab, weight_norms) if self.dora else {}
@@ -1028,6 +1059,16 @@ class PeftAdapter:
         self._stamp = stamp
         return flat
 
+    def _served_rows(self, module: str, t: torch.Tensor) -> torch.Tensor:
+        """A q_proj or k_proj output's rows (B's, a DoRA magnitude) as served (`served_qk`),
+        as the base weight's are; other modules' as they are."""
+        heads = {"q_proj": self.cfg.num_heads, "k_proj": self.cfg.num_kv_heads}.get(module)
+        served = served_qk(self.cfg, heads) if heads else None
+        if served is None:
+            return t
+        rows, scale = served
+        return t[rows] * (scale[:, None] if t.dim() == 2 else scale)
+
     def _dora_deltas(self, tensors, get_ab, weight_norms) -> dict[tuple[int, str], torch.Tensor]:
         """(layer, module) -> magnitude / ||W + s B A||_row - 1, the norms from
         `weight_norms` (see `pack`)."""
@@ -1040,7 +1081,8 @@ class PeftAdapter:
         deltas = {}
         for (layer, module), norm in zip(items, norms):
             start, end = self.rows.get((layer, module), (0, None))
-            mag = tensors[self.magnitudes[(layer, module)]][start:end].float()
+            mag = self._served_rows(module, tensors[self.magnitudes[(layer, module)]][start:end]
+                                    .float())
             if module in RESIDUAL_MODULES:  # (W and B hold residual_multiplier: the norm too)
                 mag = mag * self.cfg.residual_multiplier
             delta = mag / norm.float() - 1

@@ -48,6 +48,10 @@ ADAPTERS = {
         "attn": dict(r=4, lora_alpha=4, use_rslora=True,
                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     },
+    "phi4_mini": {  # q and k rows served in the partial rotary's order (B's, DoRA's)
+        "fused": dict(r=8, lora_alpha=16, target_modules=["qkv_proj", "o_proj"]),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["qkv_proj"]),
+    },
     "granite": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
         "head": dict(r=6, lora_alpha=6, target_modules=["lm_head", "o_proj", "down_proj"]),
@@ -151,8 +155,20 @@ def test_phi3_longrope_serves_its_short_window(tiny_models):
 
 
 def test_unsupported_phi3_configs_say_why(tiny_models):
-    with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 is not supported"):
-        ModelConfig.from_dict(_config(tiny_models, "phi3", partial_rotary_factor=0.5))
+    """(A partial rotary is served: test_vs_hf.py's phi4_mini; its rows' order and scale are
+    read as HF rotates them.)"""
+    cfg = ModelConfig.from_dict(_config(tiny_models, "phi3", partial_rotary_factor=0.5))
+    assert cfg.rotary == 8 and cfg.rotary_permutation() == [0, 1, 2, 3, 8, 9, 10, 11,
+                                                            4, 5, 6, 7, 12, 13, 14, 15]
+    for bad in (0.3, 0.0, 1.5):  # 0.3 * 16 = 4.8 -> 4 elements rotate: served; others not
+        if bad == 0.3:
+            assert ModelConfig.from_dict(_config(tiny_models, "phi3",
+                                                 partial_rotary_factor=bad)).rotary == 4
+            continue
+        with pytest.raises(ConfigError, match=f"partial_rotary_factor={bad} must be a number"):
+            ModelConfig.from_dict(_config(tiny_models, "phi3", partial_rotary_factor=bad))
+    with pytest.raises(ConfigError, match="with q/k norms is not supported"):
+        ModelConfig.from_dict(_config(tiny_models, "qwen3", partial_rotary_factor=0.5))
     with pytest.raises(ConfigError, match="hidden_act 'gelu' is not supported"):
         ModelConfig.from_dict(_config(tiny_models, "phi3", hidden_act="gelu"))
 
@@ -261,7 +277,7 @@ def test_yarn_configs_say_why(tiny_models):
         ModelConfig.from_dict(_config(tiny_models, "gemma3", rope_parameters={
             "full_attention": yarn, "sliding_attention": {"rope_type": "default"}}))
     with pytest.raises(ConfigError, match=r"type 'dynamic' is not supported \(supported: "
-                                          r"linear, llama3, yarn\)"):
+                                          r"linear, llama3, yarn, longrope"):
         ModelConfig.from_dict(_config(tiny_models, "llama",
                                       rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
 
