@@ -99,9 +99,8 @@ class AsyncEngine:
         kind, args, reply = command
         try:
             if kind == "add":
-                rid, prompt, sampling, adapter, salt, sink = args
-                self.engine.add_request(prompt, sampling, adapter, request_id=rid,
-                                        cache_salt=salt)
+                rid, prompt, sampling, adapter, options, sink = args
+                self.engine.add_request(prompt, sampling, adapter, request_id=rid, **options)
                 self._sinks[rid] = sink
                 reply(rid)
             elif kind == "abort":
@@ -192,8 +191,10 @@ class AsyncEngine:
 
     def submit(self, prompt, sampling: SamplingParams | None = None,
                adapter: str | None = None, request_id: str | None = None,
-               cache_salt: str | None = None) -> "queue.Queue[RequestOutput]":
-        """Queue a request from any thread; its outputs arrive on the returned queue."""
+               cache_salt: str | None = None, priority: int = 0
+               ) -> "queue.Queue[RequestOutput]":
+        """Queue a request from any thread; its outputs arrive on the returned queue.
+        `cache_salt`, `priority`: as `Engine.add_request`'s."""
         q: queue.Queue = queue.Queue()
 
         def sink(item):
@@ -201,21 +202,24 @@ class AsyncEngine:
             if isinstance(item, Exception) or item.finished:
                 q.put(_DONE)
 
-        self._submit("add", (self._new_id(request_id), prompt, sampling, adapter, cache_salt,
-                             sink))
+        self._submit("add", (self._new_id(request_id), prompt, sampling, adapter,
+                             {"cache_salt": cache_salt, "priority": priority}, sink))
         return q
 
     def generate(self, prompt, sampling: SamplingParams | None = None,
-                 adapter: str | None = None, cache_salt: str | None = None) -> RequestOutput:
+                 adapter: str | None = None, cache_salt: str | None = None,
+                 priority: int = 0) -> RequestOutput:
         """Blocking: the finished output of one request (other threads may add more)."""
         last = None
-        for last in _drain(self.submit(prompt, sampling, adapter, cache_salt=cache_salt)):
+        for last in _drain(self.submit(prompt, sampling, adapter, cache_salt=cache_salt,
+                                       priority=priority)):
             pass
         return last
 
     async def stream(self, prompt, sampling: SamplingParams | None = None,
                      adapter: str | None = None, request_id: str | None = None,
-                     cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                     cache_salt: str | None = None, priority: int = 0
+                     ) -> AsyncIterator[RequestOutput]:
         """Async: yield the request's output after each step in which it progressed. Bad
         input raises here (KeyError: unknown adapter; ValueError: bad prompt or sampling).
         If the consumer stops before the request finished, the request is aborted."""
@@ -236,7 +240,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(aq.put_nowait, item)
 
         finished = False
-        self._commands.put(("add", (rid, prompt, sampling, adapter, cache_salt, sink), reply))
+        options = {"cache_salt": cache_salt, "priority": priority}
+        self._commands.put(("add", (rid, prompt, sampling, adapter, options, sink), reply))
         try:
             while not added.done():  # the answer, or the thread's end
                 await asyncio.wait([added], timeout=0.1)

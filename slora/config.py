@@ -18,7 +18,7 @@ from pathlib import Path
 BACKENDS = ("auto", "torch", "triton", "cuda")
 DECODE_LORA = ("auto", "mbgmv", "segments", "hybrid")  # slora.kernels.segments
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-POLICIES = ("fcfs", "cluster", "abort", "fair")
+POLICIES = ("fcfs", "cluster", "abort", "fair", "priority")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization's values besides None
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

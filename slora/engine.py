@@ -217,7 +217,7 @@ class Engine:
     def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    cache_prefix: bool = True) -> str:
+                    cache_prefix: bool = True, priority: int = 0) -> str:
         """Queue one request; returns its id. Bad input raises here and queues nothing:
         KeyError for an unknown adapter, ValueError for an empty prompt, token ids that are
         not ints of the vocabulary, sampling the engine cannot serve, a request id in use, or
@@ -225,13 +225,15 @@ class Engine:
         A prompt too long for the model or the pool is returned as a failed output.
         `cache_salt` (vLLM's): requests with different salts never share prefix-cache pages.
         `cache_prefix=False`: the request skips the prefix cache (no lookup, its pages are
-        not offered), for a prompt known to share nothing, such as a replay's random ids."""
+        not offered), for a prompt known to share nothing, such as a replay's random ids.
+        `priority` (vLLM's; with EngineConfig.policy="priority"): lower goes first."""
         return self._queue(self._request(prompt, sampling, adapter, request_id, arrival_time,
-                                         cache_salt, cache_prefix))
+                                         cache_salt, cache_prefix, priority))
 
     def _request(self, prompt: Prompt, sampling: SamplingParams | None, adapter: str | None,
                  request_id: str | None, arrival_time: float | None,
-                 cache_salt: str | None = None, cache_prefix: bool = True) -> Request:
+                 cache_salt: str | None = None, cache_prefix: bool = True,
+                 priority: int = 0) -> Request:
         """A validated request, not queued yet."""
         if self.runner.dead:
             raise RuntimeError(self.runner.dead)
@@ -239,6 +241,12 @@ class Engine:
             raise ValueError(f"cache_salt={cache_salt!r}: expected None or a non-empty str")
         if not isinstance(cache_prefix, bool):
             raise ValueError(f"cache_prefix={cache_prefix!r}: expected True or False")
+        if not is_int(priority):
+            raise ValueError(f"priority={priority!r}: expected an integer")
+        if priority and self.config.policy != "priority":
+            raise ValueError(f"priority={priority}: requests take priorities under "
+                             "EngineConfig.policy='priority' (this engine's is "
+                             f"{self.config.policy!r})")
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
@@ -266,7 +274,7 @@ class Engine:
                        eos_token_ids=self.eos_token_ids, max_len=self.max_model_len,
                        cache_salt=cache_salt, cache_prefix=cache_prefix,
                        bad_words_ids=self._bad_words_ids(sampling.bad_words, adapter),
-                       guide=self._guide(sampling, adapter))
+                       guide=self._guide(sampling, adapter), priority=int(priority))
 
     def _queue(self, req: Request) -> str:
         rid, ids = req.request_id, req.prompt_token_ids
@@ -570,12 +578,13 @@ class Engine:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapters: str | None | Sequence[str | None] = None,
                  use_tqdm: bool = False,
-                 cache_salt: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+                 cache_salt: str | None | Sequence[str | None] = None,
+                 priority: int | Sequence[int] = 0) -> list[RequestOutput]:
         """Run prompts to completion in one continuous batch; outputs in prompt order.
 
         `prompts`: a string, a token-id list, or a list of either. `sampling`: one for all or
         one per prompt. `adapters`: one name (or None = base model) for all, or one per prompt.
-        `cache_salt`: one for all or one per prompt (see `add_request`).
+        `cache_salt`, `priority`: one for all or one per prompt (see `add_request`).
         """
         if isinstance(prompts, str) or (prompts and is_int(prompts[0])):
             prompts = [prompts]
@@ -585,13 +594,15 @@ class Engine:
         names = [adapters] * n if adapters is None or isinstance(adapters, str) else list(adapters)
         salts = ([cache_salt] * n if cache_salt is None or isinstance(cache_salt, str)
                  else list(cache_salt))
-        if len(sps) != n or len(names) != n or len(salts) != n:
+        ranks = [priority] * n if is_int(priority) else list(priority)
+        if len(sps) != n or len(names) != n or len(salts) != n or len(ranks) != n:
             raise ValueError(f"generate: {n} prompts but {len(sps)} sampling params, "
-                             f"{len(names)} adapters and {len(salts)} cache salts")
+                             f"{len(names)} adapters, {len(salts)} cache salts and "
+                             f"{len(ranks)} priorities")
         reqs = []  # every item is validated before any is queued
-        for i, (p, sp, a, salt) in enumerate(zip(prompts, sps, names, salts)):
+        for i, (p, sp, a, salt, rank) in enumerate(zip(prompts, sps, names, salts, ranks)):
             try:
-                reqs.append(self._request(p, sp, a, None, None, salt))
+                reqs.append(self._request(p, sp, a, None, None, salt, priority=rank))
             except (KeyError, ValueError) as e:
                 raise type(e)(f"generate: prompt {i}: {e.args[0] if e.args else e}") from None
         ids = [self._queue(r) for r in reqs]

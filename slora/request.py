@@ -258,6 +258,7 @@ class Request:
     # SamplingParams.bad_words as token ids, by the request's tokenizer (the engine's)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     guide: object | None = None  # guided decoding's slora.guided.Guide (the engine's)
+    priority: int = 0  # lower goes first under the priority policy (slora.core.policies)
     block_digests: list[bytes] = field(default_factory=list)
     num_cached_pages: int = 0
     num_cached_tokens: int = 0

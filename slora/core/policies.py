@@ -14,11 +14,16 @@ does not fit (strict FCFS: no overtaking); the others try the rest.
 - fair:    a fair share across adapters (virtual token counters, VTC): the adapter that has
            received the fewest tokens so far goes first; counters of newly active adapters
            are lifted to the current minimum so idle time earns no credit.
+- priority: vLLM's priority scheduling: the lowest `Request.priority` first, arrival order
+           among equals, head-of-line blocking; the running requests are kept in that order
+           too (`ranks_running`), so a preemption takes the lowest priority, the latest
+           admitted among equals.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import attrgetter
 from typing import Iterable
 
 from slora.request import Request
@@ -28,6 +33,7 @@ class Policy:
     name = "fcfs"
     blocking = True
     reads_resident = False  # `order` reads its `resident` set (the scheduler makes it only then)
+    ranks_running = False  # the running list is kept in `Request.priority` order
 
     def __init__(self, max_skips: int = 64, slo_ttft_s: float = 6.0) -> None:
         self.max_skips = max_skips
@@ -110,7 +116,17 @@ class FairPolicy(Policy):
                 if self.counters else 0}
 
 
-POLICIES = {p.name: p for p in (Policy, ClusterPolicy, AbortPolicy, FairPolicy)}
+class PriorityPolicy(Policy):
+    name = "priority"
+    ranks_running = True
+
+    def order(self, waiting, resident):
+        return sorted(waiting, key=_priority)  # (stable: arrival order among equals)
+
+
+_priority = attrgetter("priority")
+
+POLICIES = {p.name: p for p in (Policy, ClusterPolicy, AbortPolicy, FairPolicy, PriorityPolicy)}
 
 
 def make_policy(name: str, max_skips: int = 64, slo_ttft_s: float = 6.0) -> Policy:

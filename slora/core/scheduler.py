@@ -9,7 +9,8 @@ order within `schedule`:
 
 1. Running requests decode first (they already hold memory). A request whose next token
    starts a new block needs a page: take a free one, else evict idle adapters (LRU), else
-   preempt the lowest-priority running request (the latest arrival): free its pages, put
+   preempt the lowest-priority running request (the latest admitted; under the priority
+   policy, the highest Request.priority, then the latest admitted): free its pages, put
    it at the front of the queue, and recompute it later. Nothing runs out of memory.
 2. Chunked prefill (`EngineConfig.max_prefill_chunk`): the step's prompt tokens, at most
    max_prefill_chunk and what max_batch_tokens leaves after the decode rows, go first to the
@@ -38,6 +39,7 @@ Pure Python over ints: no torch. The simulator drives this class unchanged.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -102,7 +104,9 @@ class Scheduler:
         self.adapters = adapters
         self.policy = make_policy(config.policy, config.max_skips, config.slo_ttft_s)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order = priority order
+        # admission order = the order preemption spares them in (under the priority policy,
+        # Request.priority order, admission order among equals)
+        self.running: list[Request] = []
         self.preemptions = 0
         self.failed = 0
         self.prefix = (PrefixCache(allocator, self.block_size) if config.enable_prefix_caching
@@ -339,7 +343,10 @@ class Scheduler:
                     break
         for req, n in admitted:
             _remove(self.waiting, req)
-            self.running.append(req)
+            if self.policy.ranks_running:  # after its equals: the latest admitted goes first
+                bisect.insort_right(self.running, req, key=_priority_of)
+            else:
+                self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.metrics.scheduled_time is None:
                 req.metrics.scheduled_time = now
@@ -571,6 +578,7 @@ class Scheduler:
 
 
 _adapter_of = attrgetter("adapter")  # a request's adapter name
+_priority_of = attrgetter("priority")
 
 
 def _remove(items, item) -> None:

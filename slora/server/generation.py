@@ -52,27 +52,30 @@ class Generation:
         self._closed = False
         self.cache_salt: str | None = None
         self.view: Callable[[RequestOutput], RequestOutput] | None = None
+        self.priority = 0
 
     @classmethod
     async def open(cls, state: ServerState, model: str | None,
                    prompts: Callable[[str | None], list[list[int]]], sampling: dict,
                    n: int = 1, names: dict[str, str] | None = None,
                    cache_salt: str | None = None,
-                   view: Callable[[RequestOutput], RequestOutput] | None = None) -> "Generation":
+                   view: Callable[[RequestOutput], RequestOutput] | None = None,
+                   priority: int = 0) -> "Generation":
         """Check everything, then start the engine requests.
 
         `model`: the base model's name or an adapter's (loaded on first use). `prompts`: the
         prompts' token ids for the adapter (its chat template may differ). `sampling`:
         SamplingParams' keywords; max_tokens None means up to the model's length.
         `names`: SamplingParams field -> the request's name for it, for error messages.
-        `cache_salt`: the requests' prefix-cache salt (`Engine.add_request`). `view`: what
-        the consumer sees of each output (default: the output as it is).
+        `cache_salt`, `priority`: the requests' (`Engine.add_request`). `view`: what the
+        consumer sees of each output (default: the output as it is).
         Raises APIError: 404 unknown adapter, 400 bad prompt or sampling, 503 when the
         waiting requests would pass `max_waiting`."""
         adapter = await state.acquire(model)
         gen = cls(state, adapter, adapter or state.settings.model_name)
         gen.cache_salt = cache_salt
         gen.view = view
+        gen.priority = priority
         try:
             gen.prompts = [ids for ids in prompts(adapter) for _ in range(n)]
             # the n choices of a prompt are n draws: with a seed, choice j samples with
@@ -111,7 +114,8 @@ class Generation:
     async def _pump(self, i: int, rid: str, ids: list[int], sp: SamplingParams) -> None:
         try:
             async for out in self.state.engine.stream(ids, sp, self.adapter, request_id=rid,
-                                                      cache_salt=self.cache_salt):
+                                                      cache_salt=self.cache_salt,
+                                                      priority=self.priority):
                 self.queue.put_nowait((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the consumer as its answer
             self.queue.put_nowait((i, e))

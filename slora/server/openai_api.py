@@ -117,7 +117,8 @@ async def _completions(state: ServerState, body: CompletionRequest):
     gen = await Generation.open(state, body.model,
                                 lambda adapter: _prompt_ids(state, body, adapter),
                                 sampling, body.n, cache_salt=body.cache_salt,
-                                view=_prompt_only if body.max_tokens == 0 else None)
+                                view=_prompt_only if body.max_tokens == 0 else None,
+                                priority=state.priority(body.priority))
     reply = _Reply(state, body, "cmpl", "text_completion")
     if body.echo:  # each choice's text begins with its prompt: as sent, or its ids' text
         sent = [body.prompt] if isinstance(body.prompt, str) or all(
@@ -254,7 +255,8 @@ async def open_chat(state: ServerState, body: ChatCompletionRequest
     if tools.schema is not None:
         sampling["guided_json"] = tools.schema
     gen = await Generation.open(state, body.model, prompts, sampling, body.n,
-                                names={"logprobs": "top_logprobs"}, cache_salt=body.cache_salt)
+                                names={"logprobs": "top_logprobs"}, cache_salt=body.cache_salt,
+                                priority=state.priority(body.priority))
     return gen, tools
 
 
@@ -345,7 +347,7 @@ UNSUPPORTED = {
     "guided_grammar": _SET,
     "structured_outputs": lambda v: bool(set(v or {}) - {"choice", "regex", "json",
                                                          "json_object"}),
-    "logits_processors": _SET, "priority": bool,
+    "logits_processors": _SET,
     "spaces_between_special_tokens": lambda v: not v,
     # completions' and chat's own
     "prompt_embeds": _SET, "chat_template": _SET, "documents": _SET,
@@ -359,9 +361,9 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
     for field, asks in UNSUPPORTED.items():
         if field in type(body).model_fields and asks(getattr(body, field)):
             raise APIError(400, f"{field} is not supported by slora (grammars, tools, beam "
-                           "search, priorities, logits processors, prompt embeddings and request "
-                           "chat templates are not implemented; choice, regex and JSON output "
-                           "are)", field)
+                           "search, logits processors, prompt embeddings and request chat "
+                           "templates are not implemented; choice, regex and JSON output are)",
+                           field)
     bias = {}
     for key, value in (body.logit_bias or {}).items():
         try:

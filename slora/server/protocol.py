@@ -47,6 +47,8 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = Field(None, ge=0)
     # the prompt's last N tokens alone (vLLM's)
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    # lower goes first, when the server runs --policy priority
+    priority: int = 0
     # guided decoding: the output one of the strings, or a full match of the regex
     guided_choice: list[str] | None = None
     guided_regex: str | None = None
@@ -66,7 +68,6 @@ class _Sampling(_Body):
     guided_grammar: str | None = None
     structured_outputs: dict | None = None  # (choice, regex, json, json_object are served)
     logits_processors: list | None = None
-    priority: int = 0
     length_penalty: float = 1.0
     spaces_between_special_tokens: bool = True
 

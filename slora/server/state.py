@@ -28,6 +28,7 @@ class ServerState:
         self.vocab_size = eng.model_config.vocab_size
         self.max_model_len = eng.max_model_len
         self.max_logprobs = eng.config.max_logprobs
+        self.policy = eng.config.policy
         self.eos_token_ids = frozenset(eng.eos_token_ids)
         resolver = settings.resolver
         if resolver is None and settings.adapter_dir is not None:
@@ -71,6 +72,13 @@ class ServerState:
     def release(self, adapter: str | None) -> None:
         if adapter is not None:
             self.adapters.release(adapter)
+
+    def priority(self, value: int) -> int:
+        """A request's priority (vLLM's field); 400 for one the engine's policy ignores."""
+        if value and self.policy != "priority":
+            raise APIError(400, f"priority={value}: requests take priorities when the server "
+                           "runs --policy priority", "priority")
+        return value
 
     def encode(self, text: str, param: str, adapter: str | None = None,
                add_special_tokens: bool = True) -> list[int]:

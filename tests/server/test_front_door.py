@@ -89,7 +89,7 @@ def test_bad_sampling_values_are_400_naming_the_field(live):
     assert "not supported" in error_of(res, 400, "parameters.typical_p")
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for field, value in (("response_format", {"type": "grammar"}),
-                         ("best_of", 2), ("guided_grammar", "root ::= a"), ("priority", 1),
+                         ("best_of", 2), ("guided_grammar", "root ::= a"),
                          ("structured_outputs", {"grammar": "root ::= a"})):
         res = post(live, "/v1/chat/completions", {**chat, field: value})
         assert "not supported by slora" in error_of(res, 400, field)

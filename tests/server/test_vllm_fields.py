@@ -165,7 +165,7 @@ def test_chat_continues_the_final_message_and_passes_template_kwargs(serve, refe
 
 
 def test_vllm_fields_slora_does_not_implement_are_400(serve):
-    cases = [("/v1/completions", "priority", 1), ("/v1/completions", "length_penalty", 2.0),
+    cases = [("/v1/completions", "length_penalty", 2.0),
              ("/v1/completions", "logits_processors", ["x"]),
              ("/v1/completions", "structured_outputs", {"grammar": "root ::= a"}),
              ("/v1/completions", "guided_grammar", "root ::= a"),
@@ -215,3 +215,12 @@ def test_chat_template_flag_and_load_inplace(serve, reference):
     assert (first, second) == (want["a0"], want["a1"]) and first != second
     assert again.status_code == 400 and "already loaded" in again.text
     assert swapped.status_code == 200
+
+
+def test_priority_needs_the_priority_policy(serve):
+    with serve() as live:
+        res = post(live, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": 1})
+        plain = post(live, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": 0})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "priority"
+    assert "--policy priority" in res.json()["error"]["message"]
+    assert plain.status_code == 200
