@@ -68,13 +68,16 @@ class BatchBuilder:
         seqs, bs = plan.seqs, self.block_size
         ids, positions, slots, q_start, ctx = [], [], [], [0], []
         prompt_rows, prompt_index = [], []
+        d = len(plan.decode)  # (a decode row scores no prompt token: only prompts are read)
         for i, r in enumerate(seqs):
             start, table = r.num_computed, r.block_table
             end = start + plan.new_tokens(r)
-            rows = r.prompt_logprob_rows(start, end)
-            if rows:
-                prompt_rows.append((i, rows.start, len(rows)))
-                prompt_index += range(len(ids) + rows.start - start, len(ids) + rows.stop - start)
+            if i >= d and r.sampling.prompt_logprobs is not None:
+                rows = r.prompt_logprob_rows(start, end)
+                if rows:
+                    prompt_rows.append((i, rows.start, len(rows)))
+                    prompt_index += range(len(ids) + rows.start - start,
+                                          len(ids) + rows.stop - start)
             ids += r.token_ids_from(start, end)
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -92,7 +95,8 @@ class BatchBuilder:
             q_start_list=q_start,
             q_start_tensor=torch.tensor(q_start, dtype=torch.int32),
             num_decode=len(plan.decode),
-            logits_index=torch.tensor([q - 1 for q in q_start[1:]] + prompt_index),
+            logits_index=(torch.tensor(q_start[1:]) - 1 if not prompt_index
+                          else torch.tensor([q - 1 for q in q_start[1:]] + prompt_index)),
             lora=None,
             prompt_rows=tuple(prompt_rows),
         )
