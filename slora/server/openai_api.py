@@ -518,7 +518,12 @@ class _Reply:
                         fields["delta"]["content"] += content[sent_text[i]:]
                     reason = why or reason
                 choice = {"index": i, **fields, "finish_reason": reason}
-                yield _event(self.envelope(obj, [choice]))
+                event = self.envelope(obj, [choice])
+                if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+                    prompt, done = len(out.prompt_token_ids), len(out.token_ids)
+                    event["usage"] = {"prompt_tokens": prompt, "completion_tokens": done,
+                                      "total_tokens": prompt + done}
+                yield _event(event)
             if body.stream_options is not None and body.stream_options.include_usage:
                 outs = [gen.last[i] for i in range(gen.count)]
                 yield _event({**self.envelope(obj, []), "usage": self.usage(outs, gen)})

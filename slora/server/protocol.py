@@ -19,6 +19,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage
 
 
 class _Sampling(_Body):

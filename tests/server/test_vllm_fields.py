@@ -224,3 +224,20 @@ def test_priority_needs_the_priority_policy(serve):
     assert res.status_code == 400 and res.json()["error"]["param"] == "priority"
     assert "--policy priority" in res.json()["error"]["message"]
     assert plain.status_code == 200
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(serve):
+    import json
+
+    with serve() as live:
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                timeout=30) as res:
+            events = [json.loads(line[6:]) for line in res.iter_lines()
+                      if line.startswith("data: {")]
+    chunks = [e for e in events if e["choices"]]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, 5))
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"]
+               + c["usage"]["completion_tokens"] for c in chunks)
+    assert events[-1]["usage"]["completion_tokens"] == 4 and not events[-1]["choices"]
