@@ -64,9 +64,11 @@ class Tokenizer:
             return text + "\n" if add_generation_prompt else text
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        # what HF's templates use: loop controls, a plain `tojson`, `strftime_now`
+        # what HF's templates use: loop controls, {% generation %} blocks (rendered as they
+        # are), a plain `tojson`, `strftime_now`
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols",
+                                                        _generation_blocks()])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -81,6 +83,26 @@ class Tokenizer:
                                  "the last message's content as it stands")
             text = text[:at + len(final)]
         return text
+
+
+def _generation_blocks():
+    """A jinja extension for HF's `{% generation %}...{% endgeneration %}` (which marks the
+    assistant's part for training masks): the block renders as its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return Generation
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -45,12 +45,17 @@ def test_a_template_cannot_reach_python_internals(tiny_model_dir, tmp_path):
 
 
 def test_templates_get_tools_tool_calls_and_hf_helpers(tiny_model_dir, tmp_path):
+    """tools and tool calls reach the template; HF's helpers work: tojson, loop controls,
+    {% generation %} blocks, strftime_now."""
     template = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+                "{% generation %}{% endgeneration %}"
                 "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
                 "<call>{{ c.function.name }} {{ c.function.arguments }}</call>{% break %}"
                 "{% endfor %}{% elif m.role == 'tool' %}<result {{ m.tool_call_id }}>"
                 "{{ m.content }}</result>{% else %}<{{ m.role }}>{{ m.content }}{% endif %}"
-                "{% endfor %}{{ strftime_now('%Y')[:2] }}")
+                "{% endfor %}{{ strftime_now('%Y')[:2] }}"
+                "{% for m in messages %}{% generation %}{{ m.role[0] }}{% endgeneration %}"
+                "{% endfor %}")
     tok = with_template(tiny_model_dir, tmp_path, template)
     tools = [{"type": "function", "function": {"name": "f", "description": "<a & b>"}}]
     calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
@@ -60,4 +65,4 @@ def test_templates_get_tools_tool_calls_and_hf_helpers(tiny_model_dir, tmp_path)
             {"role": "tool", "content": "42", "tool_call_id": "1"}]
     text = tok.apply_chat_template(chat, add_generation_prompt=False, variables={"tools": tools})
     assert text == (f"<tools>{json.dumps(tools)}</tools><user>Hi<call>f {{}}</call>"
-                    "<result 1>42</result>20")
+                    "<result 1>42</result>20uat")
