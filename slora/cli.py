@@ -103,7 +103,7 @@ def _add_serve(sub) -> None:
         formatter_class=HelpFormatter,
         description="Build the engine, register the adapters, warm up, then serve the OpenAI "
         "API (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /tokenize, "
-        "/detokenize; `model` names the base model "
+        "/detokenize, /version; `model` names the base model "
         "or an adapter), the LoRAX API (/generate, /generate_stream, /), runtime adapter loads "
         "(/v1/load_lora_adapter, /v1/unload_lora_adapter), /health and Prometheus /metrics. "
         "SIGTERM drains: new requests get 503, running ones finish, then the server exits 0.",

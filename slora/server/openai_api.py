@@ -1,6 +1,7 @@
 """OpenAI-compatible routes, vLLM's conventions: POST /v1/completions, POST
 /v1/chat/completions (both streamed as server-sent events ending in `data: [DONE]` when
-`stream` is true), GET /v1/models.
+`stream` is true), GET /v1/models and /v1/models/{model}, and vLLM's /tokenize, /detokenize
+and GET /version.
 
 `model` names the base model (the server's model name) or an adapter. Text the stream sends
 never has to be taken back: while a request may still end on a stop string, the text that
@@ -48,13 +49,31 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models():
-        created, base = int(time.time()), state.settings.model_name
-        card = {"object": "model", "created": created, "owned_by": "slora",
-                "max_model_len": state.max_model_len}
-        data = [{"id": base, "root": base, "parent": None, **card}]
-        data += [{"id": name, "root": name, "parent": base, **card}
-                 for name in state.adapters.names()]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": _model_cards(state)}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        card = next((c for c in _model_cards(state) if c["id"] == model), None)
+        if card is None:
+            raise APIError(404, f"unknown model or adapter {model!r} (GET /v1/models lists "
+                           "them)", "model")
+        return card
+
+    @app.get("/version")
+    async def version():
+        from slora import __version__
+
+        return {"version": __version__}
+
+
+def _model_cards(state: ServerState) -> list[dict]:
+    """The base model's card, then each served adapter's (its parent the base model)."""
+    created, base = int(time.time()), state.settings.model_name
+    card = {"object": "model", "created": created, "owned_by": "slora",
+            "max_model_len": state.max_model_len}
+    return ([{"id": base, "root": base, "parent": None, **card}]
+            + [{"id": name, "root": name, "parent": base, **card}
+               for name in state.adapters.names()])
 
 
 # -- tokenize, detokenize (vLLM's)

@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import lorax
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI, NotFoundError, OpenAI
 
+import slora
 from slora import SamplingParams
 
 from .conftest import BASE, OWN_TEMPLATE
@@ -119,6 +120,10 @@ def test_n_choices_usage_and_models(serve, reference):
         by_ids = client.completions.create(model="a1", prompt=reference.tokenizer.encode(prompt),
                                            max_tokens=5, temperature=0)
         models = client.models.list()
+        one = client.models.retrieve("a0")
+        with pytest.raises(NotFoundError, match="nope"):
+            client.models.retrieve("nope")
+        version = httpx.get(f"{live.url}/version").json()
     want = reference.generate(prompt, SamplingParams(max_tokens=5), adapters="a1")[0]
     assert [c.text for c in res.choices] == [want.text] * 2
     assert [c.index for c in res.choices] == [0, 1] and by_ids.choices[0].text == want.text
@@ -127,6 +132,8 @@ def test_n_choices_usage_and_models(serve, reference):
     listed = {m.id: m for m in models.data}
     assert set(listed) == {BASE, "a0", "a1", "chatty"}
     assert listed["a0"].parent == BASE and listed[BASE].parent is None
+    assert one.id == "a0" and one.parent == BASE
+    assert version == {"version": slora.__version__}
 
 
 def test_seeded_choices_differ_and_repeat(serve, reference):
