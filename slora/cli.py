@@ -95,8 +95,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _add_serve(sub) -> None:
-    from slora.server.settings import add_engine_config_args
-    from slora.server.tools import PARSERS
+    from slora.server.settings import PARSERS, add_engine_config_args
 
     p = sub.add_parser(
         "serve", help="serve the model and its adapters over HTTP (OpenAI and LoRAX APIs)",

@@ -19,6 +19,7 @@ import functools
 import gc
 import itertools
 import time
+import weakref
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -87,8 +88,10 @@ class Engine:
         self._decoders: dict[str, IncrementalDecoder] = {}  # per running request
         self._stop_from: dict[str, int] = {}  # request id -> where stop strings may begin
         self._synthetic: dict[tuple, object] = {}  # (rank, targets, seed) -> shared host buffer
-        self._pieces: dict[int, TokenPieces] = {}  # id(tokenizer) -> its token pieces
-        self._grammars: dict[tuple[int, str], Grammar] = {}  # (id(tokenizer), pattern)
+        # guided decoding: each tokenizer's token pieces (while the tokenizer lives), and the
+        # last GRAMMARS patterns compiled, by (tokenizer, pattern)
+        self._pieces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._grammars: dict[tuple[Tokenizer, str], Grammar] = {}
         self._tokenizers: dict[str, Tokenizer] = {}  # adapter -> its own (it adds tokens)
         self._flight = None  # async scheduling: the launched step not yet collected
         # the step being scheduled and run, and the launched steps being collected: the
@@ -341,12 +344,12 @@ class Engine:
             pattern = choice_pattern(sampling.guided_choice)
         else:
             pattern = sampling.guided_regex
-        key = (id(tokenizer), pattern)
+        key = (tokenizer, pattern)
         grammar = self._grammars.pop(key, None)
         if grammar is None:
-            pieces = self._pieces.get(id(tokenizer))
+            pieces = self._pieces.get(tokenizer)
             if pieces is None:
-                pieces = self._pieces[id(tokenizer)] = TokenPieces(tokenizer, tokenizer.vocab_size)
+                pieces = self._pieces[tokenizer] = TokenPieces(tokenizer, tokenizer.vocab_size)
             grammar = Grammar(pattern, pieces, self.eos_token_ids)  # ValueError names it
         self._grammars[key] = grammar  # (the most recent last)
         while len(self._grammars) > GRAMMARS:

@@ -94,13 +94,12 @@ class BatchBuilder:
             ctx_lens_list=ctx,
             q_start_list=q_start,
             q_start_tensor=torch.tensor(q_start, dtype=torch.int32),
-            num_decode=len(plan.decode),
+            num_decode=d,
             logits_index=(torch.tensor(q_start[1:]) - 1 if not prompt_index
                           else torch.tensor([q - 1 for q in q_start[1:]] + prompt_index)),
             lora=None,
             prompt_rows=tuple(prompt_rows),
         )
-        d = batch.num_decode
         if d < len(seqs):  # prompts: the prefill kernel's work list; decode rows: their own
             prompts = [s >= d for s in range(len(seqs))]
             batch.tiles = torch.tensor(token_tiles(q_start, self.tile_rows, prompts),

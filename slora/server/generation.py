@@ -8,6 +8,7 @@
 - `until_disconnected`: runs a handler unless the client goes away first, in which case the
   handler is cancelled (and with it its Generation).
 - `EventStream`: server-sent events whose generator is closed when the client goes away.
+- `holdback`: how much of a streamed text may go out while a stop string may still begin.
 """
 
 from __future__ import annotations
@@ -251,3 +252,15 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+def holdback(text: str, stops) -> int:
+    """How much of `text` may be sent while the request may still end on a stop string: all
+    but the longest tail that begins one of `stops`."""
+    keep = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), keep, -1):
+            if text.endswith(stop[:k]):
+                keep = k
+                break
+    return len(text) - keep

@@ -21,8 +21,7 @@ from fastapi.responses import JSONResponse
 from slora.model.merge import MergeSpec
 from slora.request import RequestOutput, SamplingParams
 from slora.server.errors import APIError, sse_error
-from slora.server.generation import EventStream, Generation, until_disconnected
-from slora.server.openai_api import holdback
+from slora.server.generation import EventStream, Generation, holdback, until_disconnected
 from slora.server.protocol import GenerateParameters, GenerateRequest, MergedAdapters
 from slora.server.state import ServerState
 

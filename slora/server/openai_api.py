@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from slora.request import RequestOutput
 from slora.server.errors import APIError, sse_error
-from slora.server.generation import EventStream, Generation, until_disconnected
+from slora.server.generation import EventStream, Generation, holdback, until_disconnected
 from slora.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, _Sampling)
 from slora.server.state import ServerState
@@ -436,16 +436,6 @@ def _token_name(state: ServerState, body: _Sampling, adapter: str | None):
     return lambda tid: state.token_text(tid, adapter)
 
 
-def holdback(text: str, stops) -> int:
-    """How much of `text` may be sent while the request may still end on a stop string: all
-    but the longest tail that begins one of `stops`."""
-    keep = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), keep, -1):
-            if text.endswith(stop[:k]):
-                keep = k
-                break
-    return len(text) - keep
 
 
 class _Reply:

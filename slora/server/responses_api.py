@@ -193,27 +193,32 @@ class _Turn:
         part = {"type": "output_text", "text": "", "annotations": []}
         at = {"item_id": mid, "output_index": 0, "content_index": 0}
         sent, opened, out = 0, False, None
+
+        def opening() -> list[str]:  # the message item and its text part, once
+            return [ev("response.output_item.added", output_index=0,
+                       item=self.message("", "in_progress") | {"content": []}),
+                    ev("response.content_part.added", **at, part=part)]
+
         try:
             yield ev("response.created", response=self.response(None, "in_progress"))
             yield ev("response.in_progress", response=self.response(None, "in_progress"))
             async for _, out in gen.outputs():
                 end = self.tools.sendable(out.text)
-                if end > sent:
+                # (the message opens at its first visible text: blank text before a tool call
+                # is no content)
+                if end > sent and (opened or out.text[:end].strip()):
                     if not opened:
                         opened = True
-                        yield ev("response.output_item.added", output_index=0,
-                                 item=self.message("", "in_progress") | {"content": []})
-                        yield ev("response.content_part.added", **at, part=part)
+                        for event in opening():
+                            yield event
                     yield ev("response.output_text.delta", **at, delta=out.text[sent:end])
                     sent = end
             final = self.response(out)
             items = final["output"]
             if items and items[0]["type"] == "message":
                 text = items[0]["content"][0]["text"]
-                if not opened:
-                    yield ev("response.output_item.added", output_index=0,
-                             item=self.message("", "in_progress") | {"content": []})
-                    yield ev("response.content_part.added", **at, part=part)
+                for event in [] if opened else opening():
+                    yield event
                 if len(text) > sent and text.startswith(out.text[:sent]):
                     yield ev("response.output_text.delta", **at, delta=text[sent:])
                 yield ev("response.output_text.done", **at, text=text)

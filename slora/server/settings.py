@@ -11,7 +11,8 @@ from dataclasses import MISSING, dataclass, fields
 
 from slora.config import BACKENDS, DTYPES, POLICIES, EngineConfig
 from slora.server.adapters import AdapterResolver
-from slora.server.tools import PARSERS
+
+PARSERS = ("hermes", "llama3_json")  # tool-call parsers (slora.server.tools)
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class ServerSettings:
     retry_after_s: the Retry-After of 503 answers.
     resolver: finds adapters by name; None: a `LocalDirResolver` over `adapter_dir`, if any.
     tool_call_parser: how chat answers find the model's tool calls in its text
-        (`slora.server.tools.PARSERS`); None: tool_choice "auto" is refused.
+        (`PARSERS`, read by `slora.server.tools`); None: tool_choice "auto" is refused.
     chat_template: the chat template of the base model and of the adapters without their
         own (in place of the model's); None: the model's.
     """

@@ -30,8 +30,9 @@ import uuid
 from dataclasses import dataclass
 
 from slora.server.errors import APIError
+from slora.server.generation import holdback
+from slora.server.settings import PARSERS
 
-PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 HERMES_START = "<tool_call>"
 
@@ -108,12 +109,7 @@ class ToolChoice:
         if self.parser == "llama3_json":  # a call is the whole output: wait for its start
             return 0 if not text.strip() or text.lstrip().startswith("{") else len(text)
         at = text.find(HERMES_START)
-        if at >= 0:
-            return at
-        for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-            if text.endswith(HERMES_START[:k]):
-                return len(text) - k
-        return len(text)
+        return at if at >= 0 else holdback(text, [HERMES_START])
 
     def split(self, text: str) -> tuple[str | None, list[dict], str | None]:
         """(content, calls, finish_reason or None to keep the output's) of a finished

@@ -234,14 +234,20 @@ def test_lorax_sync_client_details_and_alternatives(serve, reference):
     assert plain == {"generated_text": "Hello world" + want.text}  # /generate: an object
 
 
+def example(name: str):
+    """examples/NAME.py, imported as a module (its `main(argv)` runs it)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_lorax_example_sends_its_multi_adapter_batch(serve, capsys):
-    path = Path(__file__).resolve().parents[2] / "examples" / "lorax_client.py"
-    spec = importlib.util.spec_from_file_location("lorax_client_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     with serve() as live:
-        example.main(["--url", live.url, "--adapters", "a0,a1", "--question", "Hello world",
-                      "--template", "{}", "--max-new-tokens", "4"])
+        example("lorax_client").main(["--url", live.url, "--adapters", "a0,a1", "--question",
+                                      "Hello world", "--template", "{}",
+                                      "--max-new-tokens", "4"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["base", "a0", "a1", "a0, streamed"]
     assert all("(length, 4 tokens)" in line for line in lines[:3])
@@ -402,13 +408,9 @@ def test_lorax_merged_adapters(serve, reference, monkeypatch):
 
 
 def test_structured_example_gets_what_it_asks_for(serve, capsys):
-    path = Path(__file__).resolve().parents[2] / "examples" / "structured.py"
-    spec = importlib.util.spec_from_file_location("structured_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     with serve() as live:
-        example.main(["--url", live.url, "--model", BASE, "--adapter", "a0",
-                      "--max-tokens", "160"])
+        example("structured").main(["--url", live.url, "--model", BASE, "--adapter", "a0",
+                                    "--max-tokens", "160"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
         "a0, JSON", "label", "tool call", "log-likelihoods"]
