@@ -33,9 +33,10 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 MAX_ADDED_TOKENS = 256  # EngineConfig.max_added_tokens' bound
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM", "GraniteForCausalLM")
-GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
+                           "SmolLM3ForCausalLM", "Olmo2ForCausalLM")
+GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The rope_scaling types served (rope_inv_freq in slora/model/llama.py computes each).
@@ -266,9 +267,10 @@ class ModelConfig:
     mlp_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    # Qwen3: an RMSNorm over each head's head_dim elements of q and of k (weights q_norm,
-    # k_norm [head_dim]) after the projection, before rotary.
-    qk_norm: bool = False
+    # An RMSNorm on q and on k after the projection, before rotary: "head" (Qwen3, Gemma 3)
+    # over each head's head_dim elements (weights q_norm, k_norm [head_dim]); "all" (OLMo 2)
+    # over a token's whole q and whole k (weights [q_size], [kv_size]); None: none.
+    qk_norm: str | None = None
     # Phi-3: the checkpoint holds q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj`
     # (FUSED_MODULES), and PEFT adapters target those names.
     fused_checkpoint: bool = False
@@ -282,6 +284,10 @@ class ModelConfig:
     # Gemma 2/3: an RMSNorm on the attention output (post_attention_layernorm) and one on the
     # MLP output (post_feedforward_layernorm) before each residual add: four norms a layer.
     sandwich_norms: bool = False
+    # False (OLMo 2): a layer norms its attention's and its MLP's outputs
+    # (post_attention_layernorm, post_feedforward_layernorm) before each residual add, and
+    # not their inputs.
+    pre_norms: bool = True
     # Attention scores are q.k / sqrt(this) (Gemma's query_pre_attn_scalar); None: head_dim.
     query_pre_attn_scalar: float | None = None
     # Soft-capping, cap * tanh(x / cap), of the attention scores (Gemma 2's
@@ -295,6 +301,8 @@ class ModelConfig:
     # Gemma 3: the rope base of the sliding layers (rope_local_base_freq), unscaled; None: the
     # sliding layers use rope_theta and rope_scaling like the others.
     rope_local_theta: float | None = None
+    # SmolLM3: the layers that apply no rotary to q and k (its no_rope_layers' zeros).
+    nope_layers: tuple[int, ...] = ()
     # Granite: token embeddings times embed_multiplier (exact, as HF multiplies by the float);
     # each residual branch (attention's and the MLP's output) times residual_multiplier,
     # folded into o_proj's and down_proj's weights and their adapters' B (see
@@ -390,8 +398,13 @@ class ModelConfig:
         qwen2 = arch == "Qwen2ForCausalLM"
         gemma = arch in GEMMA
         llama_bias = bool(c.get("attention_bias", False))
-        # Gemma's MLP reads hidden_activation (its configs may carry a stale hidden_act too)
-        act = (c.get("hidden_activation") if gemma else None) or c.get("hidden_act", "silu")
+        # Gemma 2/3's MLP reads hidden_activation (their configs may carry a stale hidden_act
+        # too); Gemma 1's reads hidden_act, whose "gelu" HF reads as the tanh approximation
+        gemma1 = arch == "GemmaForCausalLM"
+        act = (c.get("hidden_activation") if gemma and not gemma1 else None) \
+            or c.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+        if gemma1 and act == "gelu":
+            act = "gelu_pytorch_tanh"
         if act not in ACTIVATIONS:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (slora's MLP is "
                               "SwiGLU, silu(gate) * up, or GeGLU, gelu_pytorch_tanh(gate) * up)")
@@ -430,7 +443,9 @@ class ModelConfig:
         if rotary_dim < 2 or rotary_dim % 2:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} must be a number in "
                               f"(0, 1] that rotates an even number (>= 2) of head_dim {head_dim}")
-        if rotary_dim != head_dim and arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        qk_norm = {"Qwen3ForCausalLM": "head", "Gemma3ForCausalLM": "head",
+                   "Olmo2ForCausalLM": "all"}.get(arch)
+        if rotary_dim != head_dim and qk_norm:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} with q/k norms is "
                               "not supported (a whole rotary only)")
         scaling = c.get("rope_scaling") or (rope or None)
@@ -450,6 +465,7 @@ class ModelConfig:
             elif kind == "longrope":
                 scaling = _longrope(scaling, c, max_pos, rotary_dim, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
+        nope = _nope_layers(c, source) if arch == "SmolLM3ForCausalLM" else ()
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -471,18 +487,20 @@ class ModelConfig:
             mlp_bias=bool(c.get("mlp_bias", False)),
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=qk_norm,
             fused_checkpoint=arch == "Phi3ForCausalLM",
             hidden_act=act,
             norm_plus_one=gemma,
             embed_scale=hidden ** 0.5 if gemma else None,
-            sandwich_norms=gemma,
+            sandwich_norms=arch in GEMMA[1:],
+            pre_norms=arch != "Olmo2ForCausalLM",
             query_pre_attn_scalar=c.get("query_pre_attn_scalar") if gemma else None,
             attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
             final_softcap=c.get("final_logit_softcapping") if gemma else None,
             sliding_window=window,
             sliding_layers=sliding,
             rope_local_theta=local_theta,
+            nope_layers=nope,
             embed_multiplier=c.get("embedding_multiplier") if granite else None,
             residual_multiplier=c.get("residual_multiplier") or 1.0 if granite else 1.0,
             attention_multiplier=c.get("attention_multiplier") if granite else None,
@@ -550,7 +568,8 @@ class ModelConfig:
         rows = self.q_size + 2 * self.kv_size + h + 2 * i + h  # output channels of a layer
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         per_layer = (4 if self.sandwich_norms else 2) * h
-        norms = L * (per_layer + (2 * self.head_dim if self.qk_norm else 0)) + h
+        qk = {"head": 2 * self.head_dim, "all": self.q_size + self.kv_size}.get(self.qk_norm, 0)
+        norms = L * (per_layer + qk) + h
         rest = (norms + emb) * dtype_bytes  # norms, embedding, lm_head
         if quantization == "fp8":
             return rest + L * (linear + 4 * rows)
@@ -632,11 +651,12 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
     """(sliding_window, the layers it applies to) as HF reads a config: its `layer_types`
     where it lists them, else the family's rule: Mistral and Phi-3 every layer, Qwen2/3
     (with use_sliding_window) the layers from max_window_layers on, Gemma 2 every other layer
-    from layer 0, Gemma 3 all but every sliding_window_pattern-th. Llama has none."""
+    from layer 0, Gemma 3 all but every sliding_window_pattern-th, SmolLM3 (with
+    use_sliding_window) its layers without rotary. Llama, Gemma 1 and OLMo 2 have none."""
     window = c.get("sliding_window")
-    if arch.startswith("Qwen") and not c.get("use_sliding_window"):
+    if arch.startswith(("Qwen", "SmolLM3")) and not c.get("use_sliding_window"):
         window = None
-    if window is None or arch == "LlamaForCausalLM":
+    if window is None or arch in ("LlamaForCausalLM", "GemmaForCausalLM", "Olmo2ForCausalLM"):
         return None, ()
     if not is_int(window) or window < 1:
         raise ConfigError(f"{source}: sliding_window={window!r} must be an integer >= 1")
@@ -655,9 +675,28 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
         layers = [i for i in range(n) if (i + 1) % pattern]
     elif arch.startswith("Qwen"):
         layers = list(range(c.get("max_window_layers", 28), n))
+    elif arch == "SmolLM3ForCausalLM":
+        layers = list(_nope_layers(c, source))
     else:
         layers = list(range(n))
     return (window, tuple(layers)) if layers else (None, ())
+
+
+def _nope_layers(c: dict, source: str) -> tuple[int, ...]:
+    """SmolLM3's layers without rotary: the zeros of its `no_rope_layers` (one 0 or 1 a
+    layer), or, where the config lists none, HF's rule: every no_rope_layer_interval-th."""
+    n = c["num_hidden_layers"]
+    flags = c.get("no_rope_layers")
+    if flags is None:
+        every = c.get("no_rope_layer_interval", 4)
+        if not is_int(every) or every < 1:
+            raise ConfigError(f"{source}: no_rope_layer_interval={every!r} must be an "
+                              "integer >= 1")
+        return tuple(i for i in range(n) if (i + 1) % every == 0)
+    if not isinstance(flags, list) or len(flags) != n or any(f not in (0, 1) for f in flags):
+        raise ConfigError(f"{source}: no_rope_layers must list 0 (no rotary) or 1 (rotary) "
+                          f"for each of the {n} layers")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def max_model_len(config: EngineConfig, model: ModelConfig, pool_pages: int) -> int:

@@ -36,7 +36,9 @@ CORPUS = [
 # / 3 ((1 + w) norms, scaled embeddings, GeGLU, four norms a layer, query_pre_attn_scalar,
 # soft-capping, a rope base of its own on Gemma 3's sliding layers), Phi-3's LongRoPE, a
 # partial rotary (Phi-4-mini), Granite (embedding,
-# residual, attention and logits multipliers, tied embeddings). Sliding windows of 8
+# residual, attention and logits multipliers, tied embeddings), Gemma 1 ((1 + w) norms, scaled
+# embeddings, GeGLU under HF's legacy "gelu" name), SmolLM3 (a layer without rotary), OLMo 2
+# (norms on each layer's outputs, not its inputs; q and k normed over all heads). Sliding windows of 8
 # tokens, shorter than the tests' prompts plus outputs: on every layer (Mistral, Phi-3), on
 # layer 1 (Qwen3), on layer 0 (Gemma).
 # `random_norms` draws every RMSNorm weight around its initial value (HF's ones, or Gemma's
@@ -86,6 +88,12 @@ TINY = {
     "granite": dict(arch="granite", num_attention_heads=4, num_key_value_heads=2,
                     tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.4,
                     attention_multiplier=0.3, logits_scaling=2.5, random_norms=True),
+    "gemma": dict(arch="gemma", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                  hidden_act="gelu", random_norms=True),
+    "smollm3": dict(arch="smollm3", num_attention_heads=4, num_key_value_heads=2,
+                    pad_token_id=None, no_rope_layers=[1, 0], attention_bias=True),
+    "olmo2": dict(arch="olmo2", num_attention_heads=4, num_key_value_heads=2,
+                  rms_norm_eps=1e-5, random_norms=True),
 }
 
 
@@ -123,7 +131,10 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
            "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
            "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
-           "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM)}[arch]
+           "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+           "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+           "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+           "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

@@ -34,6 +34,9 @@ def check_degree(cfg: ModelConfig, n: int) -> None:
         why.append(f"its hidden size {cfg.hidden_size} is not divisible by {n}")
     if cfg.intermediate_size % n:
         why.append(f"its intermediate size {cfg.intermediate_size} is not divisible by {n}")
+    if cfg.qk_norm == "all":
+        why.append("its q and k norms (OLMo 2's) span every head, which slora does not "
+                   "gather across devices")
     if why:
         raise ConfigError(
             f"EngineConfig.tensor_parallel_size={n}: this model cannot be split over {n} "

@@ -1,13 +1,15 @@
 """One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 2, Gemma 3 (text).
+Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2.
 
 They differ only by configuration (`ModelConfig`): GQA/MQA head counts, head_dim, q/k/v (and
-o) biases, tied embeddings, rope theta and scaling (linear, llama3, yarn), Qwen3's and Gemma 3's
-per-head RMSNorm on q and k (`qk_norm`), sliding-window layers (Mistral, Qwen, Phi-3, Gemma);
+o) biases, tied embeddings, rope theta and scaling (linear, llama3, yarn, longrope), an RMSNorm
+on q and k (`qk_norm`: per head in Qwen3 and Gemma 3, over the whole of q and of k in OLMo 2),
+sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3), layers without rotary (SmolLM3);
 Phi-3 differs only in its checkpoint's names (q|k|v and gate|up stored fused, see the loader).
-Gemma adds scaled embeddings, GeGLU, an RMSNorm after attention and after the MLP
+Gemma adds scaled embeddings and GeGLU; Gemma 2/3 an RMSNorm after attention and after the MLP
 (`sandwich_norms`), query_pre_attn_scalar as the attention scale, soft-capped attention scores
-and logits, and (Gemma 3) a rope base of its own on the sliding layers.
+and logits, and (Gemma 3) a rope base of its own on the sliding layers. OLMo 2 norms each
+layer's attention and MLP outputs instead of their inputs (`pre_norms` False).
 
 The model runs on a flat batch of tokens from many sequences (decode rows first, then prefill
 segments), reads and writes KV in the shared page pool, and adds each token's LoRA delta
@@ -58,18 +60,19 @@ class LayerWeights:
     pre-quantized checkpoint); the backend's `linear` takes either. Biases are in the model
     dtype; norms too, or in float32 (Gemma's folded 1 + w, see the loader)."""
 
-    ln1: torch.Tensor
+    ln1: torch.Tensor | None  # None without input norms (ModelConfig.pre_norms False)
     qkv: torch.Tensor | Fp8Weight  # [q + 2 kv, hidden]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor | Fp8Weight
     o_bias: torch.Tensor | None
-    ln2: torch.Tensor
+    ln2: torch.Tensor | None
     gate_up: torch.Tensor | Fp8Weight  # [2 intermediate, hidden]
     down: torch.Tensor | Fp8Weight
-    q_norm: torch.Tensor | None = None  # [head_dim], ModelConfig.qk_norm only
-    k_norm: torch.Tensor | None = None
-    # ModelConfig.sandwich_norms only: the norms of the attention output and of the MLP
-    # output, before each is added to the residual stream (ln2 is then the MLP's input norm).
+    q_norm: torch.Tensor | None = None  # ModelConfig.qk_norm only: [head_dim] or [q_size]
+    k_norm: torch.Tensor | None = None  # [head_dim] or [kv_size]
+    # ModelConfig.sandwich_norms, or pre_norms False: the norms of the attention output and of
+    # the MLP output, before each is added to the residual stream (with sandwich norms ln2 is
+    # then the MLP's input norm).
     post_attn: torch.Tensor | None = None
     post_mlp: torch.Tensor | None = None
 
@@ -238,6 +241,8 @@ class LlamaModel:
         self.inv_freq_local = self.inv_freq if cfg.rope_local_theta is None else rope_inv_freq(
             replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)).to(
                 weights.embed.device)
+        # SmolLM3's layers without rotary: frequencies of zero (cos 1, sin 0) leave q and k
+        self.inv_freq_none = torch.zeros_like(self.inv_freq)
         self.scale = cfg.attn_scale
         # Gemma's scale rounded to the dtype, as HF multiplies by a tensor of it; Granite's
         # multiplier as it is, as HF multiplies by the float
@@ -291,10 +296,7 @@ class LlamaModel:
         for layer in range(start, end):
             lw = self.w.layers[layer]
             kc, vc = ref.kv_views(pool[layer], self.block_size, cfg.num_kv_heads, cfg.head_dim)
-            if down is None:
-                h = be.rms_norm(x, lw.ln1, cfg.rms_norm_eps, feeds=lw.qkv)
-            else:
-                x, h = be.add_rms_norm(x, down, lw.ln1, cfg.rms_norm_eps, feeds=lw.qkv)
+            x, h = self._add_norm(x, down, lw.ln1, lw.qkv)
             # qkv, o, gate_up and down may come back `Pending` (their LoRA rows added by the
             # kernel they go to) where that kernel is attention, the residual add or the GLU,
             # as here; down's goes to the next layer's residual add, so not from the last layer
@@ -304,7 +306,9 @@ class LlamaModel:
             if lw.q_norm is not None:
                 qkv = self._qk_norm(qkv, lw)
             window = cfg.window(layer)
-            attn = be.rope_attention(qkv, self.inv_freq_local if window else self.inv_freq, kc,
+            inv_freq = (self.inv_freq_none if layer in cfg.nope_layers
+                        else self.inv_freq_local if window else self.inv_freq)
+            attn = be.rope_attention(qkv, inv_freq, kc,
                                      vc, b, self.scale, cfg.num_heads, cfg.num_kv_heads,
                                      window=window, softcap=cfg.attn_softcap or 0.0)
             o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
@@ -313,7 +317,7 @@ class LlamaModel:
                 self.tp.all_reduce(o)
             if lw.post_attn is not None:
                 o = be.rms_norm(o, lw.post_attn, cfg.rms_norm_eps)
-            x, h = be.add_rms_norm(x, o, lw.ln2, cfg.rms_norm_eps, feeds=lw.gate_up)
+            x, h = self._add_norm(x, o, lw.ln2, lw.gate_up)
             gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up",
                                      defer=True)
             act = self.act_mul(gate_up, feeds=lw.down)
@@ -325,16 +329,31 @@ class LlamaModel:
                 down = be.rms_norm(down, lw.post_mlp, cfg.rms_norm_eps)
         return Hidden(x, down)
 
+    def _add_norm(self, x: torch.Tensor, delta, weight: torch.Tensor | None, feeds):
+        """(the residual stream x + delta, its RMSNorm under `weight`: the input of the GEMM
+        whose weight is `feeds`). delta None: x as it is (layer 0). weight None (OLMo 2, whose
+        layers norm their outputs, not their inputs): the sum is the GEMM's input, and
+        `delta` is a tensor (its producer does not defer to this add)."""
+        be, eps = self.backend, self.cfg.rms_norm_eps
+        if weight is None:
+            x = x if delta is None else x + delta
+            return x, x
+        if delta is None:
+            return x, be.rms_norm(x, weight, eps, feeds=feeds)
+        return be.add_rms_norm(x, delta, weight, eps, feeds=feeds)
+
     def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        """q|k|v [T, q + 2 kv] with each head of q and of k RMS-normalised over its head_dim
-        elements (Qwen3's q_norm, k_norm), after the projection and its LoRA, before rotary.
+        """q|k|v [T, q + 2 kv] with q and k RMS-normalised (ModelConfig.qk_norm: each head
+        over its head_dim elements, Qwen3's and Gemma 3's q_norm, k_norm; or a token's whole q
+        and whole k, OLMo 2's), after the projection and its LoRA, before rotary.
         Runs in torch on every backend (no fused kernel folds it into the rope kernels): a
         new tensor of plain torch ops, so a CUDA graph captures it like the rest of the step."""
         cfg = self.cfg
-        T, d = qkv.shape[0], cfg.head_dim
+        T = qkv.shape[0]
+        d = cfg.head_dim if cfg.qk_norm == "head" else None
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        q = ref.rms_norm(q.reshape(T, cfg.num_heads, d), lw.q_norm, cfg.rms_norm_eps)
-        k = ref.rms_norm(k.reshape(T, cfg.num_kv_heads, d), lw.k_norm, cfg.rms_norm_eps)
+        q = ref.rms_norm(q.reshape(T, -1, d or cfg.q_size), lw.q_norm, cfg.rms_norm_eps)
+        k = ref.rms_norm(k.reshape(T, -1, d or cfg.kv_size), lw.k_norm, cfg.rms_norm_eps)
         return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v), dim=-1)
 
     @torch.inference_mode()

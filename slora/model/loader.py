@@ -137,6 +137,15 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             return Fp8Weight(w.weight[rows], w.scale[rows] * scale)
         return (w[rows].float() * (scale[:, None] if w.dim() == 2 else scale)).to(w.dtype)
 
+    def served_norm(name: str) -> torch.Tensor | None:
+        """A q or k norm's weight (ModelConfig.qk_norm; None without), each head's elements
+        in the served order (`rotary_permutation`): one head's [head_dim] or ("all") every
+        head's."""
+        if not cfg.qk_norm:
+            return None
+        w = norm(name)
+        return w.view(-1, cfg.head_dim)[:, head.to(device)].flatten()
+
     def fused(modules: list[str]) -> Fp8Weight | torch.Tensor:
         parts = [linear(m) for m in modules]
         if len(parts) == 1:
@@ -157,23 +166,25 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         gate_up = [p + "mlp.gate_up_proj"] if cfg.fused_checkpoint \
             else [p + "mlp.gate_proj", p + "mlp.up_proj"]
         # With sandwich norms (Gemma 2/3), post_attention_layernorm normalises the attention
-        # output and pre_feedforward_layernorm the MLP's input; otherwise the former is the
-        # MLP's input norm.
-        sandwich = cfg.sandwich_norms
+        # output and pre_feedforward_layernorm the MLP's input; without pre-norms (OLMo 2) the
+        # former normalises the attention output and there is no input norm; otherwise the
+        # former is the MLP's input norm.
+        sandwich, pre = cfg.sandwich_norms, cfg.pre_norms
+        post = sandwich or not pre
         layers.append(LayerWeights(
-            ln1=norm(p + "input_layernorm.weight"),
+            ln1=norm(p + "input_layernorm.weight") if pre else None,
             qkv=served_qkv(fused(qkv)),
             qkv_bias=served_qkv(qkv_bias),
             o=residual(fused([a + "o_proj"])),
             o_bias=residual(maybe(a + "o_proj.bias") if cfg.o_bias else None),
-            ln2=norm(p + ("pre_feedforward_layernorm.weight" if sandwich
-                          else "post_attention_layernorm.weight")),
+            ln2=None if not pre else norm(p + ("pre_feedforward_layernorm.weight" if sandwich
+                                               else "post_attention_layernorm.weight")),
             gate_up=fused(gate_up),
             down=residual(fused([p + "mlp.down_proj"])),
-            q_norm=norm(a + "q_norm.weight")[head.to(device)] if cfg.qk_norm else None,
-            k_norm=norm(a + "k_norm.weight")[head.to(device)] if cfg.qk_norm else None,
-            post_attn=norm(p + "post_attention_layernorm.weight") if sandwich else None,
-            post_mlp=norm(p + "post_feedforward_layernorm.weight") if sandwich else None,
+            q_norm=served_norm(a + "q_norm.weight"),
+            k_norm=served_norm(a + "k_norm.weight"),
+            post_attn=norm(p + "post_attention_layernorm.weight") if post else None,
+            post_mlp=norm(p + "post_feedforward_layernorm.weight") if post else None,
         ))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in tensors \
@@ -412,12 +423,15 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     ones = torch.ones(h, device=device, dtype=dtype)
-    head_ones = torch.ones(cfg.head_dim, device=device, dtype=dtype) if cfg.qk_norm else None
-    post = ones if cfg.sandwich_norms else None
-    layers = [LayerWeights(ln1=ones, qkv=rnd(cfg.q_size + 2 * cfg.kv_size, h),
+    width = {"head": (cfg.head_dim,) * 2, "all": (cfg.q_size, cfg.kv_size)}.get(cfg.qk_norm)
+    q_norm, k_norm = (None, None) if width is None else (
+        torch.ones(n, device=device, dtype=dtype) for n in width)
+    post = ones if cfg.sandwich_norms or not cfg.pre_norms else None
+    pre = ones if cfg.pre_norms else None
+    layers = [LayerWeights(ln1=pre, qkv=rnd(cfg.q_size + 2 * cfg.kv_size, h),
                            qkv_bias=rnd(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None,
-                           o=rnd(h, cfg.q_size), o_bias=None, ln2=ones, gate_up=rnd(2 * i, h),
-                           down=rnd(h, i), q_norm=head_ones, k_norm=head_ones, post_attn=post,
+                           o=rnd(h, cfg.q_size), o_bias=None, ln2=pre, gate_up=rnd(2 * i, h),
+                           down=rnd(h, i), q_norm=q_norm, k_norm=k_norm, post_attn=post,
                            post_mlp=post)
               for _ in range(cfg.num_layers)]
     embed = rnd(cfg.vocab_size, h)

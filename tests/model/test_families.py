@@ -2,7 +2,9 @@
 and in its PEFT adapters), Gemma 2 and Gemma 3 text ((1 + w) norms, scaled embeddings, GeGLU,
 four norms a layer, soft-capping, a rope base of its own on Gemma 3's sliding layers), Granite
 (embedding, residual, attention and logits multipliers; LoRA and DoRA on the residual
-branches, LoRA on the tied lm_head) in the one parameterised model, fp32 on CPU. Every tiny model here has 8-token sliding windows
+branches, LoRA on the tied lm_head), Gemma 1, SmolLM3 (a layer without rotary) and OLMo 2
+(norms on each layer's outputs; q and k normed over all heads) in the one parameterised model,
+fp32 on CPU. Every tiny model here has 8-token sliding windows
 (tests/conftest.py's TINY), shorter than the prompts and outputs.
 
 Greedy tokens and log-probs of the base models against HF transformers run in
@@ -57,6 +59,17 @@ ADAPTERS = {
         "head": dict(r=6, lora_alpha=6, target_modules=["lm_head", "o_proj", "down_proj"]),
         "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["o_proj", "down_proj",
                                                                         "v_proj"]),
+    },
+    "gemma": {
+        "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+    },
+    "smollm3": {  # LoRA on the layer without rotary and on the one with it
+        "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    },
+    "olmo2": {  # q and k LoRA under the norms over all heads; o and down under the post-norms
+        "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"k_proj": 6}),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "o_proj",
+                                                                        "down_proj"]),
     },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
@@ -188,7 +201,7 @@ def test_family_configs(tiny_models):
     assert phi3.window(0) == phi3.window(1) == 8 and phi3.attn_scale == 16 ** -0.5
     g2 = ModelConfig.from_dict(_config(tiny_models, "gemma2"))
     assert (g2.hidden_act, g2.norm_plus_one, g2.sandwich_norms, g2.qk_norm) == \
-        ("gelu_pytorch_tanh", True, True, False)
+        ("gelu_pytorch_tanh", True, True, None)
     assert g2.embed_scale == 8.0 and g2.attn_scale == 24 ** -0.5
     assert (g2.attn_softcap, g2.final_softcap) == (2.0, 3.0) and g2.tie_word_embeddings
     assert [g2.window(i) for i in range(2)] == [8, 0] and g2.rope_local_theta is None
@@ -299,6 +312,38 @@ def test_unsupported_gemma_configs_say_why(tiny_models):
                                       architectures=["Gemma3ForConditionalGeneration"]))
 
 
+def test_gemma1_smollm3_olmo2_configs(tiny_models):
+    """Gemma 1: (1 + w) norms, scaled embeddings, GeGLU under hidden_act's legacy "gelu", two
+    norms a layer, no window. SmolLM3: its layers without rotary from no_rope_layers, or HF's
+    every-fourth rule; with use_sliding_window those layers slide. OLMo 2: norms on each
+    layer's outputs, q and k normed over all heads, which a tensor-parallel split refuses."""
+    from slora.distributed.shapes import check_degree
+
+    g1 = ModelConfig.from_dict(_config(tiny_models, "gemma"))
+    assert (g1.hidden_act, g1.norm_plus_one, g1.sandwich_norms, g1.pre_norms, g1.qk_norm) == \
+        ("gelu_pytorch_tanh", True, False, True, None)
+    assert g1.embed_scale == 8.0 and g1.attn_scale == 32 ** -0.5 and g1.sliding_layers == ()
+    s3 = ModelConfig.from_dict(_config(tiny_models, "smollm3"))
+    assert s3.nope_layers == (1,) and s3.sliding_window is None and s3.o_bias
+    hf_rule = ModelConfig.from_dict(_config(
+        tiny_models, "smollm3", no_rope_layers=None, layer_types=None, num_hidden_layers=8,
+        use_sliding_window=True, sliding_window=16))
+    assert hf_rule.nope_layers == (3, 7) and hf_rule.sliding_layers == (3, 7)
+    with pytest.raises(ConfigError, match="no_rope_layers must list 0 .* for each of the 2"):
+        ModelConfig.from_dict(_config(tiny_models, "smollm3", no_rope_layers=[1, 2]))
+    o2 = ModelConfig.from_dict(_config(tiny_models, "olmo2"))
+    assert (o2.qk_norm, o2.pre_norms, o2.sandwich_norms, o2.sliding_layers) == \
+        ("all", False, False, ())
+    from safetensors.torch import load_file  # every fp32 tensor of the checkpoint, counted
+    tensors = load_file(str(tiny_models("olmo2") / "model.safetensors"))
+    assert o2.weight_bytes(4) == sum(4 * t.numel() for t in tensors.values())
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.5 with q/k norms"):
+        ModelConfig.from_dict(_config(tiny_models, "olmo2", partial_rotary_factor=0.5))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*q and k norms"):
+        check_degree(o2, 2)
+    check_degree(ModelConfig.from_dict(_config(tiny_models, "qwen3")), 2)
+
+
 def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
     """Gemma's (1 + w) norms are stored as float32 w + 1 (the value HF computes at each call),
     in a bfloat16 model too, where 1 + w in bfloat16 would lose w's low bits."""
@@ -323,11 +368,13 @@ def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
         assert w.embed.dtype == dtype
 
 
-def test_gemma_on_triton_backend_matches_hf(tiny_models):
+@pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3"])
+def test_triton_backend_matches_hf(tiny_models, kind):
     """The Triton kernels in Gemma 2 (sliding-window and soft-capped attention in decode and
-    prefill, GeGLU, norms with float32 weights): a step mixing decode rows with prompts
-    longer than the window, then decode past it, equal HF's greedy tokens and log-probs."""
-    kind = "gemma2"
+    prefill, GeGLU, norms with float32 weights), OLMo 2 (residual adds without input norms,
+    so no LoRA rows handed to them) and SmolLM3 (a layer without rotary, in the fused decode
+    kernel too): a step mixing decode rows with prompts (longer than Gemma's window), then
+    decode past it, equal HF's greedy tokens and log-probs."""
     model_dir = tiny_models(kind)
     engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
                                  num_pages=48, backend="triton", cuda_graphs=False))
