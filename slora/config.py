@@ -35,7 +35,7 @@ MAX_ADDED_TOKENS = 256  # EngineConfig.max_added_tokens' bound
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
-                           "SmolLM3ForCausalLM", "Olmo2ForCausalLM")
+                           "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -298,8 +298,10 @@ class ModelConfig:
     # `sliding_window` positions (their own included), the others to all of them.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
-    # Gemma 3: the rope base of the sliding layers (rope_local_base_freq), unscaled; None: the
-    # sliding layers use rope_theta and rope_scaling like the others.
+    # Gemma 3, OLMo 3: the rope base of the sliding layers (rope_local_base_freq, or the
+    # sliding_attention entry of rope_parameters), unscaled (no YaRN attention factor either:
+    # `attn_scale_local`); None: the sliding layers use rope_theta and rope_scaling like the
+    # others.
     rope_local_theta: float | None = None
     # SmolLM3: the layers that apply no rotary to q and k (its no_rope_layers' zeros).
     nope_layers: tuple[int, ...] = ()
@@ -421,8 +423,9 @@ class ModelConfig:
             raise ConfigError(f"{source}: use_bidirectional_attention=True is not supported "
                               "(slora serves causal decoders)")
         # transformers >= 5 writes rope_parameters {rope_theta, rope_type, factor, ...}, Gemma
-        # 3's per layer type ({"full_attention": {...}, "sliding_attention": {...}}); older
-        # configs have rope_theta, rope_scaling and Gemma 3's rope_local_base_freq.
+        # 3's and OLMo 3's per layer type ({"full_attention": {...}, "sliding_attention":
+        # {...}}); older configs have rope_theta, rope_scaling and Gemma 3's
+        # rope_local_base_freq.
         rope = c.get("rope_parameters") or {}
         local_rope = None
         if "full_attention" in rope or "sliding_attention" in rope:
@@ -431,12 +434,13 @@ class ModelConfig:
         gemma3 = arch == "Gemma3ForCausalLM"
         theta = c.get("rope_theta", rope.get("rope_theta", 1e6 if gemma3 else 10000.0))
         local_theta = None
-        if gemma3:
+        if gemma3 or arch == "Olmo3ForCausalLM":  # the sliding layers' own, unscaled rope
             local_rope = local_rope or {}
             if local_rope.get("rope_type", "default") != "default":
                 raise ConfigError(f"{source}: rope type {local_rope['rope_type']!r} on the "
                                   "sliding-window layers is not supported (default only)")
-            local_theta = c.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0))
+            local_theta = c.get("rope_local_base_freq", local_rope.get(
+                "rope_theta", 10000.0 if gemma3 else theta))
         partial = c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         rotary_dim = int(head_dim * partial) if _of_type(partial, "float") and 0 < partial <= 1 \
             else 0
@@ -444,7 +448,7 @@ class ModelConfig:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} must be a number in "
                               f"(0, 1] that rotates an even number (>= 2) of head_dim {head_dim}")
         qk_norm = {"Qwen3ForCausalLM": "head", "Gemma3ForCausalLM": "head",
-                   "Olmo2ForCausalLM": "all"}.get(arch)
+                   "Olmo2ForCausalLM": "all", "Olmo3ForCausalLM": "all"}.get(arch)
         if rotary_dim != head_dim and qk_norm:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} with q/k norms is "
                               "not supported (a whole rotary only)")
@@ -493,7 +497,7 @@ class ModelConfig:
             norm_plus_one=gemma,
             embed_scale=hidden ** 0.5 if gemma else None,
             sandwich_norms=arch in GEMMA[1:],
-            pre_norms=arch != "Olmo2ForCausalLM",
+            pre_norms=not arch.startswith("Olmo"),
             query_pre_attn_scalar=c.get("query_pre_attn_scalar") if gemma else None,
             attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
             final_softcap=c.get("final_logit_softcapping") if gemma else None,
@@ -518,6 +522,14 @@ class ModelConfig:
         m = self.rope_attention_factor
         base = self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
         return base * m * m
+
+    @property
+    def attn_scale_local(self) -> float:
+        """The sliding layers' scores' scale: `attn_scale`, without the rope's attention factor
+        where those layers have a rope of their own (rope_local_theta)."""
+        if self.rope_local_theta is None:
+            return self.attn_scale
+        return self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window in positions; 0 where it attends to all of them."""
@@ -652,7 +664,8 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
     where it lists them, else the family's rule: Mistral and Phi-3 every layer, Qwen2/3
     (with use_sliding_window) the layers from max_window_layers on, Gemma 2 every other layer
     from layer 0, Gemma 3 all but every sliding_window_pattern-th, SmolLM3 (with
-    use_sliding_window) its layers without rotary. Llama, Gemma 1 and OLMo 2 have none."""
+    use_sliding_window) its layers without rotary, OLMo 3 all but every fourth. Llama,
+    Gemma 1 and OLMo 2 have none."""
     window = c.get("sliding_window")
     if arch.startswith(("Qwen", "SmolLM3")) and not c.get("use_sliding_window"):
         window = None
@@ -677,6 +690,8 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
         layers = list(range(c.get("max_window_layers", 28), n))
     elif arch == "SmolLM3ForCausalLM":
         layers = list(_nope_layers(c, source))
+    elif arch == "Olmo3ForCausalLM":
+        layers = [i for i in range(n) if (i + 1) % 4]
     else:
         layers = list(range(n))
     return (window, tuple(layers)) if layers else (None, ())

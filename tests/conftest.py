@@ -38,7 +38,8 @@ CORPUS = [
 # partial rotary (Phi-4-mini), Granite (embedding,
 # residual, attention and logits multipliers, tied embeddings), Gemma 1 ((1 + w) norms, scaled
 # embeddings, GeGLU under HF's legacy "gelu" name), SmolLM3 (a layer without rotary), OLMo 2
-# (norms on each layer's outputs, not its inputs; q and k normed over all heads). Sliding windows of 8
+# (norms on each layer's outputs, not its inputs; q and k normed over all heads), OLMo 3 (its
+# sliding layer's own unscaled rope beside YaRN on the full one). Sliding windows of 8
 # tokens, shorter than the tests' prompts plus outputs: on every layer (Mistral, Phi-3), on
 # layer 1 (Qwen3), on layer 0 (Gemma).
 # `random_norms` draws every RMSNorm weight around its initial value (HF's ones, or Gemma's
@@ -94,6 +95,16 @@ TINY = {
                     pad_token_id=None, no_rope_layers=[1, 0], attention_bias=True),
     "olmo2": dict(arch="olmo2", num_attention_heads=4, num_key_value_heads=2,
                   rms_norm_eps=1e-5, random_norms=True),
+    # OLMo 3: OLMo 2 with a sliding layer whose rope (base 500, unscaled) is not the full
+    # layer's (YaRN)
+    "olmo3": dict(arch="olmo3", num_attention_heads=4, num_key_value_heads=2,
+                  sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 64,
+                                                      "rope_theta": 10000.0},
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 500.0}},
+                  random_norms=True),
 }
 
 
@@ -134,7 +145,8 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
            "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
            "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
-           "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}[arch]
+           "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+           "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

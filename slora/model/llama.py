@@ -1,15 +1,16 @@
 """One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2.
+Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3.
 
 They differ only by configuration (`ModelConfig`): GQA/MQA head counts, head_dim, q/k/v (and
 o) biases, tied embeddings, rope theta and scaling (linear, llama3, yarn, longrope), an RMSNorm
 on q and k (`qk_norm`: per head in Qwen3 and Gemma 3, over the whole of q and of k in OLMo 2),
-sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3), layers without rotary (SmolLM3);
+sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3, OLMo 3), layers without rotary (SmolLM3);
 Phi-3 differs only in its checkpoint's names (q|k|v and gate|up stored fused, see the loader).
 Gemma adds scaled embeddings and GeGLU; Gemma 2/3 an RMSNorm after attention and after the MLP
 (`sandwich_norms`), query_pre_attn_scalar as the attention scale, soft-capped attention scores
 and logits, and (Gemma 3) a rope base of its own on the sliding layers. OLMo 2 norms each
-layer's attention and MLP outputs instead of their inputs (`pre_norms` False).
+layer's attention and MLP outputs instead of their inputs (`pre_norms` False); OLMo 3 adds
+sliding layers with a rope of their own, unscaled, as Gemma 3's.
 
 The model runs on a flat batch of tokens from many sequences (decode rows first, then prefill
 segments), reads and writes KV in the shared page pool, and adds each token's LoRA delta
@@ -237,13 +238,13 @@ class LlamaModel:
         self.backend = backend
         self.block_size = block_size
         self.inv_freq = rope_inv_freq(cfg).to(weights.embed.device)
-        # Gemma 3's sliding layers: their own rope base, unscaled
+        # Gemma 3's and OLMo 3's sliding layers: their own rope base, unscaled
         self.inv_freq_local = self.inv_freq if cfg.rope_local_theta is None else rope_inv_freq(
             replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)).to(
                 weights.embed.device)
         # SmolLM3's layers without rotary: frequencies of zero (cos 1, sin 0) leave q and k
         self.inv_freq_none = torch.zeros_like(self.inv_freq)
-        self.scale = cfg.attn_scale
+        self.scale, self.scale_local = cfg.attn_scale, cfg.attn_scale_local
         # Gemma's scale rounded to the dtype, as HF multiplies by a tensor of it; Granite's
         # multiplier as it is, as HF multiplies by the float
         self.embed_scale = cfg.embed_multiplier if cfg.embed_scale is None else float(
@@ -308,8 +309,9 @@ class LlamaModel:
             window = cfg.window(layer)
             inv_freq = (self.inv_freq_none if layer in cfg.nope_layers
                         else self.inv_freq_local if window else self.inv_freq)
-            attn = be.rope_attention(qkv, inv_freq, kc,
-                                     vc, b, self.scale, cfg.num_heads, cfg.num_kv_heads,
+            attn = be.rope_attention(qkv, inv_freq, kc, vc, b,
+                                     self.scale_local if window else self.scale,
+                                     cfg.num_heads, cfg.num_kv_heads,
                                      window=window, softcap=cfg.attn_softcap or 0.0)
             o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
                                b.lora, layer, "o", defer=lw.post_attn is None)

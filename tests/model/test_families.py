@@ -2,8 +2,9 @@
 and in its PEFT adapters), Gemma 2 and Gemma 3 text ((1 + w) norms, scaled embeddings, GeGLU,
 four norms a layer, soft-capping, a rope base of its own on Gemma 3's sliding layers), Granite
 (embedding, residual, attention and logits multipliers; LoRA and DoRA on the residual
-branches, LoRA on the tied lm_head), Gemma 1, SmolLM3 (a layer without rotary) and OLMo 2
-(norms on each layer's outputs; q and k normed over all heads) in the one parameterised model,
+branches, LoRA on the tied lm_head), Gemma 1, SmolLM3 (a layer without rotary), OLMo 2
+(norms on each layer's outputs; q and k normed over all heads) and OLMo 3 (a sliding layer
+with its own rope) in the one parameterised model,
 fp32 on CPU. Every tiny model here has 8-token sliding windows
 (tests/conftest.py's TINY), shorter than the prompts and outputs.
 
@@ -70,6 +71,9 @@ ADAPTERS = {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"k_proj": 6}),
         "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "o_proj",
                                                                         "down_proj"]),
+    },
+    "olmo3": {
+        "all": dict(r=8, lora_alpha=16, target_modules="all-linear"),
     },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
@@ -312,11 +316,12 @@ def test_unsupported_gemma_configs_say_why(tiny_models):
                                       architectures=["Gemma3ForConditionalGeneration"]))
 
 
-def test_gemma1_smollm3_olmo2_configs(tiny_models):
+def test_gemma1_smollm3_olmo_configs(tiny_models):
     """Gemma 1: (1 + w) norms, scaled embeddings, GeGLU under hidden_act's legacy "gelu", two
     norms a layer, no window. SmolLM3: its layers without rotary from no_rope_layers, or HF's
     every-fourth rule; with use_sliding_window those layers slide. OLMo 2: norms on each
-    layer's outputs, q and k normed over all heads, which a tensor-parallel split refuses."""
+    layer's outputs, q and k normed over all heads, which a tensor-parallel split refuses.
+    OLMo 3: sliding layers (all but every fourth by default) with a rope of their own."""
     from slora.distributed.shapes import check_degree
 
     g1 = ModelConfig.from_dict(_config(tiny_models, "gemma"))
@@ -341,6 +346,16 @@ def test_gemma1_smollm3_olmo2_configs(tiny_models):
         ModelConfig.from_dict(_config(tiny_models, "olmo2", partial_rotary_factor=0.5))
     with pytest.raises(ConfigError, match="tensor_parallel_size=2.*q and k norms"):
         check_degree(o2, 2)
+    # OLMo 3: YaRN on the full layers; the sliding ones keep their own rope, unscaled
+    o3 = ModelConfig.from_dict(_config(tiny_models, "olmo3"))
+    assert (o3.qk_norm, o3.pre_norms, o3.sliding_layers, o3.window(0), o3.window(1)) == \
+        ("all", False, (0,), 8, 0)
+    assert (o3.rope_theta, o3.rope_local_theta, o3.rope_kind) == (10000.0, 500.0, "yarn")
+    assert o3.attn_scale == pytest.approx(o3.rope_attention_factor ** 2 / math.sqrt(16))
+    assert o3.attn_scale_local == 16 ** -0.5 and o3.rope_attention_factor > 1
+    hf_rule = ModelConfig.from_dict(_config(tiny_models, "olmo3", layer_types=None,
+                                            num_hidden_layers=8))
+    assert hf_rule.sliding_layers == (0, 1, 2, 4, 5, 6)
     check_degree(ModelConfig.from_dict(_config(tiny_models, "qwen3")), 2)
 
 
