@@ -35,8 +35,15 @@ MAX_ADDED_TOKENS = 256  # EngineConfig.max_added_tokens' bound
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
-                           "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
+                           "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+                           "HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
+                           "Glm4ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
+INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
+                    "Glm4ForCausalLM")
+# The families whose attention has q/k/v biases but none on o_proj (Qwen2's always on)
+QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "HeliumForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM")
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The rope_scaling types served (rope_inv_freq in slora/model/llama.py computes each).
@@ -271,9 +278,9 @@ class ModelConfig:
     # over each head's head_dim elements (weights q_norm, k_norm [head_dim]); "all" (OLMo 2)
     # over a token's whole q and whole k (weights [q_size], [kv_size]); None: none.
     qk_norm: str | None = None
-    # Phi-3: the checkpoint holds q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj`
-    # (FUSED_MODULES), and PEFT adapters target those names.
-    fused_checkpoint: bool = False
+    # The FUSED_MODULES the checkpoint holds, which PEFT adapters target by those names:
+    # Phi-3's q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj`; GLM's gate|up.
+    fused_modules: tuple[str, ...] = ()
     # The MLP's activation, one of ACTIVATIONS (Gemma: GeGLU, "gelu_pytorch_tanh").
     hidden_act: str = "silu"
     # Gemma: each RMSNorm scales by (1 + w); the loader folds the 1 in (see loader.load_weights).
@@ -318,6 +325,9 @@ class ModelConfig:
     # 0.75), the rest left as they are; 0: head_dim. Served by a fixed permutation of each
     # q and k head's elements (`rotary_permutation`), so the kernels rotate whole heads.
     rotary_dim: int = 0
+    # GLM, Helium, Ernie 4.5: rotary pairs element 2i with 2i + 1 (HF's interleaved
+    # rotate_half), served by the same permutation.
+    interleaved_rope: bool = False
 
     @property
     def rope_attention_factor(self) -> float:
@@ -333,19 +343,22 @@ class ModelConfig:
 
     def rotary_permutation(self) -> list[int] | None:
         """Where each element of a served q or k head comes from in HF's head (None: no
-        permutation, every element rotates). HF pairs element i with i + r/2 (r = rotary_dim)
-        and leaves r.. alone; the kernels pair i with i + D/2. Served head: HF's first r/2
-        elements, half of the unrotated ones, HF's next r/2, the other half: served pair (i,
-        i + D/2) is HF's pair for i < r/2 and two unrotated elements past it, whose inverse
+        permutation, every element rotates in the kernels' pairs). HF pairs element i with
+        i + r/2 (r = rotary_dim; interleaved: 2i with 2i + 1) and leaves r.. alone; the kernels
+        pair i with i + D/2. Served head: the first element of HF's r/2 pairs, half of the
+        unrotated ones, the second element of each pair, the other half: served pair (i,
+        i + D/2) is HF's pair i for i < r/2 and two unrotated elements past it, whose inverse
         frequency is 0 (cos 1, sin 0). The scores q.k are the same under one permutation
         of both. (The unrotated elements are also divided by the rope's attention factor,
         `loader.served_qk`, which HF applies to the rotated ones alone and slora to the scores.)"""
         d, r = self.head_dim, self.rotary
-        if r == d:
+        if r == d and not self.interleaved_rope:
             return None
         rest = list(range(r, d))
         half = (d - r) // 2
-        return (list(range(r // 2)) + rest[:half] + list(range(r // 2, r)) + rest[half:])
+        first, second = ((list(range(0, r, 2)), list(range(1, r, 2))) if self.interleaved_rope
+                         else (list(range(r // 2)), list(range(r // 2, r))))
+        return first + rest[:half] + second + rest[half:]
 
     @property
     def rope_kind(self) -> str | None:
@@ -397,9 +410,10 @@ class ModelConfig:
         heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         head_dim = c.get("head_dim") or hidden // heads
-        qwen2 = arch == "Qwen2ForCausalLM"
+        qkv_bias_only = arch in QKV_BIAS_ONLY
         gemma = arch in GEMMA
-        llama_bias = bool(c.get("attention_bias", False))
+        # (Ernie 4.5's use_bias: on q/k/v/o and the MLP)
+        bias = bool(c.get("attention_bias", c.get("use_bias", arch == "GlmForCausalLM")))
         # Gemma 2/3's MLP reads hidden_activation (their configs may carry a stale hidden_act
         # too); Gemma 1's reads hidden_act, whose "gelu" HF reads as the tanh approximation
         gemma1 = arch == "GemmaForCausalLM"
@@ -486,17 +500,19 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=qwen2 or llama_bias,
-            o_bias=llama_bias and not qwen2,
-            mlp_bias=bool(c.get("mlp_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bias,
+            o_bias=bias and not qkv_bias_only,
+            mlp_bias=bool(c.get("mlp_bias", c.get("use_bias", False))),
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=qk_norm,
-            fused_checkpoint=arch == "Phi3ForCausalLM",
+            fused_modules={"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"),
+                           "GlmForCausalLM": ("gate_up_proj",),
+                           "Glm4ForCausalLM": ("gate_up_proj",)}.get(arch, ()),
             hidden_act=act,
             norm_plus_one=gemma,
             embed_scale=hidden ** 0.5 if gemma else None,
-            sandwich_norms=arch in GEMMA[1:],
+            sandwich_norms=arch in (*GEMMA[1:], "Glm4ForCausalLM"),
             pre_norms=not arch.startswith("Olmo"),
             query_pre_attn_scalar=c.get("query_pre_attn_scalar") if gemma else None,
             attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
@@ -510,6 +526,7 @@ class ModelConfig:
             attention_multiplier=c.get("attention_multiplier") if granite else None,
             logits_scaling=c.get("logits_scaling") or 1.0 if granite else 1.0,
             rotary_dim=rotary_dim,
+            interleaved_rope=arch in INTERLEAVED_ROPE,
         )
 
     @property
@@ -545,10 +562,11 @@ class ModelConfig:
 
     @property
     def checkpoint_modules(self) -> tuple[str, ...]:
-        """The linear modules' names in the checkpoint (and in PEFT adapters' keys)."""
-        if self.fused_checkpoint:
-            return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        return LORA_MODULES
+        """The linear modules' names in the checkpoint (and in PEFT adapters' keys): each of
+        LORA_MODULES, or the fused module that holds it."""
+        names = [next((f for f in self.fused_modules if m in FUSED_MODULES[f]), m)
+                 for m in LORA_MODULES]
+        return tuple(dict.fromkeys(names))
 
     def module_dims(self, module: str) -> tuple[int, int]:
         """(d_in, d_out) of one LoRA-targetable linear module (or of a FUSED_MODULES one, or a

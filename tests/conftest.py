@@ -105,6 +105,17 @@ TINY = {
                                    "sliding_attention": {"rope_type": "default",
                                                          "rope_theta": 500.0}},
                   random_norms=True),
+    # rotary over interleaved pairs (2i, 2i + 1): Helium (q/k/v biases, none on o), Ernie 4.5,
+    # GLM (half of each head rotated, q/k/v biases, gate|up fused in the checkpoint) and GLM-4
+    # (GLM with four norms a layer)
+    "helium": dict(arch="helium", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   attention_bias=True, pad_token_id=None),
+    "ernie4_5": dict(arch="ernie4_5", num_attention_heads=4, num_key_value_heads=2,
+                     pad_token_id=None),
+    "glm": dict(arch="glm", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                partial_rotary_factor=0.5, pad_token_id=None, random_norms=True),
+    "glm4": dict(arch="glm4", num_attention_heads=4, num_key_value_heads=2,
+                 partial_rotary_factor=0.5, pad_token_id=None, random_norms=True),
 }
 
 
@@ -146,7 +157,11 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
            "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
            "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
-           "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM)}[arch]
+           "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
+           "helium": (transformers.HeliumConfig, transformers.HeliumForCausalLM),
+           "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
+           "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
+           "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

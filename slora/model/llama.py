@@ -1,11 +1,14 @@
 """One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3.
+Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3, Helium, Ernie 4.5, GLM, GLM-4.
 
 They differ only by configuration (`ModelConfig`): GQA/MQA head counts, head_dim, q/k/v (and
 o) biases, tied embeddings, rope theta and scaling (linear, llama3, yarn, longrope), an RMSNorm
 on q and k (`qk_norm`: per head in Qwen3 and Gemma 3, over the whole of q and of k in OLMo 2),
-sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3, OLMo 3), layers without rotary (SmolLM3);
-Phi-3 differs only in its checkpoint's names (q|k|v and gate|up stored fused, see the loader).
+sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3, OLMo 3), layers without rotary (SmolLM3),
+rotary over part of each head (Phi-4-mini, GLM) or over interleaved pairs (Helium, Ernie 4.5,
+GLM), both served by permuting q's and k's rows at load (`ModelConfig.rotary_permutation`);
+Phi-3 and GLM differ also in their checkpoint's names (q|k|v and gate|up stored fused, see the
+loader). GLM-4 has Gemma 2's four norms a layer.
 Gemma adds scaled embeddings and GeGLU; Gemma 2/3 an RMSNorm after attention and after the MLP
 (`sandwich_norms`), query_pre_attn_scalar as the attention scale, soft-capped attention scores
 and logits, and (Gemma 3) a rope base of its own on the sliding layers. OLMo 2 norms each

@@ -162,29 +162,25 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         if cfg.attention_bias:
             qkv_bias = torch.cat([get(a + f"{m}_proj.bias") for m in "qkv"])
         # Phi-3 stores q|k|v and gate|up already fused, in the rows' order slora uses.
-        qkv = [a + "qkv_proj"] if cfg.fused_checkpoint else [a + f"{m}_proj" for m in "qkv"]
-        gate_up = [p + "mlp.gate_up_proj"] if cfg.fused_checkpoint \
+        qkv = [a + "qkv_proj"] if "qkv_proj" in cfg.fused_modules \
+            else [a + f"{m}_proj" for m in "qkv"]
+        gate_up = [p + "mlp.gate_up_proj"] if "gate_up_proj" in cfg.fused_modules \
             else [p + "mlp.gate_proj", p + "mlp.up_proj"]
-        # With sandwich norms (Gemma 2/3), post_attention_layernorm normalises the attention
-        # output and pre_feedforward_layernorm the MLP's input; without pre-norms (OLMo 2) the
-        # former normalises the attention output and there is no input norm; otherwise the
-        # former is the MLP's input norm.
-        sandwich, pre = cfg.sandwich_norms, cfg.pre_norms
-        post = sandwich or not pre
+        ln1, ln2, post_attn, post_mlp = (
+            None if n is None else norm(f"{p}{n}.weight") for n in _norm_names(cfg))
         layers.append(LayerWeights(
-            ln1=norm(p + "input_layernorm.weight") if pre else None,
+            ln1=ln1,
             qkv=served_qkv(fused(qkv)),
             qkv_bias=served_qkv(qkv_bias),
             o=residual(fused([a + "o_proj"])),
             o_bias=residual(maybe(a + "o_proj.bias") if cfg.o_bias else None),
-            ln2=None if not pre else norm(p + ("pre_feedforward_layernorm.weight" if sandwich
-                                               else "post_attention_layernorm.weight")),
+            ln2=ln2,
             gate_up=fused(gate_up),
             down=residual(fused([p + "mlp.down_proj"])),
             q_norm=served_norm(a + "q_norm.weight"),
             k_norm=served_norm(a + "k_norm.weight"),
-            post_attn=norm(p + "post_attention_layernorm.weight") if post else None,
-            post_mlp=norm(p + "post_feedforward_layernorm.weight") if post else None,
+            post_attn=post_attn,
+            post_mlp=post_mlp,
         ))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in tensors \
@@ -500,6 +496,22 @@ def unpack_adapter(cfg: ModelConfig, layout: AdapterLayout,
 
 
 RESIDUAL_MODULES = ("o_proj", "down_proj")  # the residual branches' output layers
+
+
+def _norm_names(cfg: ModelConfig) -> tuple[str | None, ...]:
+    """A layer's RMSNorms' checkpoint names (None: the layer has none there): its attention's
+    input, its MLP's input, its attention's output, its MLP's output. With sandwich norms
+    (Gemma 2/3, GLM-4) all four; without pre-norms (OLMo) the outputs' alone; else the
+    inputs'."""
+    if cfg.architecture == "Glm4ForCausalLM":
+        return ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm",
+                "post_mlp_layernorm")
+    if cfg.sandwich_norms:
+        return ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                "post_feedforward_layernorm")
+    if not cfg.pre_norms:
+        return (None, None, "post_attention_layernorm", "post_feedforward_layernorm")
+    return ("input_layernorm", "post_attention_layernorm", None, None)
 
 
 def served_qk(cfg: ModelConfig, heads: int, tail: int = 0

@@ -3,8 +3,9 @@ and in its PEFT adapters), Gemma 2 and Gemma 3 text ((1 + w) norms, scaled embed
 four norms a layer, soft-capping, a rope base of its own on Gemma 3's sliding layers), Granite
 (embedding, residual, attention and logits multipliers; LoRA and DoRA on the residual
 branches, LoRA on the tied lm_head), Gemma 1, SmolLM3 (a layer without rotary), OLMo 2
-(norms on each layer's outputs; q and k normed over all heads) and OLMo 3 (a sliding layer
-with its own rope) in the one parameterised model,
+(norms on each layer's outputs; q and k normed over all heads), OLMo 3 (a sliding layer
+with its own rope), Helium, Ernie 4.5, GLM and GLM-4 (rotary over interleaved pairs; GLM's
+fused gate|up and partial rotary, GLM-4's four norms) in the one parameterised model,
 fp32 on CPU. Every tiny model here has 8-token sliding windows
 (tests/conftest.py's TINY), shorter than the prompts and outputs.
 
@@ -74,6 +75,23 @@ ADAPTERS = {
     },
     "olmo3": {
         "all": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+    },
+    # interleaved rotary: q's and k's B rows (and DoRA's magnitudes) served in its order
+    "helium": {
+        "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "k_proj"]),
+    },
+    "ernie4_5": {
+        "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+    },
+    "glm": {  # PEFT's names for GLM's modules: gate|up is one fused module
+        "fused": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "gate_up_proj",
+                                                          "down_proj"]),
+        "pattern": dict(r=4, lora_alpha=8, target_modules=["v_proj", "o_proj", "gate_up_proj"],
+                        rank_pattern={"gate_up_proj": 6}),
+    },
+    "glm4": {
+        "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
     },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
@@ -192,13 +210,14 @@ def test_unsupported_phi3_configs_say_why(tiny_models):
 
 def test_family_configs(tiny_models):
     qwen3 = ModelConfig.from_dict(_config(tiny_models, "qwen3"))
-    assert qwen3.qk_norm and not qwen3.fused_checkpoint and not qwen3.attention_bias
+    assert qwen3.qk_norm and not qwen3.fused_modules and not qwen3.attention_bias
     assert qwen3.head_dim == 32 != qwen3.hidden_size // qwen3.num_heads
     assert (qwen3.sliding_window, qwen3.sliding_layers) == (8, (1,))  # from max_window_layers
     no_swa = ModelConfig.from_dict(_config(tiny_models, "qwen3", use_sliding_window=False))
     assert no_swa.sliding_window is None and no_swa.window(1) == 0
     phi3 = ModelConfig.from_dict(_config(tiny_models, "phi3"))
-    assert phi3.fused_checkpoint and not phi3.qk_norm and phi3.rope_scaling is None
+    assert phi3.fused_modules == ("qkv_proj", "gate_up_proj") and not phi3.qk_norm
+    assert phi3.rope_scaling is None
     assert phi3.checkpoint_modules == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     # a sliding window no longer bounds the context: every Phi-3 layer slides
     assert phi3.max_position_embeddings == 256 and phi3.sliding_layers == (0, 1)
@@ -346,6 +365,7 @@ def test_gemma1_smollm3_olmo_configs(tiny_models):
         ModelConfig.from_dict(_config(tiny_models, "olmo2", partial_rotary_factor=0.5))
     with pytest.raises(ConfigError, match="tensor_parallel_size=2.*q and k norms"):
         check_degree(o2, 2)
+    check_degree(ModelConfig.from_dict(_config(tiny_models, "qwen3")), 2)  # (per-head norms)
     # OLMo 3: YaRN on the full layers; the sliding ones keep their own rope, unscaled
     o3 = ModelConfig.from_dict(_config(tiny_models, "olmo3"))
     assert (o3.qk_norm, o3.pre_norms, o3.sliding_layers, o3.window(0), o3.window(1)) == \
@@ -356,7 +376,33 @@ def test_gemma1_smollm3_olmo_configs(tiny_models):
     hf_rule = ModelConfig.from_dict(_config(tiny_models, "olmo3", layer_types=None,
                                             num_hidden_layers=8))
     assert hf_rule.sliding_layers == (0, 1, 2, 4, 5, 6)
-    check_degree(ModelConfig.from_dict(_config(tiny_models, "qwen3")), 2)
+
+
+def test_interleaved_rope_families_configs(tiny_models):
+    """Helium, Ernie 4.5, GLM and GLM-4 rotate interleaved pairs (2i, 2i + 1): each q and k
+    head is served with the pairs' first elements, then their second (HF's unrotated
+    elements split between the halves where rotary covers part of the head, GLM's half).
+    GLM holds gate|up fused and its adapters target that name; GLM-4 adds four norms a layer;
+    Helium and GLM bias q/k/v and not o; Ernie 4.5's use_bias would bias the MLP too."""
+    helium = ModelConfig.from_dict(_config(tiny_models, "helium"))
+    assert helium.interleaved_rope and helium.attention_bias and not helium.o_bias
+    assert helium.rotary_permutation() == [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]
+    glm = ModelConfig.from_dict(_config(tiny_models, "glm"))
+    assert (glm.rotary, glm.fused_modules, glm.attention_bias, glm.o_bias) == \
+        (16, ("gate_up_proj",), True, False)
+    assert glm.rotary_permutation() == [*range(0, 16, 2), *range(16, 24),
+                                        *range(1, 16, 2), *range(24, 32)]
+    assert glm.checkpoint_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
+                                      "down_proj")
+    glm4 = ModelConfig.from_dict(_config(tiny_models, "glm4"))
+    assert glm4.sandwich_norms and glm4.fused_modules == ("gate_up_proj",)
+    ernie = ModelConfig.from_dict(_config(tiny_models, "ernie4_5"))
+    assert ernie.interleaved_rope and not (ernie.attention_bias or ernie.mlp_bias)
+    biased = ModelConfig.from_dict(_config(tiny_models, "ernie4_5", use_bias=True))
+    assert biased.attention_bias and biased.o_bias and biased.mlp_bias
+    with pytest.raises(ValueError, match="mlp_bias=True is not supported"):
+        from slora.model.loader import load_weights
+        load_weights(tiny_models("ernie4_5"), biased, torch.float32, torch.device("cpu"))
 
 
 def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
