@@ -37,7 +37,7 @@ CORPUS = [
 # soft-capping, a rope base of its own on Gemma 3's sliding layers), Phi-3's LongRoPE, a
 # partial rotary (Phi-4-mini), Granite (embedding,
 # residual, attention and logits multipliers, tied embeddings), Gemma 1 ((1 + w) norms, scaled
-# embeddings, GeGLU under HF's legacy "gelu" name), SmolLM3 (a layer without rotary), OLMo 2
+# embeddings, GeGLU), SmolLM3 (a layer without rotary), OLMo 2
 # (norms on each layer's outputs, not its inputs; q and k normed over all heads), OLMo 3 (its
 # sliding layer's own unscaled rope beside YaRN on the full one). Sliding windows of 8
 # tokens, shorter than the tests' prompts plus outputs: on every layer (Mistral, Phi-3), on
@@ -90,7 +90,7 @@ TINY = {
                     tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.4,
                     attention_multiplier=0.3, logits_scaling=2.5, random_norms=True),
     "gemma": dict(arch="gemma", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                  hidden_act="gelu", random_norms=True),
+                  hidden_act="gelu_pytorch_tanh", random_norms=True),
     "smollm3": dict(arch="smollm3", num_attention_heads=4, num_key_value_heads=2,
                     pad_token_id=None, no_rope_layers=[1, 0], attention_bias=True),
     "olmo2": dict(arch="olmo2", num_attention_heads=4, num_key_value_heads=2,
