@@ -37,7 +37,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
                            "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
-                           "Glm4ForCausalLM")
+                           "Glm4ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
@@ -274,9 +274,10 @@ class ModelConfig:
     mlp_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    # An RMSNorm on q and on k after the projection, before rotary: "head" (Qwen3, Gemma 3)
-    # over each head's head_dim elements (weights q_norm, k_norm [head_dim]); "all" (OLMo 2)
-    # over a token's whole q and whole k (weights [q_size], [kv_size]); None: none.
+    # An RMSNorm on q and on k after the projection, before rotary: "head" (Qwen3, Gemma 3
+    # and EXAONE 4) over each head's head_dim elements (weights q_norm, k_norm [head_dim]);
+    # "all" (OLMo 2 and 3) over a token's whole q and whole k (weights [q_size], [kv_size]);
+    # None: none.
     qk_norm: str | None = None
     # The FUSED_MODULES the checkpoint holds, which PEFT adapters target by those names:
     # Phi-3's q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj`; GLM's gate|up.
@@ -291,7 +292,7 @@ class ModelConfig:
     # Gemma 2/3: an RMSNorm on the attention output (post_attention_layernorm) and one on the
     # MLP output (post_feedforward_layernorm) before each residual add: four norms a layer.
     sandwich_norms: bool = False
-    # False (OLMo 2): a layer norms its attention's and its MLP's outputs
+    # False (OLMo 2 and 3, EXAONE 4): a layer norms its attention's and its MLP's outputs
     # (post_attention_layernorm, post_feedforward_layernorm) before each residual add, and
     # not their inputs.
     pre_norms: bool = True
@@ -310,7 +311,8 @@ class ModelConfig:
     # `attn_scale_local`); None: the sliding layers use rope_theta and rope_scaling like the
     # others.
     rope_local_theta: float | None = None
-    # SmolLM3: the layers that apply no rotary to q and k (its no_rope_layers' zeros).
+    # SmolLM3: the layers that apply no rotary to q and k (its no_rope_layers' zeros); EXAONE 4
+    # with a sliding window: its global layers.
     nope_layers: tuple[int, ...] = ()
     # Granite: token embeddings times embed_multiplier (exact, as HF multiplies by the float);
     # each residual branch (attention's and the MLP's output) times residual_multiplier,
@@ -462,7 +464,8 @@ class ModelConfig:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} must be a number in "
                               f"(0, 1] that rotates an even number (>= 2) of head_dim {head_dim}")
         qk_norm = {"Qwen3ForCausalLM": "head", "Gemma3ForCausalLM": "head",
-                   "Olmo2ForCausalLM": "all", "Olmo3ForCausalLM": "all"}.get(arch)
+                   "Olmo2ForCausalLM": "all", "Olmo3ForCausalLM": "all",
+                   "Exaone4ForCausalLM": "head"}.get(arch)
         if rotary_dim != head_dim and qk_norm:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} with q/k norms is "
                               "not supported (a whole rotary only)")
@@ -484,6 +487,9 @@ class ModelConfig:
                 scaling = _longrope(scaling, c, max_pos, rotary_dim, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
         nope = _nope_layers(c, source) if arch == "SmolLM3ForCausalLM" else ()
+        # EXAONE 4 with a sliding window: rotary on the sliding layers alone
+        if arch == "Exaone4ForCausalLM" and c.get("sliding_window") is not None:
+            nope = tuple(i for i in range(c["num_hidden_layers"]) if i not in sliding)
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -501,7 +507,8 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bias,
-            o_bias=bias and not qkv_bias_only,
+            o_bias=(bool(c.get("attention_out_bias")) if arch == "SeedOssForCausalLM"
+                    else bias and not qkv_bias_only),
             mlp_bias=bool(c.get("mlp_bias", c.get("use_bias", False))),
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -513,7 +520,7 @@ class ModelConfig:
             norm_plus_one=gemma,
             embed_scale=hidden ** 0.5 if gemma else None,
             sandwich_norms=arch in (*GEMMA[1:], "Glm4ForCausalLM"),
-            pre_norms=not arch.startswith("Olmo"),
+            pre_norms=not arch.startswith(("Olmo", "Exaone4")),
             query_pre_attn_scalar=c.get("query_pre_attn_scalar") if gemma else None,
             attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
             final_softcap=c.get("final_logit_softcapping") if gemma else None,
@@ -682,8 +689,8 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
     where it lists them, else the family's rule: Mistral and Phi-3 every layer, Qwen2/3
     (with use_sliding_window) the layers from max_window_layers on, Gemma 2 every other layer
     from layer 0, Gemma 3 all but every sliding_window_pattern-th, SmolLM3 (with
-    use_sliding_window) its layers without rotary, OLMo 3 all but every fourth. Llama,
-    Gemma 1 and OLMo 2 have none."""
+    use_sliding_window) its layers without rotary, OLMo 3 all but every fourth, EXAONE 4 all
+    but every sliding_window_pattern-th. Llama, Gemma 1 and OLMo 2 have none."""
     window = c.get("sliding_window")
     if arch.startswith(("Qwen", "SmolLM3")) and not c.get("use_sliding_window"):
         window = None
@@ -710,6 +717,12 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
         layers = list(_nope_layers(c, source))
     elif arch == "Olmo3ForCausalLM":
         layers = [i for i in range(n) if (i + 1) % 4]
+    elif arch == "Exaone4ForCausalLM":
+        every = c.get("sliding_window_pattern", 4)
+        if not is_int(every) or every < 1:
+            raise ConfigError(f"{source}: sliding_window_pattern={every!r} without layer_types: "
+                              "expected an integer >= 1 (every such layer global)")
+        layers = [i for i in range(n) if (i + 1) % every]
     else:
         layers = list(range(n))
     return (window, tuple(layers)) if layers else (None, ())

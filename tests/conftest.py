@@ -43,7 +43,8 @@ CORPUS = [
 # tokens, shorter than the tests' prompts plus outputs: on every layer (Mistral, Phi-3), on
 # layer 1 (Qwen3), on layer 0 (Gemma).
 # `random_norms` draws every RMSNorm weight around its initial value (HF's ones, or Gemma's
-# zeros) instead of leaving it there, so that a norm applied wrongly shows.
+# zeros) instead of leaving it there, so that a norm applied wrongly shows; `random_biases`
+# draws every bias (HF's are zeros), so that a bias left out shows.
 TINY = {
     "llama": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2),
     "llama_tied_llama3": dict(arch="llama", num_attention_heads=4, num_key_value_heads=1,
@@ -109,13 +110,23 @@ TINY = {
     # GLM (half of each head rotated, q/k/v biases, gate|up fused in the checkpoint) and GLM-4
     # (GLM with four norms a layer)
     "helium": dict(arch="helium", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                   attention_bias=True, pad_token_id=None),
+                   attention_bias=True, pad_token_id=None, random_biases=True),
     "ernie4_5": dict(arch="ernie4_5", num_attention_heads=4, num_key_value_heads=2,
                      pad_token_id=None),
     "glm": dict(arch="glm", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                partial_rotary_factor=0.5, pad_token_id=None, random_norms=True),
+                partial_rotary_factor=0.5, pad_token_id=None, random_norms=True,
+                random_biases=True),
     "glm4": dict(arch="glm4", num_attention_heads=4, num_key_value_heads=2,
-                 partial_rotary_factor=0.5, pad_token_id=None, random_norms=True),
+                 partial_rotary_factor=0.5, pad_token_id=None, random_norms=True,
+                 random_biases=True),
+    # EXAONE 4: OLMo's norms on the outputs, per-head q/k norms, a sliding layer with rotary
+    # and a global one without; Seed-OSS: biases on q/k/v and on o
+    "exaone4": dict(arch="exaone4", num_attention_heads=4, num_key_value_heads=2,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                    pad_token_id=None, random_norms=True),
+    "seed_oss": dict(arch="seed_oss", num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, attention_bias=True, attention_out_bias=True,
+                     pad_token_id=None, random_biases=True),
 }
 
 
@@ -144,6 +155,7 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
     spec = {"max_position_embeddings": 256, **TINY[kind], **overrides}
     arch = spec.pop("arch")
     random_norms = spec.pop("random_norms", False)
+    random_biases = spec.pop("random_biases", False)
     path.mkdir(parents=True, exist_ok=True)
     vocab = _tokenizer(path)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -161,17 +173,20 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "helium": (transformers.HeliumConfig, transformers.HeliumForCausalLM),
            "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM),
            "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
-           "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM)}[arch]
+           "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
+           "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
+           "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)
     torch.manual_seed(seed)
     model = cls[1](cfg).eval()
-    if random_norms:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.normal_(float(p.mean()), 0.2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if random_norms and name.endswith("norm.weight"):
+                p.normal_(float(p.mean()), 0.2)
+            if random_biases and name.endswith("bias"):
+                p.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

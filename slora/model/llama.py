@@ -1,19 +1,22 @@
 """One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3, Helium, Ernie 4.5, GLM, GLM-4.
+Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3, Helium, Ernie 4.5, GLM, GLM-4,
+EXAONE 4, Seed-OSS.
 
-They differ only by configuration (`ModelConfig`): GQA/MQA head counts, head_dim, q/k/v (and
-o) biases, tied embeddings, rope theta and scaling (linear, llama3, yarn, longrope), an RMSNorm
-on q and k (`qk_norm`: per head in Qwen3 and Gemma 3, over the whole of q and of k in OLMo 2),
-sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3, OLMo 3), layers without rotary (SmolLM3),
-rotary over part of each head (Phi-4-mini, GLM) or over interleaved pairs (Helium, Ernie 4.5,
-GLM), both served by permuting q's and k's rows at load (`ModelConfig.rotary_permutation`);
-Phi-3 and GLM differ also in their checkpoint's names (q|k|v and gate|up stored fused, see the
-loader). GLM-4 has Gemma 2's four norms a layer.
-Gemma adds scaled embeddings and GeGLU; Gemma 2/3 an RMSNorm after attention and after the MLP
-(`sandwich_norms`), query_pre_attn_scalar as the attention scale, soft-capped attention scores
-and logits, and (Gemma 3) a rope base of its own on the sliding layers. OLMo 2 norms each
-layer's attention and MLP outputs instead of their inputs (`pre_norms` False); OLMo 3 adds
-sliding layers with a rope of their own, unscaled, as Gemma 3's.
+They differ only by configuration (`ModelConfig`):
+- GQA/MQA head counts, head_dim, q/k/v (and o) biases, tied embeddings;
+- rope theta and scaling (linear, llama3, yarn, longrope); rotary over part of each head
+  (Phi-4-mini, GLM) or over interleaved pairs (Helium, Ernie 4.5, GLM), both served by
+  permuting q's and k's rows at load (`ModelConfig.rotary_permutation`); layers without rotary
+  (SmolLM3, EXAONE 4);
+- an RMSNorm on q and k (`qk_norm`: per head in Qwen3, Gemma 3 and EXAONE 4, over the whole of
+  q and of k in OLMo 2 and 3);
+- sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3, OLMo 3, EXAONE 4), with a rope of
+  their own, unscaled, in Gemma 3 and OLMo 3;
+- where the norms sit: before attention and the MLP (most), also after each (`sandwich_norms`:
+  Gemma 2/3, GLM-4), or after each alone (`pre_norms` False: OLMo 2/3, EXAONE 4);
+- Gemma's scaled embeddings and GeGLU, query_pre_attn_scalar as the attention scale and
+  soft-capped attention scores and logits (Gemma 2); Granite's multipliers;
+- the checkpoint's names: Phi-3 stores q|k|v and gate|up fused, GLM gate|up (see the loader).
 
 The model runs on a flat batch of tokens from many sequences (decode rows first, then prefill
 segments), reads and writes KV in the shared page pool, and adds each token's LoRA delta

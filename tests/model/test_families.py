@@ -5,7 +5,8 @@ four norms a layer, soft-capping, a rope base of its own on Gemma 3's sliding la
 branches, LoRA on the tied lm_head), Gemma 1, SmolLM3 (a layer without rotary), OLMo 2
 (norms on each layer's outputs; q and k normed over all heads), OLMo 3 (a sliding layer
 with its own rope), Helium, Ernie 4.5, GLM and GLM-4 (rotary over interleaved pairs; GLM's
-fused gate|up and partial rotary, GLM-4's four norms) in the one parameterised model,
+fused gate|up and partial rotary, GLM-4's four norms), EXAONE 4 (output norms, no rotary on
+its global layers) and Seed-OSS (a bias on o of its own) in the one parameterised model,
 fp32 on CPU. Every tiny model here has 8-token sliding windows
 (tests/conftest.py's TINY), shorter than the prompts and outputs.
 
@@ -92,6 +93,13 @@ ADAPTERS = {
     },
     "glm4": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+    },
+    "exaone4": {  # LoRA on the layer with rotary and on the one without, under output norms
+        "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["k_proj", "o_proj"]),
+    },
+    "seed_oss": {
+        "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"]),
     },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
@@ -405,6 +413,28 @@ def test_interleaved_rope_families_configs(tiny_models):
     with pytest.raises(ValueError, match="mlp_bias=True is not supported"):
         from slora.model.loader import load_weights
         load_weights(tiny_models("ernie4_5"), biased, torch.float32, torch.device("cpu"))
+
+
+def test_exaone4_and_seed_oss_configs(tiny_models):
+    """EXAONE 4 norms its layers' outputs and each head of q and k; with a sliding window its
+    global layers take no rotary, without one every layer does; its sliding layers come from
+    layer_types, else all but every sliding_window_pattern-th. Seed-OSS biases o by
+    attention_out_bias, apart from q/k/v's attention_bias."""
+    ex = ModelConfig.from_dict(_config(tiny_models, "exaone4"))
+    assert (ex.pre_norms, ex.qk_norm, ex.sliding_layers, ex.nope_layers) == \
+        (False, "head", (0,), (1,))
+    no_window = ModelConfig.from_dict(_config(tiny_models, "exaone4", sliding_window=None))
+    assert no_window.sliding_layers == () and no_window.nope_layers == ()
+    pattern = ModelConfig.from_dict(_config(tiny_models, "exaone4", layer_types=None,
+                                            num_hidden_layers=6, sliding_window_pattern=3))
+    assert pattern.sliding_layers == (0, 1, 3, 4) and pattern.nope_layers == (2, 5)
+    with pytest.raises(ConfigError, match="sliding_window_pattern='LLG' without layer_types"):
+        ModelConfig.from_dict(_config(tiny_models, "exaone4", layer_types=None,
+                                      sliding_window_pattern="LLG"))
+    seed = ModelConfig.from_dict(_config(tiny_models, "seed_oss"))
+    assert seed.attention_bias and seed.o_bias
+    assert not ModelConfig.from_dict(_config(tiny_models, "seed_oss",
+                                             attention_out_bias=False)).o_bias
 
 
 def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
