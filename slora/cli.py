@@ -151,6 +151,23 @@ def _add_serve(sub) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info)")
+    v = p.add_argument_group(
+        "vLLM's serve flags (so its command lines run as they are)",
+        "slora serves adapters without --enable-lora and picks tool calls out with "
+        "--tool-call-parser alone; --max-loras and --max-cpu-loras are accepted with a "
+        "warning: adapters share slora's paged pool with the KV cache (no count of adapters "
+        "a batch) and its host tier is sized in bytes (--host-cache-gb)")
+    v.add_argument("--enable-lora", action="store_true", help="accepted; always on in slora")
+    v.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted; --tool-call-parser enables tool_choice auto")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted; slora runs no code from a checkpoint")
+    v.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted; slora logs no request bodies")
+    v.add_argument("--max-loras", type=int, metavar="N",
+                   help="accepted, with a warning: not applied (see above)")
+    v.add_argument("--max-cpu-loras", type=int, metavar="N",
+                   help="accepted, with a warning: not applied (see above)")
     add_engine_config_args(p)
     p.set_defaults(handler=_serve)
 

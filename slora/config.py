@@ -188,6 +188,10 @@ class EngineConfig:
     # every step's logits are this many columns wider, -inf in a row past its adapter's own
     # added tokens. 0: adapters that add tokens are refused.
     max_added_tokens: int = 0
+    # The largest LoRA rank an adapter may have in any module (vLLM's max_lora_rank): a larger
+    # one is refused when it is registered, naming both. None: any rank (the pool's pages are
+    # rank-granular, so no rank sizes a buffer).
+    max_lora_rank: int | None = None
     # torch's intra-op CPU threads (`torch.set_num_threads`, process-wide) once an engine on a
     # GPU starts. Its host work is small metadata tensors a step (the batch, the adapters'
     # pages and ranks, the graphs' inputs), where a pool of threads only adds the wake-up
@@ -241,6 +245,8 @@ class EngineConfig:
              f"expected None or one of {QUANTIZATIONS}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")
         need(self.host_threads >= 0, "host_threads", "must be >= 0 (0: torch's own setting)")
+        need(self.max_lora_rank is None or self.max_lora_rank >= 1, "max_lora_rank",
+             "must be at least 1 (or None: any rank)")
 
     @property
     def host_cache_bytes(self) -> int:

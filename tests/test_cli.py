@@ -175,3 +175,26 @@ def test_serve_takes_vllms_adapter_and_template_flags(tmp_path):
     for bad in ("noequals", '{"name": "c"}'):
         with pytest.raises(ValueError, match="--adapter"):
             _adapter_spec(bad)
+
+
+def test_serve_takes_a_vllm_command_line():
+    """vLLM's serve flags parse: its spellings of slora's own set the same fields, the flags
+    slora needs no switch for change nothing, and the two it does not apply are named with
+    the reason."""
+    from slora.cli import build_parser
+    from slora.server.serve import unapplied_vllm_flags
+    from slora.server.settings import engine_config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--enable-lora", "--lora-modules", "a=/x", "--max-lora-rank", "64",
+        "--max-loras", "4", "--max-num-batched-tokens", "4096", "--gpu-memory-utilization",
+        "0.9", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--trust-remote-code", "--disable-log-requests", "--max-model-len", "2048"])
+    config = engine_config_from_args(args)
+    assert (config.max_lora_rank, config.max_batch_tokens, config.gpu_memory_fraction,
+            config.max_model_len) == (64, 4096, 0.9, 2048)
+    assert args.tool_call_parser == "hermes"
+    [line] = unapplied_vllm_flags(args)
+    assert line.startswith("--max-loras 4 is not applied: adapters share the paged pool")
+    plain = build_parser().parse_args(["serve"])
+    assert unapplied_vllm_flags(plain) == [] and engine_config_from_args(plain).max_lora_rank is None

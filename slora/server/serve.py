@@ -17,6 +17,8 @@ def run(args) -> int:
     from slora.server.app import DrainingServer, build_app
 
     config = engine_config_from_args(args)
+    for line in unapplied_vllm_flags(args):
+        print(f"slora serve: warning: {line}", file=sys.stderr)
     adapters = [_adapter_spec(spec) for spec in args.adapter]
     settings = ServerSettings(
         model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
@@ -41,6 +43,15 @@ def run(args) -> int:
     finally:
         async_engine.shutdown()
     return 0
+
+
+def unapplied_vllm_flags(args) -> list[str]:
+    """A line for each vLLM flag given whose vLLM meaning slora does not apply, and why."""
+    return [f"{flag} {value} is not applied: adapters share the paged pool with the KV cache, "
+            "loaded and evicted as requests need them (no count of adapters a batch), and "
+            "the host tier holds --host-cache-gb of them"
+            for flag, value in (("--max-loras", args.max_loras),
+                                ("--max-cpu-loras", args.max_cpu_loras)) if value is not None]
 
 
 def _adapter_spec(spec: str) -> tuple[str, str]:

@@ -93,6 +93,14 @@ ENGINE_HELP = {
                              "salt and prefix",
     "max_logprobs": "the most top log-probs a request may ask for",
     "tensor_parallel_size": "devices the model is sharded over, one process each",
+    "max_lora_rank": "refuse adapters of a larger rank in any module (default: any rank)",
+}
+# vLLM's spellings of EngineConfig's flags, accepted beside slora's own
+ENGINE_ALIASES = {
+    "max_batch_tokens": ("--max-num-batched-tokens",),
+    # (vLLM's share is of the whole device, weights included; slora's of the memory free
+    # after the weights: both size the KV cache)
+    "gpu_memory_fraction": ("--gpu-memory-utilization",),
 }
 ENGINE_CHOICES = {"dtype": DTYPES, "backend": BACKENDS, "policy": POLICIES,
                   "load_format": ("auto", "dummy")}
@@ -100,7 +108,8 @@ ENGINE_CHOICES = {"dtype": DTYPES, "backend": BACKENDS, "policy": POLICIES,
 
 def add_engine_config_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (`--max-num-seqs` for max_num_seqs), typed from the
-    field's annotation; unset flags keep EngineConfig's defaults."""
+    field's annotation, and vLLM's spelling beside it where it has one (ENGINE_ALIASES);
+    unset flags keep EngineConfig's defaults."""
     group = parser.add_argument_group("engine (every EngineConfig field; unset: its default)")
     for f in fields(EngineConfig):
         kinds = {k.strip() for k in f.type.split("|")}
@@ -113,7 +122,8 @@ def add_engine_config_args(parser: argparse.ArgumentParser) -> None:
             kw["type"] = int if "int" in kinds else float if "float" in kinds else str
             kw["choices"] = ENGINE_CHOICES.get(f.name)
             kw["metavar"] = None if kw["choices"] else f.name.split("_")[-1].upper()
-        group.add_argument("--" + f.name.replace("_", "-"), **kw)
+        group.add_argument("--" + f.name.replace("_", "-"), *ENGINE_ALIASES.get(f.name, ()),
+                           **kw)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -83,6 +83,27 @@ def test_unknown_adapter_is_a_clear_error_and_engine_keeps_serving(engine):
     assert len(engine.generate("Hello", SamplingParams(max_tokens=2))[0].token_ids) >= 1
 
 
+def test_adapters_past_max_lora_rank_are_refused(tiny_model_dir, adapter_factory):
+    """EngineConfig.max_lora_rank bounds every module's rank (rank_pattern's too) at
+    registration, naming the adapter, its rank and the limit; adapters within it serve."""
+    from slora.model.loader import AdapterError
+
+    e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                            num_pages=32, max_lora_rank=8))
+    e.add_adapter("r8", adapter_factory(tiny_model_dir, r=8))
+    big = adapter_factory(tiny_model_dir, r=4, rank_pattern={"v_proj": 12})
+    with pytest.raises(AdapterError, match=r"adapter 'r12': its rank 12 is past "
+                       r"EngineConfig.max_lora_rank=8; raise max_lora_rank"):
+        e.add_adapter("r12", big)
+    with pytest.raises(AdapterError, match="its rank 16 is past"):
+        e.add_synthetic_adapter("s16", 16)
+    assert e.list_adapters() == ["r8"]
+    out = e.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), adapters="r8")[0]
+    assert out.finish_reason == "length"
+    with pytest.raises(ConfigError, match="max_lora_rank.*at least 1"):
+        EngineConfig(max_lora_rank=0)
+
+
 def test_too_long_prompt_fails_alone(tiny_model_dir):
     e = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
                             num_pages=4, block_size=16))
