@@ -37,11 +37,12 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM",
                            "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
-                           "Glm4ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM")
+                           "Glm4ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM",
+                           "CohereForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
-                    "Glm4ForCausalLM")
+                    "Glm4ForCausalLM", "CohereForCausalLM")
 # The families whose attention has q/k/v biases but none on o_proj (Qwen2's always on)
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "HeliumForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM")
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
@@ -282,12 +283,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # An RMSNorm on q and on k after the projection, before rotary: "head" (Qwen3, Gemma 3
     # and EXAONE 4) over each head's head_dim elements (weights q_norm, k_norm [head_dim]);
-    # "all" (OLMo 2 and 3) over a token's whole q and whole k (weights [q_size], [kv_size]);
-    # None: none.
+    # "heads" (Cohere's use_qk_norm) the same with a weight of each head's own ([q_size],
+    # [kv_size]); "all" (OLMo 2 and 3) over a token's whole q and whole k (weights [q_size],
+    # [kv_size]); None: none.
     qk_norm: str | None = None
     # The FUSED_MODULES the checkpoint holds, which PEFT adapters target by those names:
     # Phi-3's q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj`; GLM's gate|up.
     fused_modules: tuple[str, ...] = ()
+    # Cohere: every norm (q's and k's too) a LayerNorm without bias, each row's mean taken
+    # off before the RMS (`rms_norm_eps` is its layer_norm_eps).
+    layer_norm: bool = False
+    # Cohere: attention and the MLP read the same normed input and both add to the residual
+    # stream (x + attn(ln(x)) + mlp(ln(x))): one norm a layer.
+    parallel_block: bool = False
     # The MLP's activation, one of ACTIVATIONS (Gemma: GeGLU, "gelu_pytorch_tanh").
     hidden_act: str = "silu"
     # Gemma: each RMSNorm scales by (1 + w); the loader folds the 1 in (see loader.load_weights).
@@ -324,7 +332,8 @@ class ModelConfig:
     # each residual branch (attention's and the MLP's output) times residual_multiplier,
     # folded into o_proj's and down_proj's weights and their adapters' B (see
     # loader.load_weights, PeftAdapter); attention scores scaled by attention_multiplier
-    # instead of 1 / sqrt(head_dim); logits divided by logits_scaling. 1 / None: off.
+    # instead of 1 / sqrt(head_dim); logits divided by logits_scaling (Cohere's: 1 /
+    # logit_scale, which HF multiplies them by). 1 / None: off.
     embed_multiplier: float | None = None
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
@@ -433,10 +442,12 @@ class ModelConfig:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (slora's MLP is "
                               "SwiGLU, silu(gate) * up, or GeGLU, gelu_pytorch_tanh(gate) * up)")
         granite = arch == "GraniteForCausalLM"
+        cohere = arch == "CohereForCausalLM"
         positive = ((("query_pre_attn_scalar", "attn_logit_softcapping",
                       "final_logit_softcapping") if gemma else ())
                     + (("embedding_multiplier", "residual_multiplier", "attention_multiplier",
-                        "logits_scaling") if granite else ()))
+                        "logits_scaling") if granite else ())
+                    + (("logit_scale", "layer_norm_eps") if cohere else ()))
         for key in positive:
             v = c.get(key)
             if v is not None and not (_of_type(v, "float") and v > 0):
@@ -472,6 +483,8 @@ class ModelConfig:
         qk_norm = {"Qwen3ForCausalLM": "head", "Gemma3ForCausalLM": "head",
                    "Olmo2ForCausalLM": "all", "Olmo3ForCausalLM": "all",
                    "Exaone4ForCausalLM": "head"}.get(arch)
+        if cohere and c.get("use_qk_norm"):
+            qk_norm = "heads"
         if rotary_dim != head_dim and qk_norm:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} with q/k norms is "
                               "not supported (a whole rotary only)")
@@ -507,7 +520,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=c.get("layer_norm_eps", 1e-5) if cohere else c.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
@@ -537,7 +550,11 @@ class ModelConfig:
             embed_multiplier=c.get("embedding_multiplier") if granite else None,
             residual_multiplier=c.get("residual_multiplier") or 1.0 if granite else 1.0,
             attention_multiplier=c.get("attention_multiplier") if granite else None,
-            logits_scaling=c.get("logits_scaling") or 1.0 if granite else 1.0,
+            logits_scaling=(c.get("logits_scaling") or 1.0 if granite
+                            else 1 / (c.get("logit_scale", 0.0625) or 1.0) if cohere
+                            else 1.0),
+            layer_norm=cohere,
+            parallel_block=cohere,
             rotary_dim=rotary_dim,
             interleaved_rope=arch in INTERLEAVED_ROPE,
         )
@@ -610,8 +627,9 @@ class ModelConfig:
         linear = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
         rows = self.q_size + 2 * self.kv_size + h + 2 * i + h  # output channels of a layer
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        per_layer = (4 if self.sandwich_norms else 2) * h
-        qk = {"head": 2 * self.head_dim, "all": self.q_size + self.kv_size}.get(self.qk_norm, 0)
+        per_layer = (4 if self.sandwich_norms else 1 if self.parallel_block else 2) * h
+        qk = {"head": 2 * self.head_dim}.get(self.qk_norm, self.q_size + self.kv_size) \
+            if self.qk_norm else 0
         norms = L * (per_layer + qk) + h
         rest = (norms + emb) * dtype_bytes  # norms, embedding, lm_head
         if quantization == "fp8":

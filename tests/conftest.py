@@ -127,6 +127,14 @@ TINY = {
     "seed_oss": dict(arch="seed_oss", num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, attention_bias=True, attention_out_bias=True,
                      pad_token_id=None, random_biases=True),
+    # Cohere (Command R): LayerNorms, attention and MLP side by side on one norm, interleaved
+    # rotary, logits times logit_scale; with use_qk_norm (Command R+) q and k LayerNormed
+    # per head under each head's own weight
+    "cohere": dict(arch="cohere", num_attention_heads=4, num_key_value_heads=2,
+                   logit_scale=0.25, attention_bias=True, pad_token_id=None, random_norms=True,
+                   random_biases=True),
+    "cohere_qk_norm": dict(arch="cohere", num_attention_heads=4, num_key_value_heads=2,
+                           use_qk_norm=True, pad_token_id=None, random_norms=True),
 }
 
 
@@ -175,7 +183,8 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "glm": (transformers.GlmConfig, transformers.GlmForCausalLM),
            "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
            "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
-           "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM)}[arch]
+           "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
+           "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

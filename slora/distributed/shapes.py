@@ -35,8 +35,11 @@ def check_degree(cfg: ModelConfig, n: int) -> None:
     if cfg.intermediate_size % n:
         why.append(f"its intermediate size {cfg.intermediate_size} is not divisible by {n}")
     if cfg.qk_norm == "all":
-        why.append("its q and k norms (OLMo 2's) span every head, which slora does not "
+        why.append("its q and k norms (OLMo's) span every head, which slora does not "
                    "gather across devices")
+    if cfg.qk_norm == "heads":
+        why.append("its q and k norms have a weight for each head (Cohere's), which slora "
+                   "does not split across devices")
     if why:
         raise ConfigError(
             f"EngineConfig.tensor_parallel_size={n}: this model cannot be split over {n} "

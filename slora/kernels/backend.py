@@ -102,8 +102,8 @@ class Pending(NamedTuple):
 def _ignoring_feeds(f):
     """`f` taking (and ignoring) the keyword argument `feeds`."""
     @functools.wraps(f)
-    def call(*args, feeds=None):
-        return f(*args)
+    def call(*args, feeds=None, **kw):
+        return f(*args, **kw)
     return staticmethod(call)
 
 
@@ -258,9 +258,9 @@ class TritonBackend(TorchBackend):
         self.rms_norm = fused.rms_norm
         self.rope_write_kv = fused.rope_write_kv
 
-    def add_rms_norm(self, x, delta, weight, eps, feeds=None):
+    def add_rms_norm(self, x, delta, weight, eps, feeds=None, center=False):
         delta, lora = self._ready(delta)
-        return self._fused.add_rms_norm(x, delta, weight, eps, feeds, lora=lora)
+        return self._fused.add_rms_norm(x, delta, weight, eps, feeds, lora=lora, center=center)
 
     def silu_mul(self, gate_up, feeds=None):
         gate_up, lora = self._ready(gate_up)

@@ -48,8 +48,9 @@ def with_lora(v, lora_ptrs, mask):
 @triton.jit
 def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr, N, eps,
                      stride_x, stride_d, stride_l, HAS_DELTA: tl.constexpr,
-                     HAS_LORA: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
-                     MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     HAS_LORA: tl.constexpr, CENTER: tl.constexpr, QUANT: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl.wait(PDL)
     pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -63,6 +64,8 @@ def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr,
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * N + offs, x, mask=m)
     xf = x.to(tl.float32)
+    if CENTER:  # a LayerNorm without bias: the row's mean off first (padding stays 0)
+        xf = tl.where(m, xf - tl.sum(xf, axis=0) / N, 0.0)
     var = tl.sum(xf * xf, axis=0) / N
     y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs, mask=m, other=0.0)
@@ -76,7 +79,7 @@ def _rms_norm_kernel(x_ptr, d_ptr, l_ptr, w_ptr, sum_ptr, out_ptr, q_ptr, s_ptr,
         tl.store(q_ptr + row * N + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
 
-def _norm(x, delta, weight, eps, feeds, lora=None):
+def _norm(x, delta, weight, eps, feeds, lora=None, center=False):
     T, N = x.shape
     out = torch.empty_like(x)
     total = torch.empty_like(x) if delta is not None else x
@@ -90,22 +93,24 @@ def _norm(x, delta, weight, eps, feeds, lora=None):
                                scale, N, eps, x.stride(0), d.stride(0) if delta is not None else 0,
                                lora.stride(0) if lora is not None else 0,
                                HAS_DELTA=delta is not None, HAS_LORA=lora is not None,
-                               QUANT=quant, BLOCK=pow2(N), num_warps=4, **fp8.ROUNDING,
+                               CENTER=center, QUANT=quant, BLOCK=pow2(N), num_warps=4, **fp8.ROUNDING,
                                **pdl.options(x.device))
     return total, Fp8Rows(out, q, scale) if quant else out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds=None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, feeds=None,
+             center: bool = False):
     """RMSNorm of each row; `feeds`: the weight of the GEMM the result goes to, which makes
-    it a `quant.Fp8Rows` where that GEMM rounds its input to E4M3 (`fp8.quantizes`)."""
-    return _norm(x, None, weight, eps, feeds)[1]
+    it a `quant.Fp8Rows` where that GEMM rounds its input to E4M3 (`fp8.quantizes`).
+    `center`: a LayerNorm without bias (each row's mean taken off first)."""
+    return _norm(x, None, weight, eps, feeds, center=center)[1]
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 feeds=None, lora: torch.Tensor | None = None):
-    """(x + delta, its RMSNorm); `feeds` as `rms_norm`'s. `lora`: delta's LoRA rows, not yet
-    added (`with_lora`): delta + lora takes delta's place."""
-    return _norm(x, delta, weight, eps, feeds, lora)
+                 feeds=None, lora: torch.Tensor | None = None, center: bool = False):
+    """(x + delta, its RMSNorm); `feeds` and `center` as `rms_norm`'s. `lora`: delta's LoRA
+    rows, not yet added (`with_lora`): delta + lora takes delta's place."""
+    return _norm(x, delta, weight, eps, feeds, lora, center)
 
 
 @triton.jit

@@ -260,10 +260,14 @@ def added_one_hot(ids: torch.Tensor, vocab: int, width: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- model pieces
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             center: bool = False) -> torch.Tensor:
     """Llama RMSNorm as HF computes it: normalise in float32, scale in the input dtype. A
-    float32 weight (Gemma's folded 1 + w) scales in float32; the result takes x's dtype."""
+    float32 weight (Gemma's folded 1 + w) scales in float32; the result takes x's dtype.
+    `center`: a LayerNorm without bias (Cohere's): each row's mean taken off first."""
     xf = x.float()
+    if center:
+        xf = xf - xf.mean(-1, keepdim=True)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf.to(x.dtype)).to(x.dtype)
 
@@ -293,10 +297,11 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 center: bool = False):
     """The residual add (in x's dtype, as HF adds) and the RMSNorm of the sum: (sum, normed)."""
     s = x + delta
-    return s, rms_norm(s, weight, eps)
+    return s, rms_norm(s, weight, eps, center)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):

@@ -1,11 +1,11 @@
 """One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
 Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3, Helium, Ernie 4.5, GLM, GLM-4,
-EXAONE 4, Seed-OSS.
+EXAONE 4, Seed-OSS, Cohere.
 
 They differ only by configuration (`ModelConfig`):
 - GQA/MQA head counts, head_dim, q/k/v (and o) biases, tied embeddings;
 - rope theta and scaling (linear, llama3, yarn, longrope); rotary over part of each head
-  (Phi-4-mini, GLM) or over interleaved pairs (Helium, Ernie 4.5, GLM), both served by
+  (Phi-4-mini, GLM) or over interleaved pairs (Helium, Ernie 4.5, GLM, Cohere), both served by
   permuting q's and k's rows at load (`ModelConfig.rotary_permutation`); layers without rotary
   (SmolLM3, EXAONE 4);
 - an RMSNorm on q and k (`qk_norm`: per head in Qwen3, Gemma 3 and EXAONE 4, over the whole of
@@ -13,7 +13,8 @@ They differ only by configuration (`ModelConfig`):
 - sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3, OLMo 3, EXAONE 4), with a rope of
   their own, unscaled, in Gemma 3 and OLMo 3;
 - where the norms sit: before attention and the MLP (most), also after each (`sandwich_norms`:
-  Gemma 2/3, GLM-4), or after each alone (`pre_norms` False: OLMo 2/3, EXAONE 4);
+  Gemma 2/3, GLM-4), or after each alone (`pre_norms` False: OLMo 2/3, EXAONE 4); one before
+  attention and the MLP side by side (`parallel_block`: Cohere, whose norms are LayerNorms);
 - Gemma's scaled embeddings and GeGLU, query_pre_attn_scalar as the attention scale and
   soft-capped attention scores and logits (Gemma 2); Granite's multipliers;
 - the checkpoint's names: Phi-3 stores q|k|v and gate|up fused, GLM gate|up (see the loader).
@@ -320,21 +321,26 @@ class LlamaModel:
                                      cfg.num_heads, cfg.num_kv_heads,
                                      window=window, softcap=cfg.attn_softcap or 0.0)
             o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
-                               b.lora, layer, "o", defer=lw.post_attn is None)
+                               b.lora, layer, "o",
+                               defer=lw.post_attn is None and not cfg.parallel_block)
             if self.tp is not None:
                 self.tp.all_reduce(o)
             if lw.post_attn is not None:
-                o = be.rms_norm(o, lw.post_attn, cfg.rms_norm_eps)
-            x, h = self._add_norm(x, o, lw.ln2, lw.gate_up)
+                o = be.rms_norm(o, lw.post_attn, cfg.rms_norm_eps, center=cfg.layer_norm)
+            if not cfg.parallel_block:  # (else the MLP reads attention's input, h)
+                x, h = self._add_norm(x, o, lw.ln2, lw.gate_up)
             gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up",
                                      defer=True)
             act = self.act_mul(gate_up, feeds=lw.down)
             down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down",
-                                  defer=lw.post_mlp is None and layer < end - 1)
+                                  defer=(lw.post_mlp is None and layer < end - 1
+                                         and not cfg.parallel_block))
             if self.tp is not None:
                 self.tp.all_reduce(down)
             if lw.post_mlp is not None:
-                down = be.rms_norm(down, lw.post_mlp, cfg.rms_norm_eps)
+                down = be.rms_norm(down, lw.post_mlp, cfg.rms_norm_eps, center=cfg.layer_norm)
+            if cfg.parallel_block:  # both branches join the residual stream at the next add
+                down = o + down
         return Hidden(x, down)
 
     def _add_norm(self, x: torch.Tensor, delta, weight: torch.Tensor | None, feeds):
@@ -342,26 +348,28 @@ class LlamaModel:
         whose weight is `feeds`). delta None: x as it is (layer 0). weight None (OLMo 2, whose
         layers norm their outputs, not their inputs): the sum is the GEMM's input, and
         `delta` is a tensor (its producer does not defer to this add)."""
-        be, eps = self.backend, self.cfg.rms_norm_eps
+        be, eps, center = self.backend, self.cfg.rms_norm_eps, self.cfg.layer_norm
         if weight is None:
             x = x if delta is None else x + delta
             return x, x
         if delta is None:
-            return x, be.rms_norm(x, weight, eps, feeds=feeds)
-        return be.add_rms_norm(x, delta, weight, eps, feeds=feeds)
+            return x, be.rms_norm(x, weight, eps, feeds=feeds, center=center)
+        return be.add_rms_norm(x, delta, weight, eps, feeds=feeds, center=center)
 
     def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """q|k|v [T, q + 2 kv] with q and k RMS-normalised (ModelConfig.qk_norm: each head
-        over its head_dim elements, Qwen3's and Gemma 3's q_norm, k_norm; or a token's whole q
-        and whole k, OLMo 2's), after the projection and its LoRA, before rotary.
+        over its head_dim elements, under one weight (Qwen3's and Gemma 3's q_norm, k_norm)
+        or a weight of each head's own (Cohere's, a LayerNorm: `layer_norm`); or a token's
+        whole q and whole k, OLMo 2's), after the projection and its LoRA, before rotary.
         Runs in torch on every backend (no fused kernel folds it into the rope kernels): a
         new tensor of plain torch ops, so a CUDA graph captures it like the rest of the step."""
         cfg = self.cfg
         T = qkv.shape[0]
-        d = cfg.head_dim if cfg.qk_norm == "head" else None
+        d = None if cfg.qk_norm == "all" else cfg.head_dim
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        q = ref.rms_norm(q.reshape(T, -1, d or cfg.q_size), lw.q_norm, cfg.rms_norm_eps)
-        k = ref.rms_norm(k.reshape(T, -1, d or cfg.kv_size), lw.k_norm, cfg.rms_norm_eps)
+        q, k = (ref.rms_norm(t.reshape(T, -1, d or t.shape[-1]), w.view(-1, d or t.shape[-1]),
+                             cfg.rms_norm_eps, center=cfg.layer_norm)
+                for t, w in ((q, lw.q_norm), (k, lw.k_norm)))
         return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v), dim=-1)
 
     @torch.inference_mode()
@@ -373,7 +381,8 @@ class LlamaModel:
         (their rows in the last layer's slot of the adapter's pages). `out` (float32 [R,
         vocab + max_added]): written and returned instead of a new tensor."""
         x = (h.x + h.down)[b.logits_index]
-        x = self.backend.rms_norm(x, self.w.norm, self.cfg.rms_norm_eps)
+        x = self.backend.rms_norm(x, self.w.norm, self.cfg.rms_norm_eps,
+                                  center=self.cfg.layer_norm)
         logits = self.backend.linear(x, self.w.lm_head)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits)

@@ -419,16 +419,16 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     ones = torch.ones(h, device=device, dtype=dtype)
-    width = {"head": (cfg.head_dim,) * 2, "all": (cfg.q_size, cfg.kv_size)}.get(cfg.qk_norm)
+    width = ((cfg.head_dim,) * 2 if cfg.qk_norm == "head" else (cfg.q_size, cfg.kv_size)
+             if cfg.qk_norm else None)
     q_norm, k_norm = (None, None) if width is None else (
         torch.ones(n, device=device, dtype=dtype) for n in width)
-    post = ones if cfg.sandwich_norms or not cfg.pre_norms else None
-    pre = ones if cfg.pre_norms else None
-    layers = [LayerWeights(ln1=pre, qkv=rnd(cfg.q_size + 2 * cfg.kv_size, h),
+    ln1, ln2, post_attn, post_mlp = (None if n is None else ones for n in _norm_names(cfg))
+    layers = [LayerWeights(ln1=ln1, qkv=rnd(cfg.q_size + 2 * cfg.kv_size, h),
                            qkv_bias=rnd(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None,
-                           o=rnd(h, cfg.q_size), o_bias=None, ln2=pre, gate_up=rnd(2 * i, h),
-                           down=rnd(h, i), q_norm=q_norm, k_norm=k_norm, post_attn=post,
-                           post_mlp=post)
+                           o=rnd(h, cfg.q_size), o_bias=None, ln2=ln2, gate_up=rnd(2 * i, h),
+                           down=rnd(h, i), q_norm=q_norm, k_norm=k_norm,
+                           post_attn=post_attn, post_mlp=post_mlp)
               for _ in range(cfg.num_layers)]
     embed = rnd(cfg.vocab_size, h)
     return Weights(embed=embed, layers=layers, norm=ones,
@@ -501,8 +501,8 @@ RESIDUAL_MODULES = ("o_proj", "down_proj")  # the residual branches' output laye
 def _norm_names(cfg: ModelConfig) -> tuple[str | None, ...]:
     """A layer's RMSNorms' checkpoint names (None: the layer has none there): its attention's
     input, its MLP's input, its attention's output, its MLP's output. With sandwich norms
-    (Gemma 2/3, GLM-4) all four; without pre-norms (OLMo) the outputs' alone; else the
-    inputs'."""
+    (Gemma 2/3, GLM-4) all four; without pre-norms (OLMo, EXAONE 4) the outputs' alone; in a
+    parallel block (Cohere) the attention's input alone; else the inputs'."""
     if cfg.architecture == "Glm4ForCausalLM":
         return ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm",
                 "post_mlp_layernorm")
@@ -511,6 +511,8 @@ def _norm_names(cfg: ModelConfig) -> tuple[str | None, ...]:
                 "post_feedforward_layernorm")
     if not cfg.pre_norms:
         return (None, None, "post_attention_layernorm", "post_feedforward_layernorm")
+    if cfg.parallel_block:  # (Cohere: the MLP reads the attention's input)
+        return ("input_layernorm", None, None, None)
     return ("input_layernorm", "post_attention_layernorm", None, None)
 
 

@@ -20,14 +20,20 @@ def _rand(*shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N", [64, 96])
-def test_add_rms_norm(dtype, N):
-    x, d, w = _rand(5, N, dtype=dtype), _rand(5, N, dtype=dtype), _rand(N, dtype=dtype)
-    s_ref, y_ref = ref.add_rms_norm(x, d, w, 1e-6)
-    s, y = fused.add_rms_norm(x, d, w, 1e-6)
+@pytest.mark.parametrize("center", [False, True], ids=["rms", "layer"])
+def test_add_rms_norm(dtype, N, center):
+    # center: a LayerNorm without bias (Cohere's); rows off zero mean, so that it shows
+    x, d, w = _rand(5, N, dtype=dtype) + 1, _rand(5, N, dtype=dtype), _rand(N, dtype=dtype)
+    s_ref, y_ref = ref.add_rms_norm(x, d, w, 1e-6, center=center)
+    s, y = fused.add_rms_norm(x, d, w, 1e-6, center=center)
     torch.testing.assert_close(s, s_ref, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(y, y_ref, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
-    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6),
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6, center=center),
+                               ref.rms_norm(x, w, 1e-6, center=center),
                                atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    if center:  # the mean is off: not the RMSNorm of the same rows
+        assert not torch.allclose(y.float(), ref.add_rms_norm(x, d, w, 1e-6)[1].float(),
+                                  atol=0.05)
 
 
 @pytest.mark.parametrize("tb", [1, 16], ids=["token", "token-block"])

@@ -6,7 +6,8 @@ branches, LoRA on the tied lm_head), Gemma 1, SmolLM3 (a layer without rotary), 
 (norms on each layer's outputs; q and k normed over all heads), OLMo 3 (a sliding layer
 with its own rope), Helium, Ernie 4.5, GLM and GLM-4 (rotary over interleaved pairs; GLM's
 fused gate|up and partial rotary, GLM-4's four norms), EXAONE 4 (output norms, no rotary on
-its global layers) and Seed-OSS (a bias on o of its own) in the one parameterised model,
+its global layers), Seed-OSS (a bias on o of its own) and Cohere (LayerNorms, attention and
+MLP side by side, q/k norms with a weight per head) in the one parameterised model,
 fp32 on CPU. Every tiny model here has 8-token sliding windows
 (tests/conftest.py's TINY), shorter than the prompts and outputs.
 
@@ -100,6 +101,13 @@ ADAPTERS = {
     },
     "seed_oss": {
         "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"]),
+    },
+    "cohere": {  # o's and down's rows summed into the residual stream together
+        "all": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["k_proj", "down_proj"]),
+    },
+    "cohere_qk_norm": {
+        "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj"]),
     },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
@@ -437,6 +445,28 @@ def test_exaone4_and_seed_oss_configs(tiny_models):
                                              attention_out_bias=False)).o_bias
 
 
+def test_cohere_configs(tiny_models):
+    """Cohere: LayerNorms (layer_norm_eps), one a layer, attention and MLP side by side,
+    interleaved rotary, logits times logit_scale (divided by its inverse); use_qk_norm's
+    per-head weights, which a tensor-parallel split refuses."""
+    from slora.distributed.shapes import check_degree
+
+    c = ModelConfig.from_dict(_config(tiny_models, "cohere", layer_norm_eps=1e-3))
+    assert (c.layer_norm, c.parallel_block, c.interleaved_rope, c.qk_norm) == \
+        (True, True, True, None)
+    assert (c.rms_norm_eps, c.logits_scaling, c.attention_bias, c.o_bias) == (1e-3, 4.0, True, True)
+    check_degree(c, 2)
+    qk = ModelConfig.from_dict(_config(tiny_models, "cohere_qk_norm"))
+    assert qk.qk_norm == "heads" and qk.logits_scaling == 16.0  # (HF's default logit_scale)
+    from safetensors.torch import load_file  # every fp32 tensor of the checkpoint, counted
+    tensors = load_file(str(tiny_models("cohere_qk_norm") / "model.safetensors"))
+    assert qk.weight_bytes(4) == sum(4 * t.numel() for t in tensors.values())
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*a weight for each head"):
+        check_degree(qk, 2)
+    with pytest.raises(ConfigError, match="logit_scale=0 must be a number > 0"):
+        ModelConfig.from_dict(_config(tiny_models, "cohere", logit_scale=0))
+
+
 def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
     """Gemma's (1 + w) norms are stored as float32 w + 1 (the value HF computes at each call),
     in a bfloat16 model too, where 1 + w in bfloat16 would lose w's low bits."""
@@ -461,12 +491,13 @@ def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
         assert w.embed.dtype == dtype
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3"])
+@pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere"])
 def test_triton_backend_matches_hf(tiny_models, kind):
     """The Triton kernels in Gemma 2 (sliding-window and soft-capped attention in decode and
     prefill, GeGLU, norms with float32 weights), OLMo 2 (residual adds without input norms,
-    so no LoRA rows handed to them) and SmolLM3 (a layer without rotary, in the fused decode
-    kernel too): a step mixing decode rows with prompts (longer than Gemma's window), then
+    so no LoRA rows handed to them), SmolLM3 (a layer without rotary, in the fused decode
+    kernel too) and Cohere (LayerNorms in the fused norm kernel, attention and MLP side by
+    side): a step mixing decode rows with prompts (longer than Gemma's window), then
     decode past it, equal HF's greedy tokens and log-probs."""
     model_dir = tiny_models(kind)
     engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
