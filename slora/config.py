@@ -501,7 +501,7 @@ class ModelConfig:
             if kind == "default":
                 scaling = None
             elif kind == "yarn":
-                scaling = _yarn(scaling, c, max_pos, gemma3, source)
+                scaling = _yarn(scaling, c, max_pos, source)
             elif kind == "longrope":
                 scaling = _longrope(scaling, c, max_pos, rotary_dim, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
@@ -637,7 +637,7 @@ class ModelConfig:
         return rest + L * linear * dtype_bytes
 
 
-def _yarn(s: dict, c: dict, max_pos: int, gemma3: bool, source: str) -> dict:
+def _yarn(s: dict, c: dict, max_pos: int, source: str) -> dict:
     """A YaRN rope_scaling with every field HF reads settled, as HF settles it: the factor
     (or max_position_embeddings / original_max_position_embeddings where it is null), the
     pretraining length (a top-level original_max_position_embeddings first, else the
@@ -647,10 +647,6 @@ def _yarn(s: dict, c: dict, max_pos: int, gemma3: bool, source: str) -> dict:
     def bad(key, why):
         return ConfigError(f"{source}: rope_scaling (yarn) {key}={s.get(key)!r} {why}")
 
-    if gemma3:
-        raise ConfigError(f"{source}: rope_scaling type 'yarn' is not supported on Gemma 3 "
-                          "(its sliding layers keep their own unscaled rope; supported: "
-                          "linear)")
     original = c.get("original_max_position_embeddings") or s.get(
         "original_max_position_embeddings") or max_pos
     if not (is_int(original) and original > 0):

@@ -73,6 +73,14 @@ TINY = {
     "gemma3": dict(arch="gemma3", num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                    query_pre_attn_scalar=48, sliding_window=8, sliding_window_pattern=2,
                    rope_theta=10000.0, rope_local_base_freq=100.0, random_norms=True),
+    # Gemma 3 with YaRN on its global layer: the sliding one keeps its own rope, unscaled
+    "gemma3_yarn": dict(arch="gemma3", num_attention_heads=4, num_key_value_heads=1,
+                        head_dim=32, query_pre_attn_scalar=48, sliding_window=8,
+                        sliding_window_pattern=2, random_norms=True,
+                        rope_parameters={"full_attention": {
+                            "rope_type": "yarn", "factor": 4.0,
+                            "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
     # Phi-3.5's LongRoPE, served within original_max_position_embeddings (its short factors)
     "phi3_longrope": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2,
                           pad_token_id=None, max_position_embeddings=1024,

@@ -90,10 +90,10 @@ def test_lora_rows_added_by_the_next_kernel_give_the_same_logprobs(tiny_model_di
         seen.append(isinstance(t, backend.Pending))
         return ready(self, t)
 
-    def noting(self, x, delta, weight, eps, feeds=None):
+    def noting(self, x, delta, weight, eps, feeds=None, **kw):
         # a layer's first residual add (before its ln1) takes the layer before's down
         handed.append(weight.data_ptr() in ln1 and isinstance(delta, backend.Pending))
-        return add_rms_norm(self, x, delta, weight, eps, feeds)
+        return add_rms_norm(self, x, delta, weight, eps, feeds, **kw)
 
     def run():
         e = Engine(EngineConfig(model=str(tiny_model_dir), device=DEVICE, dtype=dtype,

@@ -324,10 +324,6 @@ def test_yarn_configs_say_why(tiny_models):
         with pytest.raises(ConfigError, match=r"rope_scaling \(yarn\) " + why):
             ModelConfig.from_dict(_config(tiny_models, "qwen2",
                                           rope_scaling={"rope_type": "yarn", **bad}))
-    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    with pytest.raises(ConfigError, match="'yarn' is not supported on Gemma 3"):
-        ModelConfig.from_dict(_config(tiny_models, "gemma3", rope_parameters={
-            "full_attention": yarn, "sliding_attention": {"rope_type": "default"}}))
     with pytest.raises(ConfigError, match=r"type 'dynamic' is not supported \(supported: "
                                           r"linear, llama3, yarn, longrope"):
         ModelConfig.from_dict(_config(tiny_models, "llama",
@@ -385,6 +381,9 @@ def test_gemma1_smollm3_olmo_configs(tiny_models):
         check_degree(o2, 2)
     check_degree(ModelConfig.from_dict(_config(tiny_models, "qwen3")), 2)  # (per-head norms)
     # OLMo 3: YaRN on the full layers; the sliding ones keep their own rope, unscaled
+    g3 = ModelConfig.from_dict(_config(tiny_models, "gemma3_yarn"))  # (as OLMo 3's below)
+    assert (g3.rope_kind, g3.rope_local_theta, g3.attn_scale_local) == ("yarn", 100.0, 48 ** -0.5)
+    assert g3.attn_scale == pytest.approx(g3.rope_attention_factor ** 2 / math.sqrt(48))
     o3 = ModelConfig.from_dict(_config(tiny_models, "olmo3"))
     assert (o3.qk_norm, o3.pre_norms, o3.sliding_layers, o3.window(0), o3.window(1)) == \
         ("all", False, (0,), 8, 0)
