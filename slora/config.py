@@ -38,11 +38,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
                            "Glm4ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM",
-                           "CohereForCausalLM")
+                           "CohereForCausalLM", "Cohere2ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
-                    "Glm4ForCausalLM", "CohereForCausalLM")
+                    "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
 # The families whose attention has q/k/v biases but none on o_proj (Qwen2's always on)
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "HeliumForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM")
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
@@ -326,7 +326,7 @@ class ModelConfig:
     # others.
     rope_local_theta: float | None = None
     # SmolLM3: the layers that apply no rotary to q and k (its no_rope_layers' zeros); EXAONE 4
-    # with a sliding window: its global layers.
+    # with a sliding window, and Cohere 2: their global layers.
     nope_layers: tuple[int, ...] = ()
     # Granite: token embeddings times embed_multiplier (exact, as HF multiplies by the float);
     # each residual branch (attention's and the MLP's output) times residual_multiplier,
@@ -442,7 +442,7 @@ class ModelConfig:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (slora's MLP is "
                               "SwiGLU, silu(gate) * up, or GeGLU, gelu_pytorch_tanh(gate) * up)")
         granite = arch == "GraniteForCausalLM"
-        cohere = arch == "CohereForCausalLM"
+        cohere = arch in ("CohereForCausalLM", "Cohere2ForCausalLM")
         positive = ((("query_pre_attn_scalar", "attn_logit_softcapping",
                       "final_logit_softcapping") if gemma else ())
                     + (("embedding_multiplier", "residual_multiplier", "attention_multiplier",
@@ -506,8 +506,9 @@ class ModelConfig:
                 scaling = _longrope(scaling, c, max_pos, rotary_dim, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
         nope = _nope_layers(c, source) if arch == "SmolLM3ForCausalLM" else ()
-        # EXAONE 4 with a sliding window: rotary on the sliding layers alone
-        if arch == "Exaone4ForCausalLM" and c.get("sliding_window") is not None:
+        # rotary on the sliding layers alone: Cohere 2 always, EXAONE 4 with a sliding window
+        if arch == "Cohere2ForCausalLM" or (arch == "Exaone4ForCausalLM"
+                                             and c.get("sliding_window") is not None):
             nope = tuple(i for i in range(c["num_hidden_layers"]) if i not in sliding)
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -709,8 +710,8 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
     where it lists them, else the family's rule: Mistral and Phi-3 every layer, Qwen2/3
     (with use_sliding_window) the layers from max_window_layers on, Gemma 2 every other layer
     from layer 0, Gemma 3 all but every sliding_window_pattern-th, SmolLM3 (with
-    use_sliding_window) its layers without rotary, OLMo 3 all but every fourth, EXAONE 4 all
-    but every sliding_window_pattern-th. Llama, Gemma 1 and OLMo 2 have none."""
+    use_sliding_window) its layers without rotary, OLMo 3 all but every fourth, EXAONE 4 and
+    Cohere 2 all but every sliding_window_pattern-th. Llama, Gemma 1 and OLMo 2 have none."""
     window = c.get("sliding_window")
     if arch.startswith(("Qwen", "SmolLM3")) and not c.get("use_sliding_window"):
         window = None
@@ -737,7 +738,7 @@ def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[
         layers = list(_nope_layers(c, source))
     elif arch == "Olmo3ForCausalLM":
         layers = [i for i in range(n) if (i + 1) % 4]
-    elif arch == "Exaone4ForCausalLM":
+    elif arch in ("Exaone4ForCausalLM", "Cohere2ForCausalLM"):
         every = c.get("sliding_window_pattern", 4)
         if not is_int(every) or every < 1:
             raise ConfigError(f"{source}: sliding_window_pattern={every!r} without layer_types: "

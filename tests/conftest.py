@@ -143,6 +143,10 @@ TINY = {
                    random_biases=True),
     "cohere_qk_norm": dict(arch="cohere", num_attention_heads=4, num_key_value_heads=2,
                            use_qk_norm=True, pad_token_id=None, random_norms=True),
+    # Cohere 2 (Command R7B): Cohere with a sliding layer (rotary) and a global one (none)
+    "cohere2": dict(arch="cohere2", num_attention_heads=4, num_key_value_heads=2,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                    logit_scale=0.5, pad_token_id=None, random_norms=True),
 }
 
 
@@ -192,7 +196,8 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
            "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
            "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
-           "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM)}[arch]
+           "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
+           "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

@@ -1,13 +1,13 @@
 """One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
 Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3, Helium, Ernie 4.5, GLM, GLM-4,
-EXAONE 4, Seed-OSS, Cohere.
+EXAONE 4, Seed-OSS, Cohere 1 and 2.
 
 They differ only by configuration (`ModelConfig`):
 - GQA/MQA head counts, head_dim, q/k/v (and o) biases, tied embeddings;
 - rope theta and scaling (linear, llama3, yarn, longrope); rotary over part of each head
   (Phi-4-mini, GLM) or over interleaved pairs (Helium, Ernie 4.5, GLM, Cohere), both served by
   permuting q's and k's rows at load (`ModelConfig.rotary_permutation`); layers without rotary
-  (SmolLM3, EXAONE 4);
+  (SmolLM3, EXAONE 4, Cohere 2);
 - an RMSNorm on q and k (`qk_norm`: per head in Qwen3, Gemma 3 and EXAONE 4, over the whole of
   q and of k in OLMo 2 and 3);
 - sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3, OLMo 3, EXAONE 4), with a rope of

@@ -109,6 +109,9 @@ ADAPTERS = {
     "cohere_qk_norm": {
         "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj"]),
     },
+    "cohere2": {
+        "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+    },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
         "mlp": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"],
@@ -447,7 +450,8 @@ def test_exaone4_and_seed_oss_configs(tiny_models):
 def test_cohere_configs(tiny_models):
     """Cohere: LayerNorms (layer_norm_eps), one a layer, attention and MLP side by side,
     interleaved rotary, logits times logit_scale (divided by its inverse); use_qk_norm's
-    per-head weights, which a tensor-parallel split refuses."""
+    per-head weights, which a tensor-parallel split refuses. Cohere 2 adds sliding layers,
+    the only ones with rotary."""
     from slora.distributed.shapes import check_degree
 
     c = ModelConfig.from_dict(_config(tiny_models, "cohere", layer_norm_eps=1e-3))
@@ -464,6 +468,13 @@ def test_cohere_configs(tiny_models):
         check_degree(qk, 2)
     with pytest.raises(ConfigError, match="logit_scale=0 must be a number > 0"):
         ModelConfig.from_dict(_config(tiny_models, "cohere", logit_scale=0))
+    # Cohere 2: rotary on its sliding layers alone (every fourth global, without layer_types)
+    c2 = ModelConfig.from_dict(_config(tiny_models, "cohere2"))
+    assert (c2.layer_norm, c2.parallel_block, c2.sliding_layers, c2.nope_layers) == \
+        (True, True, (0,), (1,))
+    old = ModelConfig.from_dict(_config(tiny_models, "cohere2", layer_types=None,
+                                        num_hidden_layers=8))
+    assert old.sliding_layers == (0, 1, 2, 4, 5, 6) and old.nope_layers == (3, 7)
 
 
 def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
