@@ -38,7 +38,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
                            "Glm4ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM",
-                           "CohereForCausalLM", "Cohere2ForCausalLM")
+                           "CohereForCausalLM", "Cohere2ForCausalLM", "MixtralForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
@@ -296,6 +296,11 @@ class ModelConfig:
     # Cohere: attention and the MLP read the same normed input and both add to the residual
     # stream (x + attn(ln(x)) + mlp(ln(x))): one norm a layer.
     parallel_block: bool = False
+    # Mixtral: each layer's MLP is `num_experts` experts (each an MLP of intermediate_size),
+    # of which a router picks `experts_per_token` for each token, their outputs weighted by
+    # the router's softmax renormalised over the picked ones. 0: a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
     # The MLP's activation, one of ACTIVATIONS (Gemma: GeGLU, "gelu_pytorch_tanh").
     hidden_act: str = "silu"
     # Gemma: each RMSNorm scales by (1 + w); the loader folds the 1 in (see loader.load_weights).
@@ -505,6 +510,12 @@ class ModelConfig:
             elif kind == "longrope":
                 scaling = _longrope(scaling, c, max_pos, rotary_dim, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
+        experts = c.get("num_local_experts", 8) if arch == "MixtralForCausalLM" else 0
+        if experts and not (is_int(experts) and experts >= 1 and is_int(
+                c.get("num_experts_per_tok", 2)) and 1 <= c.get("num_experts_per_tok", 2) <= experts):
+            raise ConfigError(f"{source}: num_local_experts={experts!r} and num_experts_per_tok="
+                              f"{c.get('num_experts_per_tok')!r} must be integers with "
+                              "1 <= num_experts_per_tok <= num_local_experts")
         nope = _nope_layers(c, source) if arch == "SmolLM3ForCausalLM" else ()
         # rotary on the sliding layers alone: Cohere 2 always, EXAONE 4 with a sliding window
         if arch == "Cohere2ForCausalLM" or (arch == "Exaone4ForCausalLM"
@@ -556,6 +567,8 @@ class ModelConfig:
                             else 1.0),
             layer_norm=cohere,
             parallel_block=cohere,
+            num_experts=experts,
+            experts_per_token=c.get("num_experts_per_tok", 2) if experts else 0,
             rotary_dim=rotary_dim,
             interleaved_rope=arch in INTERLEAVED_ROPE,
         )
@@ -593,10 +606,11 @@ class ModelConfig:
 
     @property
     def checkpoint_modules(self) -> tuple[str, ...]:
-        """The linear modules' names in the checkpoint (and in PEFT adapters' keys): each of
-        LORA_MODULES, or the fused module that holds it."""
+        """The linear modules' names in the checkpoint (and in PEFT adapters' keys) that
+        adapters may target: each of LORA_MODULES, or the fused module that holds it; with
+        experts (Mixtral) the attention's alone."""
         names = [next((f for f in self.fused_modules if m in FUSED_MODULES[f]), m)
-                 for m in LORA_MODULES]
+                 for m in LORA_MODULES[:4 if self.num_experts else None]]
         return tuple(dict.fromkeys(names))
 
     def module_dims(self, module: str) -> tuple[int, int]:
@@ -625,8 +639,10 @@ class ModelConfig:
         """Bytes of the base model's weights (biases left out). quantization "fp8": the linear
         layers' weights take one byte each and a 4-byte scale per output channel."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
-        linear = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
-        rows = self.q_size + 2 * self.kv_size + h + 2 * i + h  # output channels of a layer
+        experts = self.num_experts or 1
+        linear = (h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i * experts
+                  + self.num_experts * h)  # (a router's [experts, hidden] with experts)
+        rows = self.q_size + 2 * self.kv_size + h + (2 * i + h) * experts  # output channels
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         per_layer = (4 if self.sandwich_norms else 1 if self.parallel_block else 2) * h
         qk = {"head": 2 * self.head_dim}.get(self.qk_norm, self.q_size + self.kv_size) \

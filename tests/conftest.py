@@ -147,6 +147,9 @@ TINY = {
     "cohere2": dict(arch="cohere2", num_attention_heads=4, num_key_value_heads=2,
                     sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                     logit_scale=0.5, pad_token_id=None, random_norms=True),
+    # Mixtral: a mixture of 4 experts a layer, 2 picked for each token
+    "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2,
+                    num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -197,7 +200,8 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM),
            "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
            "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
-           "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM)}[arch]
+           "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM),
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

@@ -37,6 +37,8 @@ def check_degree(cfg: ModelConfig, n: int) -> None:
     if cfg.qk_norm == "all":
         why.append("its q and k norms (OLMo's) span every head, which slora does not "
                    "gather across devices")
+    if cfg.num_experts:
+        why.append("its experts (a mixture-of-experts MLP) are not split across devices")
     if cfg.qk_norm == "heads":
         why.append("its q and k norms have a weight for each head (Cohere's), which slora "
                    "does not split across devices")

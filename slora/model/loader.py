@@ -83,6 +83,9 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     if cfg.mlp_bias:
         raise ValueError(f"{path}: mlp_bias=True is not supported")
     scheme = _quant_scheme(path)
+    if scheme is not None and cfg.num_experts:
+        raise ConfigError(f"model directory {path}: an FP8 checkpoint of a mixture-of-experts "
+                          "model is not supported (its experts are served in the model dtype)")
     tensors = _read_tensors(path)
     _check_quantized_modules(tensors, cfg, path, fp8=scheme is not None)
 
@@ -166,6 +169,13 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             else [a + f"{m}_proj" for m in "qkv"]
         gate_up = [p + "mlp.gate_up_proj"] if "gate_up_proj" in cfg.fused_modules \
             else [p + "mlp.gate_proj", p + "mlp.up_proj"]
+        router = None
+        if cfg.num_experts:  # Mixtral's experts: w1 (gate), w3 (up), w2 (down) each
+            e = [f"{p}block_sparse_moe.experts.{k}." for k in range(cfg.num_experts)]
+            router = get(p + "block_sparse_moe.gate.weight")
+            mlp = (torch.stack([torch.cat((get(x + "w1.weight"), get(x + "w3.weight")))
+                                for x in e]),
+                   torch.stack([get(x + "w2.weight") for x in e]))
         ln1, ln2, post_attn, post_mlp = (
             None if n is None else norm(f"{p}{n}.weight") for n in _norm_names(cfg))
         layers.append(LayerWeights(
@@ -175,8 +185,9 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             o=residual(fused([a + "o_proj"])),
             o_bias=residual(maybe(a + "o_proj.bias") if cfg.o_bias else None),
             ln2=ln2,
-            gate_up=fused(gate_up),
-            down=residual(fused([p + "mlp.down_proj"])),
+            gate_up=mlp[0] if router is not None else fused(gate_up),
+            down=mlp[1] if router is not None else residual(fused([p + "mlp.down_proj"])),
+            router=router,
             q_norm=served_norm(a + "q_norm.weight"),
             k_norm=served_norm(a + "k_norm.weight"),
             post_attn=post_attn,
@@ -424,11 +435,13 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     q_norm, k_norm = (None, None) if width is None else (
         torch.ones(n, device=device, dtype=dtype) for n in width)
     ln1, ln2, post_attn, post_mlp = (None if n is None else ones for n in _norm_names(cfg))
+    experts = (cfg.num_experts,) if cfg.num_experts else ()
     layers = [LayerWeights(ln1=ln1, qkv=rnd(cfg.q_size + 2 * cfg.kv_size, h),
                            qkv_bias=rnd(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None,
-                           o=rnd(h, cfg.q_size), o_bias=None, ln2=ln2, gate_up=rnd(2 * i, h),
-                           down=rnd(h, i), q_norm=q_norm, k_norm=k_norm,
-                           post_attn=post_attn, post_mlp=post_mlp)
+                           o=rnd(h, cfg.q_size), o_bias=None, ln2=ln2,
+                           gate_up=rnd(*experts, 2 * i, h), down=rnd(*experts, h, i),
+                           q_norm=q_norm, k_norm=k_norm, post_attn=post_attn, post_mlp=post_mlp,
+                           router=rnd(cfg.num_experts, h) if experts else None)
               for _ in range(cfg.num_layers)]
     embed = rnd(cfg.vocab_size, h)
     return Weights(embed=embed, layers=layers, norm=ones,
@@ -734,6 +747,10 @@ class PeftAdapter:
         if c.get("modules_to_save"):
             self._fail(f, f"modules_to_save={c['modules_to_save']!r} is not supported "
                        "(only LoRA weights are served)")
+        if c.get("target_parameters"):
+            self._fail(f, f"target_parameters={c['target_parameters']!r} is not supported "
+                       "(LoRA on parameters, such as a mixture of experts' stacked experts; "
+                       f"served: target_modules among {', '.join(self.cfg.checkpoint_modules)})")
         r = c.get("r")
         if not is_int(r) or r < 1:
             self._fail(f, f"rank r={r!r} must be an integer >= 1")

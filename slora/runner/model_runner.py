@@ -26,7 +26,8 @@ import contextlib
 
 import torch
 
-from slora.config import LORA_MODULES, EngineConfig, ModelConfig, cdiv, max_model_len, round_up
+from slora.config import (LORA_MODULES, ConfigError, EngineConfig, ModelConfig, cdiv, max_model_len,
+                          round_up)
 from slora.core.adapters import AdapterManager
 from slora.core.scheduler import SchedulerPlan
 from slora.graphs import StepGraphs, piece_starts
@@ -125,6 +126,10 @@ class ModelRunner:
         # sized below from the device's free memory takes their place.
         prequantized = any(isinstance(getattr(lw, f), Fp8Weight)
                            for lw in weights.layers for f in LINEAR_FIELDS)
+        if config.quantization == "fp8" and full_config.num_experts:
+            raise ConfigError("EngineConfig.quantization='fp8' is not supported with a "
+                              "mixture-of-experts model (its experts are served in the model "
+                              "dtype); leave quantization None")
         if config.quantization == "fp8" or prequantized:
             weights = quantize_weights(weights)
             if self.device.type == "cuda":

@@ -7,7 +7,8 @@ branches, LoRA on the tied lm_head), Gemma 1, SmolLM3 (a layer without rotary), 
 with its own rope), Helium, Ernie 4.5, GLM and GLM-4 (rotary over interleaved pairs; GLM's
 fused gate|up and partial rotary, GLM-4's four norms), EXAONE 4 (output norms, no rotary on
 its global layers), Seed-OSS (a bias on o of its own) and Cohere (LayerNorms, attention and
-MLP side by side, q/k norms with a weight per head) in the one parameterised model,
+MLP side by side, q/k norms with a weight per head) and Mixtral (a mixture of experts) in the
+one parameterised model,
 fp32 on CPU. Every tiny model here has 8-token sliding windows
 (tests/conftest.py's TINY), shorter than the prompts and outputs.
 
@@ -111,6 +112,10 @@ ADAPTERS = {
     },
     "cohere2": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+    },
+    "mixtral": {  # LoRA on the attention (the experts take none)
+        "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["v_proj", "o_proj"]),
     },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
@@ -477,6 +482,43 @@ def test_cohere_configs(tiny_models):
     assert old.sliding_layers == (0, 1, 2, 4, 5, 6) and old.nope_layers == (3, 7)
 
 
+def test_mixtral_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_path):
+    """Mixtral: its experts and top-k read from config.json and counted in the weights'
+    bytes; adapters on the attention serve, on the experts are refused naming the modules,
+    as are FP8 weights and a tensor-parallel split."""
+    from safetensors.torch import load_file
+
+    from slora.distributed.shapes import check_degree
+
+    model_dir = tiny_models("mixtral")
+    m = ModelConfig.from_dict(_config(tiny_models, "mixtral"))
+    assert (m.num_experts, m.experts_per_token) == (4, 2)
+    assert m.checkpoint_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    assert m.weight_bytes(4) == sum(4 * t.numel() for t in tensors.values())
+    with pytest.raises(ConfigError, match="num_local_experts=4 and num_experts_per_tok=5"):
+        ModelConfig.from_dict(_config(tiny_models, "mixtral", num_experts_per_tok=5))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*experts"):
+        check_degree(m, 2)
+    with pytest.raises(ConfigError, match="quantization='fp8' is not supported with a "
+                                          "mixture-of-experts model"):
+        Engine(EngineConfig(model=str(model_dir), device="cpu", quantization="fp8",
+                            num_pages=16))
+    e = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_pages=32))
+    experts = adapter_factory(model_dir, target_modules=["q_proj", "w1", "w2", "w3"])
+    with pytest.raises(AdapterError, match=r"target_parameters=\[.*'gate_up_proj'.*\] "
+                                           r"is not supported .* served: target_modules among "
+                                           r"q_proj, k_proj, v_proj, o_proj"):
+        e.add_adapter("experts", experts)  # (PEFT's form of LoRA on the experts)
+    conf = json.loads((experts / "adapter_config.json").read_text())
+    conf.update(target_modules=["q_proj", "w2"], target_parameters=None)
+    (experts / "adapter_config.json").write_text(json.dumps(conf))
+    with pytest.raises(AdapterError, match=r"target_modules \['w2'\] are not linear modules "
+                                           r"of this MixtralForCausalLM model"):
+        e.add_adapter("experts", experts)
+    assert e.list_adapters() == []
+
+
 def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
     """Gemma's (1 + w) norms are stored as float32 w + 1 (the value HF computes at each call),
     in a bfloat16 model too, where 1 + w in bfloat16 would lose w's low bits."""
@@ -501,13 +543,13 @@ def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
         assert w.embed.dtype == dtype
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere"])
+@pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere", "mixtral"])
 def test_triton_backend_matches_hf(tiny_models, kind):
     """The Triton kernels in Gemma 2 (sliding-window and soft-capped attention in decode and
     prefill, GeGLU, norms with float32 weights), OLMo 2 (residual adds without input norms,
     so no LoRA rows handed to them), SmolLM3 (a layer without rotary, in the fused decode
-    kernel too) and Cohere (LayerNorms in the fused norm kernel, attention and MLP side by
-    side): a step mixing decode rows with prompts (longer than Gemma's window), then
+    kernel too), Cohere (LayerNorms in the fused norm kernel, attention and MLP side by
+    side) and Mixtral (the experts' GLU through the fused kernel): a step mixing decode rows with prompts (longer than Gemma's window), then
     decode past it, equal HF's greedy tokens and log-probs."""
     model_dir = tiny_models(kind)
     engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
