@@ -511,10 +511,10 @@ class ModelConfig:
                 scaling = _longrope(scaling, c, max_pos, rotary_dim, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
         experts = c.get("num_local_experts", 8) if arch == "MixtralForCausalLM" else 0
-        if experts and not (is_int(experts) and experts >= 1 and is_int(
-                c.get("num_experts_per_tok", 2)) and 1 <= c.get("num_experts_per_tok", 2) <= experts):
+        per_token = c.get("num_experts_per_tok", 2) if experts else 0
+        if experts and not (is_int(experts) and is_int(per_token) and 1 <= per_token <= experts):
             raise ConfigError(f"{source}: num_local_experts={experts!r} and num_experts_per_tok="
-                              f"{c.get('num_experts_per_tok')!r} must be integers with "
+                              f"{per_token!r} must be integers with "
                               "1 <= num_experts_per_tok <= num_local_experts")
         nope = _nope_layers(c, source) if arch == "SmolLM3ForCausalLM" else ()
         # rotary on the sliding layers alone: Cohere 2 always, EXAONE 4 with a sliding window
@@ -568,7 +568,7 @@ class ModelConfig:
             layer_norm=cohere,
             parallel_block=cohere,
             num_experts=experts,
-            experts_per_token=c.get("num_experts_per_tok", 2) if experts else 0,
+            experts_per_token=per_token,
             rotary_dim=rotary_dim,
             interleaved_rope=arch in INTERLEAVED_ROPE,
         )
@@ -581,15 +581,17 @@ class ModelConfig:
         (HF multiplies the rotary's cos and sin by that factor, so q and k each carry it;
         slora rotates without it and scales the scores.)"""
         m = self.rope_attention_factor
-        base = self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
-        return base * m * m
+        return self._plain_scale * m * m
 
     @property
     def attn_scale_local(self) -> float:
         """The sliding layers' scores' scale: `attn_scale`, without the rope's attention factor
         where those layers have a rope of their own (rope_local_theta)."""
-        if self.rope_local_theta is None:
-            return self.attn_scale
+        return self.attn_scale if self.rope_local_theta is None else self._plain_scale
+
+    @property
+    def _plain_scale(self) -> float:
+        """The scores' scale before any rope attention factor."""
         return self.attention_multiplier or (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def window(self, layer: int) -> int:

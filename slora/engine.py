@@ -193,10 +193,8 @@ class Engine:
 
     def _register(self, name, layout, source, pack, shared=None, identity=None) -> None:
         limit = self.config.max_lora_rank
-        rank = max((r for layer in layout.ranks for r in layer), default=0)
-        rank = max(rank, *layout.vocab_ranks)
-        if limit is not None and rank > limit:
-            raise AdapterError(f"adapter {name!r}: its rank {rank} is past "
+        if limit is not None and layout.max_rank > limit:
+            raise AdapterError(f"adapter {name!r}: its rank {layout.max_rank} is past "
                                f"EngineConfig.max_lora_rank={limit}; raise max_lora_rank "
                                "(--max-lora-rank) or leave it unset for any rank", adapter=name)
         layout, pack = self.runner.adapter_view(name, layout, pack)  # (a rank's, under TP)

@@ -249,14 +249,17 @@ class LlamaModel:
         self.w = weights
         self.backend = backend
         self.block_size = block_size
-        self.inv_freq = rope_inv_freq(cfg).to(weights.embed.device)
-        # Gemma 3's and OLMo 3's sliding layers: their own rope base, unscaled
-        self.inv_freq_local = self.inv_freq if cfg.rope_local_theta is None else rope_inv_freq(
-            replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)).to(
-                weights.embed.device)
-        # SmolLM3's layers without rotary: frequencies of zero (cos 1, sin 0) leave q and k
-        self.inv_freq_none = torch.zeros_like(self.inv_freq)
-        self.scale, self.scale_local = cfg.attn_scale, cfg.attn_scale_local
+        # Each layer's (rotary inverse frequencies, attention scale): the model's; on sliding
+        # layers with a rope of their own (Gemma 3, OLMo 3) that rope's, unscaled, and the
+        # scale without its attention factor; on layers without rotary (SmolLM3, EXAONE 4,
+        # Cohere 2) frequencies of zero (cos 1, sin 0 leave q and k as they are).
+        full = rope_inv_freq(cfg).to(weights.embed.device)
+        local = full if cfg.rope_local_theta is None else rope_inv_freq(
+            replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)).to(full.device)
+        none = torch.zeros_like(full)
+        self.rope = [(none if layer in cfg.nope_layers else local if cfg.window(layer) else full,
+                      cfg.attn_scale_local if cfg.window(layer) else cfg.attn_scale)
+                     for layer in range(cfg.num_layers)]
         # Gemma's scale rounded to the dtype, as HF multiplies by a tensor of it; Granite's
         # multiplier as it is, as HF multiplies by the float
         self.embed_scale = cfg.embed_multiplier if cfg.embed_scale is None else float(
@@ -318,13 +321,10 @@ class LlamaModel:
                                  defer=lw.q_norm is None)
             if lw.q_norm is not None:
                 qkv = self._qk_norm(qkv, lw)
-            window = cfg.window(layer)
-            inv_freq = (self.inv_freq_none if layer in cfg.nope_layers
-                        else self.inv_freq_local if window else self.inv_freq)
-            attn = be.rope_attention(qkv, inv_freq, kc, vc, b,
-                                     self.scale_local if window else self.scale,
-                                     cfg.num_heads, cfg.num_kv_heads,
-                                     window=window, softcap=cfg.attn_softcap or 0.0)
+            inv_freq, scale = self.rope[layer]
+            attn = be.rope_attention(qkv, inv_freq, kc, vc, b, scale, cfg.num_heads,
+                                     cfg.num_kv_heads, window=cfg.window(layer),
+                                     softcap=cfg.attn_softcap or 0.0)
             o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
                                b.lora, layer, "o",
                                defer=lw.post_attn is None and not cfg.parallel_block)

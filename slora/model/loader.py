@@ -142,8 +142,8 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
 
     def served_norm(name: str) -> torch.Tensor | None:
         """A q or k norm's weight (ModelConfig.qk_norm; None without), each head's elements
-        in the served order (`rotary_permutation`): one head's [head_dim] or ("all") every
-        head's."""
+        in the served order (`rotary_permutation`): one head's [head_dim], or every head's
+        ("heads", "all")."""
         if not cfg.qk_norm:
             return None
         w = norm(name)
@@ -164,7 +164,8 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         qkv_bias = None
         if cfg.attention_bias:
             qkv_bias = torch.cat([get(a + f"{m}_proj.bias") for m in "qkv"])
-        # Phi-3 stores q|k|v and gate|up already fused, in the rows' order slora uses.
+        # Phi-3 stores q|k|v and gate|up already fused, GLM gate|up, in the rows' order slora
+        # uses (ModelConfig.fused_modules).
         qkv = [a + "qkv_proj"] if "qkv_proj" in cfg.fused_modules \
             else [a + f"{m}_proj" for m in "qkv"]
         gate_up = [p + "mlp.gate_up_proj"] if "gate_up_proj" in cfg.fused_modules \
