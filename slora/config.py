@@ -38,13 +38,20 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
                            "Glm4ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM",
-                           "CohereForCausalLM", "Cohere2ForCausalLM", "MixtralForCausalLM")
+                           "CohereForCausalLM", "Cohere2ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
                     "Glm4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
-# The families whose attention has q/k/v biases but none on o_proj (Qwen2's always on)
-QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "HeliumForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM")
+# The families whose attention has q/k/v biases but none on o_proj (Qwen2's always on, Qwen2-MoE's
+# unless its qkv_bias is false)
+QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "HeliumForCausalLM", "GlmForCausalLM",
+                 "Glm4ForCausalLM")
+# The mixtures of experts: architecture -> its config's key for the experts' count (Qwen's
+# num_experts, which transformers 5 writes as num_local_experts)
+MOE = {"MixtralForCausalLM": "num_local_experts", "Qwen2MoeForCausalLM": "num_experts",
+       "Qwen3MoeForCausalLM": "num_experts"}
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The rope_scaling types served (rope_inv_freq in slora/model/llama.py computes each).
@@ -296,11 +303,18 @@ class ModelConfig:
     # Cohere: attention and the MLP read the same normed input and both add to the residual
     # stream (x + attn(ln(x)) + mlp(ln(x))): one norm a layer.
     parallel_block: bool = False
-    # Mixtral: each layer's MLP is `num_experts` experts (each an MLP of intermediate_size),
-    # of which a router picks `experts_per_token` for each token, their outputs weighted by
-    # the router's softmax renormalised over the picked ones. 0: a dense MLP.
+    # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of each layer not in
+    # `dense_layers` is `num_experts` experts (each a GLU of expert_intermediate_size), of which
+    # a router picks `experts_per_token` for each token, their outputs weighted by the router's
+    # softmax (renormalised over the picked ones where `norm_topk_prob`). `shared_expert`
+    # (Qwen2-MoE): such a layer also runs a dense MLP of intermediate_size on every token, its
+    # output times sigmoid(shared_gate . x). 0 experts: every layer's MLP is dense.
     num_experts: int = 0
     experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+    shared_expert: bool = False
     # The MLP's activation, one of ACTIVATIONS (Gemma: GeGLU, "gelu_pytorch_tanh").
     hidden_act: str = "silu"
     # Gemma: each RMSNorm scales by (1 + w); the loader folds the 1 in (see loader.load_weights).
@@ -485,7 +499,8 @@ class ModelConfig:
         if rotary_dim < 2 or rotary_dim % 2:
             raise ConfigError(f"{source}: partial_rotary_factor={partial!r} must be a number in "
                               f"(0, 1] that rotates an even number (>= 2) of head_dim {head_dim}")
-        qk_norm = {"Qwen3ForCausalLM": "head", "Gemma3ForCausalLM": "head",
+        qk_norm = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head",
+                   "Gemma3ForCausalLM": "head",
                    "Olmo2ForCausalLM": "all", "Olmo3ForCausalLM": "all",
                    "Exaone4ForCausalLM": "head"}.get(arch)
         if cohere and c.get("use_qk_norm"):
@@ -510,12 +525,7 @@ class ModelConfig:
             elif kind == "longrope":
                 scaling = _longrope(scaling, c, max_pos, rotary_dim, gemma3, source)
         window, sliding = _sliding_layers(c, arch, source)
-        experts = c.get("num_local_experts", 8) if arch == "MixtralForCausalLM" else 0
-        per_token = c.get("num_experts_per_tok", 2) if experts else 0
-        if experts and not (is_int(experts) and is_int(per_token) and 1 <= per_token <= experts):
-            raise ConfigError(f"{source}: num_local_experts={experts!r} and num_experts_per_tok="
-                              f"{per_token!r} must be integers with "
-                              "1 <= num_experts_per_tok <= num_local_experts")
+        moe = _experts(c, arch, source)
         nope = _nope_layers(c, source) if arch == "SmolLM3ForCausalLM" else ()
         # rotary on the sliding layers alone: Cohere 2 always, EXAONE 4 with a sliding window
         if arch == "Cohere2ForCausalLM" or (arch == "Exaone4ForCausalLM"
@@ -527,7 +537,8 @@ class ModelConfig:
             architecture=arch,
             vocab_size=c["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=c["intermediate_size"],
+            intermediate_size=(c["shared_expert_intermediate_size"] if moe["shared_expert"]
+                               else c["intermediate_size"]),
             num_layers=c["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads,
@@ -537,7 +548,8 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bias,
+            attention_bias=(arch == "Qwen2ForCausalLM" or bias
+                            or arch == "Qwen2MoeForCausalLM" and c.get("qkv_bias", True) is not False),
             o_bias=(bool(c.get("attention_out_bias")) if arch == "SeedOssForCausalLM"
                     else bias and not qkv_bias_only),
             mlp_bias=bool(c.get("mlp_bias", c.get("use_bias", False))),
@@ -567,8 +579,7 @@ class ModelConfig:
                             else 1.0),
             layer_norm=cohere,
             parallel_block=cohere,
-            num_experts=experts,
-            experts_per_token=per_token,
+            **moe,
             rotary_dim=rotary_dim,
             interleaved_rope=arch in INTERLEAVED_ROPE,
         )
@@ -609,11 +620,27 @@ class ModelConfig:
     @property
     def checkpoint_modules(self) -> tuple[str, ...]:
         """The linear modules' names in the checkpoint (and in PEFT adapters' keys) that
-        adapters may target: each of LORA_MODULES, or the fused module that holds it; with
-        experts (Mixtral) the attention's alone."""
+        adapters may target: each of LORA_MODULES, or the fused module that holds it; the
+        attention's alone where no layer has a dense MLP (experts alone: Mixtral, Qwen3-MoE)."""
+        mlp = any(self.dense_mlp(layer) for layer in range(self.num_layers))
         names = [next((f for f in self.fused_modules if m in FUSED_MODULES[f]), m)
-                 for m in LORA_MODULES[:4 if self.num_experts else None]]
+                 for m in LORA_MODULES[:None if mlp else 4]]
         return tuple(dict.fromkeys(names))
+
+    def experts_in(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return bool(self.num_experts) and layer not in self.dense_layers
+
+    def dense_mlp(self, layer: int) -> bool:
+        """Whether layer `layer` runs a dense MLP (gate/up/down of intermediate_size, which
+        adapters may target): its only one, or a shared expert beside its experts."""
+        return self.shared_expert or not self.experts_in(layer)
+
+    def mlp_path(self, layer: int) -> str:
+        """The module path of layer `layer`'s dense MLP under model.layers.N (its gate_proj,
+        up_proj and down_proj, in checkpoints and adapters): Qwen2-MoE's shared expert in a
+        layer of experts."""
+        return "mlp.shared_expert" if self.shared_expert and self.experts_in(layer) else "mlp"
 
     def module_dims(self, module: str) -> tuple[int, int]:
         """(d_in, d_out) of one LoRA-targetable linear module (or of a FUSED_MODULES one, or a
@@ -641,10 +668,17 @@ class ModelConfig:
         """Bytes of the base model's weights (biases left out). quantization "fp8": the linear
         layers' weights take one byte each and a 4-byte scale per output channel."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
-        experts = self.num_experts or 1
-        linear = (h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i * experts
-                  + self.num_experts * h)  # (a router's [experts, hidden] with experts)
-        rows = self.q_size + 2 * self.kv_size + h + (2 * i + h) * experts  # output channels
+        e, ei = self.num_experts, self.expert_intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        linear = rows = 0  # over the layers: weights, output channels (a scale each in FP8)
+        for layer in range(L):
+            dense, moe = self.dense_mlp(layer), self.experts_in(layer)
+            # (a layer of experts: each expert's, the router's [experts, hidden] and a shared
+            # expert's gate [1, hidden])
+            linear += (attn + 3 * h * i * dense
+                       + moe * (3 * h * ei * e + e * h + h * self.shared_expert))
+            rows += (self.q_size + 2 * self.kv_size + h + (2 * i + h) * dense
+                     + moe * ((2 * ei + h) * e + e + self.shared_expert))
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         per_layer = (4 if self.sandwich_norms else 1 if self.parallel_block else 2) * h
         qk = {"head": 2 * self.head_dim}.get(self.qk_norm, self.q_size + self.kv_size) \
@@ -652,8 +686,8 @@ class ModelConfig:
         norms = L * (per_layer + qk) + h
         rest = (norms + emb) * dtype_bytes  # norms, embedding, lm_head
         if quantization == "fp8":
-            return rest + L * (linear + 4 * rows)
-        return rest + L * linear * dtype_bytes
+            return rest + linear + 4 * rows
+        return rest + linear * dtype_bytes
 
 
 def _yarn(s: dict, c: dict, max_pos: int, source: str) -> dict:
@@ -721,6 +755,61 @@ def _longrope(s: dict, c: dict, max_pos: int, head_dim: int, gemma3: bool, sourc
     return {"rope_type": "longrope", "short_factor": tuple(s["short_factor"]),
             "long_factor": tuple(s["long_factor"]), "original_max_position_embeddings": original,
             "attention_factor": float(attention)}
+
+
+def _experts(c: dict, arch: str, source: str) -> dict:
+    """ModelConfig's mixture-of-experts fields as HF reads a config: Mixtral's experts in every
+    layer, each of intermediate_size, the picked ones' weights renormalised; Qwen2-MoE's and
+    Qwen3-MoE's of moe_intermediate_size in each layer i with (i + 1) % decoder_sparse_step == 0
+    that mlp_only_layers leaves out (the others dense), renormalised where norm_topk_prob;
+    Qwen2-MoE's shared expert beside them (shared_expert_intermediate_size, which a dense layer's
+    MLP must then equal: one MLP width a model)."""
+    none = dict(num_experts=0, experts_per_token=0, expert_intermediate_size=0,
+                norm_topk_prob=True, dense_layers=(), shared_expert=False)
+    key = MOE.get(arch)
+    if key is None:
+        return none
+    mixtral = arch == "MixtralForCausalLM"
+    experts = c.get(key, c.get("num_local_experts",
+                               8 if mixtral else 60 if arch == "Qwen2MoeForCausalLM" else 128))
+    per_token = c.get("num_experts_per_tok", 2 if mixtral else 4 if arch == "Qwen2MoeForCausalLM"
+                      else 8)
+    if not (is_int(experts) and is_int(per_token) and 0 <= experts
+            and (experts == 0 or 1 <= per_token <= experts)):
+        raise ConfigError(f"{source}: {key}={experts!r} and num_experts_per_tok={per_token!r} "
+                          f"must be integers with 1 <= num_experts_per_tok <= {key}")
+    if experts == 0:  # (HF's Qwen MoE blocks need experts: every layer dense)
+        return none
+    n = c["num_hidden_layers"]
+    if mixtral:
+        return dict(none, num_experts=experts, experts_per_token=per_token,
+                    expert_intermediate_size=c["intermediate_size"])
+    width, step = c.get("moe_intermediate_size"), c.get("decoder_sparse_step", 1)
+    dense_only = c.get("mlp_only_layers") or []
+    for name, v in (("moe_intermediate_size", width), ("decoder_sparse_step", step)):
+        if not is_int(v) or v < 1:
+            raise ConfigError(f"{source}: {name}={v!r} must be an integer >= 1")
+    if not isinstance(dense_only, list) or not all(is_int(i) for i in dense_only):
+        raise ConfigError(f"{source}: mlp_only_layers={dense_only!r} must be a list of layer "
+                          "indices")
+    dense = tuple(i for i in range(n) if i in dense_only or (i + 1) % step)
+    shared = arch == "Qwen2MoeForCausalLM"
+    if shared:
+        s = c.get("shared_expert_intermediate_size")
+        if not is_int(s) or s < 1:
+            raise ConfigError(f"{source}: shared_expert_intermediate_size={s!r} must be an "
+                              "integer >= 1")
+        if dense and s != c["intermediate_size"]:
+            raise ConfigError(f"{source}: dense layers {list(dense)} (intermediate_size "
+                              f"{c['intermediate_size']}) beside a shared expert of "
+                              f"shared_expert_intermediate_size {s} are not supported (slora "
+                              "serves one dense MLP width a model)")
+    topk = c.get("norm_topk_prob", False)
+    if not isinstance(topk, bool):
+        raise ConfigError(f"{source}: norm_topk_prob={topk!r} must be true or false")
+    return dict(num_experts=experts, experts_per_token=per_token,
+                expert_intermediate_size=width, norm_topk_prob=topk, dense_layers=dense,
+                shared_expert=shared)
 
 
 def _sliding_layers(c: dict, arch: str, source: str) -> tuple[int | None, tuple[int, ...]]:

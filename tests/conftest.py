@@ -150,6 +150,16 @@ TINY = {
     # Mixtral: a mixture of 4 experts a layer, 2 picked for each token
     "mixtral": dict(arch="mixtral", num_attention_heads=4, num_key_value_heads=2,
                     num_local_experts=4, num_experts_per_tok=2),
+    # Qwen2-MoE: 4 experts and a gated shared expert in layer 0, a dense MLP in layer 1, the
+    # picked experts' weights not renormalised; Qwen3-MoE: experts alone, renormalised, with
+    # per-head q/k norms
+    "qwen2_moe": dict(arch="qwen2_moe", num_attention_heads=4, num_key_value_heads=2,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=128, mlp_only_layers=[1],
+                      norm_topk_prob=False, random_biases=True),
+    "qwen3_moe": dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=48, norm_topk_prob=True, random_norms=True),
 }
 
 
@@ -201,7 +211,9 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "seed_oss": (transformers.SeedOssConfig, transformers.SeedOssForCausalLM),
            "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
            "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM),
-           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}[arch]
+           "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+           "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

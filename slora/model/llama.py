@@ -1,6 +1,6 @@
 """One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
 Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3, Helium, Ernie 4.5, GLM, GLM-4,
-EXAONE 4, Seed-OSS, Cohere 1 and 2, Mixtral.
+EXAONE 4, Seed-OSS, Cohere 1 and 2, Mixtral, Qwen2-MoE, Qwen3-MoE.
 
 They differ only by configuration (`ModelConfig`):
 - GQA/MQA head counts, head_dim, q/k/v (and o) biases, tied embeddings;
@@ -17,7 +17,8 @@ They differ only by configuration (`ModelConfig`):
   attention and the MLP side by side (`parallel_block`: Cohere, whose norms are LayerNorms);
 - Gemma's scaled embeddings and GeGLU, query_pre_attn_scalar as the attention scale and
   soft-capped attention scores and logits (Gemma 2); Granite's multipliers;
-- a mixture of experts in place of the MLP (Mixtral: `num_experts`, `LlamaModel._experts`);
+- a mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE: `num_experts`,
+  `LlamaModel._experts`), in some layers or all, beside a gated shared expert (Qwen2-MoE);
 - the checkpoint's names: Phi-3 stores q|k|v and gate|up fused, GLM gate|up (see the loader).
 
 The model runs on a flat batch of tokens from many sequences (decode rows first, then prefill
@@ -63,6 +64,17 @@ def modules_of(groups) -> list[str]:
 
 
 @dataclass
+class Experts:
+    """A layer's mixture of experts (ModelConfig.num_experts): the router [experts, hidden];
+    every expert's gate|up [experts, 2 expert_intermediate, hidden] and down [experts, hidden,
+    expert_intermediate], stacked, in the model dtype."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
 class LayerWeights:
     """One decoder layer's weights. The linear weights (qkv, o, gate_up, down: [out, in]) are
     tensors in the model dtype or `Fp8Weight`s (EngineConfig.quantization="fp8", or a
@@ -75,8 +87,10 @@ class LayerWeights:
     o: torch.Tensor | Fp8Weight
     o_bias: torch.Tensor | None
     ln2: torch.Tensor | None
-    gate_up: torch.Tensor | Fp8Weight  # [2 intermediate, hidden]
-    down: torch.Tensor | Fp8Weight
+    # The dense MLP (ModelConfig.dense_mlp; in a layer of experts Qwen2-MoE's shared expert),
+    # which adapters may target; None in a layer of experts alone
+    gate_up: torch.Tensor | Fp8Weight | None  # [2 intermediate, hidden]
+    down: torch.Tensor | Fp8Weight | None
     q_norm: torch.Tensor | None = None  # ModelConfig.qk_norm only: [head_dim] or [q_size]
     k_norm: torch.Tensor | None = None  # [head_dim] or [kv_size]
     # ModelConfig.sandwich_norms, or pre_norms False: the norms of the attention output and of
@@ -84,10 +98,9 @@ class LayerWeights:
     # then the MLP's input norm).
     post_attn: torch.Tensor | None = None
     post_mlp: torch.Tensor | None = None
-    # ModelConfig.num_experts only (Mixtral): the router [experts, hidden]; gate_up and down
-    # then hold every expert's, stacked: [experts, 2 intermediate, hidden], [experts, hidden,
-    # intermediate].
-    router: torch.Tensor | None = None
+    # A layer of experts (ModelConfig.experts_in); with a shared expert, its gate [1, hidden]
+    experts: Experts | None = None
+    shared_gate: torch.Tensor | None = None
 
 
 @dataclass
@@ -334,15 +347,15 @@ class LlamaModel:
                 o = be.rms_norm(o, lw.post_attn, cfg.rms_norm_eps, center=cfg.layer_norm)
             if not cfg.parallel_block:  # (else the MLP reads attention's input, h)
                 x, h = self._add_norm(x, o, lw.ln2, lw.gate_up)
-            if lw.router is not None:
-                down = self._experts(h, lw)
+            if lw.experts is None:
+                down = self._mlp(h, lw, b, pool, layer,
+                                 defer=(lw.post_mlp is None and layer < end - 1
+                                        and not cfg.parallel_block))
             else:
-                gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer,
-                                         "gate_up", defer=True)
-                act = self.act_mul(gate_up, feeds=lw.down)
-                down = be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down",
-                                      defer=(lw.post_mlp is None and layer < end - 1
-                                             and not cfg.parallel_block))
+                down = self._experts(h, lw.experts)
+                if lw.gate_up is not None:  # the shared expert, gated per token
+                    gate = torch.sigmoid(torch.nn.functional.linear(h, lw.shared_gate))
+                    down = down + gate * self._mlp(h, lw, b, pool, layer, defer=False)
             if self.tp is not None:
                 self.tp.all_reduce(down)
             if lw.post_mlp is not None:
@@ -364,21 +377,33 @@ class LlamaModel:
             return x, be.rms_norm(x, weight, eps, feeds=feeds, center=center)
         return be.add_rms_norm(x, delta, weight, eps, feeds=feeds, center=center)
 
-    def _experts(self, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        """A mixture-of-experts MLP (Mixtral's): the router's softmax over the experts (in
-        float32), its top experts_per_token renormalised to sum to 1; each expert's MLP
-        weighted by its share (0 for the others) and summed. Every expert runs on every
+    def _mlp(self, h: torch.Tensor, lw: LayerWeights, b: Batch, pool: torch.Tensor, layer: int,
+             defer: bool):
+        """The dense MLP with each row's LoRA: down(act(gate) * up). `defer`: down's LoRA rows
+        may come back `Pending`, for the next residual add to add."""
+        be = self.backend
+        gate_up = be.linear_lora(h, lw.gate_up, None, pool[layer], b.lora, layer, "gate_up",
+                                 defer=True)
+        act = self.act_mul(gate_up, feeds=lw.down)
+        return be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down", defer=defer)
+
+    def _experts(self, h: torch.Tensor, ex: Experts) -> torch.Tensor:
+        """A mixture-of-experts MLP: the router's softmax over the experts (in float32), its
+        top experts_per_token (renormalised to sum to 1 where `norm_topk_prob`); each expert's
+        GLU weighted by its share (0 for the others) and summed. Every expert runs on every
         token, as batched GEMMs of fixed shapes, so a CUDA graph captures the step like any
         other: a decode step reads every expert's weights whichever the tokens pick (a batch
         of a few dozen picks most of them anyway), while a prompt computes
         num_experts / experts_per_token times the FLOPs of its picked experts."""
         cfg = self.cfg
-        probs = torch.softmax(torch.nn.functional.linear(h, lw.router).float(), dim=-1)
+        probs = torch.softmax(torch.nn.functional.linear(h, ex.router).float(), dim=-1)
         top, pick = probs.topk(cfg.experts_per_token, dim=-1)
-        share = torch.zeros_like(probs).scatter_(1, pick, top / top.sum(-1, keepdim=True))
-        gate_up = torch.matmul(h, lw.gate_up.transpose(1, 2))  # [experts, T, 2 intermediate]
+        if cfg.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        share = torch.zeros_like(probs).scatter_(1, pick, top)
+        gate_up = torch.matmul(h, ex.gate_up.transpose(1, 2))  # [experts, T, 2 intermediate]
         act = self.act_mul(gate_up.flatten(0, 1)).view(*gate_up.shape[:2], -1)
-        out = torch.matmul(act, lw.down.transpose(1, 2))  # [experts, T, hidden]
+        out = torch.matmul(act, ex.down.transpose(1, 2))  # [experts, T, hidden]
         return (out.float() * share.t()[:, :, None]).sum(0).to(h.dtype)
 
     def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> torch.Tensor:

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from slora.config import (FUSED_MODULES, LORA_ALIGN, LORA_MODULES, VOCAB_MODULES, ConfigError,
                            ModelConfig, is_int, round_up)
 from slora.core.adapters import AdapterLayout
-from slora.model.llama import LayerWeights, Weights
+from slora.model.llama import Experts, LayerWeights, Weights
 from slora.model.quant import FP8_DTYPE, Fp8Weight, cat, quantize_fp8
 
 
@@ -168,15 +168,11 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         # uses (ModelConfig.fused_modules).
         qkv = [a + "qkv_proj"] if "qkv_proj" in cfg.fused_modules \
             else [a + f"{m}_proj" for m in "qkv"]
-        gate_up = [p + "mlp.gate_up_proj"] if "gate_up_proj" in cfg.fused_modules \
-            else [p + "mlp.gate_proj", p + "mlp.up_proj"]
-        router = None
-        if cfg.num_experts:  # Mixtral's experts: w1 (gate), w3 (up), w2 (down) each
-            e = [f"{p}block_sparse_moe.experts.{k}." for k in range(cfg.num_experts)]
-            router = get(p + "block_sparse_moe.gate.weight")
-            mlp = (torch.stack([torch.cat((get(x + "w1.weight"), get(x + "w3.weight")))
-                                for x in e]),
-                   torch.stack([get(x + "w2.weight") for x in e]))
+        mlp = p + cfg.mlp_path(i) + "."
+        gate_up = [mlp + "gate_up_proj"] if "gate_up_proj" in cfg.fused_modules \
+            else [mlp + "gate_proj", mlp + "up_proj"]
+        dense = cfg.dense_mlp(i)
+        experts = _load_experts(get, p, cfg) if cfg.experts_in(i) else None
         ln1, ln2, post_attn, post_mlp = (
             None if n is None else norm(f"{p}{n}.weight") for n in _norm_names(cfg))
         layers.append(LayerWeights(
@@ -186,9 +182,11 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             o=residual(fused([a + "o_proj"])),
             o_bias=residual(maybe(a + "o_proj.bias") if cfg.o_bias else None),
             ln2=ln2,
-            gate_up=mlp[0] if router is not None else fused(gate_up),
-            down=mlp[1] if router is not None else residual(fused([p + "mlp.down_proj"])),
-            router=router,
+            gate_up=fused(gate_up) if dense else None,
+            down=residual(fused([mlp + "down_proj"])) if dense else None,
+            experts=experts,
+            shared_gate=(get(p + "mlp.shared_expert_gate.weight")
+                         if experts is not None and dense else None),
             q_norm=served_norm(a + "q_norm.weight"),
             k_norm=served_norm(a + "k_norm.weight"),
             post_attn=post_attn,
@@ -420,6 +418,21 @@ def _input_scales(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, flo
     return out
 
 
+def _load_experts(get, p: str, cfg: ModelConfig) -> Experts:
+    """Layer prefix `p`'s experts, each expert's gate and up stacked as [gate | up]: Mixtral's
+    block_sparse_moe (w1 gate, w3 up, w2 down, the router `gate`), Qwen's mlp (experts.K's
+    gate_proj, up_proj and down_proj, the router `gate`)."""
+    if cfg.architecture == "MixtralForCausalLM":
+        moe, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        moe, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    e = [f"{moe}experts.{k}." for k in range(cfg.num_experts)]
+    g, u, d = (f"{n}.weight" for n in names)
+    return Experts(router=get(moe + "gate.weight"),
+                   gate_up=torch.stack([torch.cat((get(x + g), get(x + u))) for x in e]),
+                   down=torch.stack([get(x + d) for x in e]))
+
+
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                    seed: int = 0) -> Weights:
     """Random weights of the right shapes (benchmarks on model shapes with no download)."""
@@ -436,14 +449,18 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     q_norm, k_norm = (None, None) if width is None else (
         torch.ones(n, device=device, dtype=dtype) for n in width)
     ln1, ln2, post_attn, post_mlp = (None if n is None else ones for n in _norm_names(cfg))
-    experts = (cfg.num_experts,) if cfg.num_experts else ()
-    layers = [LayerWeights(ln1=ln1, qkv=rnd(cfg.q_size + 2 * cfg.kv_size, h),
-                           qkv_bias=rnd(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None,
-                           o=rnd(h, cfg.q_size), o_bias=None, ln2=ln2,
-                           gate_up=rnd(*experts, 2 * i, h), down=rnd(*experts, h, i),
-                           q_norm=q_norm, k_norm=k_norm, post_attn=post_attn, post_mlp=post_mlp,
-                           router=rnd(cfg.num_experts, h) if experts else None)
-              for _ in range(cfg.num_layers)]
+    e, ei = cfg.num_experts, cfg.expert_intermediate_size
+    layers = []
+    for layer in range(cfg.num_layers):
+        dense, moe = cfg.dense_mlp(layer), cfg.experts_in(layer)
+        layers.append(LayerWeights(
+            ln1=ln1, qkv=rnd(cfg.q_size + 2 * cfg.kv_size, h),
+            qkv_bias=rnd(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None,
+            o=rnd(h, cfg.q_size), o_bias=None, ln2=ln2,
+            gate_up=rnd(2 * i, h) if dense else None, down=rnd(h, i) if dense else None,
+            q_norm=q_norm, k_norm=k_norm, post_attn=post_attn, post_mlp=post_mlp,
+            experts=Experts(rnd(e, h), rnd(e, 2 * ei, h), rnd(e, h, ei)) if moe else None,
+            shared_gate=rnd(1, h) if moe and dense else None))
     embed = rnd(cfg.vocab_size, h)
     return Weights(embed=embed, layers=layers, norm=ones,
                    lm_head=embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, h))
@@ -550,7 +567,8 @@ def served_qk(cfg: ModelConfig, heads: int, tail: int = 0
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16}  # the weight dtypes an adapter file may hold
 _MAX_HEADER = 100 << 20  # safetensors' own bound on a header's JSON
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d{1,9})\.(?:self_attn|mlp)\."
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d{1,9})\.(self_attn|mlp|"
+                  r"mlp\.shared_expert|mlp\.experts\.\d{1,9}|block_sparse_moe\.experts\.\d{1,9})\."
                   r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|"
                   r"gate_up_proj)\.(?:lora_([AB])(?:\.default)?\.weight|"
                   r"lora_magnitude_vector(?:\.default)?(?:\.weight)?)$")
@@ -874,13 +892,23 @@ class PeftAdapter:
                                "magnitude of a q/k/v/o/gate/up/down projection, or a LoRA A/B "
                                "weight of embed_tokens or lm_head (bias or modules_to_save "
                                "weights are not supported)")
-                layer, module, ab = int(m.group(1)), m.group(2), m.group(3) or "M"
+                layer, parent, module, ab = (int(m.group(1)), m.group(2), m.group(3),
+                                             m.group(4) or "M")
+                if ".experts." in parent:
+                    self._fail(file, f"tensor {key!r}: LoRA on a mixture of experts' experts is "
+                               "not supported (served: LoRA on the attention"
+                               + (" and the shared expert" if cfg.shared_expert else "") + ")")
             if m is not None and module not in cfg.checkpoint_modules:
                 self._fail(file, f"tensor {key!r}: this {cfg.architecture} model has no "
                            f"{module} (its linear modules: {', '.join(cfg.checkpoint_modules)})")
             if layer >= cfg.num_layers:
                 self._fail(file, f"tensor {key!r}: layer {layer} but the base model has "
                            f"{cfg.num_layers} layers")
+            if m is not None and parent != "self_attn" and parent != cfg.mlp_path(layer):
+                self._fail(file, f"tensor {key!r}: layer {layer}'s "
+                           + (f"dense MLP is model.layers.{layer}.{cfg.mlp_path(layer)}"
+                              if cfg.dense_mlp(layer) else
+                              "MLP is a mixture of experts, which takes no LoRA"))
             if ab == "M" and not self.dora:
                 self._fail(file, f"tensor {key!r} is a DoRA magnitude but adapter_config.json "
                            "does not set use_dora=true")
@@ -913,8 +941,8 @@ class PeftAdapter:
                 self._fail(file, f"tensor {ab['M']!r}: shape {list(shapes[ab['M']])} does not "
                            f"fit the base model (expected [{cfg.module_dims(module)[1]}], one "
                            "value per output channel)")
-            path_ = (f"model.layers.{layer}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}."
-                     f"{module}")
+            path_ = (f"model.layers.{layer}."
+                     f"{'self_attn' if module[0] in 'qkvo' else cfg.mlp_path(layer)}.{module}")
             if module in VOCAB_MODULES:
                 path_ = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
             r_a, d_in = shapes[ab["A"]]

@@ -21,6 +21,8 @@ ones slora does not serve are refused with the reason."""
 
 import json
 import math
+import re
+import shutil
 
 import pytest
 import torch
@@ -116,6 +118,15 @@ ADAPTERS = {
     "mixtral": {  # LoRA on the attention (the experts take none)
         "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["v_proj", "o_proj"]),
+    },
+    "qwen2_moe": {  # the shared expert (layer 0) and the dense MLP (layer 1) take LoRA
+        "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj",
+                                                        "gate_proj", "up_proj", "down_proj"],
+                    rank_pattern={"shared_expert.up_proj": 4}),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["k_proj", "down_proj"]),
+    },
+    "qwen3_moe": {
+        "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
@@ -519,6 +530,72 @@ def test_mixtral_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_pa
     assert e.list_adapters() == []
 
 
+def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_path):
+    """Qwen2-MoE and Qwen3-MoE: experts, top-k, their width and renormalisation, the dense
+    layers (mlp_only_layers, decoder_sparse_step) and Qwen2-MoE's shared expert read from
+    config.json and counted in the weights' bytes; LoRA on the shared expert and the dense
+    layers serves, on the experts (PEFT's per-expert keys) or on an MLP the layer lacks is
+    refused naming the tensor and the reason."""
+    from safetensors.torch import load_file, save_file
+
+    q2 = ModelConfig.from_dict(_config(tiny_models, "qwen2_moe"))
+    assert (q2.num_experts, q2.experts_per_token, q2.expert_intermediate_size, q2.norm_topk_prob,
+            q2.dense_layers, q2.shared_expert, q2.intermediate_size, q2.attention_bias) == \
+        (4, 2, 48, False, (1,), True, 128, True)
+    assert [q2.mlp_path(i) for i in range(2)] == ["mlp.shared_expert", "mlp"]
+    assert "down_proj" in q2.checkpoint_modules
+    q3 = ModelConfig.from_dict(_config(tiny_models, "qwen3_moe"))
+    assert (q3.num_experts, q3.norm_topk_prob, q3.dense_layers, q3.shared_expert,
+            q3.qk_norm) == (4, True, (), False, "head")
+    assert q3.checkpoint_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    for kind, cfg in (("qwen2_moe", q2), ("qwen3_moe", q3)):
+        tensors = load_file(str(tiny_models(kind) / "model.safetensors"))
+        assert cfg.weight_bytes(4) == sum(4 * t.numel() for k, t in tensors.items()
+                                          if not k.endswith("bias")), kind
+    # Qwen's num_experts (as its released configs spell it); every second layer sparse
+    sparse = ModelConfig.from_dict({**_config(tiny_models, "qwen3_moe", num_experts=8,
+                                              decoder_sparse_step=2, num_hidden_layers=4)})
+    assert (sparse.num_experts, sparse.dense_layers) == (8, (0, 2))
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size 96 are not supported"):
+        ModelConfig.from_dict(_config(tiny_models, "qwen2_moe", shared_expert_intermediate_size=96))
+    with pytest.raises(ConfigError, match="moe_intermediate_size=0 must be an integer >= 1"):
+        ModelConfig.from_dict(_config(tiny_models, "qwen3_moe", moe_intermediate_size=0))
+    with pytest.raises(ConfigError, match="num_experts_per_tok=9 must be integers"):
+        ModelConfig.from_dict(_config(tiny_models, "qwen3_moe", num_experts_per_tok=9))
+
+    model_dir = tiny_models("qwen2_moe")
+    e = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_pages=32))
+    good = adapter_factory(model_dir, target_modules=["q_proj", "gate_proj"])
+    weights = load_file(str(good / "adapter_model.safetensors"))
+    assert any(".mlp.shared_expert.gate_proj." in k for k in weights)
+    e.add_adapter("good", good)
+    pre = "base_model.model.model.layers."
+    cases = {  # key renamed -> the reason named
+        (pre + "0.mlp.shared_expert.gate_proj", pre + "0.mlp.experts.1.gate_proj"):
+            "LoRA on a mixture of experts' experts is not supported",
+        (pre + "0.mlp.shared_expert.gate_proj", pre + "0.mlp.gate_proj"):
+            "layer 0's dense MLP is model.layers.0.mlp.shared_expert",
+    }
+    for (old, new), why in cases.items():
+        bad = tmp_path / new.rsplit(".", 2)[-2].replace(".", "_")
+        shutil.copytree(good, bad)
+        save_file({k.replace(old, new): v for k, v in weights.items()},
+                  str(bad / "adapter_model.safetensors"))
+        with pytest.raises(AdapterError, match=re.escape(new) + ".*" + re.escape(why)):
+            e.add_adapter("bad", bad)
+    assert e.list_adapters() == ["good"]
+    e3 = Engine(EngineConfig(model=str(tiny_models("qwen3_moe")), device="cpu",
+                             dtype="float32", num_pages=32))
+    bad = tmp_path / "qwen3"
+    shutil.copytree(good, bad)
+    conf = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**conf, "target_modules": ["q_proj"]}))
+    save_file({k.replace(pre + "0.mlp.shared_expert.gate_proj", pre + "1.mlp.gate_proj"): v
+               for k, v in weights.items()}, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"this Qwen3MoeForCausalLM model has no gate_proj"):
+        e3.add_adapter("bad", bad)
+
+
 def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
     """Gemma's (1 + w) norms are stored as float32 w + 1 (the value HF computes at each call),
     in a bfloat16 model too, where 1 + w in bfloat16 would lose w's low bits."""
@@ -543,13 +620,16 @@ def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
         assert w.embed.dtype == dtype
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere", "mixtral"])
+@pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere", "mixtral",
+                                  "qwen2_moe"])
 def test_triton_backend_matches_hf(tiny_models, kind):
     """The Triton kernels in Gemma 2 (sliding-window and soft-capped attention in decode and
     prefill, GeGLU, norms with float32 weights), OLMo 2 (residual adds without input norms,
     so no LoRA rows handed to them), SmolLM3 (a layer without rotary, in the fused decode
     kernel too), Cohere (LayerNorms in the fused norm kernel, attention and MLP side by
-    side) and Mixtral (the experts' GLU through the fused kernel): a step mixing decode rows with prompts (longer than Gemma's window), then
+    side), Mixtral (the experts' GLU through the fused kernel) and Qwen2-MoE (a shared expert
+    through the LoRA GEMMs beside its experts): a step mixing decode rows with prompts (longer
+    than Gemma's window), then
     decode past it, equal HF's greedy tokens and log-probs."""
     model_dir = tiny_models(kind)
     engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
