@@ -285,6 +285,50 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def route(h: torch.Tensor, router: torch.Tensor, k: int,
+          renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' routing: (each token's k picked experts' weights, float32 [T, k],
+    the experts [T, k]) from the router's softmax over the experts, in float32, its top k in
+    order of weight, renormalised to sum to 1 where `renormalise`."""
+    probs = torch.softmax(F.linear(h, router).float(), dim=-1)
+    top, pick = probs.topk(k, dim=-1)
+    return (top / top.sum(-1, keepdim=True) if renormalise else top), pick
+
+
+def experts_dense(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  weights: torch.Tensor, pick: torch.Tensor, act) -> torch.Tensor:
+    """The experts' weighted sum, every expert on every token: gate_up [E, 2I, H] and down
+    [E, H, I] as two batched GEMMs, act ([n, 2I] -> [n, I]) between, each expert's output
+    times its weight (0 where not picked), summed in float32. Shapes independent of the
+    routing; E / k times the FLOPs of the picked experts."""
+    share = torch.zeros(h.shape[0], gate_up.shape[0], dtype=torch.float32, device=h.device)
+    share.scatter_(1, pick, weights)
+    mid = torch.matmul(h, gate_up.transpose(1, 2))  # [E, T, 2I]
+    out = torch.matmul(act(mid.flatten(0, 1)).view(*mid.shape[:2], -1), down.transpose(1, 2))
+    return (out.float() * share.t()[:, :, None]).sum(0).to(h.dtype)
+
+
+def experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    weights: torch.Tensor, pick: torch.Tensor, act) -> torch.Tensor:
+    """`experts_dense`'s result from the picked experts alone: the T x k (token, expert)
+    pairs sorted by expert, each expert's rows one group of a grouped GEMM
+    (`torch._grouped_mm`, group ends from a device-side count), then each pair's output
+    times its weight back in its token's row and summed over its k in float32. No host
+    sync and shapes fixed by T and k, so a CUDA graph captures it."""
+    T, k = pick.shape
+    flat = pick.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=h.device)
+    counts.scatter_add_(0, flat.to(torch.int32), torch.ones_like(flat, dtype=torch.int32))
+    ends = counts.cumsum(0, dtype=torch.int32)
+    rows = h[order // k]  # [T k, H], by expert
+    mid = act(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends))
+    out = torch._grouped_mm(mid, down.transpose(1, 2), offs=ends)  # [T k, H], by expert
+    pairs = torch.empty(T * k, out.shape[1], dtype=torch.float32, device=h.device)
+    pairs[order] = out.float() * weights.flatten()[order, None]
+    return pairs.view(T, k, -1).sum(1).to(h.dtype)
+
+
 def cap_logits(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap), in x's dtype, as HF soft-caps Gemma's final logits."""
     return torch.tanh(x / cap) * cap

@@ -236,6 +236,18 @@ def hf_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def grouped_gemm(like: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM (`torch._grouped_mm`) serves tensors like `like` without a
+    host sync: on the CPU, and on CUDA in bfloat16 from compute capability 9.0 (its CUTLASS
+    kernels); elsewhere it loops over the groups on the host."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if like.device.type == "cpu":
+        return True
+    return (like.device.type == "cuda" and like.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(like.device) >= (9, 0))
+
+
 class LlamaModel:
     """The decoder as three steps a caller can run piece by piece:
 
@@ -279,6 +291,7 @@ class LlamaModel:
             torch.tensor(cfg.embed_scale, dtype=weights.embed.dtype))
         self.act_mul = backend.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" \
             else backend.silu_mul
+        self.grouped_experts = bool(cfg.num_experts) and grouped_gemm(weights.embed)
 
     @property
     def num_layers(self) -> int:
@@ -388,23 +401,15 @@ class LlamaModel:
         return be.linear_lora(act, lw.down, None, pool[layer], b.lora, layer, "down", defer=defer)
 
     def _experts(self, h: torch.Tensor, ex: Experts) -> torch.Tensor:
-        """A mixture-of-experts MLP: the router's softmax over the experts (in float32), its
-        top experts_per_token (renormalised to sum to 1 where `norm_topk_prob`); each expert's
-        GLU weighted by its share (0 for the others) and summed. Every expert runs on every
-        token, as batched GEMMs of fixed shapes, so a CUDA graph captures the step like any
-        other: a decode step reads every expert's weights whichever the tokens pick (a batch
-        of a few dozen picks most of them anyway), while a prompt computes
-        num_experts / experts_per_token times the FLOPs of its picked experts."""
+        """A mixture-of-experts MLP: the router's top experts_per_token (`ref.route`), each
+        picked expert's GLU times its weight, summed. `grouped_experts`: the picked experts
+        alone, as grouped GEMMs (`ref.experts_grouped`); else every expert on every token
+        (`ref.experts_dense`). Both keep a step's shapes independent of the routing, so a
+        CUDA graph captures it like any other."""
         cfg = self.cfg
-        probs = torch.softmax(torch.nn.functional.linear(h, ex.router).float(), dim=-1)
-        top, pick = probs.topk(cfg.experts_per_token, dim=-1)
-        if cfg.norm_topk_prob:
-            top = top / top.sum(-1, keepdim=True)
-        share = torch.zeros_like(probs).scatter_(1, pick, top)
-        gate_up = torch.matmul(h, ex.gate_up.transpose(1, 2))  # [experts, T, 2 intermediate]
-        act = self.act_mul(gate_up.flatten(0, 1)).view(*gate_up.shape[:2], -1)
-        out = torch.matmul(act, ex.down.transpose(1, 2))  # [experts, T, hidden]
-        return (out.float() * share.t()[:, :, None]).sum(0).to(h.dtype)
+        weights, pick = ref.route(h, ex.router, cfg.experts_per_token, cfg.norm_topk_prob)
+        run = ref.experts_grouped if self.grouped_experts else ref.experts_dense
+        return run(h, ex.gate_up, ex.down, weights, pick, self.act_mul)
 
     def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """q|k|v [T, q + 2 kv] with q and k RMS-normalised (ModelConfig.qk_norm: each head
