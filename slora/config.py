@@ -18,6 +18,7 @@ from pathlib import Path
 BACKENDS = ("auto", "torch", "triton", "cuda")
 DECODE_LORA = ("auto", "mbgmv", "segments", "hybrid")  # slora.kernels.segments
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's, read as the DTYPES they name
 POLICIES = ("fcfs", "cluster", "abort", "fair", "priority")
 QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization's values besides None
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -100,7 +101,8 @@ class EngineConfig:
     model: a local Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
         None means the embedded default (SmolLM2-135M-Instruct, see `slora.model.smollm`).
     device: "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N".
-    dtype: "auto" (bfloat16 on CUDA, float32 on CPU) or an explicit torch dtype name.
+    dtype: "auto" (bfloat16 on CUDA, float32 on CPU) or an explicit torch dtype name (vLLM's
+        "half" and "float" are read as float16 and float32).
     block_size: tokens per KV page. A page holds K and V of `block_size` tokens for every layer.
     num_pages: pages in the pool. None sizes the pool from `gpu_memory_fraction` on CUDA or
         `cpu_pool_gb` on CPU.
@@ -216,12 +218,15 @@ class EngineConfig:
 
         if isinstance(self.model, PathLike):
             object.__setattr__(self, "model", str(self.model))
+        if self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         for f in fields(self):  # types first: the range checks below compare numbers
             need(_of_type(getattr(self, f.name), f.type), f.name, f"expected {f.type}")
 
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
              "device", "expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
-        need(self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}")
+        need(self.dtype in DTYPES, "dtype", f"expected one of {DTYPES} (or vLLM's "
+             f"{', '.join(DTYPE_ALIASES)})")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              "block_size", "must be a power of two")
         need(self.num_pages is None or self.num_pages >= 2, "num_pages", "must be at least 2")

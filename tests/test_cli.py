@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from slora.config import ConfigError, EngineConfig
 from slora.cli import main
 from slora.metrics import RequestRecord, result_dict, summarize
 from slora.workload import read_trace
@@ -189,10 +190,14 @@ def test_serve_takes_a_vllm_command_line():
         "serve", "--enable-lora", "--lora-modules", "a=/x", "--max-lora-rank", "64",
         "--max-loras", "4", "--max-num-batched-tokens", "4096", "--gpu-memory-utilization",
         "0.9", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--trust-remote-code", "--disable-log-requests", "--max-model-len", "2048"])
+        "--trust-remote-code", "--disable-log-requests", "--max-model-len", "2048",
+        "--dtype", "half"])
     config = engine_config_from_args(args)
     assert (config.max_lora_rank, config.max_batch_tokens, config.gpu_memory_fraction,
-            config.max_model_len) == (64, 4096, 0.9, 2048)
+            config.max_model_len, config.dtype) == (64, 4096, 0.9, 2048, "float16")
+    assert EngineConfig(dtype="float").dtype == "float32"
+    with pytest.raises(ConfigError, match=r"EngineConfig.dtype='double'.*or vLLM's half, float"):
+        EngineConfig(dtype="double")
     assert args.tool_call_parser == "hermes"
     [line] = unapplied_vllm_flags(args)
     assert line.startswith("--max-loras 4 is not applied: adapters share the paged pool")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, fields
 
-from slora.config import BACKENDS, DTYPES, POLICIES, EngineConfig
+from slora.config import BACKENDS, DTYPE_ALIASES, DTYPES, POLICIES, EngineConfig
 from slora.server.adapters import AdapterResolver
 
 PARSERS = ("hermes", "llama3_json")  # tool-call parsers (slora.server.tools)
@@ -64,7 +64,8 @@ ENGINE_HELP = {
     "model": "Hugging Face model directory (config.json, *.safetensors, tokenizer.json); "
              "default: the embedded SmolLM2-135M-Instruct",
     "device": "auto (cuda if available), cpu, cuda or cuda:N",
-    "dtype": "weights, activations and pool; auto: bfloat16 on CUDA, float32 on CPU",
+    "dtype": "weights, activations and pool; auto: bfloat16 on CUDA, float32 on CPU (vLLM's "
+             "half and float: float16 and float32)",
     "block_size": "tokens per KV page",
     "num_pages": "pages in the unified pool; default: sized to memory",
     "gpu_memory_fraction": "share of free GPU memory the pool takes when --num-pages is unset",
@@ -102,8 +103,8 @@ ENGINE_ALIASES = {
     # after the weights: both size the KV cache)
     "gpu_memory_fraction": ("--gpu-memory-utilization",),
 }
-ENGINE_CHOICES = {"dtype": DTYPES, "backend": BACKENDS, "policy": POLICIES,
-                  "load_format": ("auto", "dummy")}
+ENGINE_CHOICES = {"dtype": DTYPES + tuple(DTYPE_ALIASES), "backend": BACKENDS,
+                  "policy": POLICIES, "load_format": ("auto", "dummy")}
 
 
 def add_engine_config_args(parser: argparse.ArgumentParser) -> None:
