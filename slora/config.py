@@ -40,7 +40,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
                            "Glm4ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM",
                            "CohereForCausalLM", "Cohere2ForCausalLM", "MixtralForCausalLM",
-                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
@@ -52,7 +52,7 @@ QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "HeliumForCausalLM",
 # The mixtures of experts: architecture -> its config's key for the experts' count (Qwen's
 # num_experts, which transformers 5 writes as num_local_experts)
 MOE = {"MixtralForCausalLM": "num_local_experts", "Qwen2MoeForCausalLM": "num_experts",
-       "Qwen3MoeForCausalLM": "num_experts"}
+       "Qwen3MoeForCausalLM": "num_experts", "OlmoeForCausalLM": "num_experts"}
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The rope_scaling types served (rope_inv_freq in slora/model/llama.py computes each).
@@ -296,7 +296,7 @@ class ModelConfig:
     # An RMSNorm on q and on k after the projection, before rotary: "head" (Qwen3, Gemma 3
     # and EXAONE 4) over each head's head_dim elements (weights q_norm, k_norm [head_dim]);
     # "heads" (Cohere's use_qk_norm) the same with a weight of each head's own ([q_size],
-    # [kv_size]); "all" (OLMo 2 and 3) over a token's whole q and whole k (weights [q_size],
+    # [kv_size]); "all" (OLMo 2 and 3, OLMoE) over a token's whole q and whole k (weights [q_size],
     # [kv_size]); None: none.
     qk_norm: str | None = None
     # The FUSED_MODULES the checkpoint holds, which PEFT adapters target by those names:
@@ -506,7 +506,7 @@ class ModelConfig:
                               f"(0, 1] that rotates an even number (>= 2) of head_dim {head_dim}")
         qk_norm = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head",
                    "Gemma3ForCausalLM": "head",
-                   "Olmo2ForCausalLM": "all", "Olmo3ForCausalLM": "all",
+                   "Olmo2ForCausalLM": "all", "Olmo3ForCausalLM": "all", "OlmoeForCausalLM": "all",
                    "Exaone4ForCausalLM": "head"}.get(arch)
         if cohere and c.get("use_qk_norm"):
             qk_norm = "heads"
@@ -568,7 +568,7 @@ class ModelConfig:
             norm_plus_one=gemma,
             embed_scale=hidden ** 0.5 if gemma else None,
             sandwich_norms=arch in (*GEMMA[1:], "Glm4ForCausalLM"),
-            pre_norms=not arch.startswith(("Olmo", "Exaone4")),
+            pre_norms=arch not in ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM"),
             query_pre_attn_scalar=c.get("query_pre_attn_scalar") if gemma else None,
             attn_softcap=c.get("attn_logit_softcapping") if gemma else None,
             final_softcap=c.get("final_logit_softcapping") if gemma else None,
@@ -763,8 +763,9 @@ def _longrope(s: dict, c: dict, max_pos: int, head_dim: int, gemma3: bool, sourc
 
 
 def _experts(c: dict, arch: str, source: str) -> dict:
-    """ModelConfig's mixture-of-experts fields as HF reads a config: Mixtral's experts in every
-    layer, each of intermediate_size, the picked ones' weights renormalised; Qwen2-MoE's and
+    """ModelConfig's mixture-of-experts fields as HF reads a config: Mixtral's and OLMoE's
+    experts in every layer, each of intermediate_size, the picked ones' weights renormalised
+    (OLMoE's where norm_topk_prob); Qwen2-MoE's and
     Qwen3-MoE's of moe_intermediate_size in each layer i with (i + 1) % decoder_sparse_step == 0
     that mlp_only_layers leaves out (the others dense), renormalised where norm_topk_prob;
     Qwen2-MoE's shared expert beside them (shared_expert_intermediate_size, which a dense layer's
@@ -774,9 +775,9 @@ def _experts(c: dict, arch: str, source: str) -> dict:
     key = MOE.get(arch)
     if key is None:
         return none
-    mixtral = arch == "MixtralForCausalLM"
-    experts = c.get(key, c.get("num_local_experts",
-                               8 if mixtral else 60 if arch == "Qwen2MoeForCausalLM" else 128))
+    mixtral, olmoe = arch == "MixtralForCausalLM", arch == "OlmoeForCausalLM"
+    experts = c.get(key, c.get("num_local_experts", {"MixtralForCausalLM": 8, "OlmoeForCausalLM": 64,
+                                                     "Qwen2MoeForCausalLM": 60}.get(arch, 128)))
     per_token = c.get("num_experts_per_tok", 2 if mixtral else 4 if arch == "Qwen2MoeForCausalLM"
                       else 8)
     if not (is_int(experts) and is_int(per_token) and 0 <= experts
@@ -785,10 +786,16 @@ def _experts(c: dict, arch: str, source: str) -> dict:
                           f"must be integers with 1 <= num_experts_per_tok <= {key}")
     if experts == 0:  # (HF's Qwen MoE blocks need experts: every layer dense)
         return none
+    topk = c.get("norm_topk_prob", mixtral)
+    if not isinstance(topk, bool):
+        raise ConfigError(f"{source}: norm_topk_prob={topk!r} must be true or false")
+    if olmoe and c.get("clip_qkv") is not None:
+        raise ConfigError(f"{source}: clip_qkv={c['clip_qkv']!r} is not supported (q, k and v "
+                          "are served unclipped: clip_qkv null)")
     n = c["num_hidden_layers"]
-    if mixtral:
+    if mixtral or olmoe:
         return dict(none, num_experts=experts, experts_per_token=per_token,
-                    expert_intermediate_size=c["intermediate_size"])
+                    expert_intermediate_size=c["intermediate_size"], norm_topk_prob=topk)
     width, step = c.get("moe_intermediate_size"), c.get("decoder_sparse_step", 1)
     dense_only = c.get("mlp_only_layers") or []
     for name, v in (("moe_intermediate_size", width), ("decoder_sparse_step", step)):
@@ -809,9 +816,6 @@ def _experts(c: dict, arch: str, source: str) -> dict:
                               f"{c['intermediate_size']}) beside a shared expert of "
                               f"shared_expert_intermediate_size {s} are not supported (slora "
                               "serves one dense MLP width a model)")
-    topk = c.get("norm_topk_prob", False)
-    if not isinstance(topk, bool):
-        raise ConfigError(f"{source}: norm_topk_prob={topk!r} must be true or false")
     return dict(num_experts=experts, experts_per_token=per_token,
                 expert_intermediate_size=width, norm_topk_prob=topk, dense_layers=dense,
                 shared_expert=shared)

@@ -160,6 +160,9 @@ TINY = {
     "qwen3_moe": dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2,
                       head_dim=32, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=48, norm_topk_prob=True, random_norms=True),
+    # OLMoE: experts alone in every layer (not renormalised), q and k normed over all heads
+    "olmoe": dict(arch="olmoe", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                  num_experts_per_tok=2, random_norms=True),
 }
 
 
@@ -213,7 +216,8 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM),
            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
            "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[arch]
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+           "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

@@ -1,6 +1,6 @@
 """One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
 Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3, Helium, Ernie 4.5, GLM, GLM-4,
-EXAONE 4, Seed-OSS, Cohere 1 and 2, Mixtral, Qwen2-MoE, Qwen3-MoE.
+EXAONE 4, Seed-OSS, Cohere 1 and 2, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
 
 They differ only by configuration (`ModelConfig`):
 - GQA/MQA head counts, head_dim, q/k/v (and o) biases, tied embeddings;
@@ -9,7 +9,7 @@ They differ only by configuration (`ModelConfig`):
   permuting q's and k's rows at load (`ModelConfig.rotary_permutation`); layers without rotary
   (SmolLM3, EXAONE 4, Cohere 2);
 - an RMSNorm on q and k (`qk_norm`: per head in Qwen3, Gemma 3 and EXAONE 4, over the whole of
-  q and of k in OLMo 2 and 3);
+  q and of k in OLMo 2 and 3 and OLMoE);
 - sliding-window layers (Mistral, Qwen, Phi-3, Gemma 2/3, OLMo 3, EXAONE 4), with a rope of
   their own, unscaled, in Gemma 3 and OLMo 3;
 - where the norms sit: before attention and the MLP (most), also after each (`sandwich_norms`:
@@ -17,7 +17,7 @@ They differ only by configuration (`ModelConfig`):
   attention and the MLP side by side (`parallel_block`: Cohere, whose norms are LayerNorms);
 - Gemma's scaled embeddings and GeGLU, query_pre_attn_scalar as the attention scale and
   soft-capped attention scores and logits (Gemma 2); Granite's multipliers;
-- a mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE: `num_experts`,
+- a mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: `num_experts`,
   `LlamaModel._experts`), in some layers or all, beside a gated shared expert (Qwen2-MoE);
 - the checkpoint's names: Phi-3 stores q|k|v and gate|up fused, GLM gate|up (see the loader).
 

@@ -128,6 +128,10 @@ ADAPTERS = {
     "qwen3_moe": {
         "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     },
+    "olmoe": {
+        "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "o_proj"]),
+    },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
         "mlp": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"],
@@ -531,7 +535,7 @@ def test_mixtral_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_pa
 
 
 def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_path):
-    """Qwen2-MoE and Qwen3-MoE: experts, top-k, their width and renormalisation, the dense
+    """Qwen2-MoE, Qwen3-MoE (and OLMoE's config): experts, top-k, their width and renormalisation, the dense
     layers (mlp_only_layers, decoder_sparse_step) and Qwen2-MoE's shared expert read from
     config.json and counted in the weights' bytes; LoRA on the shared expert and the dense
     layers serves, on the experts (PEFT's per-expert keys) or on an MLP the layer lacks is
@@ -562,6 +566,12 @@ def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_p
         ModelConfig.from_dict(_config(tiny_models, "qwen3_moe", moe_intermediate_size=0))
     with pytest.raises(ConfigError, match="num_experts_per_tok=9 must be integers"):
         ModelConfig.from_dict(_config(tiny_models, "qwen3_moe", num_experts_per_tok=9))
+    # OLMoE: OLMo 2's q/k norms with input norms, experts of intermediate_size, no clipping
+    olmoe = ModelConfig.from_dict(_config(tiny_models, "olmoe"))
+    assert (olmoe.pre_norms, olmoe.qk_norm, olmoe.num_experts, olmoe.expert_intermediate_size,
+            olmoe.norm_topk_prob, olmoe.dense_layers) == (True, "all", 4, 128, False, ())
+    with pytest.raises(ConfigError, match="clip_qkv=8.0 is not supported"):
+        ModelConfig.from_dict(_config(tiny_models, "olmoe", clip_qkv=8.0))
 
     model_dir = tiny_models("qwen2_moe")
     e = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_pages=32))
