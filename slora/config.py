@@ -553,8 +553,8 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=(arch == "Qwen2ForCausalLM" or bias
-                            or arch == "Qwen2MoeForCausalLM" and c.get("qkv_bias", True) is not False),
+            attention_bias=(arch == "Qwen2ForCausalLM" or bias or (
+                arch == "Qwen2MoeForCausalLM" and c.get("qkv_bias", True) is not False)),
             o_bias=(bool(c.get("attention_out_bias")) if arch == "SeedOssForCausalLM"
                     else bias and not qkv_bias_only),
             mlp_bias=bool(c.get("mlp_bias", c.get("use_bias", False))),
@@ -776,8 +776,8 @@ def _experts(c: dict, arch: str, source: str) -> dict:
     if key is None:
         return none
     mixtral, olmoe = arch == "MixtralForCausalLM", arch == "OlmoeForCausalLM"
-    experts = c.get(key, c.get("num_local_experts", {"MixtralForCausalLM": 8, "OlmoeForCausalLM": 64,
-                                                     "Qwen2MoeForCausalLM": 60}.get(arch, 128)))
+    default = {"MixtralForCausalLM": 8, "OlmoeForCausalLM": 64, "Qwen2MoeForCausalLM": 60}
+    experts = c.get(key, c.get("num_local_experts", default.get(arch, 128)))
     per_token = c.get("num_experts_per_tok", 2 if mixtral else 4 if arch == "Qwen2MoeForCausalLM"
                       else 8)
     if not (is_int(experts) and is_int(per_token) and 0 <= experts

@@ -535,11 +535,11 @@ def test_mixtral_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_pa
 
 
 def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_path):
-    """Qwen2-MoE, Qwen3-MoE (and OLMoE's config): experts, top-k, their width and renormalisation, the dense
-    layers (mlp_only_layers, decoder_sparse_step) and Qwen2-MoE's shared expert read from
-    config.json and counted in the weights' bytes; LoRA on the shared expert and the dense
-    layers serves, on the experts (PEFT's per-expert keys) or on an MLP the layer lacks is
-    refused naming the tensor and the reason."""
+    """Qwen2-MoE, Qwen3-MoE (and OLMoE's config): experts, top-k, their width and
+    renormalisation, the dense layers (mlp_only_layers, decoder_sparse_step) and Qwen2-MoE's
+    shared expert read from config.json and counted in the weights' bytes; LoRA on the shared
+    expert and the dense layers serves, on the experts (PEFT's per-expert keys) or on an MLP
+    the layer lacks is refused naming the tensor and the reason."""
     from safetensors.torch import load_file, save_file
 
     q2 = ModelConfig.from_dict(_config(tiny_models, "qwen2_moe"))
