@@ -40,7 +40,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
                            "Glm4ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM",
                            "CohereForCausalLM", "Cohere2ForCausalLM", "MixtralForCausalLM",
-                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                           "GraniteMoeForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
@@ -52,7 +53,8 @@ QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "HeliumForCausalLM",
 # The mixtures of experts: architecture -> its config's key for the experts' count (Qwen's
 # num_experts, which transformers 5 writes as num_local_experts)
 MOE = {"MixtralForCausalLM": "num_local_experts", "Qwen2MoeForCausalLM": "num_experts",
-       "Qwen3MoeForCausalLM": "num_experts", "OlmoeForCausalLM": "num_experts"}
+       "Qwen3MoeForCausalLM": "num_experts", "OlmoeForCausalLM": "num_experts",
+       "GraniteMoeForCausalLM": "num_local_experts"}
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The rope_scaling types served (rope_inv_freq in slora/model/llama.py computes each).
@@ -465,7 +467,7 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (slora's MLP is "
                               "SwiGLU, silu(gate) * up, or GeGLU, gelu_pytorch_tanh(gate) * up)")
-        granite = arch == "GraniteForCausalLM"
+        granite = arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM")
         cohere = arch in ("CohereForCausalLM", "Cohere2ForCausalLM")
         positive = ((("query_pre_attn_scalar", "attn_logit_softcapping",
                       "final_logit_softcapping") if gemma else ())
@@ -763,9 +765,10 @@ def _longrope(s: dict, c: dict, max_pos: int, head_dim: int, gemma3: bool, sourc
 
 
 def _experts(c: dict, arch: str, source: str) -> dict:
-    """ModelConfig's mixture-of-experts fields as HF reads a config: Mixtral's and OLMoE's
-    experts in every layer, each of intermediate_size, the picked ones' weights renormalised
-    (OLMoE's where norm_topk_prob); Qwen2-MoE's and
+    """ModelConfig's mixture-of-experts fields as HF reads a config: Mixtral's, Granite
+    MoE's and OLMoE's experts in every layer, each of intermediate_size, the picked ones'
+    weights renormalised (Granite MoE's softmax over the top k's logits is that; OLMoE's
+    where norm_topk_prob); Qwen2-MoE's and
     Qwen3-MoE's of moe_intermediate_size in each layer i with (i + 1) % decoder_sparse_step == 0
     that mlp_only_layers leaves out (the others dense), renormalised where norm_topk_prob;
     Qwen2-MoE's shared expert beside them (shared_expert_intermediate_size, which a dense layer's
@@ -775,8 +778,11 @@ def _experts(c: dict, arch: str, source: str) -> dict:
     key = MOE.get(arch)
     if key is None:
         return none
-    mixtral, olmoe = arch == "MixtralForCausalLM", arch == "OlmoeForCausalLM"
-    default = {"MixtralForCausalLM": 8, "OlmoeForCausalLM": 64, "Qwen2MoeForCausalLM": 60}
+    # (Granite MoE's router: Mixtral's)
+    mixtral = arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM")
+    olmoe = arch == "OlmoeForCausalLM"
+    default = {"MixtralForCausalLM": 8, "GraniteMoeForCausalLM": 8, "OlmoeForCausalLM": 64,
+               "Qwen2MoeForCausalLM": 60}
     experts = c.get(key, c.get("num_local_experts", default.get(arch, 128)))
     per_token = c.get("num_experts_per_tok", 2 if mixtral else 4 if arch == "Qwen2MoeForCausalLM"
                       else 8)

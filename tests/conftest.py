@@ -163,6 +163,11 @@ TINY = {
     # OLMoE: experts alone in every layer (not renormalised), q and k normed over all heads
     "olmoe": dict(arch="olmoe", num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                   num_experts_per_tok=2, random_norms=True),
+    # Granite MoE: Granite's four multipliers around experts stored stacked
+    "granitemoe": dict(arch="granitemoe", num_attention_heads=4, num_key_value_heads=2,
+                       num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
+                       residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=2.5,
+                       random_norms=True),
 }
 
 
@@ -217,7 +222,8 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
            "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-           "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM)}[arch]
+           "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+           "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)

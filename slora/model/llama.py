@@ -1,6 +1,6 @@
 """One parameterised model for the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3,
 Gemma 1, 2 and 3 (text), Granite, SmolLM3, OLMo 2 and 3, Helium, Ernie 4.5, GLM, GLM-4,
-EXAONE 4, Seed-OSS, Cohere 1 and 2, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
+EXAONE 4, Seed-OSS, Cohere 1 and 2, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE.
 
 They differ only by configuration (`ModelConfig`):
 - GQA/MQA head counts, head_dim, q/k/v (and o) biases, tied embeddings;
@@ -17,8 +17,9 @@ They differ only by configuration (`ModelConfig`):
   attention and the MLP side by side (`parallel_block`: Cohere, whose norms are LayerNorms);
 - Gemma's scaled embeddings and GeGLU, query_pre_attn_scalar as the attention scale and
   soft-capped attention scores and logits (Gemma 2); Granite's multipliers;
-- a mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: `num_experts`,
-  `LlamaModel._experts`), in some layers or all, beside a gated shared expert (Qwen2-MoE);
+- a mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE:
+  `num_experts`, `LlamaModel._experts`), in some layers or all, beside a gated shared expert
+  (Qwen2-MoE);
 - the checkpoint's names: Phi-3 stores q|k|v and gate|up fused, GLM gate|up (see the loader).
 
 The model runs on a flat batch of tokens from many sequences (decode rows first, then prefill

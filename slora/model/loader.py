@@ -172,7 +172,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         gate_up = [mlp + "gate_up_proj"] if "gate_up_proj" in cfg.fused_modules \
             else [mlp + "gate_proj", mlp + "up_proj"]
         dense = cfg.dense_mlp(i)
-        experts = _load_experts(get, p, cfg) if cfg.experts_in(i) else None
+        experts = _load_experts(get, p, cfg, residual) if cfg.experts_in(i) else None
         ln1, ln2, post_attn, post_mlp = (
             None if n is None else norm(f"{p}{n}.weight") for n in _norm_names(cfg))
         layers.append(LayerWeights(
@@ -418,10 +418,17 @@ def _input_scales(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, flo
     return out
 
 
-def _load_experts(get, p: str, cfg: ModelConfig) -> Experts:
-    """Layer prefix `p`'s experts, each expert's gate and up stacked as [gate | up]: Mixtral's
-    block_sparse_moe (w1 gate, w3 up, w2 down, the router `gate`), Qwen's mlp (experts.K's
-    gate_proj, up_proj and down_proj, the router `gate`)."""
+def _load_experts(get, p: str, cfg: ModelConfig, residual) -> Experts:
+    """Layer prefix `p`'s experts, each expert's gate and up stacked as [gate | up], the downs
+    through `residual` (Granite's multiplier): Mixtral's block_sparse_moe (w1 gate, w3 up, w2
+    down, the router `gate`), Granite MoE's (already stacked: input_linear [gate | up],
+    output_linear, the router `router.layer`), Qwen's and OLMoE's mlp (experts.K's gate_proj,
+    up_proj and down_proj, the router `gate`)."""
+    if cfg.architecture == "GraniteMoeForCausalLM":
+        moe = p + "block_sparse_moe."
+        return Experts(router=get(moe + "router.layer.weight"),
+                       gate_up=get(moe + "input_linear.weight"),
+                       down=residual(get(moe + "output_linear.weight")))
     if cfg.architecture == "MixtralForCausalLM":
         moe, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
     else:
@@ -430,7 +437,7 @@ def _load_experts(get, p: str, cfg: ModelConfig) -> Experts:
     g, u, d = (f"{n}.weight" for n in names)
     return Experts(router=get(moe + "gate.weight"),
                    gate_up=torch.stack([torch.cat((get(x + g), get(x + u))) for x in e]),
-                   down=torch.stack([get(x + d) for x in e]))
+                   down=residual(torch.stack([get(x + d) for x in e])))
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

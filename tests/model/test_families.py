@@ -128,6 +128,9 @@ ADAPTERS = {
     "qwen3_moe": {
         "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     },
+    "granitemoe": {  # o's LoRA times the residual multiplier, as o is
+        "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"]),
+    },
     "olmoe": {
         "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "o_proj"]),
