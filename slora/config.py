@@ -298,8 +298,8 @@ class ModelConfig:
     # An RMSNorm on q and on k after the projection, before rotary: "head" (Qwen3, Gemma 3
     # and EXAONE 4) over each head's head_dim elements (weights q_norm, k_norm [head_dim]);
     # "heads" (Cohere's use_qk_norm) the same with a weight of each head's own ([q_size],
-    # [kv_size]); "all" (OLMo 2 and 3, OLMoE) over a token's whole q and whole k (weights [q_size],
-    # [kv_size]); None: none.
+    # [kv_size]); "all" (OLMo 2 and 3, OLMoE) over a token's whole q and whole k (weights
+    # [q_size], [kv_size]); None: none.
     qk_norm: str | None = None
     # The FUSED_MODULES the checkpoint holds, which PEFT adapters target by those names:
     # Phi-3's q|k|v as one `qkv_proj` and gate|up as one `gate_up_proj`; GLM's gate|up.
@@ -310,7 +310,7 @@ class ModelConfig:
     # Cohere: attention and the MLP read the same normed input and both add to the residual
     # stream (x + attn(ln(x)) + mlp(ln(x))): one norm a layer.
     parallel_block: bool = False
-    # A mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MLP of each layer not in
+    # A mixture of experts (Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE): the MLP of each layer not in
     # `dense_layers` is `num_experts` experts (each a GLU of expert_intermediate_size), of which
     # a router picks `experts_per_token` for each token, their outputs weighted by the router's
     # softmax (renormalised over the picked ones where `norm_topk_prob`). `shared_expert`
@@ -768,11 +768,11 @@ def _experts(c: dict, arch: str, source: str) -> dict:
     """ModelConfig's mixture-of-experts fields as HF reads a config: Mixtral's, Granite
     MoE's and OLMoE's experts in every layer, each of intermediate_size, the picked ones'
     weights renormalised (Granite MoE's softmax over the top k's logits is that; OLMoE's
-    where norm_topk_prob); Qwen2-MoE's and
-    Qwen3-MoE's of moe_intermediate_size in each layer i with (i + 1) % decoder_sparse_step == 0
-    that mlp_only_layers leaves out (the others dense), renormalised where norm_topk_prob;
-    Qwen2-MoE's shared expert beside them (shared_expert_intermediate_size, which a dense layer's
-    MLP must then equal: one MLP width a model)."""
+    where norm_topk_prob); Qwen2-MoE's and Qwen3-MoE's of moe_intermediate_size in each layer
+    i with (i + 1) % decoder_sparse_step == 0 that mlp_only_layers leaves out (the others
+    dense), renormalised where norm_topk_prob; Qwen2-MoE's shared expert beside them
+    (shared_expert_intermediate_size, which a dense layer's MLP must then equal: one MLP width
+    a model)."""
     none = dict(num_experts=0, experts_per_token=0, expert_intermediate_size=0,
                 norm_topk_prob=True, dense_layers=(), shared_expert=False)
     key = MOE.get(arch)
