@@ -12,7 +12,9 @@ rank-16 q/k/v/o adapters in one batch, slora beside HF PEFT (mixed-batch adapter
 --skip-hf leaves PEFT out: the slora rows with and without adapters remain).
 --quantization fp8 builds slora's engines with FP8 base weights (EngineConfig.quantization;
 the HF baselines stay in --dtype); the rows keep their system names and carry the setting, so
-gpu_table.py sets an FP8 run beside a bf16 one row by row.
+gpu_table.py sets an FP8 run beside a bf16 one row by row. --moe-experts grouped,dense runs
+each slora row once per mixture-of-experts path (EngineConfig.moe_experts), its system named
+"slora[grouped]" and "slora[dense]", with its mean time to first token.
 
 Writes bench_engine.json under --out: the harness's header (GPU, commit, command, ceilings)
 and one row per system, model and batch (gen_tok_s; decode_tok_s for slora).
@@ -21,6 +23,8 @@ and one row per system, model and batch (gen_tok_s; decode_tok_s for slora).
     python experiments/bench_engine.py --models llama-2-7b --batches 32 --race --skip-hf
     python experiments/bench_engine.py --models llama-2-7b --batches 32 --race --skip-hf \
         --quantization fp8
+    python experiments/bench_engine.py --models qwen3-30b-a3b --batches 32,1 --skip-hf \
+        --moe-experts grouped,dense
 """
 
 from __future__ import annotations
@@ -69,10 +73,13 @@ def slora_run(model, batch, prompt_len, gen_len, adapters=None, rank=16, device=
     last_first = max(o.metrics.first_token_time for o in outs)
     end = max(o.metrics.finish_time for o in outs)
     decode_toks = sum(len(o.token_ids) - 1 for o in outs)
-    system = "slora" + (f"+{adapters}x r{rank}" if adapters else "")
+    system = "slora" + (f"[{cfg['moe_experts']}]" if cfg.get("moe_experts") else "") + (
+        f"+{adapters}x r{rank}" if adapters else "")
+    ttft = sum(o.metrics.first_token_time - o.metrics.arrival_time for o in outs) / len(outs)
     res = {"system": system + ("" if eng.config.async_scheduling else " sync"), "model": model,
            "batch": batch, "gen_tok_s": batch * gen_len / wall,
            "decode_tok_s": decode_toks / max(end - last_first, 1e-9), "wall_s": wall,
+           "ttft_s": ttft,
            "quantization": eng.config.quantization, "stats": eng.stats()}
     eng.close()
     del eng
@@ -147,6 +154,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", choices=("fp8",),
                     help="slora's base weights: fp8 = FP8 E4M3 linear layers (default: --dtype)")
+    ap.add_argument("--moe-experts", type=lambda v: v.split(","), default=[None],
+                    help="EngineConfig.moe_experts values, each slora row once per value "
+                         "(e.g. grouped,dense; default: the engine's own)")
     add_out_arg(ap)
     args = ap.parse_args(argv)
 
@@ -160,9 +170,12 @@ def main(argv=None) -> dict:
     for model in args.models.split(","):
         for b in map(int, args.batches.split(",")):
             for mode in modes:
-                rows.append(slora_run(model, b, args.prompt_len, args.gen_len, **on, **quant,
-                                      num_pages=args.num_pages, async_scheduling=mode))
-                print(rows[-1], flush=True)
+                for experts in args.moe_experts:
+                    moe = {"moe_experts": experts} if experts else {}
+                    rows.append(slora_run(model, b, args.prompt_len, args.gen_len, **on, **quant,
+                                          **moe, num_pages=args.num_pages,
+                                          async_scheduling=mode))
+                    print(rows[-1], flush=True)
         if args.skip_hf:
             continue
         m = hf_model(model, **on)
@@ -184,10 +197,12 @@ def main(argv=None) -> dict:
     write_result(args.out, "bench_engine.json", result)
     if args.quantization:
         print(f"\nslora's base weights: {args.quantization}", end="")
-    print(f"\n{'system':<28}{'model':<14}{'batch':>6}{'gen tok/s':>12}{'decode tok/s':>14}")
+    print(f"\n{'system':<28}{'model':<14}{'batch':>6}{'gen tok/s':>12}{'decode tok/s':>14}"
+          f"{'TTFT ms':>10}")
     for r in rows:
         dec = f"{r['decode_tok_s']:14.0f}" if "decode_tok_s" in r else f"{'':>14}"
-        print(f"{r['system']:<28}{r['model']:<14}{r['batch']:>6}{r['gen_tok_s']:12.0f}{dec}")
+        ttft = f"{1e3 * r['ttft_s']:10.1f}" if "ttft_s" in r else ""
+        print(f"{r['system']:<28}{r['model']:<14}{r['batch']:>6}{r['gen_tok_s']:12.0f}{dec}{ttft}")
     return result
 
 

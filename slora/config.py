@@ -17,6 +17,7 @@ from pathlib import Path
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
 DECODE_LORA = ("auto", "mbgmv", "segments", "hybrid")  # slora.kernels.segments
+MOE_EXPERTS = ("auto", "grouped", "dense")  # EngineConfig.moe_experts
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's, read as the DTYPES they name
 POLICIES = ("fcfs", "cluster", "abort", "fair", "priority")
@@ -181,6 +182,12 @@ class EngineConfig:
     # adapter's rows grouped where the GPU's table says they are many and large enough, the
     # others through MBGMV) or "hybrid" ("auto"'s split with both kernels in every step).
     decode_lora: str = "auto"
+    # A mixture of experts' MLP (slora.kernels.reference): "grouped" runs each token's picked
+    # experts alone as grouped GEMMs (torch._grouped_mm: on the CPU, or in bfloat16 on CUDA
+    # from compute capability 9.0, where it needs no host sync and CUDA graphs capture it);
+    # "dense" runs every expert on every token as batched GEMMs (num_experts /
+    # experts_per_token times the FLOPs); "auto" grouped where it is served so, else dense.
+    moe_experts: str = "auto"
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").
     load_format: str = "auto"
@@ -256,6 +263,7 @@ class EngineConfig:
              f"must be in [0, {MAX_ADDED_TOKENS}] (the added tokens are rank rows of the LoRA "
              "kernels)")
         need(self.decode_lora in DECODE_LORA, "decode_lora", f"expected one of {DECODE_LORA}")
+        need(self.moe_experts in MOE_EXPERTS, "moe_experts", f"expected one of {MOE_EXPERTS}")
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
              f"expected None or one of {QUANTIZATIONS}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be at least 1")

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from slora.config import LORA_MODULES, ModelConfig
+from slora.config import LORA_MODULES, ConfigError, ModelConfig
 from slora.kernels import reference as ref
 from slora.model.quant import Fp8Weight
 
@@ -266,7 +266,7 @@ class LlamaModel:
     """
 
     def __init__(self, cfg: ModelConfig, weights: Weights, backend, block_size: int,
-                 tp=None, max_added: int = 0) -> None:
+                 tp=None, max_added: int = 0, experts: str = "auto") -> None:
         self.cfg = cfg
         self.tp = tp
         # EngineConfig.max_added_tokens: logits are [S, vocab + max_added], the columns past
@@ -292,7 +292,16 @@ class LlamaModel:
             torch.tensor(cfg.embed_scale, dtype=weights.embed.dtype))
         self.act_mul = backend.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" \
             else backend.silu_mul
-        self.grouped_experts = bool(cfg.num_experts) and grouped_gemm(weights.embed)
+        # EngineConfig.moe_experts: a mixture of experts' picked experts as grouped GEMMs
+        # (`ref.experts_grouped`) or every expert on every token (`ref.experts_dense`)
+        served = grouped_gemm(weights.embed)
+        if cfg.num_experts and experts == "grouped" and not served:
+            raise ConfigError(f"EngineConfig.moe_experts='grouped': torch's grouped GEMM needs a "
+                              f"host sync in {weights.embed.dtype} on {weights.embed.device} "
+                              "(served: the CPU, or bfloat16 on CUDA from compute capability "
+                              "9.0); use 'dense' or 'auto'")
+        self.grouped_experts = bool(cfg.num_experts) and (
+            experts == "grouped" or experts == "auto" and served)
 
     @property
     def num_layers(self) -> int:
@@ -406,7 +415,7 @@ class LlamaModel:
         picked expert's GLU times its weight, summed. `grouped_experts`: the picked experts
         alone, as grouped GEMMs (`ref.experts_grouped`); else every expert on every token
         (`ref.experts_dense`). Both keep a step's shapes independent of the routing, so a
-        CUDA graph captures it like any other."""
+        CUDA graph captures it like any other (grouped where `grouped_gemm` holds)."""
         cfg = self.cfg
         weights, pick = ref.route(h, ex.router, cfg.experts_per_token, cfg.norm_topk_prob)
         run = ref.experts_grouped if self.grouped_experts else ref.experts_dense

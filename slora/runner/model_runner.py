@@ -144,7 +144,7 @@ class ModelRunner:
         self.backend = make_backend(config.backend, self.device, config.gemm_max_rows)
         self.backend.tp = tp
         self.model = LlamaModel(model_config, weights, self.backend, config.block_size, tp,
-                                max_added=config.max_added_tokens)
+                                max_added=config.max_added_tokens, experts=config.moe_experts)
         self.num_pages = self._pool_pages() if tp is None else tp.agree(self._pool_pages())
         # One page more than the allocator hands out: padded rows of a captured batch write
         # their KV there (`scratch_page`), never into a live page.

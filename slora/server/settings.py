@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, fields
 
-from slora.config import BACKENDS, DTYPE_ALIASES, DTYPES, POLICIES, EngineConfig
+from slora.config import BACKENDS, DTYPE_ALIASES, DTYPES, MOE_EXPERTS, POLICIES, EngineConfig
 from slora.server.adapters import AdapterResolver
 
 PARSERS = ("hermes", "llama3_json")  # tool-call parsers (slora.server.tools)
@@ -95,6 +95,8 @@ ENGINE_HELP = {
     "max_logprobs": "the most top log-probs a request may ask for",
     "tensor_parallel_size": "devices the model is sharded over, one process each",
     "max_lora_rank": "refuse adapters of a larger rank in any module (default: any rank)",
+    "moe_experts": "a mixture of experts: grouped (the picked experts alone; CPU, or bfloat16 "
+                   "on compute capability 9.0+), dense (every expert on every token), auto",
 }
 # vLLM's spellings of EngineConfig's flags, accepted beside slora's own
 ENGINE_ALIASES = {
@@ -104,7 +106,8 @@ ENGINE_ALIASES = {
     "gpu_memory_fraction": ("--gpu-memory-utilization",),
 }
 ENGINE_CHOICES = {"dtype": DTYPES + tuple(DTYPE_ALIASES), "backend": BACKENDS,
-                  "policy": POLICIES, "load_format": ("auto", "dummy")}
+                  "policy": POLICIES, "load_format": ("auto", "dummy"),
+                  "moe_experts": MOE_EXPERTS}
 
 
 def add_engine_config_args(parser: argparse.ArgumentParser) -> None:

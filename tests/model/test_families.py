@@ -609,6 +609,35 @@ def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_p
         e3.add_adapter("bad", bad)
 
 
+def test_moe_experts_grouped_and_dense_agree(tiny_models, monkeypatch):
+    """EngineConfig.moe_experts: the picked experts as grouped GEMMs and every expert on every
+    token give the same greedy tokens and log-probs; "grouped" where torch's grouped GEMM
+    would need a host sync is refused naming what to use instead."""
+    import slora.model.llama as llama
+
+    model = str(tiny_models("qwen2_moe"))
+    prompts = ["Hello", "The quick brown fox jumps"]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    runs = {}
+    for experts in ("grouped", "dense"):
+        e = Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_pages=32,
+                                moe_experts=experts))
+        assert e.runner.model.grouped_experts == (experts == "grouped")
+        runs[experts] = e.generate(prompts, sp)
+    for g, d in zip(runs["grouped"], runs["dense"]):
+        assert g.token_ids == d.token_ids
+        assert [lp[t] for lp, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
+            [lp[t] for lp, t in zip(d.logprobs, d.token_ids)], abs=1e-5)
+    with pytest.raises(ConfigError, match="EngineConfig.moe_experts='fast': expected one of"):
+        EngineConfig(moe_experts="fast")
+    monkeypatch.setattr(llama, "grouped_gemm", lambda like: False)
+    with pytest.raises(ConfigError, match="moe_experts='grouped'.*use 'dense' or 'auto'"):
+        Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_pages=32,
+                            moe_experts="grouped"))
+    auto = Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_pages=32))
+    assert not auto.runner.model.grouped_experts
+
+
 def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
     """Gemma's (1 + w) norms are stored as float32 w + 1 (the value HF computes at each call),
     in a bfloat16 model too, where 1 + w in bfloat16 would lose w's low bits."""
