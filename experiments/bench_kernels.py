@@ -1,6 +1,7 @@
 """Kernel benchmark for the H200: LoRA (MBGMV, MBGMM) and paged decode attention, in physical rates.
 
-    python experiments/bench_kernels.py [--out DIR] [--tune] [--only mbgmv|attention|overlap] [--smoke]
+    python experiments/bench_kernels.py [--out DIR] [--tune] [--only mbgmv|attention|overlap|experts]
+                                        [--smoke]
 
 Measures, in one run:
   1. ceilings (harness.ceilings): device copy bandwidth (a 2 GiB device-to-device copy, bytes
@@ -29,7 +30,11 @@ at context 400) and a 256-token chunk's base GEMMs over 32 layers alone, one aft
 and forked onto two streams in one graph; then the decode rows' whole chain (their own GEMMs
 and attention) beside the chunk's GEMMs, the chunk's GEMMs confined to part of the SMs
 (cuBLASLt's SM-count target), and the share of the GEMMs' time their weight bytes take at the
-copy rate (what no overlap with bandwidth-bound attention can hide).
+copy rate (what no overlap with bandwidth-bound attention can hide). `--only experts` times
+one layer of a mixture of experts (Qwen3-30B-A3B's 128 experts of 768, top 8; Mixtral
+8x7B's 8 of 14,336, top 2) at --batches tokens, routing included: the picked experts as
+grouped GEMMs (`reference.experts_grouped`) beside every expert on every token
+(`reference.experts_dense`), and every expert's weight bytes at the copy rate.
 
 Every timed op is captured in a CUDA graph and timed by harness.bench_graph (the median of
 do_bench's replays). So that adapters are not served from L2 (60 MB on the H200; in a real
@@ -863,6 +868,40 @@ def run_mixed(n_dec, cfg, device, dtype, gen):
 
 # ----------------------------------------------------------------------------- main
 
+EXPERT_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
+
+
+def run_experts(cfg, device, dtype, gen) -> list[dict]:
+    """One layer of experts (EXPERT_SHAPES: hidden, expert width, experts, picked), routing
+    included, at each of cfg's batches: grouped GEMMs over the picked experts against every
+    expert on every token; ms per layer, and every expert's weight bytes at copy."""
+    rows = []
+    for name, (H, I, E, k) in EXPERT_SHAPES.items():
+        if cfg["smoke"]:
+            H, I, E = 64, 32, max(k, 4)
+        router = (torch.randn(E, H, generator=gen) * 0.02).to(dtype).to(device)
+        gate_up = (torch.randn(E, 2 * I, H, generator=gen) * 0.02).to(dtype).to(device)
+        down = (torch.randn(E, H, I, generator=gen) * 0.02).to(dtype).to(device)
+        floor_ms = (gate_up.numel() + down.numel()) * gate_up.element_size() / (
+            cfg["copy_GBps"] * 1e6)
+        for T in cfg["batches"]:
+            x = torch.randn(T, H, generator=gen).to(dtype).to(device)
+            row = dict(model=name, tokens=T, experts=E, picked=k, floor_ms=floor_ms)
+            out = {}
+            for form, run in (("grouped", ref.experts_grouped), ("dense", ref.experts_dense)):
+                def fn(run=run, form=form):
+                    w, pick = ref.route(x, router, k, True)
+                    out[form] = run(x, gate_up, down, w, pick, ref.silu_mul)
+                row[f"ms_{form}"] = bench_graph(fn, device)
+            row["err"] = (out["grouped"].float() - out["dense"].float()).abs().max().item()
+            rows.append(row)
+            print(f"experts {name} T={T:5d}: grouped {row['ms_grouped']:.3f} ms, dense "
+                  f"{row['ms_dense']:.3f} ms; every expert's bytes at copy {floor_ms:.3f} ms; "
+                  f"max difference {row['err']:.1e}", flush=True)
+        del router, gate_up, down
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_out_arg(ap)
@@ -876,9 +915,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--only-mixed", action="store_true",
                     help="only the mixed-step comparison (decode rows through the prefill kernels "
                          "or through the decode kernels)")
-    ap.add_argument("--only", choices=("mbgmv", "attention", "overlap"),
-                    help="only the ceilings and one table: MBGMV (batch x rank), attention, or "
-                         "the overlap of decode attention and prompt GEMMs on two streams")
+    ap.add_argument("--only", choices=("mbgmv", "attention", "overlap", "experts"),
+                    help="only the ceilings and one table: MBGMV (batch x rank), attention, "
+                         "the overlap of decode attention and prompt GEMMs on two streams, or "
+                         "a layer of experts, grouped against dense")
     ints = lambda t: tuple(int(v) for v in t.split(",") if v)  # noqa: E731
     ap.add_argument("--batches", type=ints, help="MBGMV: tokens (default: 1-256); with --tune "
                     "mbgmv also its shapes, each at every --ranks (default there: 16, 64)")
@@ -948,6 +988,10 @@ def main(argv=None) -> dict:
         if args.tune_only:
             write_result(args.out, "bench_kernels_tune.json", res)
             return res
+    if args.only == "experts":
+        res["experts"] = run_experts(cfg, device, dtype, gen)
+        write_result(args.out, "bench_kernels_experts.json", res)
+        return res
     if args.only == "overlap":
         res["overlap"] = run_overlap(cfg, device, dtype, gen)
         o = res["overlap"]

@@ -48,6 +48,16 @@ def test_overlap_smoke(bench, tmp_path):
         (row["ms_chain_serial"] - row["ms_chain_streams"]) / row["ms_gemms"])
 
 
+def test_experts_smoke(bench, tmp_path):
+    """--only experts: both forms of a layer of experts, timed, agreeing, at each batch."""
+    res = bench.main(["--smoke", "--only", "experts", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_kernels_experts.json").read_text())["experts"]
+    assert rows == res["experts"]
+    assert [(r["model"], r["tokens"]) for r in rows] == [
+        (m, t) for m in ("qwen3-30b-a3b", "mixtral-8x7b") for t in (1, 3)]
+    assert all(r["ms_grouped"] > 0 and r["ms_dense"] > 0 and r["err"] < 1e-5 for r in rows)
+
+
 def test_gemm_sweep_smoke(bench, tmp_path):
     """--tune gemm: each decode GEMM shape through cuBLAS (F.linear) and the few-rows Triton
     kernel, its picked tiles and the sweep's, all matching F.linear in fp32."""
