@@ -753,6 +753,14 @@ class PeftAdapter:
     def _fail(self, file: Path, why: str):
         raise AdapterError(f"adapter {self.name!r}: {file}: {why}", adapter=self.name)
 
+    def _experts_fail(self, file: Path, key: str):
+        """Refuse tensor `key`, a LoRA on a mixture of experts' experts (per expert, or on
+        their stacked weights as PEFT wraps them)."""
+        self._fail(file, f"tensor {key!r}: LoRA on a mixture of experts' experts is not "
+                   "supported (served: LoRA on the attention"
+                   + (" and the shared expert" if self.cfg.shared_expert else "")
+                   + (" and the dense layers' MLP" if self.cfg.dense_layers else "") + ")")
+
     def _check_config(self, c, f: Path) -> None:
         if not isinstance(c, dict):
             self._fail(f, f"holds a JSON {type(c).__name__}, not an object")
@@ -894,6 +902,8 @@ class PeftAdapter:
                 continue  # checked against the base model's rows (_check_vocab)
             else:
                 m = _KEY.match(key)
+                if m is None and ".experts." in key:  # (PEFT's LoRA on stacked experts' weights)
+                    self._experts_fail(file, key)
                 if m is None:
                     self._fail(file, f"tensor {key!r} is not a LoRA A/B weight or DoRA "
                                "magnitude of a q/k/v/o/gate/up/down projection, or a LoRA A/B "
@@ -902,9 +912,7 @@ class PeftAdapter:
                 layer, parent, module, ab = (int(m.group(1)), m.group(2), m.group(3),
                                              m.group(4) or "M")
                 if ".experts." in parent:
-                    self._fail(file, f"tensor {key!r}: LoRA on a mixture of experts' experts is "
-                               "not supported (served: LoRA on the attention"
-                               + (" and the shared expert" if cfg.shared_expert else "") + ")")
+                    self._experts_fail(file, key)
             if m is not None and module not in cfg.checkpoint_modules:
                 self._fail(file, f"tensor {key!r}: this {cfg.architecture} model has no "
                            f"{module} (its linear modules: {', '.join(cfg.checkpoint_modules)})")

@@ -119,11 +119,16 @@ ADAPTERS = {
         "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["v_proj", "o_proj"]),
     },
-    "qwen2_moe": {  # the shared expert (layer 0) and the dense MLP (layer 1) take LoRA
-        "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj",
-                                                        "gate_proj", "up_proj", "down_proj"],
+    # the shared expert (layer 0) and the dense MLP (layer 1) take LoRA; named by their paths,
+    # as a bare gate_proj also targets the experts' stacked weights in PEFT >= 0.22
+    "qwen2_moe": {
+        "all": dict(r=8, lora_alpha=16,
+                    target_modules=["q_proj", "v_proj", "o_proj"] + [
+                        f"{mlp}.{m}_proj" for mlp in ("shared_expert", "layers.1.mlp")
+                        for m in ("gate", "up", "down")],
                     rank_pattern={"shared_expert.up_proj": 4}),
-        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["k_proj", "down_proj"]),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True,
+                     target_modules=["k_proj", "shared_expert.down_proj", "layers.1.mlp.down_proj"]),
     },
     "qwen3_moe": {
         "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
@@ -578,7 +583,7 @@ def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_p
 
     model_dir = tiny_models("qwen2_moe")
     e = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_pages=32))
-    good = adapter_factory(model_dir, target_modules=["q_proj", "gate_proj"])
+    good = adapter_factory(model_dir, target_modules=["q_proj", "shared_expert.gate_proj"])
     weights = load_file(str(good / "adapter_model.safetensors"))
     assert any(".mlp.shared_expert.gate_proj." in k for k in weights)
     e.add_adapter("good", good)
@@ -588,9 +593,12 @@ def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_p
             "LoRA on a mixture of experts' experts is not supported",
         (pre + "0.mlp.shared_expert.gate_proj", pre + "0.mlp.gate_proj"):
             "layer 0's dense MLP is model.layers.0.mlp.shared_expert",
+        # (PEFT >= 0.22's LoRA on the stacked experts, where a target names their weights)
+        (pre + "0.mlp.shared_expert.gate_proj", pre + "0.mlp.experts"):
+            "LoRA on a mixture of experts' experts is not supported",
     }
-    for (old, new), why in cases.items():
-        bad = tmp_path / new.rsplit(".", 2)[-2].replace(".", "_")
+    for n, ((old, new), why) in enumerate(cases.items()):
+        bad = tmp_path / f"bad{n}"
         shutil.copytree(good, bad)
         save_file({k.replace(old, new): v for k, v in weights.items()},
                   str(bad / "adapter_model.safetensors"))
