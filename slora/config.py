@@ -51,11 +51,14 @@ INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM"
 # unless its qkv_bias is false)
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "HeliumForCausalLM", "GlmForCausalLM",
                  "Glm4ForCausalLM")
-# The mixtures of experts: architecture -> its config's key for the experts' count (Qwen's
-# num_experts, which transformers 5 writes as num_local_experts)
-MOE = {"MixtralForCausalLM": "num_local_experts", "Qwen2MoeForCausalLM": "num_experts",
-       "Qwen3MoeForCausalLM": "num_experts", "OlmoeForCausalLM": "num_experts",
-       "GraniteMoeForCausalLM": "num_local_experts"}
+# The mixtures of experts: architecture -> (its config's key for the experts' count, HF's
+# defaults of that count and of num_experts_per_tok). Qwen's and OLMoE's num_experts is written
+# num_local_experts by transformers 5.
+MOE = {"MixtralForCausalLM": ("num_local_experts", 8, 2),
+       "GraniteMoeForCausalLM": ("num_local_experts", 8, 2),
+       "Qwen2MoeForCausalLM": ("num_experts", 60, 4),
+       "Qwen3MoeForCausalLM": ("num_experts", 128, 8),
+       "OlmoeForCausalLM": ("num_experts", 64, 8)}
 # The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The rope_scaling types served (rope_inv_freq in slora/model/llama.py computes each).
@@ -637,7 +640,7 @@ class ModelConfig:
         """The linear modules' names in the checkpoint (and in PEFT adapters' keys) that
         adapters may target: each of LORA_MODULES, or the fused module that holds it; the
         attention's alone where no layer has a dense MLP (experts alone: Mixtral, Qwen3-MoE)."""
-        mlp = any(self.dense_mlp(layer) for layer in range(self.num_layers))
+        mlp = not self.num_experts or self.shared_expert or bool(self.dense_layers)
         names = [next((f for f in self.fused_modules if m in FUSED_MODULES[f]), m)
                  for m in LORA_MODULES[:None if mlp else 4]]
         return tuple(dict.fromkeys(names))
@@ -783,24 +786,21 @@ def _experts(c: dict, arch: str, source: str) -> dict:
     a model)."""
     none = dict(num_experts=0, experts_per_token=0, expert_intermediate_size=0,
                 norm_topk_prob=True, dense_layers=(), shared_expert=False)
-    key = MOE.get(arch)
-    if key is None:
+    if arch not in MOE:
         return none
-    # (Granite MoE's router: Mixtral's)
+    key, default_experts, default_per_token = MOE[arch]
+    # (Granite MoE's router: Mixtral's, whose picked weights HF always renormalises)
     mixtral = arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM")
     olmoe = arch == "OlmoeForCausalLM"
-    default = {"MixtralForCausalLM": 8, "GraniteMoeForCausalLM": 8, "OlmoeForCausalLM": 64,
-               "Qwen2MoeForCausalLM": 60}
-    experts = c.get(key, c.get("num_local_experts", default.get(arch, 128)))
-    per_token = c.get("num_experts_per_tok", 2 if mixtral else 4 if arch == "Qwen2MoeForCausalLM"
-                      else 8)
+    experts = c.get(key, c.get("num_local_experts", default_experts))
+    per_token = c.get("num_experts_per_tok", default_per_token)
     if not (is_int(experts) and is_int(per_token) and 0 <= experts
             and (experts == 0 or 1 <= per_token <= experts)):
         raise ConfigError(f"{source}: {key}={experts!r} and num_experts_per_tok={per_token!r} "
                           f"must be integers with 1 <= num_experts_per_tok <= {key}")
     if experts == 0:  # (HF's Qwen MoE blocks need experts: every layer dense)
         return none
-    topk = c.get("norm_topk_prob", mixtral)
+    topk = True if mixtral else c.get("norm_topk_prob", False)
     if not isinstance(topk, bool):
         raise ConfigError(f"{source}: norm_topk_prob={topk!r} must be true or false")
     if olmoe and c.get("clip_qkv") is not None:
