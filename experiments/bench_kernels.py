@@ -34,7 +34,9 @@ copy rate (what no overlap with bandwidth-bound attention can hide). `--only exp
 one layer of a mixture of experts (Qwen3-30B-A3B's 128 experts of 768, top 8; Mixtral
 8x7B's 8 of 14,336, top 2) at --batches tokens, routing included: the picked experts as
 grouped GEMMs (`reference.experts_grouped`) beside every expert on every token
-(`reference.experts_dense`), and every expert's weight bytes at the copy rate.
+(`reference.experts_dense`) and, up to --fused-rows tokens, the few-rows Triton kernels
+(`slora.kernels.experts`, as the engine runs them, router GEMM included), with the picked
+experts' and every expert's weight bytes at the copy rate.
 
 Every timed op is captured in a CUDA graph and timed by harness.bench_graph (the median of
 do_bench's replays). So that adapters are not served from L2 (60 MB on the H200; in a real
@@ -74,6 +76,8 @@ from harness import add_out_arg, bench_graph, ceilings, header, write_result  # 
 from slora.kernels import mbgmm, mbgmv, segments, tuning  # noqa: E402
 from slora.kernels import tiles as tiles_mod  # noqa: E402
 from slora.kernels import reference as ref  # noqa: E402
+from slora.kernels.backend import TritonBackend  # noqa: E402
+from slora.model.llama import Experts  # noqa: E402
 from slora.kernels.attention import (  # noqa: E402
     paged_decode_attention,
     paged_prefill_attention,
@@ -874,7 +878,10 @@ EXPERT_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14
 def run_experts(cfg, device, dtype, gen) -> list[dict]:
     """One layer of experts (EXPERT_SHAPES: hidden, expert width, experts, picked), routing
     included, at each of cfg's batches: grouped GEMMs over the picked experts against every
-    expert on every token; ms per layer, and every expert's weight bytes at copy."""
+    expert on every token, and up to `fused_rows` tokens the Triton backend's few-rows
+    kernels (router GEMM included); ms per layer, and the picked experts' and every expert's
+    weight bytes at copy."""
+    fused = TritonBackend(gemm_max_rows=32) if device.type == "cuda" or cfg["smoke"] else None
     rows = []
     for name, (H, I, E, k) in EXPERT_SHAPES.items():
         if cfg["smoke"]:
@@ -884,20 +891,31 @@ def run_experts(cfg, device, dtype, gen) -> list[dict]:
         down = (torch.randn(E, H, I, generator=gen) * 0.02).to(dtype).to(device)
         floor_ms = (gate_up.numel() + down.numel()) * gate_up.element_size() / (
             cfg["copy_GBps"] * 1e6)
+        layer = Experts(router, gate_up, down)
         for T in cfg["batches"]:
             x = torch.randn(T, H, generator=gen).to(dtype).to(device)
-            row = dict(model=name, tokens=T, experts=E, picked=k, floor_ms=floor_ms)
+            picked = ref.route(x, router, k, True)[1].unique().numel()
+            row = dict(model=name, tokens=T, experts=E, picked=k, floor_ms=floor_ms,
+                       picked_floor_ms=floor_ms * picked / E)
             out = {}
-            for form, run in (("grouped", ref.experts_grouped), ("dense", ref.experts_dense)):
+            forms = {"grouped": ref.experts_grouped, "dense": ref.experts_dense}
+            if fused is not None and T <= cfg["fused_rows"]:
+                forms["fused"] = None
+            for form, run in forms.items():
                 def fn(run=run, form=form):
+                    if run is None:  # the engine's few-rows path: router GEMM, then the kernels
+                        out[form] = fused.experts(x, layer, k, True, gelu=False)
+                        return
                     w, pick = ref.route(x, router, k, True)
                     out[form] = run(x, gate_up, down, w, pick, ref.silu_mul)
                 row[f"ms_{form}"] = bench_graph(fn, device)
-            row["err"] = (out["grouped"].float() - out["dense"].float()).abs().max().item()
+            row["err"] = max((out[f].float() - out["dense"].float()).abs().max().item()
+                             for f in out)
             rows.append(row)
-            print(f"experts {name} T={T:5d}: grouped {row['ms_grouped']:.3f} ms, dense "
-                  f"{row['ms_dense']:.3f} ms; every expert's bytes at copy {floor_ms:.3f} ms; "
-                  f"max difference {row['err']:.1e}", flush=True)
+            print(f"experts {name} T={T:5d}: " + ", ".join(
+                f"{f} {row[f'ms_{f}']:.3f} ms" for f in forms) + f"; the picked experts' "
+                f"bytes at copy {row['picked_floor_ms']:.3f} ms, every expert's "
+                f"{floor_ms:.3f} ms; max difference {row['err']:.1e}", flush=True)
         del router, gate_up, down
     return rows
 
@@ -934,6 +952,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--vllm", metavar="DIR",
                     help="MBGMV: also time vLLM's Triton LoRA kernels, unpacked into DIR by "
                          "experiments/vllm_peer.py")
+    ap.add_argument("--fused-rows", type=int, default=64,
+                    help="experts: time the few-rows kernels up to this many tokens")
     ap.add_argument("--modules", type=int, default=3,
                     help="MBGMV: modules of the group, each hidden -> r -> hidden (3: q/k/v)")
     args = ap.parse_args(argv)
@@ -957,6 +977,7 @@ def main(argv=None) -> dict:
                    mixed=(32, 128, 256), mixed_ctx=272, mixed_prompt=128, mixed_heads=32,
                    overlap=(250, 400, 256, 32))
     cfg["modules"] = args.modules
+    cfg["fused_rows"] = args.fused_rows
     if args.overlap_tokens:
         B, ctx, _, L = cfg["overlap"]
         cfg["overlap"] = (B, ctx, args.overlap_tokens, L)

@@ -37,7 +37,8 @@ decode: at batch B in --batches, B requests with --context-token prompts, each o
     B requests decode and none prefills (the requests run until then, however many steps
     their prompts take, and are then aborted); median. Byte floor = bytes a decode step must
     read / measured copy bandwidth:
-    weights (every linear layer and the lm_head; the embedding table is only gathered), the
+    weights (every linear layer and the lm_head; the embedding table is only gathered; of a
+    mixture of experts, the experts the batch picks in expectation under uniform routing), the
     batch's KV (sum of context lengths x layers x 2 x kv_heads x head_dim x dtype bytes) and
     the distinct adapters' rows (rank x (d_in + d_out) per module per layer x dtype bytes; an
     embedding LoRA once, its A read one column a token: rank x (1 + hidden)).
@@ -135,11 +136,21 @@ def adapter_bytes(cfg: ModelConfig, rank: int, modules, dtype_bytes: int,
     return (cfg.num_layers * rows + rank * vocab) * dtype_bytes
 
 
-def weight_read_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = None) -> int:
-    """Weights a decode step reads: all of them but an untied embedding table (gathered);
-    `quantization` "fp8": the linear layers' in FP8 with their scales."""
+def weight_read_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = None,
+                      tokens: int | None = None) -> int:
+    """Weights a decode step of `tokens` rows reads: all of them but an untied embedding table
+    (gathered) and, in a mixture of experts, the experts no row picks: of E experts with k
+    picked a row, E (1 - (1 - k / E)^tokens) are picked in expectation under uniform routing
+    (every expert where `tokens` is None); `quantization` "fp8": the linear layers' in FP8
+    with their scales."""
     emb = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype_bytes
-    return cfg.weight_bytes(dtype_bytes, quantization) - emb
+    idle = 0.0
+    if cfg.num_experts and tokens is not None:
+        e, k = cfg.num_experts, cfg.experts_per_token
+        per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size * dtype_bytes
+        layers = sum(cfg.experts_in(layer) for layer in range(cfg.num_layers))
+        idle = layers * per_expert * e * (1 - k / e) ** tokens
+    return cfg.weight_bytes(dtype_bytes, quantization) - emb - int(idle)
 
 
 def add_adapters(eng: Engine, ranks: dict[str, int], modules, dora: bool = False) -> None:
@@ -622,7 +633,7 @@ def decode_row(eng: Engine, args, batch: int, modules_key: str, copy_GBps: float
         raise RuntimeError(f"decode batch {batch}: no step decoded all {batch} requests at once "
                            "(raise --max-num-seqs or --num-pages)")
     kv_tokens = statistics.median(s["kv_tokens"] for s in timed)
-    weights = weight_read_bytes(cfg, nbytes, eng.config.quantization)
+    weights = weight_read_bytes(cfg, nbytes, eng.config.quantization, tokens=batch)
     kv = int(kv_tokens * cfg.num_layers * 2 * cfg.kv_size * nbytes)
     lora = len(ranks) * adapter_bytes(cfg, args.decode_rank, modules, nbytes, dora) if modules \
         else 0

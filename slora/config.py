@@ -17,7 +17,7 @@ from pathlib import Path
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
 DECODE_LORA = ("auto", "mbgmv", "segments", "hybrid")  # slora.kernels.segments
-MOE_EXPERTS = ("auto", "grouped", "dense")  # EngineConfig.moe_experts
+MOE_EXPERTS = ("auto", "fused", "grouped", "dense")  # EngineConfig.moe_experts
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's, read as the DTYPES they name
 POLICIES = ("fcfs", "cluster", "abort", "fair", "priority")
@@ -185,11 +185,14 @@ class EngineConfig:
     # adapter's rows grouped where the GPU's table says they are many and large enough, the
     # others through MBGMV) or "hybrid" ("auto"'s split with both kernels in every step).
     decode_lora: str = "auto"
-    # A mixture of experts' MLP (slora.kernels.reference): "grouped" runs each token's picked
-    # experts alone as grouped GEMMs (torch._grouped_mm: on the CPU, or in bfloat16 on CUDA
-    # from compute capability 9.0, where it needs no host sync and CUDA graphs capture it);
-    # "dense" runs every expert on every token as batched GEMMs (num_experts /
-    # experts_per_token times the FLOPs); "auto" grouped where it is served so, else dense.
+    # A mixture of experts' MLP (slora.kernels.reference): "fused" runs the routing and each
+    # (token, picked expert) pair's GLU as Triton kernels reading the experts' weights as they
+    # lie (slora.kernels.experts: a weight stream, for few rows; the Triton backends only);
+    # "grouped" runs each token's picked experts alone as grouped GEMMs (torch._grouped_mm: on
+    # the CPU, or in bfloat16 on CUDA from compute capability 9.0, where it needs no host sync
+    # and CUDA graphs capture it); "dense" runs every expert on every token as batched GEMMs
+    # (num_experts / experts_per_token times the FLOPs); "auto" fused for a step of few rows
+    # on the Triton backends (experts.few_rows), else grouped where it is served, else dense.
     moe_experts: str = "auto"
     # "auto" reads the weights; "dummy" makes random ones of the model's shapes (benchmarks
     # on a config.json alone, as vLLM's load_format="dummy").

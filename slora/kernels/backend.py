@@ -115,6 +115,9 @@ class TorchBackend:
     tp = None
 
     linear = staticmethod(quant.linear)
+    # The most rows of a step `experts` takes a layer of `experts` experts, k picked a row,
+    # for (0: it has no kernels of its own; the model runs the twins)
+    fused_experts_rows = staticmethod(lambda experts, k: 0)
     # The norms and GLUs take `feeds`, the weight of the GEMM their output goes to, where the
     # GPU backends fold that GEMM's rounding of its input into them (fused.py); this backend's
     # `linear` rounds no input, and they ignore it.
@@ -247,9 +250,10 @@ class TritonBackend(TorchBackend):
 
     def __init__(self, gemm_max_rows: int) -> None:
         # triton imported only for this backend
-        from slora.kernels import attention, dora, fp8, fused, mbgmm, mbgmv, vocab
+        from slora.kernels import attention, dora, experts, fp8, fused, mbgmm, mbgmv, vocab
 
         self._attn, self._mbgmv, self._mbgmm = attention, mbgmv, mbgmm
+        self._experts, self.fused_experts_rows = experts, experts.few_rows
         self._dora_scale = dora.dora_scale
         self._vocab_mbgmv, self._vocab = mbgmv, vocab  # (vocab-wide rows: the Triton MBGMV)
         self._side: dict[torch.device, torch.cuda.Stream] = {}  # (linear_lora)
@@ -269,6 +273,13 @@ class TritonBackend(TorchBackend):
     def gelu_tanh_mul(self, gate_up, feeds=None):
         gate_up, lora = self._ready(gate_up)
         return self._fused.gelu_tanh_mul(gate_up, feeds, lora=lora)
+
+    def experts(self, h, ex, k: int, renormalise: bool, gelu: bool) -> torch.Tensor:
+        """A layer of experts (`llama.Experts`) over a step's few rows: the router's GEMM as
+        any base GEMM, then the routing and the picked experts' GLUs in the kernels of
+        slora.kernels.experts (twins: `reference.route`, `reference.experts_grouped`)."""
+        weights, pick = self._experts.route(self.linear(h, ex.router), k, renormalise)
+        return self._experts.experts(h, ex.gate_up, ex.down, weights, pick, gelu)
 
     def _ready(self, t):
         """(output, its LoRA rows or None) of a tensor or a `Pending`, whose rows the current

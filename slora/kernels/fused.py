@@ -224,6 +224,13 @@ def _act_mul_tile(gu_ptr, l_ptr, row, offs, m, N, stride_gu, stride_l, GELU: tl.
     if HAS_LORA:  # gate_up's LoRA rows, not yet added
         g = with_lora(g, l_ptr + row * stride_l + offs, m)
         u = with_lora(u, l_ptr + row * stride_l + N + offs, m)
+    return glu(g, u, GELU)
+
+
+@triton.jit
+def glu(g, u, GELU: tl.constexpr):
+    """act(g) * u of two tiles in their dtype (SiLU, or GELU's tanh form), each product
+    rounded as torch's F.silu / F.gelu then the multiply round them."""
     gf = g.to(tl.float32)
     if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
         act = (0.5 * gf * (1.0 + tanh(0.7978845608028654 * (gf + 0.044715 * gf * gf * gf))))

@@ -292,16 +292,26 @@ class LlamaModel:
             torch.tensor(cfg.embed_scale, dtype=weights.embed.dtype))
         self.act_mul = backend.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" \
             else backend.silu_mul
-        # EngineConfig.moe_experts: a mixture of experts' picked experts as grouped GEMMs
-        # (`ref.experts_grouped`) or every expert on every token (`ref.experts_dense`)
+        # EngineConfig.moe_experts: a mixture of experts' picked experts in the backend's
+        # few-rows kernels (`backend.experts`) for steps of up to `fused_experts_rows` rows,
+        # past them as grouped GEMMs (`ref.experts_grouped`) or every expert on every token
+        # (`ref.experts_dense`)
         served = grouped_gemm(weights.embed)
         if cfg.num_experts and experts == "grouped" and not served:
             raise ConfigError(f"EngineConfig.moe_experts='grouped': torch's grouped GEMM needs a "
                               f"host sync in {weights.embed.dtype} on {weights.embed.device} "
                               "(served: the CPU, or bfloat16 on CUDA from compute capability "
                               "9.0); use 'dense' or 'auto'")
+        few = backend.fused_experts_rows(cfg.num_experts, cfg.experts_per_token) \
+            if cfg.num_experts else 0
+        if cfg.num_experts and experts == "fused" and not few:
+            raise ConfigError(f"EngineConfig.moe_experts='fused': the fused experts are Triton "
+                              f"kernels, and the backend is '{backend.name}'; use a Triton "
+                              "backend ('triton', 'cuda') or moe_experts 'grouped', 'dense' or "
+                              "'auto'")
         self.grouped_experts = bool(cfg.num_experts) and (
-            experts == "grouped" or experts == "auto" and served)
+            experts == "grouped" or experts in ("auto", "fused") and served)
+        self.fused_experts_rows = {"auto": few, "fused": 1 << 62 if few else 0}.get(experts, 0)
 
     @property
     def num_layers(self) -> int:
@@ -412,11 +422,16 @@ class LlamaModel:
 
     def _experts(self, h: torch.Tensor, ex: Experts) -> torch.Tensor:
         """A mixture-of-experts MLP: the router's top experts_per_token (`ref.route`), each
-        picked expert's GLU times its weight, summed. `grouped_experts`: the picked experts
-        alone, as grouped GEMMs (`ref.experts_grouped`); else every expert on every token
-        (`ref.experts_dense`). Both keep a step's shapes independent of the routing, so a
-        CUDA graph captures it like any other (grouped where `grouped_gemm` holds)."""
+        picked expert's GLU times its weight, summed. Up to `fused_experts_rows` rows: the
+        backend's few-rows kernels (slora.kernels.experts); past them, `grouped_experts`: the
+        picked experts alone, as grouped GEMMs (`ref.experts_grouped`); else every expert on
+        every token (`ref.experts_dense`). Each keeps a step's shapes independent of the
+        routing, so a CUDA graph captures it like any other (grouped where `grouped_gemm`
+        holds)."""
         cfg = self.cfg
+        if h.shape[0] <= self.fused_experts_rows:
+            return self.backend.experts(h, ex, cfg.experts_per_token, cfg.norm_topk_prob,
+                                        gelu=cfg.hidden_act == "gelu_pytorch_tanh")
         weights, pick = ref.route(h, ex.router, cfg.experts_per_token, cfg.norm_topk_prob)
         run = ref.experts_grouped if self.grouped_experts else ref.experts_dense
         return run(h, ex.gate_up, ex.down, weights, pick, self.act_mul)

@@ -95,8 +95,10 @@ ENGINE_HELP = {
     "max_logprobs": "the most top log-probs a request may ask for",
     "tensor_parallel_size": "devices the model is sharded over, one process each",
     "max_lora_rank": "refuse adapters of a larger rank in any module (default: any rank)",
-    "moe_experts": "a mixture of experts: grouped (the picked experts alone; CPU, or bfloat16 "
-                   "on compute capability 9.0+), dense (every expert on every token), auto",
+    "moe_experts": "a mixture of experts: fused (Triton kernels over the picked experts' "
+                   "weights, for few rows), grouped (the picked experts alone; CPU, or "
+                   "bfloat16 on compute capability 9.0+), dense (every expert on every token), "
+                   "auto (fused for decode steps of few rows, else grouped where served)",
 }
 # vLLM's spellings of EngineConfig's flags, accepted beside slora's own
 ENGINE_ALIASES = {

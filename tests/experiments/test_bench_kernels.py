@@ -49,13 +49,15 @@ def test_overlap_smoke(bench, tmp_path):
 
 
 def test_experts_smoke(bench, tmp_path):
-    """--only experts: both forms of a layer of experts, timed, agreeing, at each batch."""
+    """--only experts: the three forms of a layer of experts, timed, agreeing, at each
+    batch."""
     res = bench.main(["--smoke", "--only", "experts", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "bench_kernels_experts.json").read_text())["experts"]
     assert rows == res["experts"]
     assert [(r["model"], r["tokens"]) for r in rows] == [
         (m, t) for m in ("qwen3-30b-a3b", "mixtral-8x7b") for t in (1, 3)]
-    assert all(r["ms_grouped"] > 0 and r["ms_dense"] > 0 and r["err"] < 1e-5 for r in rows)
+    assert all(r["ms_grouped"] > 0 and r["ms_dense"] > 0 and r["ms_fused"] > 0
+               and r["err"] < 1e-5 for r in rows)
 
 
 def test_gemm_sweep_smoke(bench, tmp_path):

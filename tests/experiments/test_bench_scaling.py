@@ -92,6 +92,13 @@ def test_byte_counts(bench):
     # the 7B's weights minus its (untied) embedding table: ~13.2 GB in bf16
     assert bench.weight_read_bytes(cfg, 2) == cfg.weight_bytes(2) - 32000 * 4096 * 2
     assert 13.0e9 < bench.weight_read_bytes(cfg, 2) < 13.3e9
+    assert bench.weight_read_bytes(cfg, 2, tokens=1) == bench.weight_read_bytes(cfg, 2)
+    # a mixture of experts: one row reads its k experts of each layer, many rows nearly all
+    moe = ModelConfig.from_dir(ROOT / "experiments" / "models" / "qwen3-30b-a3b")
+    expert = 3 * moe.hidden_size * moe.expert_intermediate_size * 2
+    idle = moe.num_layers * (moe.num_experts - moe.experts_per_token) * expert
+    assert bench.weight_read_bytes(moe, 2, tokens=1) == bench.weight_read_bytes(moe, 2) - idle
+    assert bench.weight_read_bytes(moe, 2) - bench.weight_read_bytes(moe, 2, tokens=512) < expert
 
 
 @pytest.mark.parametrize("flag", ["--async-scheduling", "--dora"])

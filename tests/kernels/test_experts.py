@@ -1,15 +1,19 @@
-"""A mixture of experts' two forms (slora.kernels.reference): the picked experts alone as
-grouped GEMMs (`experts_grouped`) against every expert on every token (`experts_dense`), and
-the routing they share (`route`), on the CPU and, where there is one, on CUDA (in a CUDA graph
-too, where the grouped GEMM needs no host sync)."""
+"""A mixture of experts' forms: the picked experts alone as grouped GEMMs
+(`reference.experts_grouped`) against every expert on every token (`experts_dense`), the
+routing they share (`route`), and the few-rows Triton kernels (slora.kernels.experts: the
+routing from the logits, each pair's GLU) against those twins; on the CPU (the kernels
+interpreted) and, where there is one, on CUDA (in a CUDA graph too)."""
 
 import pytest
 import torch
 
+from slora.kernels import experts
 from slora.kernels import reference as ref
 from slora.model.llama import grouped_gemm
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the Triton kernels' device: the GPU, else the CPU (interpreted)
+TRITON = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _experts(T, E, k, H, I, dtype, device, seed=0):
@@ -77,4 +81,60 @@ def test_grouped_experts_in_a_cuda_graph():
         graph.replay()
         w, pick = ref.route(h, router, 2, True)
         want = ref.experts_dense(h, gate_up, down, w, pick, ref.silu_mul)
+        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 4, 2), (3, 8, 2), (5, 60, 4), (2, 128, 8), (4, 8, 1)])
+def test_fused_route_picks_the_twins_experts(T, E, k, device=TRITON):
+    """The routing kernel from the router's logits: the twin's experts in the twin's order and
+    their weights, renormalised or not (float32 logits: no ties)."""
+    h, router, _, _ = _experts(T, E, k, 64, 48, torch.float32, device, seed=E)
+    for renormalise in (False, True):
+        want_w, want_pick = ref.route(h, router, k, renormalise)
+        w, pick = experts.route(h @ router.t(), k, renormalise)
+        assert pick.dtype == torch.int64 and torch.equal(pick, want_pick)
+        torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 4, 2, 64, 48), (3, 8, 2, 96, 40), (6, 16, 4, 64, 48),
+                                       (2, 8, 8, 32, 24)])
+def test_fused_experts_equal_the_grouped_twin(gelu, T, E, k, H, I, device=TRITON):
+    """Each pair's GLU and the weighted sum over its token's picks equal the grouped twin's
+    (in float32 within rounding, in bfloat16 within its), H and I off the tiles' widths too;
+    every expert picked by some token (k = E) and by none."""
+    act = ref.gelu_tanh_mul if gelu else ref.silu_mul
+    dtypes = ((torch.float32, 1e-5),) + (((torch.bfloat16, 3e-2),) if device == "cuda" else ())
+    for dtype, tol in dtypes:
+        h, router, gate_up, down = _experts(T, E, k, H, I, dtype, device, seed=T * E + k)
+        w, pick = ref.route(h, router, k, renormalise=True)
+        out = experts.experts(h, gate_up, down, w, pick, gelu)
+        assert out.dtype == dtype and out.shape == (T, H)
+        want = ref.experts_grouped(h, gate_up, down, w, pick, act)
+        torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_experts_in_a_cuda_graph():
+    """The few-rows kernels, routing included, captured in a CUDA graph: replays follow new
+    inputs and new routings."""
+    h, router, gate_up, down = _experts(4, 16, 4, 64, 48, torch.bfloat16, "cuda")
+
+    def run():
+        w, pick = experts.route(h @ router.t(), 4, True)
+        return experts.experts(h, gate_up, down, w, pick, False)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in (1, 2):
+        h.copy_(_experts(4, 16, 4, 64, 48, torch.bfloat16, "cuda", seed=seed)[0])
+        graph.replay()
+        w, pick = experts.route(h @ router.t(), 4, True)
+        want = ref.experts_grouped(h, gate_up, down, w, pick, ref.silu_mul)
         torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)

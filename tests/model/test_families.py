@@ -29,6 +29,7 @@ import torch
 
 from slora import Engine, EngineConfig, SamplingParams
 from slora.config import LORA_MODULES, ConfigError, EngineConfig, ModelConfig, max_model_len
+from slora.kernels import experts as experts_kernels
 from slora.model.loader import AdapterError, PeftAdapter, strides
 from tests.conftest import batch_against_peft, peft_greedy
 
@@ -617,33 +618,44 @@ def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_p
         e3.add_adapter("bad", bad)
 
 
-def test_moe_experts_grouped_and_dense_agree(tiny_models, monkeypatch):
-    """EngineConfig.moe_experts: the picked experts as grouped GEMMs and every expert on every
-    token give the same greedy tokens and log-probs; "grouped" where torch's grouped GEMM
-    would need a host sync is refused naming what to use instead."""
+def test_moe_experts_forms_agree(tiny_models, monkeypatch):
+    """EngineConfig.moe_experts: the picked experts as grouped GEMMs, every expert on every
+    token, and the fused Triton kernels at every step (prompts included) give the same greedy
+    tokens and log-probs; "grouped" where torch's grouped GEMM would need a host sync, and
+    "fused" on the torch backend, are refused naming what to use instead."""
     import slora.model.llama as llama
 
     model = str(tiny_models("qwen2_moe"))
     prompts = ["Hello", "The quick brown fox jumps"]
     sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
     runs = {}
-    for experts in ("grouped", "dense"):
-        e = Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_pages=32,
-                                moe_experts=experts))
-        assert e.runner.model.grouped_experts == (experts == "grouped")
+    for experts, backend in (("grouped", "torch"), ("dense", "torch"), ("fused", "triton")):
+        e = Engine(EngineConfig(model=model, device="cpu" if backend == "torch" else DEVICE,
+                                dtype="float32", num_pages=32, moe_experts=experts,
+                                backend=backend, cuda_graphs=False))
+        assert e.runner.model.grouped_experts == (experts in ("grouped", "fused"))
+        assert (e.runner.model.fused_experts_rows > 1000) == (experts == "fused")
         runs[experts] = e.generate(prompts, sp)
-    for g, d in zip(runs["grouped"], runs["dense"]):
-        assert g.token_ids == d.token_ids
-        assert [lp[t] for lp, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
-            [lp[t] for lp, t in zip(d.logprobs, d.token_ids)], abs=1e-5)
+    for other, tol in (("dense", 1e-5), ("fused", 1e-4)):  # (fused: on the GPU if any)
+        for g, d in zip(runs["grouped"], runs[other]):
+            assert g.token_ids == d.token_ids
+            assert [lp[t] for lp, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
+                [lp[t] for lp, t in zip(d.logprobs, d.token_ids)], abs=tol)
     with pytest.raises(ConfigError, match="EngineConfig.moe_experts='fast': expected one of"):
         EngineConfig(moe_experts="fast")
+    with pytest.raises(ConfigError, match="moe_experts='fused'.*backend is 'torch'.*'auto'"):
+        Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_pages=32,
+                            moe_experts="fused", backend="torch"))
     monkeypatch.setattr(llama, "grouped_gemm", lambda like: False)
     with pytest.raises(ConfigError, match="moe_experts='grouped'.*use 'dense' or 'auto'"):
         Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_pages=32,
                             moe_experts="grouped"))
     auto = Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_pages=32))
     assert not auto.runner.model.grouped_experts
+    assert auto.runner.model.fused_experts_rows == 0  # (the CPU's backend: torch)
+    triton = Engine(EngineConfig(model=model, device=DEVICE, dtype="float32", num_pages=32,
+                                 backend="triton", cuda_graphs=False))
+    assert triton.runner.model.fused_experts_rows == experts_kernels.few_rows(4, 2)
 
 
 def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
@@ -671,15 +683,16 @@ def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere", "mixtral",
-                                  "qwen2_moe"])
+                                  "qwen2_moe", "qwen3_moe"])
 def test_triton_backend_matches_hf(tiny_models, kind):
     """The Triton kernels in Gemma 2 (sliding-window and soft-capped attention in decode and
     prefill, GeGLU, norms with float32 weights), OLMo 2 (residual adds without input norms,
     so no LoRA rows handed to them), SmolLM3 (a layer without rotary, in the fused decode
     kernel too), Cohere (LayerNorms in the fused norm kernel, attention and MLP side by
-    side), Mixtral (the experts' GLU through the fused kernel) and Qwen2-MoE (a shared expert
-    through the LoRA GEMMs beside its experts): a step mixing decode rows with prompts (longer
-    than Gemma's window), then
+    side), Mixtral (the experts' GLU through the fused kernel; a decode step's experts
+    through slora.kernels.experts), Qwen2-MoE (a shared expert through the LoRA GEMMs beside
+    its experts) and Qwen3-MoE (renormalised picks): a step mixing decode rows with prompts
+    (longer than Gemma's window), then
     decode past it, equal HF's greedy tokens and log-probs."""
     model_dir = tiny_models(kind)
     engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
