@@ -148,12 +148,13 @@ def _down_kernel(mid_ptr, w_ptr, pick_ptr, weights_ptr, out_ptr, H, I, stride_we
     tl.store(out_ptr + t * stride_out + offs_n, total.to(dt), mask=n_ok)
 
 
-def _tiles(n: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of a weight stream over rows of n elements: wide K tiles on a GPU,
-    small ones in the interpreter (its cost grows with a tile's elements)."""
+def _tiles(kernel: str, n: int, device: torch.device) -> dict:
+    """The launch of `kernel` ("gate_up", "down") over weight rows of n elements: BLOCK_N
+    rows a program, BLOCK_K elements a step, and its warps; small tiles in the interpreter
+    (its cost grows with a tile's elements)."""
     if device.type != "cuda":
-        return 16, 32
-    return 16, min(256, pow2(n))
+        return dict(BLOCK_N=16, BLOCK_K=32, num_warps=4)
+    return dict(BLOCK_N=16, BLOCK_K=min(256, pow2(n)), num_warps=4)
 
 
 def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -171,13 +172,13 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     if not T:
         return out
     mid = torch.empty(T * k, I, dtype=h.dtype, device=h.device)
-    opts = dict(num_warps=4, **pdl.options(h.device))
-    bn, bk = _tiles(H, h.device)
-    _gate_up_kernel[(triton.cdiv(I, bn), T * k)](
+    pd = pdl.options(h.device)
+    cfg = _tiles("gate_up", H, h.device)
+    _gate_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), T * k)](
         h, gate_up, pick, mid, H, I, h.stride(0), gate_up.stride(0), gate_up.stride(1),
-        K=k, GELU=gelu, BLOCK_N=bn, BLOCK_K=bk, **opts)
-    bn, bk = _tiles(I, h.device)
-    _down_kernel[(triton.cdiv(H, bn), T)](
+        K=k, GELU=gelu, **cfg, **pd)
+    cfg = _tiles("down", I, h.device)
+    _down_kernel[(triton.cdiv(H, cfg["BLOCK_N"]), T)](
         mid, down, pick, weights, out, H, I, down.stride(0), down.stride(1), out.stride(0),
-        K=k, BLOCK_N=bn, BLOCK_K=bk, **opts)
+        K=k, **cfg, **pd)
     return out

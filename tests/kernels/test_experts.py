@@ -138,3 +138,15 @@ def test_fused_experts_in_a_cuda_graph():
         w, pick = experts.route(h @ router.t(), 4, True)
         want = ref.experts_grouped(h, gate_up, down, w, pick, ref.silu_mul)
         torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_few_rows_stop_where_pairs_outgrow_the_picked_experts():
+    """"auto"'s rule: rows while rows x k <= 1.5 x the experts picked in expectation; one row
+    always (its k pairs are k distinct experts)."""
+    assert experts.few_rows(128, 8) == 14 and experts.few_rows(8, 2) == 4
+    for E, k in ((4, 4), (8, 1), (60, 4), (128, 8), (256, 8)):
+        n = experts.few_rows(E, k)
+        assert n >= 1
+        for rows, fits in ((n, True), (n + 1, False)):
+            picked = E * (1 - (1 - k / E) ** rows)
+            assert (rows * k <= experts.PAIRS_OVER_PICKED * picked) == fits
