@@ -36,6 +36,19 @@ def _matches(cls, ch: str) -> bool:
     return any(lo <= ch <= hi for lo, hi in ranges) != negated
 
 
+def _empty(cls) -> bool:
+    """Whether a class matches no character: no ranges, or negated ranges covering them all."""
+    negated, ranges = cls
+    if not negated:
+        return not ranges
+    covered = 0  # code points 0 .. covered - 1 lie in some range
+    for lo, hi in sorted(ranges):
+        if ord(lo) > covered:
+            return False
+        covered = max(covered, ord(hi) + 1)
+    return covered > 0x10FFFF
+
+
 class _Parser:
     """A pattern -> an AST of tuples: ("chars", cls), ("cat", [..]), ("alt", [..]),
     ("repeat", node, lo, hi or None)."""
@@ -209,7 +222,8 @@ class Regex:
         kind = node[0]
         if kind == "chars":
             a, b = self._node(), self._node()
-            self.edges[a].append((node[1], b))
+            if not _empty(node[1]):  # (a class of no character: no edge, a dead branch)
+                self.edges[a].append((node[1], b))
             return a, b
         if kind == "cat":
             a = b = self._node()
@@ -249,7 +263,8 @@ class Regex:
         return a, end
 
     def _co_reachable(self, end: int) -> set[int]:
-        """The nodes from which `end` can be reached (every class matches some character)."""
+        """The nodes from which `end` can be reached (every edge's class matches some
+        character)."""
         back: list[list[int]] = [[] for _ in self.eps]
         for n in range(len(self.eps)):
             for m in self.eps[n]:

@@ -13,10 +13,13 @@ one where the model writes it. The keywords read (anything else is a ValueError 
   (a regex of `slora.guided`'s syntax, its characters written as they are: one that can
   match `"` or `\\` can give invalid JSON), `format` date, time, date-time or uuid;
 - `enum`, `const`, `anyOf`/`oneOf` (any of the schemas), `allOf` of one schema, `$ref` to
-  `#/$defs/...` or `#/definitions/...` (not recursive), and the empty schema: any JSON value.
+  `#/$defs/...` or `#/definitions/...`, and the empty schema: any JSON value.
 
-Any JSON value nests objects and arrays at most ANY_DEPTH deep (a regular expression cannot
-count brackets without a bound).
+A regular expression cannot count brackets without a bound, so the nesting is bounded: any
+JSON value nests objects and arrays at most ANY_DEPTH deep, and a recursive `$ref` (a tree, a
+linked list) expands at most REF_DEPTH times inside itself; past that its value cannot be
+written, so the text takes the schema's other ways out there (an empty array, null, leaving
+an optional property out). A schema every text of which recurses deeper is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import json
 import re
 
 ANY_DEPTH = 3
+REF_DEPTH = 3
+# a class no character is in: a value past REF_DEPTH (guided's NFA drops the branch)
+NEVER = f"[^\x00-{chr(0x10FFFF)}]"
 WS = "[ ]?"
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 STRING = f'"{STRING_CHAR}*"'
@@ -65,12 +71,22 @@ def schema_regex(schema) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"JSON schema: not valid JSON ({e})") from None
-    return _Schema(schema).regex(schema, "#", ())
+    reader = _Schema(schema)
+    out = reader.regex(schema, "#", ())
+    if reader.recursive:
+        from slora.guided import Regex
+
+        if not Regex(out).start:
+            reader.fail("#", f"every text it allows nests a recursive $ref more than "
+                        f"{REF_DEPTH} levels deep (give the recursion a way to end: an "
+                        "optional property, an array that may be empty, or a null)")
+    return out
 
 
 class _Schema:
     def __init__(self, root) -> None:
         self.root = root
+        self.recursive = False  # a $ref met inside itself
 
     def fail(self, where: str, why: str):
         raise ValueError(f"JSON schema at {where}: {why}")
@@ -128,7 +144,9 @@ class _Schema:
             self.fail(where, f"$ref {ref!r}: only #/$defs/NAME and #/definitions/NAME that "
                       "exist are supported")
         if ref in refs:
-            self.fail(where, f"$ref {ref!r} is recursive: not supported")
+            self.recursive = True
+            if refs.count(ref) > REF_DEPTH:
+                return NEVER
         return self.regex(self.root[m.group(1)][m.group(2)], ref, refs + (ref,))
 
     def object(self, s: dict, where: str, refs: tuple[str, ...]) -> str:

@@ -28,6 +28,16 @@ def test_states_accept_what_re_fullmatch_accepts(pattern, text):
             assert rx.step(rx.start, text[:k])
 
 
+def test_a_class_of_no_character_is_a_dead_branch():
+    """A class no character is in (json_regex's bound on a recursive $ref) leads nowhere: no
+    state holds the nodes before it, so a non-empty state still always leads on to a match."""
+    never = f"[^\x00-{chr(0x10FFFF)}]"
+    assert Regex(f"a{never}").start == frozenset()
+    rx = Regex(f"a{never}c|ab")
+    assert rx.step(rx.start, "a") and not rx.step(rx.start, "ac")
+    assert rx.accepts(rx.step(rx.start, "ab"))
+
+
 @pytest.mark.parametrize("pattern,why", [
     (r"(a)\1", r"\\1 is not supported"), (r"(?=a)b", "lookaround"), (r"a{3,2}", "bad repeat"),
     (r"(ab", "missing \\)"), (r"*a", "nothing to repeat"), (r"[a-", "missing ]"),

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from slora.guided import Regex
-from slora.json_regex import json_object_regex, schema_regex
+from slora.json_regex import REF_DEPTH, json_object_regex, schema_regex
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
@@ -58,9 +58,40 @@ def test_optional_properties_and_any_json():
     assert accepts(schema_regex({"type": "object"}), '{"a": [1, 2]}')
 
 
+TREE = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
+    "name": {"type": "string"},
+    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["name"]}}}
+LIST = {"$ref": "#/$defs/cell", "$defs": {"cell": {"type": "object", "properties": {
+    "v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/cell"}, {"type": "null"}]}},
+    "required": ["v", "next"]}}}
+
+
+def nested(depth: int, leaf: str, make) -> str:
+    return leaf if depth == 0 else make(nested(depth - 1, leaf, make))
+
+
+@pytest.mark.parametrize("schema,leaf,bad,make", [
+    (TREE, '{"name": "x"}', '{"name": 3}',
+     lambda inner: f'{{"name": "x", "children": [{inner}, {inner}]}}'),
+    (LIST, '{"v": 0, "next": null}', '{"v": "0", "next": null}',
+     lambda inner: f'{{"v": 1, "next": {inner}}}')])
+def test_recursive_refs_expand_to_their_depth(schema, leaf, bad, make):
+    """A recursive $ref (a tree, a linked list) expands REF_DEPTH times inside itself: texts
+    nested up to that depth are allowed and deeper ones are not."""
+    pattern = schema_regex(schema)
+    assert re.fullmatch(pattern, nested(2, leaf, make))
+    for depth in range(REF_DEPTH + 1):
+        assert accepts(pattern, nested(depth, leaf, make)), depth
+    assert not accepts(pattern, nested(REF_DEPTH + 1, leaf, make))
+    assert not accepts(pattern, nested(1, bad, make))
+
+
 @pytest.mark.parametrize("schema,why", [
     ({"type": "string", "minimum": 3}, "minimum not supported"),
-    ({"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/x"}}}, "recursive"),
+    ({"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/x"}}},
+     "nests a recursive $ref more than 3 levels deep"),
+    ({"$ref": "#/$defs/x", "$defs": {"x": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/x"}}, "required": ["a"]}}}, "give the recursion a way to end"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
      "additionalProperties beside properties"),
     ({"type": "object", "properties": {}, "required": ["a"]}, "required names"),
