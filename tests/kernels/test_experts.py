@@ -56,32 +56,38 @@ def test_grouped_experts_equal_every_expert_on_every_token(device, T, E, k):
         torch.testing.assert_close(grouped.float(), want, atol=tol, rtol=tol)
 
 
+def _replays_follow(T, E, k, run, want):
+    """`run(h, router, gate_up, down)` captured in a CUDA graph: each replay over new inputs
+    (and so new routings) equals `want` of the same inputs, in bfloat16's tolerance."""
+    h, router, gate_up, down = _experts(T, E, k, 64, 48, torch.bfloat16, "cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(h, router, gate_up, down)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(h, router, gate_up, down)
+    for seed in (1, 2):
+        h.copy_(_experts(T, E, k, 64, 48, torch.bfloat16, "cuda", seed=seed)[0])
+        graph.replay()
+        w, pick = ref.route(h, router, k, True)
+        torch.testing.assert_close(out.float(), want(h, gate_up, down, w, pick).float(),
+                                   atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_experts_in_a_cuda_graph():
     """Where `grouped_gemm` holds (bfloat16 on compute capability 9.0 and up), the grouped
     form is captured in a CUDA graph and its replays follow new inputs and new routings."""
-    h, router, gate_up, down = _experts(16, 8, 2, 64, 48, torch.bfloat16, "cuda")
-    if not grouped_gemm(h):
+    if not grouped_gemm(torch.empty(1, dtype=torch.bfloat16, device="cuda")):
         pytest.skip("torch._grouped_mm loops on the host on this GPU and dtype")
 
-    def run():
+    def run(h, router, gate_up, down):
         w, pick = ref.route(h, router, 2, True)
         return ref.experts_grouped(h, gate_up, down, w, pick, ref.silu_mul)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    for seed in (1, 2):
-        h.copy_(_experts(16, 8, 2, 64, 48, torch.bfloat16, "cuda", seed=seed)[0])
-        graph.replay()
-        w, pick = ref.route(h, router, 2, True)
-        want = ref.experts_dense(h, gate_up, down, w, pick, ref.silu_mul)
-        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+    _replays_follow(16, 8, 2, run, lambda *a: ref.experts_dense(*a, ref.silu_mul))
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 4, 2), (3, 8, 2), (5, 60, 4), (2, 128, 8), (4, 8, 1)])
@@ -118,26 +124,11 @@ def test_fused_experts_equal_the_grouped_twin(gelu, T, E, k, H, I, device=TRITON
 def test_fused_experts_in_a_cuda_graph():
     """The few-rows kernels, routing included, captured in a CUDA graph: replays follow new
     inputs and new routings."""
-    h, router, gate_up, down = _experts(4, 16, 4, 64, 48, torch.bfloat16, "cuda")
-
-    def run():
+    def run(h, router, gate_up, down):
         w, pick = experts.route(h @ router.t(), 4, True)
         return experts.experts(h, gate_up, down, w, pick, False)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    for seed in (1, 2):
-        h.copy_(_experts(4, 16, 4, 64, 48, torch.bfloat16, "cuda", seed=seed)[0])
-        graph.replay()
-        w, pick = experts.route(h @ router.t(), 4, True)
-        want = ref.experts_grouped(h, gate_up, down, w, pick, ref.silu_mul)
-        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+    _replays_follow(4, 16, 4, run, lambda *a: ref.experts_grouped(*a, ref.silu_mul))
 
 
 def test_few_rows_stop_where_pairs_outgrow_the_picked_experts():
