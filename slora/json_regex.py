@@ -12,6 +12,8 @@ one where the model writes it. The keywords read (anything else is a ValueError 
 - array: `items`, `minItems`, `maxItems`; string: `minLength`, `maxLength`, `pattern`
   (a regex of `slora.guided`'s syntax, its characters written as they are: one that can
   match `"` or `\\` can give invalid JSON), `format` date, time, date-time or uuid;
+- integer and number: `minimum`, `maximum` (integers bound a number: its text then has no
+  exponent), and for integers `exclusiveMinimum`, `exclusiveMaximum`;
 - `enum`, `const`, `anyOf`/`oneOf` (any of the schemas), `allOf` of one schema, `$ref` to
   `#/$defs/...` or `#/definitions/...`, and the empty schema: any JSON value.
 
@@ -25,6 +27,7 @@ an optional property out). A schema every text of which recurses deeper is refus
 from __future__ import annotations
 
 import json
+import math
 import re
 
 ANY_DEPTH = 3
@@ -44,7 +47,72 @@ FORMATS = {"date": r'"\d{4}-\d{2}-\d{2}"', "time": r'"\d{2}:\d{2}:\d{2}(?:\.\d+)
 _NOTES = {"title", "description", "$schema", "$id", "examples", "default", "$comment"}
 _READ = {"type", "properties", "required", "additionalProperties", "items", "minItems",
          "maxItems", "minLength", "maxLength", "pattern", "format", "enum", "const", "anyOf",
-         "oneOf", "allOf", "$ref", "$defs", "definitions"} | _NOTES
+         "oneOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum",
+         "exclusiveMinimum", "exclusiveMaximum"} | _NOTES
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _digits_range(x: str, y: str) -> str:
+    """The digit strings of one length from x to y (x <= y, same length), as a regex."""
+    if x == y:
+        return x
+    if len(x) == 1:
+        return f"[{x}-{y}]"
+    if x[0] == y[0]:
+        return x[0] + _digits_range(x[1:], y[1:])
+    rest = len(x) - 1
+    parts, lo, hi = [], int(x[0]), int(y[0])
+    if x[1:] != "0" * rest:  # x's first digit with the rest from x's up
+        parts.append(x[0] + _digits_range(x[1:], "9" * rest))
+        lo += 1
+    tail = y[1:] != "9" * rest
+    if tail:
+        hi -= 1
+    if lo <= hi:
+        parts.append((str(lo) if lo == hi else f"[{lo}-{hi}]") + f"[0-9]{{{rest}}}")
+    if tail:  # y's first digit with the rest up to y's
+        parts.append(y[0] + _digits_range("0" * rest, y[1:]))
+    return "(?:" + "|".join(parts) + ")"
+
+
+def natural_range(lo: int, hi: int | None) -> str:
+    """The decimal texts of the integers lo..hi (0 <= lo; hi None: no bound), without leading
+    zeros, as a regex."""
+    parts, length = [], len(str(lo))
+    while hi is None or length <= len(str(hi)):
+        first = max(lo, 10 ** (length - 1) if length > 1 else 0)
+        if hi is None and first == 10 ** (length - 1) and length > 1:
+            parts.append(f"[1-9][0-9]{{{length - 1},}}")  # every longer text too
+            break
+        last = 10 ** length - 1 if hi is None else min(hi, 10 ** length - 1)
+        if first <= last:
+            parts.append(_digits_range(str(first), str(last)))
+        length += 1
+    return "(?:" + "|".join(parts) + ")"
+
+
+def _bounded(lo, hi, fraction: bool) -> str:
+    """The texts of the integers (`fraction` False) or decimals (True) in [lo, hi], lo and hi
+    integers or None (no bound): a non-negative side and a negative one ("-" then the
+    magnitudes). A decimal's integer part ranges over [a, b - 1] with any fraction, or is b
+    with a fraction of zeros."""
+    def side(a: int, b: int | None) -> str:  # magnitudes a..b
+        if not fraction:
+            return natural_range(a, b)
+        frac = r"(?:\.[0-9]+)?"
+        if b is None:
+            return natural_range(a, None) + frac
+        top = rf"{b}(?:\.0+)?"
+        return f"(?:{natural_range(a, b - 1)}{frac}|{top})" if b > a else top
+    parts = []
+    if hi is None or hi >= 0:
+        parts.append(side(max(lo, 0) if lo is not None else 0, hi))
+    if lo is None or lo < 0:
+        if hi is not None and hi < 0:
+            parts.append("-" + side(-hi, None if lo is None else -lo))
+        else:  # (-0 and -0.0 equal 0, in the range)
+            parts.append("-" + side(0 if fraction else 1, None if lo is None else -lo))
+    return "(?:" + "|".join(parts) + ")"
 
 
 def any_json(depth: int = ANY_DEPTH) -> str:
@@ -99,7 +167,8 @@ class _Schema:
         unknown = sorted(set(s) - _READ)
         if unknown:
             self.fail(where, f"{', '.join(unknown)} not supported (slora reads: type, "
-                      "properties, required, items, enum, const, anyOf, oneOf, $ref, and the "
+                      "properties, required, items, enum, const, anyOf, oneOf, $ref, "
+                      "minimum, maximum, and the "
                       "string, array and object bounds listed in slora/json_regex.py)")
         if "$ref" in s:
             return self.ref(s["$ref"], where, refs)
@@ -136,7 +205,33 @@ class _Schema:
             return self.string(s, where)
         if kind not in SCALARS:
             self.fail(where, f"type {kind!r} is not a JSON Schema type")
+        if kind in ("integer", "number") and set(_BOUNDS) & set(s):
+            return self.bounded(s, kind, where)
         return SCALARS[kind]
+
+    def bounded(self, s: dict, kind: str, where: str) -> str:
+        """An integer or a number between its schema's bounds (`_bounded`)."""
+        for key in set(_BOUNDS) & set(s):
+            if not isinstance(s[key], (int, float)) or isinstance(s[key], bool):
+                self.fail(where, f"{key} {s[key]!r}: expected a number")
+        if kind == "integer":
+            lo = max([math.ceil(s["minimum"])] if "minimum" in s else []
+                     + ([math.floor(s["exclusiveMinimum"]) + 1]
+                        if "exclusiveMinimum" in s else []), default=None)
+            hi = min([math.floor(s["maximum"])] if "maximum" in s else []
+                     + ([math.ceil(s["exclusiveMaximum"]) - 1]
+                        if "exclusiveMaximum" in s else []), default=None)
+        else:
+            odd = [f"{k} {s[k]!r}" for k in _BOUNDS if k in s and (k.startswith("exclusive")
+                                                                  or s[k] != int(s[k]))]
+            if odd:
+                self.fail(where, f"{', '.join(odd)} on a number: slora bounds numbers by "
+                          "integer minimum and maximum only (use those, or type integer)")
+            lo = int(s["minimum"]) if "minimum" in s else None
+            hi = int(s["maximum"]) if "maximum" in s else None
+        if lo is not None and hi is not None and lo > hi:
+            self.fail(where, f"no {kind} lies between its bounds")
+        return _bounded(lo, hi, kind == "number")
 
     def ref(self, ref, where: str, refs: tuple[str, ...]) -> str:
         m = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None

@@ -6,6 +6,8 @@ import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slora.guided import Regex
 from slora.json_regex import REF_DEPTH, json_object_regex, schema_regex
@@ -86,8 +88,39 @@ def test_recursive_refs_expand_to_their_depth(schema, leaf, bad, make):
     assert not accepts(pattern, nested(1, bad, make))
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.none(), st.integers(-2000, 2000)), st.one_of(st.none(), st.integers(-2000, 2000)),
+       st.integers(-3000, 3000), st.sampled_from(["", ".0", ".5", ".25", ".000"]))
+def test_numeric_bounds_allow_exactly_the_values_between(lo, hi, n, frac):
+    """minimum / maximum (exclusive ones on integers): an integer's or a number's text is
+    allowed exactly where its value lies between the bounds (a number's "-0" may go either
+    way: it equals 0, and its text need not be allowed)."""
+    if lo is not None and hi is not None and lo > hi:
+        lo, hi = hi, lo
+    bounds = {k: v for k, v in (("minimum", lo), ("maximum", hi)) if v is not None}
+    ints = schema_regex({"type": "integer", **bounds})
+    assert bool(re.fullmatch(ints, str(n))) == ((lo is None or n >= lo) and (hi is None or n <= hi))
+    exclusive = {"exclusive" + k[0].upper() + k[1:]: v for k, v in bounds.items()}
+    if lo is not None and hi is not None and hi - lo < 2:  # no integer strictly between
+        with pytest.raises(ValueError, match="no integer lies between its bounds"):
+            schema_regex({"type": "integer", **exclusive})
+    else:
+        ex = schema_regex({"type": "integer", **exclusive})
+        assert bool(re.fullmatch(ex, str(n))) == ((lo is None or n > lo)
+                                                  and (hi is None or n < hi))
+    text = ("-" if n < 0 else "") + str(abs(n)) + frac
+    value = float(text)
+    inside = (lo is None or value >= lo) and (hi is None or value <= hi)
+    matched = bool(re.fullmatch(schema_regex({"type": "number", **bounds}), text))
+    assert matched == inside or (not matched and value == 0 and text.startswith("-"))
+
+
 @pytest.mark.parametrize("schema,why", [
-    ({"type": "string", "minimum": 3}, "minimum not supported"),
+    ({"type": "integer", "multipleOf": 3}, "multipleOf not supported"),
+    ({"type": "number", "exclusiveMinimum": 0}, "exclusiveMinimum 0 on a number"),
+    ({"type": "number", "maximum": 2.5}, "maximum 2.5 on a number"),
+    ({"type": "integer", "minimum": 5, "maximum": 2}, "no integer lies between its bounds"),
+    ({"type": "integer", "minimum": "1"}, "minimum '1': expected a number"),
     ({"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/x"}}},
      "nests a recursive $ref more than 3 levels deep"),
     ({"$ref": "#/$defs/x", "$defs": {"x": {"type": "object", "properties": {

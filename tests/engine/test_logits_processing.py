@@ -250,9 +250,10 @@ def test_guided_json_gives_json_the_schema_accepts(engine):
 
     schema = {"type": "object", "properties": {
         "ok": {"type": "boolean"}, "tag": {"enum": ["x", "y", None]},
-        "s": {"type": "string", "maxLength": 3}, "more": {"type": "array", "maxItems": 2,
-                                                          "items": {"type": "boolean"}}},
-        "required": ["ok", "tag", "s"]}
+        "s": {"type": "string", "maxLength": 3}, "n": {"type": "integer", "minimum": -3,
+                                                       "maximum": 12},
+        "more": {"type": "array", "maxItems": 2, "items": {"type": "boolean"}}},
+        "required": ["ok", "tag", "s", "n"]}
     outs = engine.generate([PROMPT] * 3, [
         SamplingParams(max_tokens=64, guided_json=schema),
         SamplingParams(max_tokens=64, guided_json=json.dumps(schema), temperature=1.0, seed=2),
@@ -260,11 +261,14 @@ def test_guided_json_gives_json_the_schema_accepts(engine):
     for out in outs:
         value = json.loads(out.text)
         assert out.finish_reason == "stop", out.text
-        assert list(value)[:3] == ["ok", "tag", "s"] and set(value) <= set(schema["properties"])
+        assert list(value)[:4] == ["ok", "tag", "s", "n"]
+        assert set(value) <= set(schema["properties"])
         assert isinstance(value["ok"], bool) and value["tag"] in ("x", "y", None)
         assert isinstance(value["s"], str) and len(value["s"]) <= 3
-    with pytest.raises(ValueError, match="guided_json: JSON schema at #: minimum not supported"):
-        engine.add_request(PROMPT, SamplingParams(guided_json={"type": "integer", "minimum": 1}))
+        assert isinstance(value["n"], int) and -3 <= value["n"] <= 12
+    with pytest.raises(ValueError, match="guided_json: JSON schema at #: multipleOf not "):
+        engine.add_request(PROMPT, SamplingParams(guided_json={"type": "integer",
+                                                               "multipleOf": 2}))
 
 
 def test_rules_that_leave_no_token_fail_that_request_alone(engine):
