@@ -9,11 +9,13 @@ one where the model writes it. The keywords read (anything else is a ValueError 
 - object: `properties`, `required`, `additionalProperties` false or absent (no other keys;
   an object without `properties` is any object unless it is false), `title` and
   `description` (notes for people);
-- array: `items`, `minItems`, `maxItems`; string: `minLength`, `maxLength`, `pattern`
-  (a regex of `slora.guided`'s syntax, its characters written as they are: one that can
-  match `"` or `\\` can give invalid JSON), `format` date, time, date-time or uuid;
-- integer and number: `minimum`, `maximum` (integers bound a number: its text then has no
-  exponent), and for integers `exclusiveMinimum`, `exclusiveMaximum`;
+- a map: an object of `additionalProperties` (a schema) without `properties`;
+- array: `items`, `prefixItems` (a tuple), `minItems`, `maxItems`;
+- string: `minLength`, `maxLength`, `pattern` (a regex of `slora.guided`'s syntax, its
+  characters written as they are: one that can match `"` or `\\` can give invalid JSON),
+  `format` date, time, date-time, uuid, email, uri or ipv4;
+- integer and number: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (a
+  number's bounds integers; a bounded number's text has no exponent);
 - `enum`, `const`, `anyOf`/`oneOf` (any of the schemas), `allOf` of one schema, `$ref` to
   `#/$defs/...` or `#/definitions/...`, and the empty schema: any JSON value.
 
@@ -43,12 +45,16 @@ SCALARS = {"string": STRING, "integer": INTEGER, "number": NUMBER,
            "boolean": "(?:true|false)", "null": "null"}
 FORMATS = {"date": r'"\d{4}-\d{2}-\d{2}"', "time": r'"\d{2}:\d{2}:\d{2}(?:\.\d+)?"',
            "date-time": r'"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:\d{2})?"',
-           "uuid": r'"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"'}
+           "uuid": r'"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"',
+           "email": r'"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"',
+           "uri": r'"[A-Za-z][A-Za-z0-9+.-]*:[^"\\\x00-\x20]+"',
+           "ipv4": r'"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}'
+                   r'(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"'}
 _NOTES = {"title", "description", "$schema", "$id", "examples", "default", "$comment"}
 _READ = {"type", "properties", "required", "additionalProperties", "items", "minItems",
          "maxItems", "minLength", "maxLength", "pattern", "format", "enum", "const", "anyOf",
          "oneOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum",
-         "exclusiveMinimum", "exclusiveMaximum"} | _NOTES
+         "exclusiveMinimum", "exclusiveMaximum", "prefixItems"} | _NOTES
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -91,28 +97,43 @@ def natural_range(lo: int, hi: int | None) -> str:
     return "(?:" + "|".join(parts) + ")"
 
 
-def _bounded(lo, hi, fraction: bool) -> str:
-    """The texts of the integers (`fraction` False) or decimals (True) in [lo, hi], lo and hi
-    integers or None (no bound): a non-negative side and a negative one ("-" then the
-    magnitudes). A decimal's integer part ranges over [a, b - 1] with any fraction, or is b
-    with a fraction of zeros."""
-    def side(a: int, b: int | None) -> str:  # magnitudes a..b
-        if not fraction:
-            return natural_range(a, b)
-        frac = r"(?:\.[0-9]+)?"
-        if b is None:
-            return natural_range(a, None) + frac
-        top = rf"{b}(?:\.0+)?"
-        return f"(?:{natural_range(a, b - 1)}{frac}|{top})" if b > a else top
+def _magnitudes(a: int, a_open: bool, b: int | None, b_open: bool, fraction: bool):
+    """The texts of the non-negative integers (`fraction` False) or decimals (True) from a to
+    b (None: no bound), each end included unless open, as a list of alternatives. A decimal's
+    integer part ranges over the integers strictly inside with any fraction; an open low end a
+    takes a with a fraction not all zeros, a closed high end b takes b with zeros."""
+    if not fraction:
+        lo, hi = a + a_open, None if b is None else b - b_open
+        return [natural_range(lo, hi)] if hi is None or lo <= hi else []
+    frac = r"(?:\.[0-9]+)?"
+    inner_hi = None if b is None else b - 1
+    out = []
+    if inner_hi is None or a + a_open <= inner_hi:
+        out.append(natural_range(a + a_open, inner_hi) + frac)
+    if a_open and (b is None or b > a):
+        out.append(rf"{a}\.[0-9]*[1-9][0-9]*")
+    if b is not None and not b_open and (b > a or not a_open):
+        out.append(rf"{b}(?:\.0+)?")
+    return out
+
+
+def _bounded(lo, lo_open: bool, hi, hi_open: bool, fraction: bool) -> str | None:
+    """The texts of the integers (`fraction` False) or decimals (True) between lo and hi
+    (integers, or None: no bound; an open end excluded), as a regex; None where there are
+    none. Non-negative values, then negative ones as "-" and their magnitudes (a "-0" may or
+    may not be among them: it equals 0)."""
     parts = []
-    if hi is None or hi >= 0:
-        parts.append(side(max(lo, 0) if lo is not None else 0, hi))
+    if hi is None or hi > 0 or hi == 0 and not hi_open:
+        low_ok = lo is not None and lo >= 0
+        parts += _magnitudes(lo if low_ok else 0, lo_open and low_ok, hi, hi_open, fraction)
     if lo is None or lo < 0:
-        if hi is not None and hi < 0:
-            parts.append("-" + side(-hi, None if lo is None else -lo))
-        else:  # (-0 and -0.0 equal 0, in the range)
-            parts.append("-" + side(0 if fraction else 1, None if lo is None else -lo))
-    return "(?:" + "|".join(parts) + ")"
+        top = None if lo is None else -lo
+        if hi is not None and (hi < 0 or hi == 0 and hi_open):
+            parts += ["-" + m for m in _magnitudes(-hi, hi_open, top, lo_open, fraction)]
+        else:  # every negative value down to lo
+            parts += ["-" + m for m in _magnitudes(0 if fraction else 1, False, top, lo_open,
+                                                   fraction)]
+    return "(?:" + "|".join(parts) + ")" if parts else None
 
 
 def any_json(depth: int = ANY_DEPTH) -> str:
@@ -190,7 +211,8 @@ class _Schema:
             return self.regex(s["allOf"][0], f"{where}/allOf/0", refs)
         kind = s.get("type")
         if kind is None:
-            kind = ("object" if "properties" in s else "array" if "items" in s
+            kind = ("object" if {"properties", "additionalProperties"} & set(s)
+                    else "array" if {"items", "prefixItems"} & set(s)
                     else "string" if {"pattern", "format", "minLength", "maxLength"} & set(s)
                     else None)
             if kind is None:
@@ -210,28 +232,34 @@ class _Schema:
         return SCALARS[kind]
 
     def bounded(self, s: dict, kind: str, where: str) -> str:
-        """An integer or a number between its schema's bounds (`_bounded`)."""
+        """An integer or a number between its schema's bounds (`_bounded`): an integer's
+        bounds rounded inward to integers, a number's integers as they are."""
         for key in set(_BOUNDS) & set(s):
             if not isinstance(s[key], (int, float)) or isinstance(s[key], bool):
                 self.fail(where, f"{key} {s[key]!r}: expected a number")
         if kind == "integer":
-            lo = max([math.ceil(s["minimum"])] if "minimum" in s else []
-                     + ([math.floor(s["exclusiveMinimum"]) + 1]
-                        if "exclusiveMinimum" in s else []), default=None)
-            hi = min([math.floor(s["maximum"])] if "maximum" in s else []
-                     + ([math.ceil(s["exclusiveMaximum"]) - 1]
-                        if "exclusiveMaximum" in s else []), default=None)
+            lows = [math.ceil(s["minimum"])] if "minimum" in s else []
+            lows += [math.floor(s["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in s else []
+            highs = [math.floor(s["maximum"])] if "maximum" in s else []
+            highs += [math.ceil(s["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in s else []
+            out = _bounded(max(lows, default=None), False, min(highs, default=None), False,
+                           fraction=False)
         else:
-            odd = [f"{k} {s[k]!r}" for k in _BOUNDS if k in s and (k.startswith("exclusive")
-                                                                  or s[k] != int(s[k]))]
+            odd = [f"{k} {s[k]!r}" for k in _BOUNDS if k in s and s[k] != int(s[k])]
             if odd:
                 self.fail(where, f"{', '.join(odd)} on a number: slora bounds numbers by "
-                          "integer minimum and maximum only (use those, or type integer)")
-            lo = int(s["minimum"]) if "minimum" in s else None
-            hi = int(s["maximum"]) if "maximum" in s else None
-        if lo is not None and hi is not None and lo > hi:
+                          "integers only (round it, or use type integer)")
+            lo, hi, lo_open, hi_open = None, None, False, False
+            for key, open_ in (("minimum", False), ("exclusiveMinimum", True)):
+                if key in s and (lo is None or s[key] > lo or s[key] == lo and open_):
+                    lo, lo_open = int(s[key]), open_
+            for key, open_ in (("maximum", False), ("exclusiveMaximum", True)):
+                if key in s and (hi is None or s[key] < hi or s[key] == hi and open_):
+                    hi, hi_open = int(s[key]), open_
+            out = _bounded(lo, lo_open, hi, hi_open, fraction=True)
+        if out is None:
             self.fail(where, f"no {kind} lies between its bounds")
-        return _bounded(lo, hi, kind == "number")
+        return out
 
     def ref(self, ref, where: str, refs: tuple[str, ...]) -> str:
         m = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
@@ -254,6 +282,9 @@ class _Schema:
             self.fail(where, f"required names {missing}, which are not in properties")
         extra = s.get("additionalProperties")
         if not props:  # {"type": "object"}: any object, unless no key may be added
+            if isinstance(extra, dict) and extra:  # a map: any keys, each value `extra`
+                value = self.regex(extra, f"{where}/additionalProperties", refs)
+                return rf"\{{(?:{STRING}:{WS}{value}(?:,{WS}{STRING}:{WS}{value})*)?\}}"
             return r"\{\}" if extra is False else json_object_regex()
         if extra not in (False, None):
             self.fail(where, "additionalProperties beside properties is not supported (set "
@@ -277,18 +308,44 @@ class _Schema:
         return rf"\{{{body}\}}"
 
     def array(self, s: dict, where: str, refs: tuple[str, ...]) -> str:
-        item = self.regex(s.get("items", {}), f"{where}/items", refs)
         lo, hi = s.get("minItems", 0), s.get("maxItems")
         if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int)
                                                                      or hi < lo)):
             self.fail(where, f"minItems {lo!r} / maxItems {hi!r}: expected 0 <= minItems <= "
                       "maxItems")
+        if s.get("prefixItems"):
+            return self.tuple(s, lo, hi, where, refs)
+        item = self.regex(s.get("items", {}), f"{where}/items", refs)
         if hi == 0:
             return r"\[\]"
         more_lo = max(lo - 1, 0)
         more = f"{{{more_lo},{'' if hi is None else hi - 1}}}"
         items = f"{item}(?:,{WS}{item}){more}"
         return rf"\[{items}\]" if lo else rf"\[(?:{items})?\]"
+
+    def tuple(self, s: dict, lo: int, hi: int | None, where: str, refs) -> str:
+        """An array whose first items follow `prefixItems` in order and the rest `items`
+        (false: none; absent: any value), minItems to maxItems of them."""
+        if not isinstance(s["prefixItems"], list):
+            self.fail(where, "prefixItems must be a list")
+        first = [self.regex(x, f"{where}/prefixItems/{i}", refs)
+                 for i, x in enumerate(s["prefixItems"])]
+        n, more = len(first), s.get("items", {})
+        if more is False and lo > n:
+            self.fail(where, f"minItems {lo} exceeds the {n} prefixItems with items false")
+        rest = None if more is False else self.regex(more, f"{where}/items", refs)
+
+        def tail(i: int) -> str:  # items i.. after item i - 1
+            sep = f",{WS}" if i else ""
+            if hi is not None and i >= hi:
+                return ""
+            if i < n:
+                body = sep + first[i] + tail(i + 1)
+                return body if i < lo else f"(?:{body})?"
+            if rest is None:
+                return ""
+            return f"(?:,{WS}{rest}){{{max(lo - i, 0)},{'' if hi is None else hi - i}}}"
+        return rf"\[{tail(0)}\]"
 
     def string(self, s: dict, where: str) -> str:
         if "format" in s:

@@ -60,6 +60,32 @@ def test_optional_properties_and_any_json():
     assert accepts(schema_regex({"type": "object"}), '{"a": [1, 2]}')
 
 
+@pytest.mark.parametrize("schema,good,bad", [
+    # a map (pydantic's dict[str, int])
+    ({"type": "object", "additionalProperties": {"type": "integer"}},
+     ['{}', '{"a": 1, "b": -2}'], ['{"a": "x"}', '{"a": 1,}']),
+    # a tuple (pydantic's tuple[int, str])
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
+      "minItems": 2, "maxItems": 2}, ['[1, "a"]'], ['[1]', '[1, "a", 2]', '["a", 1]']),
+    # a prefix, then items of their own kind; or none past it
+    ({"prefixItems": [{"type": "integer"}], "items": {"type": "boolean"}},
+     ['[]', '[1]', '[1, true, false]'], ['[true]', '[1, 2]']),
+    ({"prefixItems": [{"type": "integer"}, {"type": "null"}], "items": False},
+     ['[]', '[1]', '[1, null]'], ['[1, null, 2]', '[null]']),
+    ({"type": "string", "format": "email"}, ['"a.b+c@x-y.example.org"'], ['"a@b"', '"a b@c.de"']),
+    ({"type": "string", "format": "uri"}, ['"https://x.org/a?b=1#c"', '"urn:isbn:1"'],
+     ['"no scheme"', '"http://a b"']),
+    ({"type": "string", "format": "ipv4"}, ['"192.168.0.255"', '"0.0.0.0"'],
+     ['"256.1.1.1"', '"1.2.3"', '"01.2.3.4"']),
+])
+def test_maps_tuples_and_formats(schema, good, bad):
+    pattern = schema_regex(schema)
+    for text in good:
+        assert accepts(pattern, text) and re.fullmatch(pattern, text), text
+    for text in bad:
+        assert not accepts(pattern, text), text
+
+
 TREE = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
     "name": {"type": "string"},
     "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["name"]}}}
@@ -92,9 +118,9 @@ def test_recursive_refs_expand_to_their_depth(schema, leaf, bad, make):
 @given(st.one_of(st.none(), st.integers(-2000, 2000)), st.one_of(st.none(), st.integers(-2000, 2000)),
        st.integers(-3000, 3000), st.sampled_from(["", ".0", ".5", ".25", ".000"]))
 def test_numeric_bounds_allow_exactly_the_values_between(lo, hi, n, frac):
-    """minimum / maximum (exclusive ones on integers): an integer's or a number's text is
-    allowed exactly where its value lies between the bounds (a number's "-0" may go either
-    way: it equals 0, and its text need not be allowed)."""
+    """minimum / maximum, inclusive or exclusive: an integer's or a number's text is allowed
+    exactly where its value lies between the bounds (a number's "-0" may go either way: it
+    equals 0, and its text need not be allowed)."""
     if lo is not None and hi is not None and lo > hi:
         lo, hi = hi, lo
     bounds = {k: v for k, v in (("minimum", lo), ("maximum", hi)) if v is not None}
@@ -110,15 +136,18 @@ def test_numeric_bounds_allow_exactly_the_values_between(lo, hi, n, frac):
                                                   and (hi is None or n < hi))
     text = ("-" if n < 0 else "") + str(abs(n)) + frac
     value = float(text)
-    inside = (lo is None or value >= lo) and (hi is None or value <= hi)
-    matched = bool(re.fullmatch(schema_regex({"type": "number", **bounds}), text))
-    assert matched == inside or (not matched and value == 0 and text.startswith("-"))
+    for given, inside in ((bounds, (lo is None or value >= lo) and (hi is None or value <= hi)),
+                          (exclusive, (lo is None or value > lo) and (hi is None or value < hi))):
+        if lo is not None and hi is not None and lo == hi and given is exclusive:
+            continue  # (no number between)
+        matched = bool(re.fullmatch(schema_regex({"type": "number", **given}), text))
+        assert matched == inside or (not matched and value == 0 and text.startswith("-"))
 
 
 @pytest.mark.parametrize("schema,why", [
     ({"type": "integer", "multipleOf": 3}, "multipleOf not supported"),
-    ({"type": "number", "exclusiveMinimum": 0}, "exclusiveMinimum 0 on a number"),
     ({"type": "number", "maximum": 2.5}, "maximum 2.5 on a number"),
+    ({"type": "number", "exclusiveMinimum": 2, "maximum": 2}, "no number lies between"),
     ({"type": "integer", "minimum": 5, "maximum": 2}, "no integer lies between its bounds"),
     ({"type": "integer", "minimum": "1"}, "minimum '1': expected a number"),
     ({"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/x"}}},
@@ -128,7 +157,9 @@ def test_numeric_bounds_allow_exactly_the_values_between(lo, hi, n, frac):
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
      "additionalProperties beside properties"),
     ({"type": "object", "properties": {}, "required": ["a"]}, "required names"),
-    ({"type": "string", "format": "email"}, "format 'email' is not supported"),
+    ({"type": "string", "format": "hostname"}, "format 'hostname' is not supported"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2},
+     "minItems 2 exceeds the 1 prefixItems"),
     ("{not json", "not valid JSON"),
 ])
 def test_what_it_does_not_read_is_refused_by_name(schema, why):
