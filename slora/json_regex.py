@@ -16,8 +16,9 @@ one where the model writes it. The keywords read (anything else is a ValueError 
   `format` date, time, date-time, uuid, email, uri or ipv4;
 - integer and number: `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (a
   number's bounds integers; a bounded number's text has no exponent);
-- `enum`, `const`, `anyOf`/`oneOf` (any of the schemas), `allOf` of one schema, `$ref` to
-  `#/$defs/...` or `#/definitions/...`, and the empty schema: any JSON value.
+- `enum`, `const`, `anyOf`/`oneOf` (any of the schemas; a `discriminator` beside them is a
+  note), `allOf` of one schema, `$ref` to `#/$defs/...` or `#/definitions/...`, OpenAPI's
+  `nullable`, and the empty schema: any JSON value.
 
 A regular expression cannot count brackets without a bound, so the nesting is bounded: any
 JSON value nests objects and arrays at most ANY_DEPTH deep, and a recursive `$ref` (a tree, a
@@ -50,11 +51,12 @@ FORMATS = {"date": r'"\d{4}-\d{2}-\d{2}"', "time": r'"\d{2}:\d{2}:\d{2}(?:\.\d+)
            "uri": r'"[A-Za-z][A-Za-z0-9+.-]*:[^"\\\x00-\x20]+"',
            "ipv4": r'"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\.){3}'
                    r'(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"'}
-_NOTES = {"title", "description", "$schema", "$id", "examples", "default", "$comment"}
+_NOTES = {"title", "description", "$schema", "$id", "examples", "default", "$comment",
+          "readOnly", "writeOnly", "deprecated", "discriminator"}
 _READ = {"type", "properties", "required", "additionalProperties", "items", "minItems",
          "maxItems", "minLength", "maxLength", "pattern", "format", "enum", "const", "anyOf",
          "oneOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum",
-         "exclusiveMinimum", "exclusiveMaximum", "prefixItems"} | _NOTES
+         "exclusiveMinimum", "exclusiveMaximum", "prefixItems", "nullable"} | _NOTES
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -191,6 +193,9 @@ class _Schema:
                       "properties, required, items, enum, const, anyOf, oneOf, $ref, "
                       "minimum, maximum, and the "
                       "string, array and object bounds listed in slora/json_regex.py)")
+        if s.get("nullable") is True:  # (OpenAPI's: the schema, or null)
+            rest = {k: v for k, v in s.items() if k != "nullable"}
+            return f"(?:{self.regex(rest, where, refs)}|null)"
         if "$ref" in s:
             return self.ref(s["$ref"], where, refs)
         if "const" in s:

@@ -77,6 +77,14 @@ def test_optional_properties_and_any_json():
      ['"no scheme"', '"http://a b"']),
     ({"type": "string", "format": "ipv4"}, ['"192.168.0.255"', '"0.0.0.0"'],
      ['"256.1.1.1"', '"1.2.3"', '"01.2.3.4"']),
+    # OpenAPI's nullable; a discriminated union (pydantic's), its discriminator a note
+    ({"type": "integer", "nullable": True, "readOnly": True}, ['3', 'null'], ['"3"']),
+    ({"oneOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}],
+      "discriminator": {"propertyName": "k"}, "$defs": {
+          "a": {"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+          "b": {"type": "object", "properties": {"k": {"const": "b"}, "n": {"type": "integer"}},
+                "required": ["k", "n"]}}},
+     ['{"k": "a"}', '{"k": "b", "n": 1}'], ['{"k": "b"}', '{"k": "c"}']),
 ])
 def test_maps_tuples_and_formats(schema, good, bad):
     pattern = schema_regex(schema)
