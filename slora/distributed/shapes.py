@@ -1,7 +1,7 @@
 """A tensor-parallel rank's view of the model's shapes (no torch: the simulator reads it too).
 
-`ShardConfig` is a `ModelConfig` with the rank's own head, KV-head, intermediate and vocabulary
-counts; its `module_dims` are the shapes of the rank's slice of each LoRA module (see
+`ShardConfig` is a `ModelConfig` with the rank's own head, KV-head, intermediate (the
+experts' too) and vocabulary counts; its `module_dims` are the shapes of the rank's slice of each LoRA module (see
 `sharding`), so its page size, adapter layouts and weight bytes are one rank's. `check_degree`
 says which degrees a model splits over.
 """
@@ -19,9 +19,10 @@ ROW_PARALLEL_GROUPS = ("o", "down")  # their LoRA groups (slora.model.llama.GROU
 
 
 def check_degree(cfg: ModelConfig, n: int) -> None:
-    """ConfigError unless the model splits evenly over `n` ranks: num_heads, hidden_size and
-    intermediate_size divisible by n, and num_key_value_heads divisible by n or dividing it
-    (fewer KV heads than ranks: each replicated over n / KVH ranks)."""
+    """ConfigError unless the model splits evenly over `n` ranks: num_heads, hidden_size,
+    intermediate_size and the experts' intermediate size divisible by n, and
+    num_key_value_heads divisible by n or dividing it (fewer KV heads than ranks: each
+    replicated over n / KVH ranks)."""
     if n == 1:
         return
     why = []
@@ -37,8 +38,9 @@ def check_degree(cfg: ModelConfig, n: int) -> None:
     if cfg.qk_norm == "all":
         why.append("its q and k norms (OLMo's) span every head, which slora does not "
                    "gather across devices")
-    if cfg.num_experts:
-        why.append("its experts (a mixture-of-experts MLP) are not split across devices")
+    if cfg.num_experts and cfg.expert_intermediate_size % n:
+        why.append(f"its experts' intermediate size {cfg.expert_intermediate_size} is not "
+                   f"divisible by {n}")
     if cfg.qk_norm == "heads":
         why.append("its q and k norms have a weight for each head (Cohere's), which slora "
                    "does not split across devices")
@@ -71,6 +73,7 @@ class ShardConfig(ModelConfig):
         values.update(num_heads=cfg.num_heads // n,
                       num_kv_heads=max(cfg.num_kv_heads // n, 1),
                       intermediate_size=cfg.intermediate_size // n,
+                      expert_intermediate_size=cfg.expert_intermediate_size // n,
                       vocab_size=-(-cfg.vocab_size // n))
         return cls(**values, tp_size=n, tp_rank=rank, full_vocab_size=cfg.vocab_size)
 

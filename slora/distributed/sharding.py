@@ -8,7 +8,9 @@ Rank k of N holds:
   query heads read, `KVH / N`-fold replicated across ranks. q|k|v column-parallel (rows of
   the fused weight and bias), o row-parallel (its columns); o's bias on rank 0 alone.
 - MLP: intermediate rows [k I/N, (k+1) I/N) of gate and of up (column-parallel), the same
-  columns of down (row-parallel).
+  columns of down (row-parallel). A mixture of experts: each expert's likewise (its own
+  intermediate size split), the router and a shared expert's gate whole: every rank routes
+  alike and sums its slice of each picked expert, and the MLP's all-reduce sums the ranks'.
 - vocabulary: rows [k V', (k+1) V') of the embedding and of lm_head, V' = ceil(V / N), the
   last shard padded with zero rows (`VocabShard`).
 - norms (and Qwen3's q/k norms) whole.
@@ -42,7 +44,7 @@ import torch
 from slora.config import LORA_MODULES, ModelConfig
 from slora.core.adapters import AdapterLayout
 from slora.distributed.shapes import ShardConfig
-from slora.model.llama import Weights
+from slora.model.llama import Experts, Weights
 from slora.model.loader import strides
 from slora.model.quant import Fp8Weight
 
@@ -97,13 +99,21 @@ def shard_weights(w: Weights, full: ModelConfig, local: ShardConfig) -> Weights:
     qkv = torch.cat([sl["q_proj"][1], full.q_size + sl["k_proj"][1],
                      full.q_size + full.kv_size + sl["v_proj"][1]])
     gate_up = torch.cat([sl["gate_proj"][1], full.intermediate_size + sl["up_proj"][1]])
-    # (the fields not named here, norms, stay whole on every rank)
+    mid = _span(local.tp_rank * local.expert_intermediate_size, local.expert_intermediate_size)
+    expert_gate_up = torch.cat([mid, full.expert_intermediate_size + mid])
+
+    def experts(ex):
+        return ex and Experts(ex.router, ex.gate_up[:, expert_gate_up.to(ex.gate_up.device)]
+                              .contiguous(), ex.down[:, :, mid.to(ex.down.device)].contiguous())
+    # (the fields not named here, norms and a shared expert's gate, stay whole on every rank)
     layers = [dataclasses.replace(
         lw, qkv=_rows(lw.qkv, qkv),
         qkv_bias=None if lw.qkv_bias is None else _rows(lw.qkv_bias, qkv),
         o=_cols(lw.o, sl["o_proj"][0]),
         o_bias=lw.o_bias if local.tp_rank == 0 else None,  # added once, before the sum
-        gate_up=_rows(lw.gate_up, gate_up), down=_cols(lw.down, sl["down_proj"][0]))
+        gate_up=lw.gate_up if lw.gate_up is None else _rows(lw.gate_up, gate_up),
+        down=lw.down if lw.down is None else _cols(lw.down, sl["down_proj"][0]),
+        experts=experts(lw.experts))
         for lw in w.layers]
     embed = vocab_rows(w.embed, local)
     lm_head = embed if w.lm_head is w.embed else vocab_rows(w.lm_head, local)

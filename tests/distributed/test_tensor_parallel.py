@@ -203,6 +203,42 @@ def test_under_torchrun_rank_0_serves_and_the_others_are_workers(models, tmp_pat
     assert json.loads(lines[0].removeprefix("tokens ")) == [o.token_ids for o in ref]
 
 
+@pytest.mark.parametrize("kind, targets", [
+    ("qwen2_moe", (["q_proj", "v_proj", "o_proj", "shared_expert.gate_proj",
+                    "shared_expert.down_proj", "layers.1.mlp.up_proj"],
+                   ["q_proj", "shared_expert.up_proj"])),
+    ("mixtral", (["q_proj", "v_proj", "o_proj"], ["k_proj"]))])
+def test_a_mixture_of_experts_splits_like_one_device(tiny_models, tmp_path, kind, targets):
+    """A mixture of experts over 2 ranks (each expert's intermediate rows split, the router
+    and a shared expert's gate whole): Qwen2-MoE (a layer of experts and a shared expert
+    beside a dense layer) and Mixtral (experts alone) give one device's tokens and
+    log-probs, base rows and adapters (on the attention, the shared expert and the dense
+    MLP) in one batch; experts whose width does not split are refused by name."""
+    model = tiny_models(kind)
+    adapters = {"r8": make_adapter(model, tmp_path / "r8", seed=1, r=8,
+                                   target_modules=targets[0]),
+                "r4": make_adapter(model, tmp_path / "r4", seed=2, r=4,
+                                   target_modules=targets[1])}
+    prompts, names = PROMPTS[:6], [None, "r8", "r4", None, "r4", "r8"]
+
+    def outputs(n):
+        engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                     block_size=BLOCK, num_pages=400, tensor_parallel_size=n))
+        try:
+            for name, path in adapters.items():
+                engine.add_adapter(name, path)
+            return engine.generate(prompts, SAMPLING, adapters=names)
+        finally:
+            engine.close()
+
+    assert_same(outputs(2), outputs(1))
+    cfg = ModelConfig.from_dir(model)
+    assert ShardConfig.of(cfg, 2, 1).expert_intermediate_size == cfg.expert_intermediate_size // 2
+    with pytest.raises(ConfigError, match=f"experts' intermediate size "
+                       f"{cfg.expert_intermediate_size} is not divisible by 5"):
+        check_degree(cfg, 5)
+
+
 @pytest.mark.parametrize("heads, kv, n, why", [
     (6, 6, 4, "6 attention heads are not divisible by 4"),
     (6, 3, 2, "3 KV heads are neither divisible by 2 nor a divisor of it"),
