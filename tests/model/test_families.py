@@ -688,16 +688,16 @@ def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere", "mixtral",
-                                  "qwen2_moe", "qwen3_moe"])
+                                  "qwen2_moe"])
 def test_triton_backend_matches_hf(tiny_models, kind):
     """The Triton kernels in Gemma 2 (sliding-window and soft-capped attention in decode and
     prefill, GeGLU, norms with float32 weights), OLMo 2 (residual adds without input norms,
     so no LoRA rows handed to them), SmolLM3 (a layer without rotary, in the fused decode
     kernel too), Cohere (LayerNorms in the fused norm kernel, attention and MLP side by
     side), Mixtral (the experts' GLU through the fused kernel; a decode step's experts
-    through slora.kernels.experts), Qwen2-MoE (a shared expert through the LoRA GEMMs beside
-    its experts) and Qwen3-MoE (renormalised picks): a step mixing decode rows with prompts
-    (longer than Gemma's window), then
+    through slora.kernels.experts) and Qwen2-MoE (a shared expert through the LoRA GEMMs
+    beside its experts): a step mixing decode rows with prompts (longer than Gemma's window),
+    then
     decode past it, equal HF's greedy tokens and log-probs."""
     model_dir = tiny_models(kind)
     engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
