@@ -273,6 +273,8 @@ async def open_chat(state: ServerState, body: ChatCompletionRequest
                           guided=any(sampling[k] is not None for k in GUIDED))
     if tools.schema is not None:
         sampling["guided_json"] = tools.schema
+    if tools.mode == "auto" and tools.parser == "mistral":  # (its calls begin with a special token)
+        sampling["skip_special_tokens"] = False
     gen = await Generation.open(state, body.model, prompts, sampling, body.n,
                                 names={"logprobs": "top_logprobs"}, cache_salt=body.cache_salt,
                                 priority=state.priority(body.priority))

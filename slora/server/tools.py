@@ -12,6 +12,13 @@ the output follows `tool_choice`:
     first one the content.
   - `llama3_json` (Llama 3.1 to 3.3's JSON tool calls): an output that is a JSON object
     `{"name": ..., "parameters": {...}}` (or several, joined by `;`) is calls, with no content.
+  - `mistral` (Mistral's `[TOOL_CALLS]` token, which the output then keeps: special tokens are
+    not skipped in such a request): `[TOOL_CALLS]` followed by a JSON list of
+    `{"name": ..., "arguments": {...}}`, or by `NAME[ARGS]{...}` (newer tokenizers; each
+    further call after another `[TOOL_CALLS]`), the text before the first the content.
+  - `pythonic` (Llama 3.2 and 4's, and others'): an output that is a Python list of calls
+    with literal keyword arguments, `[get_weather(city="Paris"), get_time(zone="UTC")]`, is
+    calls, with no content.
 - "required": guided decoding holds the output to a JSON array of one or more
   `{"name": <a tool's name>, "parameters": <its parameters schema>}`; each item is a call.
 - {"type": "function", "function": {"name": N}}: the output is N's arguments, guided by its
@@ -35,6 +42,7 @@ from slora.server.settings import PARSERS
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 HERMES_START = "<tool_call>"
+MISTRAL_START = "[TOOL_CALLS]"
 
 
 @dataclass(frozen=True)
@@ -106,10 +114,12 @@ class ToolChoice:
             return len(text)
         if self.mode != "auto":
             return 0
-        if self.parser == "llama3_json":  # a call is the whole output: wait for its start
-            return 0 if not text.strip() or text.lstrip().startswith("{") else len(text)
-        at = text.find(HERMES_START)
-        return at if at >= 0 else holdback(text, [HERMES_START])
+        if self.parser in WHOLE:  # a call is the whole output: wait for its start
+            start = WHOLE[self.parser]
+            return 0 if not text.strip() or text.lstrip().startswith(start) else len(text)
+        marker = MISTRAL_START if self.parser == "mistral" else HERMES_START
+        at = text.find(marker)
+        return at if at >= 0 else holdback(text, [marker])
 
     def split(self, text: str) -> tuple[str | None, list[dict], str | None]:
         """(content, calls, finish_reason or None to keep the output's) of a finished
@@ -125,24 +135,70 @@ class ToolChoice:
                 return text, [], None
             return None, [_call(c["name"], json.dumps(c["parameters"])) for c in items], \
                 "tool_calls"
-        if self.parser == "llama3_json":
-            at, bodies = 0, text.strip().split(";") if text.lstrip().startswith("{") else []
-        else:
-            at = text.find(HERMES_START)
-            bodies = _HERMES.findall(text[at:]) if at >= 0 else []
-        if not bodies:
+        try:
+            at, found = _PARSE[self.parser](text)
+        except (ValueError, SyntaxError, KeyError, TypeError, AttributeError):
+            return text, [], None  # not calls after all: the text is the content
+        if not found:
             return text, [], None
-        calls = []
-        for body in bodies:
-            try:
-                call = json.loads(body.strip())
-                args = call.get("arguments", call.get("parameters", {}))
-                calls.append(_call(call["name"], args if isinstance(args, str)
-                                   else json.dumps(args)))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                return text, [], None  # not calls after all: the text is the content
+        calls = [_call(name, args if isinstance(args, str) else json.dumps(args))
+                 for name, args in found]
         content = text[:at].strip() or None
         return content, calls[:1] if self.single else calls, "tool_calls"
+
+
+def _json_call(body: str) -> tuple[str, object]:
+    call = json.loads(body.strip())
+    return call["name"], call.get("arguments", call.get("parameters", {}))
+
+
+def _hermes(text: str):
+    at = text.find(HERMES_START)
+    return at, [_json_call(b) for b in (_HERMES.findall(text[at:]) if at >= 0 else [])]
+
+
+def _llama3_json(text: str):
+    bodies = text.strip().split(";") if text.lstrip().startswith("{") else []
+    return 0, [_json_call(b) for b in bodies]
+
+
+def _mistral(text: str):
+    at = text.find(MISTRAL_START)
+    if at < 0:
+        return at, []
+    found = []
+    for part in text[at:].split(MISTRAL_START)[1:]:
+        part = part.strip()
+        if part.startswith("["):  # a JSON list of calls
+            items = json.loads(part)
+            found += [(c["name"], c.get("arguments", {})) for c in items]
+        else:  # NAME[ARGS]{...}
+            name, args = part.split("[ARGS]", 1)
+            found.append((name.strip(), json.loads(args)))
+    return at, found
+
+
+def _pythonic(text: str):
+    """A Python list of calls with literal keyword arguments (ValueError or SyntaxError when
+    the output is not one)."""
+    import ast
+
+    if not text.lstrip().startswith("["):
+        return 0, []
+    tree = ast.parse(text.strip(), mode="eval").body
+    if not isinstance(tree, ast.List) or not all(
+            isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and not c.args
+            for c in tree.elts):
+        raise ValueError("not a list of calls with keyword arguments")
+    return 0, [(c.func.id, {k.arg: ast.literal_eval(k.value) for k in c.keywords})
+               for c in tree.elts]
+
+
+# parser -> text -> (where the calls begin, [(name, arguments)]): the calls found, if any
+_PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral,
+          "pythonic": _pythonic}
+# the parsers whose calls are the whole output, and how such an output begins
+WHOLE = {"llama3_json": "{", "pythonic": "["}
 
 
 def _call(name: str, arguments: str) -> dict:

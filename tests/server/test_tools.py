@@ -54,6 +54,33 @@ def test_llama3_json_output_is_calls_when_it_is_json():
     assert [llama.sendable(t) for t in ("  ", ' {"na', "Hello {")] == [0, 0, 7]
 
 
+def test_mistral_calls_follow_the_tool_calls_token():
+    """Both of Mistral's forms: a JSON list after [TOOL_CALLS], and NAME[ARGS]{...} after
+    each [TOOL_CALLS]; the text before the first is the content."""
+    mistral = ToolChoice("auto", parser="mistral")
+    listed = 'Checking. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b"}]'
+    named = '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}'
+    for text, content in ((listed, "Checking."), (named, None)):
+        got, calls, reason = mistral.split(text)
+        assert got == content and reason == "tool_calls"
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in calls] == [("a", {"x": 1}), ("b", {})]
+    assert mistral.split("[TOOL_CALLS] [{broken") == ("[TOOL_CALLS] [{broken", [], None)
+    assert mistral.split("plain") == ("plain", [], None)
+    assert [mistral.sendable(t) for t in ("ab [TOOL", "ab [TOOL_CALLS][", "ab")] == [3, 3, 2]
+
+
+def test_pythonic_output_is_calls_when_it_is_a_list_of_calls():
+    py = ToolChoice("auto", parser="pythonic")
+    content, calls, reason = py.split('[get_weather(city="Paris", days=[1, 2]), now()]')
+    assert content is None and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})]
+    for text in ("It is sunny.", "[1, 2]", "[f(x)]", "[f(a=g())]", "[f(a=1"):
+        assert py.split(text) == (text, [], None), text
+    assert [py.sendable(t) for t in (" ", " [get", "Hi [")] == [0, 0, 4]
+
+
 def test_requests_that_cannot_be_answered_are_400():
     def error(*args):
         with pytest.raises(APIError) as e:
