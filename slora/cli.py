@@ -95,7 +95,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _add_serve(sub) -> None:
-    from slora.server.settings import PARSERS, add_engine_config_args
+    from slora.server.settings import PARSERS, REASONING, add_engine_config_args
 
     p = sub.add_parser(
         "serve", help="serve the model and its adapters over HTTP (OpenAI and LoRAX APIs)",
@@ -143,6 +143,10 @@ def _add_serve(sub) -> None:
                    "and the calls; pythonic: an answer that is a Python list of calls, as "
                    "Llama 3.2 and 4 write it); enables tool_choice auto, "
                    "the default with tools")
+    p.add_argument("--reasoning-parser", choices=REASONING,
+                   help="put a thinking model's <think> text in chat answers' "
+                   "reasoning_content (deepseek_r1: the output reasons until </think>; qwen3: "
+                   "an output that begins with <think>); default: all of it is content")
     p.add_argument("--drain-timeout", type=float, metavar="S",
                    help="on SIGTERM, wait at most S seconds for running requests (default: "
                    "until they finish)")

@@ -24,6 +24,7 @@ from slora.server.errors import APIError, sse_error
 from slora.server.generation import EventStream, Generation, holdback, until_disconnected
 from slora.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, _Sampling)
+from slora.server.reasoning import Parts, Reasoning
 from slora.server.state import ServerState
 from slora.server.tools import ToolChoice
 
@@ -233,10 +234,15 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
     gen, tools = await open_chat(state, body)
     reply = _Reply(state, body, "chatcmpl", "chat.completion")
     reply.tools = tools if tools.parses else None
+    parser = state.settings.reasoning_parser
+    reply.reasoning = Reasoning(parser) if parser else None
 
     def choice(out: RequestOutput) -> dict:
-        content, calls, reason = tools.split(out.text)
+        parts = reply.parts(out.text, True)
+        content, calls, reason = tools.split(parts.content)
         message = {"role": "assistant", "content": content}
+        if parts.reasoning is not None:  # (vLLM's field; content None when the answer is empty)
+            message.update(content=content or None, reasoning_content=parts.reasoning)
         if calls:
             message["tool_calls"] = calls
         return {"message": message, "logprobs": _chat_logprobs(state, body, out, 0),
@@ -450,6 +456,13 @@ class _Reply:
         self.model = body.model or state.settings.model_name
         self.echo: list[str] | None = None  # completions' echo: each choice's prompt text
         self.tools: ToolChoice | None = None  # chat's tool calls, when its output may hold them
+        self.reasoning: Reasoning | None = None  # chat's reasoning parser, if the server has one
+
+    def parts(self, text: str, finished: bool) -> Parts:
+        """An output's reasoning and content (all content without a reasoning parser)."""
+        if self.reasoning is None:
+            return Parts(None, 0, text, 0)
+        return self.reasoning.parts(text, finished)
 
     def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -500,28 +513,37 @@ class _Reply:
         state, body = self.state, self.body
         obj = self.obj + ".chunk" if self.obj == "chat.completion" else self.obj
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        sent_text, sent_tokens = [0] * gen.count, [0] * gen.count
+        # per choice: the characters of its content and of its reasoning sent, and its tokens
+        sent_text, sent_reason, sent_tokens = [0] * gen.count, [0] * gen.count, [0] * gen.count
         try:
             if obj == "chat.completion.chunk":  # the role first, as OpenAI's streams do
                 role = [{"index": i, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None} for i in range(gen.count)]
                 yield _event(self.envelope(obj, role))
             async for i, out in gen.outputs():
-                end = len(out.text) if out.finished else holdback(out.text, stops)
+                limit = len(out.text) if out.finished else holdback(out.text, stops)
+                parts = self.parts(out.text, out.finished)
+                end = max(0, limit - parts.content_at)  # (in the content)
                 if self.tools is not None:  # (no content past where a call begins)
-                    end = min(end, self.tools.sendable(out.text))
-                text = out.text[sent_text[i]:end]
+                    end = min(end, self.tools.sendable(parts.content))
+                text = parts.content[sent_text[i]:end]
+                thought = "" if parts.reasoning is None else parts.reasoning[
+                    sent_reason[i]:max(0, limit - parts.reasoning_at)]
                 # one event per new token, its text delta empty while the detokeniser holds
                 # it back (a partial character, a possible stop string), as vLLM streams
-                if not text and not out.finished and len(out.token_ids) == sent_tokens[i]:
+                if not (text or thought) and not out.finished \
+                        and len(out.token_ids) == sent_tokens[i]:
                     continue
                 if self.echo and not sent_tokens[i]:  # a choice's first event
                     text = self.echo[i] + text
                 fields = chunk(state, body, out, text, sent_tokens[i])
+                if thought:
+                    fields["delta"]["reasoning_content"] = thought
                 sent_text[i], sent_tokens[i] = max(end, sent_text[i]), len(out.token_ids)
+                sent_reason[i] += len(thought)
                 reason = out.finish_reason if out.finished else None
                 if out.finished and self.tools is not None:  # the calls, whole, at the end
-                    content, calls, why = self.tools.split(out.text)
+                    content, calls, why = self.tools.split(parts.content)
                     if calls:
                         fields["delta"]["tool_calls"] = [{"index": k, **c}
                                                          for k, c in enumerate(calls)]

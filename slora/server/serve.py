@@ -24,7 +24,8 @@ def run(args) -> int:
         model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
         adapter_dir=args.adapter_dir, allow_any_adapter_path=args.allow_any_adapter_path,
         api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-        tool_call_parser=args.tool_call_parser, chat_template=_template(args.chat_template))
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        chat_template=_template(args.chat_template))
     engine = Engine(config)
     for name, path in adapters:
         engine.add_adapter(name, path)

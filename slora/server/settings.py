@@ -13,6 +13,7 @@ from slora.config import BACKENDS, DTYPE_ALIASES, DTYPES, MOE_EXPERTS, POLICIES,
 from slora.server.adapters import AdapterResolver
 
 PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # tool-call parsers (server.tools)
+REASONING = ("deepseek_r1", "qwen3")  # reasoning parsers (slora.server.reasoning)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class ServerSettings:
     resolver: finds adapters by name; None: a `LocalDirResolver` over `adapter_dir`, if any.
     tool_call_parser: how chat answers find the model's tool calls in its text
         (`PARSERS`, read by `slora.server.tools`); None: tool_choice "auto" is refused.
+    reasoning_parser: how chat answers find a thinking model's reasoning (`REASONING`, read
+        by `slora.server.reasoning`); None: the whole output is content.
     chat_template: the chat template of the base model and of the adapters without their
         own (in place of the model's); None: the model's.
     """
@@ -44,12 +47,16 @@ class ServerSettings:
     retry_after_s: int = 1
     resolver: AdapterResolver | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *PARSERS):
             raise ValueError(f"ServerSettings.tool_call_parser={self.tool_call_parser!r}: "
                              f"expected one of {', '.join(PARSERS)}")
+        if self.reasoning_parser not in (None, *REASONING):
+            raise ValueError(f"ServerSettings.reasoning_parser={self.reasoning_parser!r}: "
+                             f"expected one of {', '.join(REASONING)}")
         if self.max_waiting < 1:
             raise ValueError(f"ServerSettings.max_waiting={self.max_waiting}: must be at least 1")
         if self.max_body_bytes < 1:
