@@ -7,7 +7,9 @@ and `instructions` (a system message first) become chat messages; `max_output_to
 `tools`, `tool_choice` and `parallel_tool_calls` become the chat request's fields
 (`openai_api.open_chat`). The output is an assistant message of one `output_text` part, and a
 `function_call` item per tool call (`slora.server.tools`). Status "incomplete" with reason
-max_output_tokens where the output reached its length.
+max_output_tokens where the output reached its length. A server's `--reasoning-parser` does
+not apply here: the output text is whole, a thinking model's `<think>` text in it (no
+reasoning items are made).
 
 Stateless: nothing is stored (the answer says `store: false`), so `previous_response_id` is
 refused, as are `reasoning`, `include`, `background`, `truncation: auto`, `conversation`,
