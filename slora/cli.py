@@ -140,7 +140,7 @@ def _add_serve(sub) -> None:
                    help="find tool calls in chat answers' text (hermes: <tool_call> JSON, as "
                    "Hermes and Qwen write them; llama3_json: an answer that is {\"name\", "
                    "\"parameters\"} JSON, as Llama 3.1+ writes it; mistral: [TOOL_CALLS] "
-                   "and the calls; pythonic: an answer that is a Python list of calls, as "
+                   "and the calls; granite: <|tool_call|> and a JSON list; pythonic: an answer that is a Python list of calls, as "
                    "Llama 3.2 and 4 write it); enables tool_choice auto, "
                    "the default with tools")
     p.add_argument("--reasoning-parser", choices=REASONING,

@@ -26,7 +26,7 @@ from slora.server.protocol import (ChatCompletionRequest, CompletionRequest, Det
                                    TokenizeRequest, _Sampling)
 from slora.server.reasoning import Parts, Reasoning
 from slora.server.state import ServerState
-from slora.server.tools import ToolChoice
+from slora.server.tools import SPECIAL_MARKERS, ToolChoice
 
 DONE = "data: [DONE]\n\n"
 
@@ -279,7 +279,7 @@ async def open_chat(state: ServerState, body: ChatCompletionRequest
                           guided=any(sampling[k] is not None for k in GUIDED))
     if tools.schema is not None:
         sampling["guided_json"] = tools.schema
-    if tools.mode == "auto" and tools.parser == "mistral":  # (its calls begin with a special token)
+    if tools.mode == "auto" and tools.parser in SPECIAL_MARKERS:  # (kept in the text)
         sampling["skip_special_tokens"] = False
     gen = await Generation.open(state, body.model, prompts, sampling, body.n,
                                 names={"logprobs": "top_logprobs"}, cache_salt=body.cache_salt,

@@ -12,7 +12,8 @@ from dataclasses import MISSING, dataclass, fields
 from slora.config import BACKENDS, DTYPE_ALIASES, DTYPES, MOE_EXPERTS, POLICIES, EngineConfig
 from slora.server.adapters import AdapterResolver
 
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # tool-call parsers (server.tools)
+# tool-call parsers (slora.server.tools)
+PARSERS = ("hermes", "llama3_json", "mistral", "granite", "pythonic")
 REASONING = ("deepseek_r1", "qwen3")  # reasoning parsers (slora.server.reasoning)
 
 

@@ -16,6 +16,8 @@ the output follows `tool_choice`:
     not skipped in such a request): `[TOOL_CALLS]` followed by a JSON list of
     `{"name": ..., "arguments": {...}}`, or by `NAME[ARGS]{...}` (newer tokenizers; each
     further call after another `[TOOL_CALLS]`), the text before the first the content.
+  - `granite` (Granite 3's `<|tool_call|>`, a special token kept as Mistral's is) followed by
+    a JSON list of `{"name": ..., "arguments": {...}}`, the text before it the content.
   - `pythonic` (Llama 3.2 and 4's, and others'): an output that is a Python list of calls
     with literal keyword arguments, `[get_weather(city="Paris"), get_time(zone="UTC")]`, is
     calls, with no content.
@@ -43,6 +45,7 @@ from slora.server.settings import PARSERS
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 HERMES_START = "<tool_call>"
 MISTRAL_START = "[TOOL_CALLS]"
+GRANITE_START = "<|tool_call|>"
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ class ToolChoice:
         if self.parser in WHOLE:  # a call is the whole output: wait for its start
             start = WHOLE[self.parser]
             return 0 if not text.strip() or text.lstrip().startswith(start) else len(text)
-        marker = MISTRAL_START if self.parser == "mistral" else HERMES_START
+        marker = MARKERS[self.parser]
         at = text.find(marker)
         return at if at >= 0 else holdback(text, [marker])
 
@@ -178,6 +181,14 @@ def _mistral(text: str):
     return at, found
 
 
+def _granite(text: str):
+    at = text.find(GRANITE_START)
+    if at < 0:
+        return at, []
+    items = json.loads(text[at + len(GRANITE_START):])
+    return at, [(c["name"], c.get("arguments", {})) for c in items]
+
+
 def _pythonic(text: str):
     """A Python list of calls with literal keyword arguments (ValueError or SyntaxError when
     the output is not one)."""
@@ -196,7 +207,12 @@ def _pythonic(text: str):
 
 # parser -> text -> (where the calls begin, [(name, arguments)]): the calls found, if any
 _PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral,
-          "pythonic": _pythonic}
+          "granite": _granite, "pythonic": _pythonic}
+# the other parsers: the marker their calls begin with, after any content
+MARKERS = {"hermes": HERMES_START, "mistral": MISTRAL_START, "granite": GRANITE_START}
+# the parsers whose marker is a special token of its model: a request they parse keeps special
+# tokens in its text
+SPECIAL_MARKERS = ("mistral", "granite")
 # the parsers whose calls are the whole output, and how such an output begins
 WHOLE = {"llama3_json": "{", "pythonic": "["}
 

@@ -70,6 +70,17 @@ def test_mistral_calls_follow_the_tool_calls_token():
     assert [mistral.sendable(t) for t in ("ab [TOOL", "ab [TOOL_CALLS][", "ab")] == [3, 3, 2]
 
 
+def test_granite_calls_follow_its_tool_call_token():
+    granite = ToolChoice("auto", parser="granite")
+    content, calls, reason = granite.split(
+        'Sure.<|tool_call|>[{"name": "a", "arguments": {"x": 1}}, {"name": "b"}]')
+    assert content == "Sure." and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("a", {"x": 1}), ("b", {})]
+    assert granite.split("<|tool_call|>[{") == ("<|tool_call|>[{", [], None)
+    assert [granite.sendable(t) for t in ("ok <|tool", "ok")] == [3, 2]
+
+
 def test_pythonic_output_is_calls_when_it_is_a_list_of_calls():
     py = ToolChoice("auto", parser="pythonic")
     content, calls, reason = py.split('[get_weather(city="Paris", days=[1, 2]), now()]')
