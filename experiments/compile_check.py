@@ -37,7 +37,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from slora.kernels import attention, dora, fp8, fused, gemm, mbgmm, mbgmv  # noqa: E402
+from slora.kernels import (attention, dora, experts, fp8, fused, gemm, mbgmm,  # noqa: E402
+                           mbgmv)
 
 LORA = {"x_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16", "xa_ptr": "*fp32",
         "pages_ptr": "*i32", "offs_ptr": "*i64", "ranks_ptr": "*i32",
@@ -58,6 +59,8 @@ GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf
         "part_ptr": "*fp32", "count_ptr": "*i32"}
 GEMM_FP8 = dict(GEMM, w_ptr="*fp8e4nv", scale_ptr="*fp32")
 GEMM_W8A8 = dict(GEMM_FP8, x_ptr="*fp8e4nv", x_scale_ptr="*fp32")
+EXPERTS = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "pick_ptr": "*i64", "h_ptr": "*bf16",
+           "w_ptr": "*bf16", "mid_ptr": "*bf16", "out_ptr": "*bf16"}
 # integer arguments that are multiples of 16 when a 7B's step launches the kernels (hidden 4096,
 # head_dim 128, 32 heads, pages of 16 tokens, LoRA rows and offsets aligned to 64 elements)
 DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3", "s0", "s1",
@@ -156,6 +159,13 @@ def variants():
          dict(BLOCK_K=1024, WHOLE=False, **fp8.ROUNDING), opts),
         ("quantize rows, 16,384 columns at once", fp8._quantize_rows_kernel, FUSED,
          dict(BLOCK_K=16384, WHOLE=True, **fp8.ROUNDING), dict(opts, num_warps=16)),
+        # a few rows' layer of experts (Qwen3-30B-A3B's: 128 experts, 8 picked), at the tiles
+        # experts._tiles gives one token
+        ("experts route", experts._route_kernel, EXPERTS,
+         dict(K=8, KP=8, RENORM=True, BLOCK_E=128), dict(opts, num_warps=1)),
+        ("experts gate|up", experts._gate_up_kernel, EXPERTS,
+         dict(K=8, GELU=False, BLOCK_N=8, BLOCK_K=256), dict(opts, num_warps=8)),
+        ("experts down", experts._down_kernel, EXPERTS, dict(K=8, BLOCK_N=8, BLOCK_K=512), opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=False,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),

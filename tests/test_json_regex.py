@@ -123,7 +123,8 @@ def test_recursive_refs_expand_to_their_depth(schema, leaf, bad, make):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.one_of(st.none(), st.integers(-2000, 2000)), st.one_of(st.none(), st.integers(-2000, 2000)),
+@given(st.one_of(st.none(), st.integers(-2000, 2000)),
+       st.one_of(st.none(), st.integers(-2000, 2000)),
        st.integers(-3000, 3000), st.sampled_from(["", ".0", ".5", ".25", ".000"]))
 def test_numeric_bounds_allow_exactly_the_values_between(lo, hi, n, frac):
     """minimum / maximum, inclusive or exclusive: an integer's or a number's text is allowed
@@ -133,7 +134,8 @@ def test_numeric_bounds_allow_exactly_the_values_between(lo, hi, n, frac):
         lo, hi = hi, lo
     bounds = {k: v for k, v in (("minimum", lo), ("maximum", hi)) if v is not None}
     ints = schema_regex({"type": "integer", **bounds})
-    assert bool(re.fullmatch(ints, str(n))) == ((lo is None or n >= lo) and (hi is None or n <= hi))
+    assert bool(re.fullmatch(ints, str(n))) == ((lo is None or n >= lo)
+                                                and (hi is None or n <= hi))
     exclusive = {"exclusive" + k[0].upper() + k[1:]: v for k, v in bounds.items()}
     if lo is not None and hi is not None and hi - lo < 2:  # no integer strictly between
         with pytest.raises(ValueError, match="no integer lies between its bounds"):

@@ -1,9 +1,9 @@
 """A tensor-parallel rank's view of the model's shapes (no torch: the simulator reads it too).
 
 `ShardConfig` is a `ModelConfig` with the rank's own head, KV-head, intermediate (the
-experts' too) and vocabulary counts; its `module_dims` are the shapes of the rank's slice of each LoRA module (see
-`sharding`), so its page size, adapter layouts and weight bytes are one rank's. `check_degree`
-says which degrees a model splits over.
+experts' too) and vocabulary counts; its `module_dims` are the shapes of the rank's slice of
+each LoRA module (see `sharding`), so its page size, adapter layouts and weight bytes are one
+rank's. `check_degree` says which degrees a model splits over.
 """
 
 from __future__ import annotations
