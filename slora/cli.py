@@ -140,8 +140,9 @@ def _add_serve(sub) -> None:
                    help="find tool calls in chat answers' text (hermes: <tool_call> JSON, as "
                    "Hermes and Qwen write them; llama3_json: an answer that is {\"name\", "
                    "\"parameters\"} JSON, as Llama 3.1+ writes it; mistral: [TOOL_CALLS] "
-                   "and the calls; granite: <|tool_call|> and a JSON list; pythonic: an answer that is a Python list of calls, as "
-                   "Llama 3.2 and 4 write it); enables tool_choice auto, "
+                   "and the calls; granite: <|tool_call|> and a JSON list; pythonic: an "
+                   "answer that is a Python list of calls, as Llama 3.2 and 4 write it); "
+                   "enables tool_choice auto, "
                    "the default with tools")
     p.add_argument("--reasoning-parser", choices=REASONING,
                    help="put a thinking model's <think> text in chat answers' "

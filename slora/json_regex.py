@@ -83,7 +83,7 @@ def _digits_range(x: str, y: str) -> str:
     return "(?:" + "|".join(parts) + ")"
 
 
-def natural_range(lo: int, hi: int | None) -> str:
+def _natural_range(lo: int, hi: int | None) -> str:
     """The decimal texts of the integers lo..hi (0 <= lo; hi None: no bound), without leading
     zeros, as a regex."""
     parts, length = [], len(str(lo))
@@ -106,12 +106,12 @@ def _magnitudes(a: int, a_open: bool, b: int | None, b_open: bool, fraction: boo
     takes a with a fraction not all zeros, a closed high end b takes b with zeros."""
     if not fraction:
         lo, hi = a + a_open, None if b is None else b - b_open
-        return [natural_range(lo, hi)] if hi is None or lo <= hi else []
+        return [_natural_range(lo, hi)] if hi is None or lo <= hi else []
     frac = r"(?:\.[0-9]+)?"
     inner_hi = None if b is None else b - 1
     out = []
     if inner_hi is None or a + a_open <= inner_hi:
-        out.append(natural_range(a + a_open, inner_hi) + frac)
+        out.append(_natural_range(a + a_open, inner_hi) + frac)
     if a_open and (b is None or b > a):
         out.append(rf"{a}\.[0-9]*[1-9][0-9]*")
     if b is not None and not b_open and (b > a or not a_open):

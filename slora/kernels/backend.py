@@ -115,9 +115,11 @@ class TorchBackend:
     tp = None
 
     linear = staticmethod(quant.linear)
-    # The most rows of a step `experts` takes a layer of `experts` experts, k picked a row,
-    # for (0: it has no kernels of its own; the model runs the twins)
-    fused_experts_rows = staticmethod(lambda experts, k: 0)
+
+    def fused_experts_rows(self, experts: int, k: int) -> int:
+        """The most rows of a step `experts` takes a layer of `experts` experts, k picked a
+        row, for: none here (no kernels of its own; the model runs the twins)."""
+        return 0
     # The norms and GLUs take `feeds`, the weight of the GEMM their output goes to, where the
     # GPU backends fold that GEMM's rounding of its input into them (fused.py); this backend's
     # `linear` rounds no input, and they ignore it.
@@ -253,7 +255,7 @@ class TritonBackend(TorchBackend):
         from slora.kernels import attention, dora, experts, fp8, fused, mbgmm, mbgmv, vocab
 
         self._attn, self._mbgmv, self._mbgmm = attention, mbgmv, mbgmm
-        self._experts, self.fused_experts_rows = experts, experts.few_rows
+        self._experts = experts
         self._dora_scale = dora.dora_scale
         self._vocab_mbgmv, self._vocab = mbgmv, vocab  # (vocab-wide rows: the Triton MBGMV)
         self._side: dict[torch.device, torch.cuda.Stream] = {}  # (linear_lora)
@@ -273,6 +275,9 @@ class TritonBackend(TorchBackend):
     def gelu_tanh_mul(self, gate_up, feeds=None):
         gate_up, lora = self._ready(gate_up)
         return self._fused.gelu_tanh_mul(gate_up, feeds, lora=lora)
+
+    def fused_experts_rows(self, experts: int, k: int) -> int:
+        return self._experts.few_rows(experts, k)
 
     def experts(self, h, ex, k: int, renormalise: bool, gelu: bool) -> torch.Tensor:
         """A layer of experts (`llama.Experts`) over a step's few rows: the router's GEMM as

@@ -38,7 +38,7 @@ class Reasoning:
     def parts(self, text: str, finished: bool) -> Parts:
         body = text.lstrip()
         lead = len(text) - len(body)
-        if not finished and not body or START.startswith(body) and body != START:
+        if not finished and (not body or START.startswith(body) and body != START):
             return Parts(None, 0, "", len(text))  # (a <think> may be forming)
         if body.startswith(START):
             lead += len(START)

@@ -155,6 +155,11 @@ def _json_call(body: str) -> tuple[str, object]:
     return call["name"], call.get("arguments", call.get("parameters", {}))
 
 
+def _json_list(text: str) -> list[tuple[str, object]]:
+    """The calls of a JSON list of {"name": ..., "arguments": {...}}."""
+    return [(c["name"], c.get("arguments", {})) for c in json.loads(text)]
+
+
 def _hermes(text: str):
     at = text.find(HERMES_START)
     return at, [_json_call(b) for b in (_HERMES.findall(text[at:]) if at >= 0 else [])]
@@ -173,8 +178,7 @@ def _mistral(text: str):
     for part in text[at:].split(MISTRAL_START)[1:]:
         part = part.strip()
         if part.startswith("["):  # a JSON list of calls
-            items = json.loads(part)
-            found += [(c["name"], c.get("arguments", {})) for c in items]
+            found += _json_list(part)
         else:  # NAME[ARGS]{...}
             name, args = part.split("[ARGS]", 1)
             found.append((name.strip(), json.loads(args)))
@@ -185,8 +189,7 @@ def _granite(text: str):
     at = text.find(GRANITE_START)
     if at < 0:
         return at, []
-    items = json.loads(text[at + len(GRANITE_START):])
-    return at, [(c["name"], c.get("arguments", {})) for c in items]
+    return at, _json_list(text[at + len(GRANITE_START):])
 
 
 def _pythonic(text: str):

@@ -20,6 +20,7 @@ THOUGHT = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
     ("qwen3", THOUGHT, ("\nThe user asks about Paris.\n", "It is sunny.")),
     ("qwen3", "It is sunny.", (None, "It is sunny.")),  # thinking off
     ("qwen3", "<think>cut short", ("cut short", "")),
+    ("qwen3", "<", (None, "<")),  # finished on what might have begun a <think>: content
     ("deepseek_r1", THOUGHT, ("\nThe user asks about Paris.\n", "It is sunny.")),
     ("deepseek_r1", "No tag, thinking.</think> Answer.", ("No tag, thinking.", "Answer.")),
     ("deepseek_r1", "Still thinking", ("Still thinking", "")),
