@@ -147,7 +147,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--reasoning-parser", choices=REASONING,
                    help="put a thinking model's <think> text in chat answers' "
                    "reasoning_content (deepseek_r1: the output reasons until </think>; qwen3: "
-                   "an output that begins with <think>); default: all of it is content")
+                   "an output that begins with <think>; gpt_oss: harmony's analysis channel, "
+                   "the final channel as content); default: all of it is content")
     p.add_argument("--drain-timeout", type=float, metavar="S",
                    help="on SIGTERM, wait at most S seconds for running requests (default: "
                    "until they finish)")

@@ -24,7 +24,7 @@ from slora.server.errors import APIError, sse_error
 from slora.server.generation import EventStream, Generation, holdback, until_disconnected
 from slora.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, _Sampling)
-from slora.server.reasoning import Parts, Reasoning
+from slora.server.reasoning import SPECIAL_TEXT, Parts, Reasoning
 from slora.server.state import ServerState
 from slora.server.tools import SPECIAL_MARKERS, ToolChoice
 
@@ -279,7 +279,8 @@ async def open_chat(state: ServerState, body: ChatCompletionRequest
                           guided=any(sampling[k] is not None for k in GUIDED))
     if tools.schema is not None:
         sampling["guided_json"] = tools.schema
-    if tools.mode == "auto" and tools.parser in SPECIAL_MARKERS:  # (kept in the text)
+    if (tools.mode == "auto" and tools.parser in SPECIAL_MARKERS
+            or state.settings.reasoning_parser in SPECIAL_TEXT):  # (kept in the text)
         sampling["skip_special_tokens"] = False
     gen = await Generation.open(state, body.model, prompts, sampling, body.n,
                                 names={"logprobs": "top_logprobs"}, cache_salt=body.cache_salt,

@@ -6,8 +6,12 @@ thinking model writes between `<think>` and `</think>` goes to the message's
   the output is reasoning from its start (a `<think>` there is dropped) to `</think>`.
 - `qwen3` (Qwen3's thinking mode, QwQ): an output that begins with `<think>` is reasoning to
   `</think>`; one that does not (thinking off) is content alone.
+- `gpt_oss` (gpt-oss's harmony format, whose markers are special tokens: the chat's output
+  keeps them, `SPECIAL_TEXT`): the `analysis` channel's message is the reasoning, the `final`
+  channel's the content, up to the message's end marker; the rest (the `<|start|>assistant`
+  between them) is neither. An output that begins in neither channel is content alone.
 
-An output that ends before `</think>` is reasoning alone. Streamed, each part's text goes out
+An output that ends before `</think>` (the analysis message's `<|end|>`) is reasoning alone. Streamed, each part's text goes out
 as it comes, less what may still be the start of a marker.
 """
 
@@ -18,6 +22,13 @@ from dataclasses import dataclass
 from slora.server.generation import holdback
 
 START, END = "<think>", "</think>"
+# harmony: the analysis channel's opening, its message's end, the final channel's opening, and
+# the markers that end a message
+ANALYSIS, MESSAGE_END, FINAL = "<|channel|>analysis<|message|>", "<|end|>", \
+    "<|channel|>final<|message|>"
+ENDS = ("<|return|>", "<|end|>", "<|call|>")
+# the parsers whose markers are special tokens, which the chat's output then keeps
+SPECIAL_TEXT = ("gpt_oss",)
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,8 @@ class Reasoning:
     parser: str
 
     def parts(self, text: str, finished: bool) -> Parts:
+        if self.parser == "gpt_oss":
+            return _harmony(text, finished)
         body = text.lstrip()
         lead = len(text) - len(body)
         if not finished and (not body or START.startswith(body) and body != START):
@@ -53,3 +66,32 @@ class Reasoning:
         after = end + len(END)
         content = text[after:].lstrip()
         return Parts(text[lead:end], lead, content, len(text) - len(content))
+
+
+def _harmony(text: str, finished: bool) -> Parts:
+    """`Reasoning.parts` of a gpt-oss output (harmony's channels)."""
+    if not finished and any(m.startswith(text) and m != text for m in (ANALYSIS, FINAL)):
+        return Parts(None, 0, "", len(text))  # (a channel's opening may be forming)
+    reasoning, lead = None, 0
+    if text.startswith(ANALYSIS):
+        lead = len(ANALYSIS)
+        end = text.find(MESSAGE_END, lead)
+        if end < 0:
+            keep = len(text) if finished else holdback(text, [MESSAGE_END])
+            return Parts(text[lead:max(keep, lead)], lead, "", len(text))
+        reasoning = text[lead:end]
+        start = text.find(FINAL, end)
+        if start < 0:  # (the final channel not yet opened, or never)
+            return Parts(reasoning, lead, "", len(text))
+        at = start + len(FINAL)
+    elif text.startswith(FINAL):
+        at = len(FINAL)
+    else:
+        return Parts(None, 0, text, 0)
+    body = text[at:]
+    stop = min((body.find(m) for m in ENDS if m in body), default=-1)
+    if stop >= 0:
+        body = body[:stop]
+    elif not finished:
+        body = body[:holdback(body, ENDS)]
+    return Parts(reasoning, lead, body, at)

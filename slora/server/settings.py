@@ -14,7 +14,7 @@ from slora.server.adapters import AdapterResolver
 
 # tool-call parsers (slora.server.tools)
 PARSERS = ("hermes", "llama3_json", "mistral", "granite", "pythonic")
-REASONING = ("deepseek_r1", "qwen3")  # reasoning parsers (slora.server.reasoning)
+REASONING = ("deepseek_r1", "qwen3", "gpt_oss")  # reasoning parsers (slora.server.reasoning)
 
 
 @dataclass(frozen=True)

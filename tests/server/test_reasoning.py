@@ -14,6 +14,8 @@ from slora.server.reasoning import Reasoning
 from tests.server.test_tools import CHAT, WEATHER
 
 THOUGHT = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
+HARMONY = ("<|channel|>analysis<|message|>The user asks about Paris.<|end|><|start|>assistant"
+           "<|channel|>final<|message|>It is sunny.<|return|>")
 
 
 @pytest.mark.parametrize("parser, text, want", [
@@ -24,6 +26,11 @@ THOUGHT = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
     ("deepseek_r1", THOUGHT, ("\nThe user asks about Paris.\n", "It is sunny.")),
     ("deepseek_r1", "No tag, thinking.</think> Answer.", ("No tag, thinking.", "Answer.")),
     ("deepseek_r1", "Still thinking", ("Still thinking", "")),
+    ("gpt_oss", HARMONY, ("The user asks about Paris.", "It is sunny.")),
+    ("gpt_oss", "<|channel|>final<|message|>It is sunny.", (None, "It is sunny.")),
+    ("gpt_oss", "<|channel|>analysis<|message|>cut short", ("cut short", "")),
+    ("gpt_oss", "<|channel|>analysis<|message|>a<|end|>", ("a", "")),  # no final message
+    ("gpt_oss", "A plain answer.", (None, "A plain answer.")),
 ])
 def test_each_parser_cuts_reasoning_from_content(parser, text, want):
     parts = Reasoning(parser).parts(text, finished=True)
@@ -64,3 +71,21 @@ def test_chat_answers_carry_reasoning_content(serve):
     assert tool.choices[0].finish_reason == "tool_calls"
     assert plain.choices[0].message.content == "Sunny."
     assert getattr(plain.choices[0].message, "reasoning_content", None) is None
+
+
+def test_harmony_channels_through_the_chat_api(serve):
+    """gpt-oss's parser: the analysis channel's message as reasoning_content, the final
+    channel's as content, whole and streamed (its markers kept in the output's text)."""
+    force = (r"<\|channel\|>analysis<\|message\|>Paris\.<\|end\|><\|start\|>assistant"
+             r"<\|channel\|>final<\|message\|>Sunny\.<\|return\|>")
+    with serve(reasoning_parser="gpt_oss") as live:
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        kw = dict(model="tiny-llama", messages=CHAT, max_tokens=240, temperature=0,
+                  extra_body={"guided_regex": force})
+        whole = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == ("Paris.", "Sunny.")
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Paris."
+    assert "".join(d.content or "" for d in deltas) == "Sunny."
