@@ -48,19 +48,19 @@ ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"
         "bt_ptr": "*i32", "ctx_ptr": "*i32", "part_ptr": "*fp32", "ml_ptr": "*fp32",
         "q_start_ptr": "*i32", "tiles_ptr": "*i32", "qk_scale": "fp32", "cap_scale": "fp32",
         "pos_ptr": "*i64",
-        "inv_ptr": "*fp32", "slot_ptr": "*i64", "l_ptr": "*bf16"}
+        "inv_ptr": "*fp32", "slot_ptr": "*i64", "l_ptr": "*bf16", "sink_ptr": "*fp32"}
 FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "l_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
          "out_ptr": "*bf16", "qkv_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
          "eps": "fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-# attention without a sliding window or a softcap (every layer of a Llama)
-PLAIN = dict(SLIDING=False, SOFTCAP=False)
+# attention without a sliding window, a softcap or sinks (every layer of a Llama)
+PLAIN = dict(SLIDING=False, SOFTCAP=False, SINKS=False)
 GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
         "part_ptr": "*fp32", "count_ptr": "*i32"}
 GEMM_FP8 = dict(GEMM, w_ptr="*fp8e4nv", scale_ptr="*fp32")
 GEMM_W8A8 = dict(GEMM_FP8, x_ptr="*fp8e4nv", x_scale_ptr="*fp32")
 EXPERTS = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "pick_ptr": "*i64", "h_ptr": "*bf16",
-           "w_ptr": "*bf16", "mid_ptr": "*bf16", "out_ptr": "*bf16"}
+           "w_ptr": "*bf16", "b_ptr": "*bf16", "mid_ptr": "*bf16", "out_ptr": "*bf16"}
 # integer arguments that are multiples of 16 when a 7B's step launches the kernels (hidden 4096,
 # head_dim 128, 32 heads, pages of 16 tokens, LoRA rows and offsets aligned to 64 elements)
 DIV16 = {"stride_x", "d_in", "stride", "P", "stride_out", "d0", "d1", "d2", "d3", "s0", "s1",
@@ -85,8 +85,9 @@ def kv_layout(kv_heads: int, head_dim: int, block_size: int = 16) -> dict:
                 block_size=block_size, D=head_dim)
 
 
-# a 7B's layout (32 KV heads of 128), and the 256-wide heads of the sliding-window variants
-KV7B, KV256 = kv_layout(32, 128), kv_layout(8, 256)
+# a 7B's layout (32 KV heads of 128), the 256-wide heads of the sliding-window variants, and
+# gpt-oss's (8 KV heads of 64, groups of 8 query heads) of the sinks' variants
+KV7B, KV256, KV64 = kv_layout(32, 128), kv_layout(8, 256), kv_layout(8, 64)
 
 
 def variants():
@@ -130,14 +131,27 @@ def variants():
               ROPE=False, **PLAIN, **kv_layout(8, 128)), dict(opts, num_stages=2)),
         ("decode attention, rotary, sliding window + softcap", attention._decode_kernel, ATTN,
          dict(QH=2, BLOCK_H=16, BLOCK_D=256, BLOCK_N=64, SPLIT=False, DOT_F32=False,
-              ROPE=True, SLIDING=True, SOFTCAP=True, **KV256), dict(opts, num_stages=2)),
+              ROPE=True, SLIDING=True, SOFTCAP=True, SINKS=False, **KV256),
+         dict(opts, num_stages=2)),
+        # gpt-oss's layers: sinks on every one, a sliding window on every other
+        ("decode attention, rotary + sinks", attention._decode_kernel, ATTN,
+         dict(QH=8, BLOCK_H=16, BLOCK_D=64, BLOCK_N=64, SPLIT=False, DOT_F32=False,
+              ROPE=True, SLIDING=False, SOFTCAP=False, SINKS=True, **KV64),
+         dict(opts, num_stages=2)),
+        ("decode attention, split, sliding window + sinks", attention._decode_kernel, ATTN,
+         dict(QH=8, BLOCK_H=16, BLOCK_D=64, BLOCK_N=64, SPLIT=True, DOT_F32=False,
+              ROPE=False, SLIDING=True, SOFTCAP=False, SINKS=True, **KV64),
+         dict(opts, num_stages=2)),
         ("merge", attention._merge_kernel, ATTN, dict(BLOCK_S=8, BLOCK_D=128), opts),
         ("prefill attention", attention._prefill_kernel, ATTN,
          dict(QH=1, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, DOT_F32=False, **PLAIN, **KV7B),
          dict(opts, num_stages=2)),
         ("prefill attention, sliding window + softcap", attention._prefill_kernel, ATTN,
          dict(QH=2, BLOCK_M=64, BLOCK_D=256, BLOCK_N=32, DOT_F32=False, SLIDING=True,
-              SOFTCAP=True, **KV256), dict(opts, num_stages=2)),
+              SOFTCAP=True, SINKS=False, **KV256), dict(opts, num_stages=2)),
+        ("prefill attention, sliding window + sinks", attention._prefill_kernel, ATTN,
+         dict(QH=8, BLOCK_M=64, BLOCK_D=64, BLOCK_N=64, DOT_F32=False, SLIDING=True,
+              SOFTCAP=False, SINKS=True, **KV64), dict(opts, num_stages=2)),
         # the norm and SiLU alone, and writing their output's E4M3 rounding too (`feeds`)
         # (and adding their input's LoRA rows: `backend.Pending`)
         *[(f"add_rms_norm{what}", fused._rms_norm_kernel, FUSED,
@@ -164,8 +178,16 @@ def variants():
         ("experts route", experts._route_kernel, EXPERTS,
          dict(K=8, KP=8, RENORM=True, BLOCK_E=128), dict(opts, num_warps=1)),
         ("experts gate|up", experts._gate_up_kernel, EXPERTS,
-         dict(K=8, GELU=False, BLOCK_N=8, BLOCK_K=256), dict(opts, num_warps=8)),
-        ("experts down", experts._down_kernel, EXPERTS, dict(K=8, BLOCK_N=8, BLOCK_K=512), opts),
+         dict(K=8, ACT="silu", LIMIT=7.0, ALPHA=1.702, BIAS=False, BLOCK_N=8, BLOCK_K=256),
+         dict(opts, num_warps=8)),
+        ("experts down", experts._down_kernel, EXPERTS,
+         dict(K=8, BIAS=False, BLOCK_N=8, BLOCK_K=512), opts),
+        # gpt-oss's (4 picked): biases, the clamped SwiGLU
+        ("experts gate|up, biases, clamped SwiGLU", experts._gate_up_kernel, EXPERTS,
+         dict(K=4, ACT="swiglu_oai", LIMIT=7.0, ALPHA=1.702, BIAS=True, BLOCK_N=8,
+              BLOCK_K=256), dict(opts, num_warps=8)),
+        ("experts down, biases", experts._down_kernel, EXPERTS,
+         dict(K=4, BIAS=True, BLOCK_N=8, BLOCK_K=512), opts),
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=False,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),

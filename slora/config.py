@@ -42,7 +42,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Glm4ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM",
                            "CohereForCausalLM", "Cohere2ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                           "GraniteMoeForCausalLM")
+                           "GraniteMoeForCausalLM", "GptOssForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
@@ -58,9 +58,11 @@ MOE = {"MixtralForCausalLM": ("num_local_experts", 8, 2),
        "GraniteMoeForCausalLM": ("num_local_experts", 8, 2),
        "Qwen2MoeForCausalLM": ("num_experts", 60, 4),
        "Qwen3MoeForCausalLM": ("num_experts", 128, 8),
-       "OlmoeForCausalLM": ("num_experts", 64, 8)}
-# The MLP activations of [gate | up]: SwiGLU, and GeGLU with gelu's tanh approximation.
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+       "OlmoeForCausalLM": ("num_experts", 64, 8),
+       "GptOssForCausalLM": ("num_local_experts", 128, 4)}
+# The MLP activations of [gate | up]: SwiGLU, GeGLU with gelu's tanh approximation, and
+# gpt-oss's clamped SwiGLU (its experts' alone: a config's hidden_act names one of the first two).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
 # The rope_scaling types served (rope_inv_freq in slora/model/llama.py computes each).
 ROPE_KINDS = ("linear, llama3, yarn, longrope (Phi-3's, served within its "
               "original_max_position_embeddings)")
@@ -336,8 +338,17 @@ class ModelConfig:
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
     shared_expert: bool = False
-    # The MLP's activation, one of ACTIVATIONS (Gemma: GeGLU, "gelu_pytorch_tanh").
+    # The MLP's activation, one of ACTIVATIONS (Gemma: GeGLU, "gelu_pytorch_tanh"; gpt-oss's
+    # experts: "swiglu_oai", (clamp(up, -limit, limit) + 1) * g sigmoid(alpha g) with
+    # g = min(gate, limit), limit `swiglu_limit` and alpha `swiglu_alpha`).
     hidden_act: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    # gpt-oss: biases on the router's logits and on each expert's gate|up and down outputs.
+    experts_bias: bool = False
+    # gpt-oss: a learned logit per query head (a layer's `sinks`) that joins the softmax over
+    # the head's scores and takes its share of the weight, with no value behind it.
+    attention_sinks: bool = False
     # Gemma: each RMSNorm scales by (1 + w); the loader folds the 1 in (see loader.load_weights).
     norm_plus_one: bool = False
     # Gemma: token embeddings multiplied by this (sqrt(hidden_size)), rounded to the model
@@ -470,7 +481,9 @@ class ModelConfig:
         qkv_bias_only = arch in QKV_BIAS_ONLY
         gemma = arch in GEMMA
         # (Ernie 4.5's use_bias: on q/k/v/o and the MLP)
-        bias = bool(c.get("attention_bias", c.get("use_bias", arch == "GlmForCausalLM")))
+        bias = bool(c.get("attention_bias", c.get("use_bias",
+                                                      arch in ("GlmForCausalLM",
+                                                               "GptOssForCausalLM"))))
         # Gemma 2/3's MLP reads hidden_activation (their configs may carry a stale hidden_act
         # too); Gemma 1's reads hidden_act, whose "gelu" HF reads as the tanh approximation
         gemma1 = arch == "GemmaForCausalLM"
@@ -478,7 +491,8 @@ class ModelConfig:
             or c.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
         if gemma1 and act == "gelu":
             act = "gelu_pytorch_tanh"
-        if act not in ACTIVATIONS:
+        gpt_oss = arch == "GptOssForCausalLM"
+        if act not in ACTIVATIONS[:2]:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (slora's MLP is "
                               "SwiGLU, silu(gate) * up, or GeGLU, gelu_pytorch_tanh(gate) * up)")
         granite = arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM")
@@ -487,7 +501,8 @@ class ModelConfig:
                       "final_logit_softcapping") if gemma else ())
                     + (("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                         "logits_scaling") if granite else ())
-                    + (("logit_scale", "layer_norm_eps") if cohere else ()))
+                    + (("logit_scale", "layer_norm_eps") if cohere else ())
+                    + (("swiglu_limit", "swiglu_alpha") if gpt_oss else ()))
         for key in positive:
             v = c.get(key)
             if v is not None and not (_of_type(v, "float") and v > 0):
@@ -580,7 +595,12 @@ class ModelConfig:
             fused_modules={"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"),
                            "GlmForCausalLM": ("gate_up_proj",),
                            "Glm4ForCausalLM": ("gate_up_proj",)}.get(arch, ()),
-            hidden_act=act,
+            # (gpt-oss's config says "silu"; its experts apply their own clamped SwiGLU)
+            hidden_act="swiglu_oai" if gpt_oss else act,
+            swiglu_limit=float(c.get("swiglu_limit") or 7.0),
+            swiglu_alpha=float(c.get("swiglu_alpha") or 1.702),
+            experts_bias=gpt_oss,
+            attention_sinks=gpt_oss,
             norm_plus_one=gemma,
             embed_scale=hidden ** 0.5 if gemma else None,
             sandwich_norms=arch in (*GEMMA[1:], "Glm4ForCausalLM"),
@@ -780,8 +800,9 @@ def _longrope(s: dict, c: dict, max_pos: int, head_dim: int, gemma3: bool, sourc
 
 def _experts(c: dict, arch: str, source: str) -> dict:
     """ModelConfig's mixture-of-experts fields as HF reads a config: Mixtral's, Granite
-    MoE's and OLMoE's experts in every layer, each of intermediate_size, the picked ones'
-    weights renormalised (Granite MoE's softmax over the top k's logits is that; OLMoE's
+    MoE's, gpt-oss's and OLMoE's experts in every layer, each of intermediate_size, the picked
+    ones' weights renormalised (Granite MoE's and gpt-oss's softmax over the top k's logits is
+    that; OLMoE's
     where norm_topk_prob); Qwen2-MoE's and Qwen3-MoE's of moe_intermediate_size in each layer
     i with (i + 1) % decoder_sparse_step == 0 that mlp_only_layers leaves out (the others
     dense), renormalised where norm_topk_prob; Qwen2-MoE's shared expert beside them
@@ -792,8 +813,9 @@ def _experts(c: dict, arch: str, source: str) -> dict:
     if arch not in MOE:
         return none
     key, default_experts, default_per_token = MOE[arch]
-    # (Granite MoE's router: Mixtral's, whose picked weights HF always renormalises)
-    mixtral = arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM")
+    # (Granite MoE's and gpt-oss's routers: Mixtral's, whose picked weights HF always
+    # renormalises; gpt-oss's softmax over the top k's logits is that)
+    mixtral = arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM", "GptOssForCausalLM")
     olmoe = arch == "OlmoeForCausalLM"
     experts = c.get(key, c.get("num_local_experts", default_experts))
     per_token = c.get("num_experts_per_tok", default_per_token)

@@ -168,6 +168,15 @@ TINY = {
                        num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
                        residual_multiplier=0.4, attention_multiplier=0.3, logits_scaling=2.5,
                        random_norms=True),
+    # gpt-oss: attention sinks, biases on q/k/v/o, a sliding layer and a full one (YaRN),
+    # experts with biases, a biased router and the clamped SwiGLU over interleaved gate/up
+    "gpt_oss": dict(arch="gpt_oss", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.5,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                     "original_max_position_embeddings": 64},
+                    pad_token_id=None, random_norms=True, random_biases=True),
 }
 
 
@@ -223,7 +232,8 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
            "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
            "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
-           "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM)}[arch]
+           "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM),
+           "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}[arch]
     cfg = cls[0](vocab_size=vocab + 20, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, bos_token_id=0,
                  eos_token_id=1, initializer_range=0.2, **spec)
@@ -235,6 +245,8 @@ def build_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides
                 p.normal_(float(p.mean()), 0.2)
             if random_biases and name.endswith("bias"):
                 p.normal_(0.0, 0.2)
+            if name.endswith("sinks"):  # (gpt-oss) sinks that take a visible share
+                p.normal_(0.0, 1.0)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -6,11 +6,13 @@ Rank k of N holds:
 - attention: query heads [k H/N, (k+1) H/N) and their KV heads: KV heads [k KVH/N, ...) when
   N divides KVH, else (N a multiple of KVH: fewer KV heads than ranks) the one KV head its
   query heads read, `KVH / N`-fold replicated across ranks. q|k|v column-parallel (rows of
-  the fused weight and bias), o row-parallel (its columns); o's bias on rank 0 alone.
+  the fused weight and bias), o row-parallel (its columns); o's bias on rank 0 alone; the
+  sinks of the rank's query heads.
 - MLP: intermediate rows [k I/N, (k+1) I/N) of gate and of up (column-parallel), the same
   columns of down (row-parallel). A mixture of experts: each expert's likewise (its own
-  intermediate size split), the router and a shared expert's gate whole: every rank routes
-  alike and sums its slice of each picked expert, and the MLP's all-reduce sums the ranks'.
+  intermediate size split, with its gate|up bias; its down bias on rank 0 alone), the router
+  (and its bias) and a shared expert's gate whole: every rank routes alike and sums its slice
+  of each picked expert, and the MLP's all-reduce sums the ranks'.
 - vocabulary: rows [k V', (k+1) V') of the embedding and of lm_head, V' = ceil(V / N), the
   last shard padded with zero rows (`VocabShard`).
 - norms (and Qwen3's q/k norms) whole.
@@ -103,8 +105,17 @@ def shard_weights(w: Weights, full: ModelConfig, local: ShardConfig) -> Weights:
     expert_gate_up = torch.cat([mid, full.expert_intermediate_size + mid])
 
     def experts(ex):
-        return ex and Experts(ex.router, ex.gate_up[:, expert_gate_up.to(ex.gate_up.device)]
-                              .contiguous(), ex.down[:, :, mid.to(ex.down.device)].contiguous())
+        if ex is None:
+            return None
+        gu = expert_gate_up.to(ex.gate_up.device)
+        biased = ex.gate_up_bias is not None
+        return Experts(ex.router, ex.gate_up[:, gu].contiguous(),
+                       ex.down[:, :, mid.to(ex.down.device)].contiguous(),
+                       router_bias=ex.router_bias,
+                       gate_up_bias=ex.gate_up_bias[:, gu].contiguous() if biased else None,
+                       down_bias=(ex.down_bias if local.tp_rank == 0 or not biased
+                                  else torch.zeros_like(ex.down_bias)))
+    q_heads = sl["q_proj"][1].view(-1, full.head_dim)[:, 0] // full.head_dim
     # (the fields not named here, norms and a shared expert's gate, stay whole on every rank)
     layers = [dataclasses.replace(
         lw, qkv=_rows(lw.qkv, qkv),
@@ -113,7 +124,8 @@ def shard_weights(w: Weights, full: ModelConfig, local: ShardConfig) -> Weights:
         o_bias=lw.o_bias if local.tp_rank == 0 else None,  # added once, before the sum
         gate_up=lw.gate_up if lw.gate_up is None else _rows(lw.gate_up, gate_up),
         down=lw.down if lw.down is None else _cols(lw.down, sl["down_proj"][0]),
-        experts=experts(lw.experts))
+        experts=experts(lw.experts),
+        sinks=None if lw.sinks is None else lw.sinks[q_heads.to(lw.sinks.device)])
         for lw in w.layers]
     embed = vocab_rows(w.embed, local)
     lm_head = embed if w.lm_head is w.embed else vocab_rows(w.lm_head, local)

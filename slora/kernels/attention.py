@@ -30,6 +30,12 @@ head), the tiles taken from a host-built work list (`tiles.py`); keys walked BLO
 through the page table up to the tile's last causal position, online softmax in fp32. It
 handles whole prompts, chunked prefill over a cached prefix and decode rows in one launch.
 
+Attention sinks (`sinks`, gpt-oss; compile-time switch SINKS): query head h's softmax takes
+one more logit, sinks[h], with no value. Both kernels fold it in as the online softmax's
+starting state (`_sink_state`: max sinks[h] * log2(e), sum 1, acc 0), before any key; in a
+split-K decode only split 0 starts so, the others start empty (max -inf, sum 0), so the merge
+counts the sink exactly once, whichever splits hold keys.
+
 The KV layout (the six K/V strides, block_size and head_dim) is a compile-time constant of
 both kernels: one model has one layout, so it compiles once, and constant strides let the
 compiler fold each key's address arithmetic (a 7B's decode kernel: 96 registers against 126
@@ -110,6 +116,16 @@ def _attend(q, k_ptr, v_ptr, bt_row, lo, hi, qpos, offs_d, d_ok, kvh, qk_scale, 
 
 
 @triton.jit
+def _sink_state(sink_ptr, heads, mask):
+    """The online softmax's starting (max, sum) of rows of query heads `heads`: each head's
+    sink folded in as a key of logit sinks[h] (log2 domain: times log2(e)) and value 0, so
+    (sinks[h] * log2(e), 1) with acc 0; rows off `mask` start empty, (-inf, 0)."""
+    m = tl.load(sink_ptr + heads, mask=mask, other=float("-inf")).to(tl.float32)
+    m = m * 1.4426950408889634
+    return m, tl.where(m > float("-inf"), 1.0, 0.0)
+
+
+@triton.jit
 def _rotary(ptr, offs_d, mask, half, c, s, l_ptr, LORA: tl.constexpr):
     """HF's rotary (x * cos + rotate_half(x) * sin) of the rows at ptr (columns offs_d), in
     fp32 and rounded to ptr's dtype, as `fused.rope_write_kv` computes it; with LORA the rows
@@ -129,7 +145,7 @@ def _rotary(ptr, offs_d, mask, half, c, s, l_ptr, LORA: tl.constexpr):
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
-    pos_ptr, inv_ptr, slot_ptr, l_ptr,
+    pos_ptr, inv_ptr, slot_ptr, l_ptr, sink_ptr,
     qk_scale, window, cap_scale,
     stride_qb, stride_qh, stride_lb,
     stride_kp: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
@@ -139,7 +155,8 @@ def _decode_kernel(
     D: tl.constexpr, num_splits,
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, LORA: tl.constexpr = False,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    LORA: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -199,8 +216,11 @@ def _decode_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    if SINKS:  # the sinks enter split 0's state alone: once in the merge
+        m_i, l_i = _sink_state(sink_ptr, heads, h_ok & (sp == 0))
+    else:
+        m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_row, lo, hi, None, offs_d, d_ok, kvh, qk_scale,
@@ -289,7 +309,8 @@ def _scales(scale: float, softcap: float) -> tuple[float, float]:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, cfg: dict | None = None,
-                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: one new token per sequence over its paged KV (twin:
     `reference.paged_decode_attention`).
 
@@ -300,11 +321,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the heuristic bounds the context by block_tables' width, so it needs no device sync.
     `cfg` (optional, for benchmarks' sweeps) overrides `decode_config`'s keys. `window` > 0:
     the token sees only the last `window` keys (a sliding-window layer); `softcap` > 0: scores
-    soft-capped to softcap * tanh(score / softcap). Both are compile-time switches of the
-    kernel, so a layer without them runs the plain kernel.
+    soft-capped to softcap * tanh(score / softcap); `sinks` (float32 [H] on q's device):
+    query head h's softmax takes the logit sinks[h] too, with no value (the twin's rule). All
+    three are compile-time switches of the kernel, so a layer without them runs the plain
+    kernel.
     """
     return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
-                   window=window, softcap=softcap)
+                   window=window, softcap=softcap, sinks=sinks)
 
 
 def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
@@ -315,15 +338,16 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
                                 num_splits: int | None = None, cfg: dict | None = None,
                                 fold: bool | None = None, window: int = 0,
                                 softcap: float = 0.0,
-                                lora: torch.Tensor | None = None) -> torch.Tensor:
+                                lora: torch.Tensor | None = None,
+                                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`fused.rope_write_kv` and `paged_decode_attention`, in one launch where that is faster
     (twin: `reference.rope_write_kv`, then `reference.paged_decode_attention`): qkv [B, (H + 2
     KVH) * D] is each sequence's new token, unrotated; its K and V are stored at slot_mapping,
     the position ctx_lens - 1 of its sequence. Returns [B, H, D]; qkv's q heads may be left
     rotated (in two launches `rope_write_kv` rotates them in place). `fold` (optional, for
     tests and benchmarks) overrides `fold_rope`'s choice of one launch or two. `window`,
-    `softcap`: as `paged_decode_attention`'s. `lora`: qkv's LoRA rows, not yet added, as
-    `fused.rope_write_kv` takes them."""
+    `softcap`, `sinks`: as `paged_decode_attention`'s. `lora`: qkv's LoRA rows, not yet added,
+    as `fused.rope_write_kv` takes them."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D
@@ -331,7 +355,7 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
     q = qkv[:, : num_heads * D].view(B, num_heads, D)
     return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
                    rope=(qkv, positions, inv_freq, slot_mapping, lora), fold=fold, window=window,
-                   softcap=softcap)
+                   softcap=softcap, sinks=sinks)
 
 
 def fold_rope(programs: int, device: torch.device) -> bool:
@@ -346,7 +370,7 @@ def fold_rope(programs: int, device: torch.device) -> bool:
 
 
 def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg, rope=None,
-            fold=None, window=0, softcap=0.0):
+            fold=None, window=0, softcap=0.0, sinks=None):
     B, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
     assert Dk == D and H % kvh == 0 and q.stride(2) == 1
@@ -378,10 +402,12 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
     _, positions, inv_freq, slot_mapping, lora = rope or (None, ctx_lens, ctx_lens, ctx_lens, None)
     if lora is not None:
         assert lora.shape == rope[0].shape and lora.dtype == q.dtype and lora.stride(1) == 1
+    assert sinks is None or (sinks.shape == (H,) and sinks.stride(0) == 1)
     qk_scale, cap_scale = _scales(scale, softcap)
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, ctx_lens, out, part, ml,
         positions, inv_freq, slot_mapping, lora if lora is not None else q,
+        sinks if sinks is not None else q,
         qk_scale, window, cap_scale,
         q.stride(0), q.stride(1), lora.stride(0) if lora is not None else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -390,8 +416,8 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
         out.stride(0), out.stride(1),
         D, num_splits,
         QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32,
-        ROPE=rope is not None, SLIDING=window > 0, SOFTCAP=softcap > 0, LORA=lora is not None,
-        **pdl.options(q.device), **cfg)
+        ROPE=rope is not None, SLIDING=window > 0, SOFTCAP=softcap > 0,
+        SINKS=sinks is not None, LORA=lora is not None, **pdl.options(q.device), **cfg)
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,
                               BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
@@ -403,7 +429,7 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, tiles_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, ctx_ptr, tiles_ptr, out_ptr, sink_ptr,
     qk_scale, window, cap_scale,
     stride_qt, stride_qh,
     stride_kp: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
@@ -412,7 +438,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     D: tl.constexpr,
     QH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_F32: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     h = tl.program_id(1)
     for i in range(tl.program_id(0), tl.load(tiles_ptr), tl.num_programs(0)):
@@ -432,8 +458,11 @@ def _prefill_kernel(
                     + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        if SINKS:
+            m_i, l_i = _sink_state(sink_ptr, tl.zeros((BLOCK_M,), tl.int32) + h, m_ok)
+        else:
+            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         bt_row = bt_ptr + s.to(tl.int64) * stride_bt
         # Causal: this tile's last token sees positions <= its own, so keys stop there; with
@@ -457,7 +486,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             ctx_lens: torch.Tensor, scale: float,
                             tiles: torch.Tensor | None = None, programs: int | None = None,
                             out: torch.Tensor | None = None, window: int = 0,
-                            softcap: float = 0.0) -> torch.Tensor:
+                            softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new tokens over paged KV: prefill, chunked prefill with a cached
     prefix, decode rows, or a mix (twin: `reference.paged_attention`).
 
@@ -468,8 +498,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     here from q_start, a host round trip. Only the tiles' rows of `out` (optional, like q)
     are written. Grid: (`programs`, default one per tile slot, query head); each program
     walks the list with stride `programs`, KV read through the page table per token.
-    `window`, `softcap`: as `paged_decode_attention`'s (a tile's keys start at its first
-    token's window).
+    `window`, `softcap`, `sinks`: as `paged_decode_attention`'s (a tile's keys start at its
+    first token's window).
     """
     T, H, D = q.shape
     _, block_size, kvh, Dk = k_cache.shape
@@ -477,6 +507,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.stride(2) == 1
+    assert sinks is None or (sinks.shape == (H,) and sinks.stride(0) == 1)
     S = ctx_lens.shape[0]
     if T == 0 or S == 0:
         return out
@@ -490,6 +521,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     qk_scale, cap_scale = _scales(scale, softcap)
     _prefill_kernel[(programs, H)](
         q, k_cache, v_cache, block_tables, q_start, ctx_lens, tiles, out,
+        sinks if sinks is not None else q,
         qk_scale, window, cap_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -499,5 +531,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         D,
         QH=H // kvh, BLOCK_M=block_m, BLOCK_D=pow2(D),
         DOT_F32=not cuda or q.dtype == torch.float32, SLIDING=window > 0, SOFTCAP=softcap > 0,
-        **cfg)
+        SINKS=sinks is not None, **cfg)
     return out

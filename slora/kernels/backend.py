@@ -129,19 +129,20 @@ class TorchBackend:
     silu_mul = _ignoring_feeds(ref.silu_mul)
     gelu_tanh_mul = _ignoring_feeds(ref.gelu_tanh_mul)
 
-    def attention(self, q, k_cache, v_cache, b, scale, window=0, softcap=0.0):
+    def attention(self, q, k_cache, v_cache, b, scale, window=0, softcap=0.0, sinks=None):
         """Paged attention of the batch's new tokens; `window` > 0: a sliding-window layer's,
-        `softcap` > 0: scores soft-capped (reference.paged_attention)."""
+        `softcap` > 0: scores soft-capped, `sinks` (float32 [H]): each query head's sink logit
+        (reference.paged_attention)."""
         return ref.paged_attention(q, k_cache, v_cache, b.block_tables, b.q_start_list,
-                                   b.ctx_lens_list, scale, window, softcap)
+                                   b.ctx_lens_list, scale, window, softcap, sinks)
 
     def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
-                       num_kv_heads, window=0, softcap=0.0):
+                       num_kv_heads, window=0, softcap=0.0, sinks=None):
         """Rotary on q and k of the fused qkv output, K/V stored at the tokens' slots, then
         attention: [T, H, D]."""
         q = self.rope_write_kv(qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping,
                                num_heads, num_kv_heads)
-        return self.attention(q, k_cache, v_cache, b, scale, window, softcap)
+        return self.attention(q, k_cache, v_cache, b, scale, window, softcap, sinks)
 
     def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str,
                     defer: bool = False):
@@ -279,12 +280,14 @@ class TritonBackend(TorchBackend):
     def fused_experts_rows(self, experts: int, k: int) -> int:
         return self._experts.few_rows(experts, k)
 
-    def experts(self, h, ex, k: int, renormalise: bool, gelu: bool) -> torch.Tensor:
+    def experts(self, h, ex, k: int, renormalise: bool, act: ref.Glu) -> torch.Tensor:
         """A layer of experts (`llama.Experts`) over a step's few rows: the router's GEMM as
-        any base GEMM, then the routing and the picked experts' GLUs in the kernels of
+        any base GEMM, then the routing and the picked experts' GLUs (`act`) in the kernels of
         slora.kernels.experts (twins: `reference.route`, `reference.experts_grouped`)."""
-        weights, pick = self._experts.route(self.linear(h, ex.router), k, renormalise)
-        return self._experts.experts(h, ex.gate_up, ex.down, weights, pick, gelu)
+        weights, pick = self._experts.route(self.linear(h, ex.router, ex.router_bias), k,
+                                            renormalise)
+        return self._experts.experts(h, ex.gate_up, ex.down, weights, pick, act,
+                                     ex.gate_up_bias, ex.down_bias)
 
     def _ready(self, t):
         """(output, its LoRA rows or None) of a tensor or a `Pending`, whose rows the current
@@ -296,33 +299,33 @@ class TritonBackend(TorchBackend):
         return t.out, t.lora
 
     def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
-                       num_kv_heads, window=0, softcap=0.0):
+                       num_kv_heads, window=0, softcap=0.0, sinks=None):
         qkv, lora = self._ready(qkv)  # (a `Pending` comes from decode-only steps alone)
         if b.num_decode == len(b.q_start_list) - 1:  # decode only: rotary and K/V store folded in
             return self._attn.rope_paged_decode_attention(
                 qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping, b.block_tables,
                 b.ctx_lens, scale, num_heads, num_kv_heads, window=window, softcap=softcap,
-                lora=lora)
+                lora=lora, sinks=sinks)
         assert lora is None
         return super().rope_attention(qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
-                                      num_kv_heads, window, softcap)
+                                      num_kv_heads, window, softcap, sinks)
 
-    def attention(self, q, k_cache, v_cache, b, scale, window=0, softcap=0.0):
-        mask = dict(window=window, softcap=softcap)
+    def attention(self, q, k_cache, v_cache, b, scale, window=0, softcap=0.0, sinks=None):
+        layer = dict(window=window, softcap=softcap, sinks=sinks)  # (every path takes them)
         if b.num_decode == len(b.q_start_list) - 1:  # decode only: the split-K decode kernel
             return self._attn.paged_decode_attention(q, k_cache, v_cache, b.block_tables,
-                                                     b.ctx_lens, scale, **mask)
+                                                     b.ctx_lens, scale, **layer)
         out = torch.empty_like(q)
         if b.dec_ctx_lens is not None:  # the decode rows: the decode kernel
             n = b.dec_ctx_lens.shape[0]
             out[:n] = self._attn.paged_decode_attention(q[:n], k_cache, v_cache,
                                                         b.block_tables[:n], b.dec_ctx_lens, scale,
-                                                        **mask)
+                                                        **layer)
         # the prompts (whole, or chunks over a cached prefix): the flash-style prefill kernel
         # over their work tiles, writing only their rows of `out`
         return self._attn.paged_prefill_attention(q, k_cache, v_cache, b.block_tables,
                                                   b.q_start_tensor, b.ctx_lens, scale, b.tiles,
-                                                  b.tile_programs, out=out, **mask)
+                                                  b.tile_programs, out=out, **layer)
 
     def linear_lora(self, x, w, bias, pool_l, meta: LoraMeta | None, layer: int, group: str,
                     defer: bool = False):

@@ -13,13 +13,16 @@ tiles are shaped for many rows. Here:
 - `route`: one program a token: the softmax over its router logits in float32, the top k in
   order of weight (ties to the lower expert), renormalised where asked.
 - `_gate_up_kernel`: program (column block, pair): the pair's token row against its expert's
-  gate and up rows of that block, act(gate) * up, into the pair's row of `mid`.
+  gate and up rows of that block (plus the expert's biases, gpt-oss), their GLU (SwiGLU,
+  GeGLU or gpt-oss's clamped SwiGLU) into the pair's row of `mid`.
 - `_down_kernel`: program (column block, token): each of the token's k pairs against its
-  expert's down rows of that block, the outputs rounded to the model dtype, times the pair's
+  expert's down rows of that block, the outputs rounded to the model dtype (plus the expert's
+  bias, rounded again), times the pair's
   weight and summed over the k in float32, in pick order: deterministic, no atomics.
 
 The rounding points are the twins': gate, up and each pair's down output rounded to the model
-dtype, the GLU as `fused.glu`, the weighted sum in float32. No host sync and no shape that
+dtype, a bias added to the rounded product and rounded again, the GLU as `fused.glu` /
+`fused.swiglu_oai`, the weighted sum in float32. No host sync and no shape that
 depends on the routing: a CUDA graph captures them. Each pair reads its expert's weights, so a
 batch whose pairs share experts reads them more than once: `few_rows` says where the grouped
 GEMM, which reads each picked expert once, takes over (docs/performance.md).
@@ -32,7 +35,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .fused import glu
+from .reference import Glu
+from .fused import glu, swiglu_oai
 from .tuning import pow2
 
 # EngineConfig.moe_experts "auto": a step's layer of experts runs here while its pairs (rows x
@@ -94,8 +98,9 @@ def route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor
 
 
 @triton.jit
-def _gate_up_kernel(h_ptr, w_ptr, pick_ptr, mid_ptr, H, I, stride_h, stride_we, stride_wn,
-                    K: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gate_up_kernel(h_ptr, w_ptr, b_ptr, pick_ptr, mid_ptr, H, I, stride_h, stride_we,
+                    stride_wn, K: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
+                    ALPHA: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     tile = tl.program_id(0)
     pair = tl.program_id(1).to(tl.int64)
@@ -117,13 +122,23 @@ def _gate_up_kernel(h_ptr, w_ptr, pick_ptr, mid_ptr, H, I, stride_h, stride_we, 
         acc_u += tl.sum(tl.load(u_ptrs + k0, mask=m, other=0.0).to(tl.float32) * x, 1)
     pdl.launch_next(PDL)
     dt = mid_ptr.dtype.element_ty
-    tl.store(mid_ptr + pair * I + offs_n, glu(acc_g.to(dt), acc_u.to(dt), GELU), mask=n_ok)
+    g, u = acc_g.to(dt), acc_u.to(dt)
+    if BIAS:  # (the expert's [gate | up] bias row, added to the rounded products)
+        g = (g.to(tl.float32) + tl.load(b_ptr + e * 2 * I + offs_n, mask=n_ok).to(tl.float32))
+        u = (u.to(tl.float32) + tl.load(b_ptr + e * 2 * I + I + offs_n, mask=n_ok)
+             .to(tl.float32))
+        g, u = g.to(dt), u.to(dt)
+    if ACT == "swiglu_oai":
+        y = swiglu_oai(g, u, LIMIT, ALPHA)
+    else:
+        y = glu(g, u, ACT == "gelu_pytorch_tanh")
+    tl.store(mid_ptr + pair * I + offs_n, y, mask=n_ok)
 
 
 @triton.jit
-def _down_kernel(mid_ptr, w_ptr, pick_ptr, weights_ptr, out_ptr, H, I, stride_we, stride_wn,
-                 stride_out, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+def _down_kernel(mid_ptr, w_ptr, b_ptr, pick_ptr, weights_ptr, out_ptr, H, I, stride_we,
+                 stride_wn, stride_out, K: tl.constexpr, BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     tile = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,7 +158,11 @@ def _down_kernel(mid_ptr, w_ptr, pick_ptr, weights_ptr, out_ptr, H, I, stride_we
             x = tl.load(mid_ptr + pair * I + k0 + offs_k, mask=k_ok, other=0.0)
             w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
-        total += acc.to(dt).to(tl.float32) * tl.load(weights_ptr + pair)
+        y = acc.to(dt).to(tl.float32)
+        if BIAS:  # (the expert's down bias, added to the rounded product)
+            y = (y + tl.load(b_ptr + e * H + offs_n, mask=n_ok).to(tl.float32)).to(dt)
+            y = y.to(tl.float32)
+        total += y * tl.load(weights_ptr + pair)
     pdl.launch_next(PDL)
     tl.store(out_ptr + t * stride_out + offs_n, total.to(dt), mask=n_ok)
 
@@ -163,11 +182,13 @@ def _tiles(kernel: str, n: int, rows: int, device: torch.device) -> dict:
 
 
 def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            weights: torch.Tensor, pick: torch.Tensor, gelu: bool) -> torch.Tensor:
-    """`reference.experts_grouped(h, gate_up, down, weights, pick, act)` with act SiLU (GELU's
-    tanh form where `gelu`): h [T, H]; gate_up [E, 2I, H], down [E, H, I] with unit inner
-    strides; weights float32 and pick [T, k] as `route` gives them. Returns [T, H] in h's
-    dtype."""
+            weights: torch.Tensor, pick: torch.Tensor, act: Glu = Glu(),
+            gate_up_bias: torch.Tensor | None = None,
+            down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`reference.experts_grouped(h, gate_up, down, weights, pick, act, gate_up_bias,
+    down_bias)`: h [T, H]; gate_up [E, 2I, H], down [E, H, I] with unit inner strides; the
+    biases (both or neither) contiguous [E, 2I] and [E, H]; weights float32 and pick [T, k] as
+    `route` gives them. Returns [T, H] in h's dtype."""
     T, H = h.shape
     k = pick.shape[1]
     I = down.shape[2]
@@ -176,14 +197,18 @@ def experts(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     out = torch.empty(T, H, dtype=h.dtype, device=h.device)
     if not T:
         return out
+    bias = gate_up_bias is not None
+    assert bias == (down_bias is not None)
+    assert not bias or (gate_up_bias.is_contiguous() and down_bias.is_contiguous())
     mid = torch.empty(T * k, I, dtype=h.dtype, device=h.device)
     pd = pdl.options(h.device)
     cfg = _tiles("gate_up", H, T, h.device)
     _gate_up_kernel[(triton.cdiv(I, cfg["BLOCK_N"]), T * k)](
-        h, gate_up, pick, mid, H, I, h.stride(0), gate_up.stride(0), gate_up.stride(1),
-        K=k, GELU=gelu, **cfg, **pd)
+        h, gate_up, gate_up_bias if bias else h, pick, mid, H, I, h.stride(0),
+        gate_up.stride(0), gate_up.stride(1), K=k, ACT=act.act, LIMIT=float(act.limit),
+        ALPHA=float(act.alpha), BIAS=bias, **cfg, **pd)
     cfg = _tiles("down", I, T, h.device)
     _down_kernel[(triton.cdiv(H, cfg["BLOCK_N"]), T)](
-        mid, down, pick, weights, out, H, I, down.stride(0), down.stride(1), out.stride(0),
-        K=k, **cfg, **pd)
+        mid, down, down_bias if bias else h, pick, weights, out, H, I, down.stride(0),
+        down.stride(1), out.stride(0), K=k, BIAS=bias, **cfg, **pd)
     return out

@@ -241,6 +241,20 @@ def glu(g, u, GELU: tl.constexpr):
 
 
 @triton.jit
+def swiglu_oai(g, u, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """gpt-oss's clamped SwiGLU of two tiles in their dtype: (clamp(u, -LIMIT, LIMIT) + 1) *
+    (m sigmoid(ALPHA m)) with m = min(g, LIMIT), each op rounded as torch's eager ops round
+    them (`reference.swiglu_oai_mul`)."""
+    dt = g.dtype
+    m = tl.minimum(g.to(tl.float32), LIMIT)
+    t = (m * ALPHA).to(dt).to(tl.float32)
+    sig = (1.0 / (1.0 + tl.exp(-t))).to(dt).to(tl.float32)
+    act = (m * sig).to(dt).to(tl.float32)
+    up = (tl.minimum(tl.maximum(u.to(tl.float32), -LIMIT), LIMIT) + 1.0).to(dt)
+    return (up.to(tl.float32) * act).to(dt)
+
+
+@triton.jit
 def _act_mul_kernel(gu_ptr, l_ptr, out_ptr, q_ptr, s_ptr, N, stride_gu, stride_l,
                     BLOCK: tl.constexpr, GELU: tl.constexpr, HAS_LORA: tl.constexpr,
                     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,

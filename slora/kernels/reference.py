@@ -54,6 +54,8 @@ hidden states) and their embedding rows as B^T (an added token's embedding = `lo
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -79,7 +81,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_start: list[int], ctx_lens: list[int],
-                    scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    scale: float, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new tokens over paged KV (prefill, decode, or a mix).
 
     q [T, H, D]: the new tokens of S sequences, sequence s at rows q_start[s]:q_start[s+1].
@@ -89,7 +92,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     only to the `window` positions ending at its own (key position > its position - window,
     HF's sliding_window). GQA: query head h reads KV head h // (H / KVH). Scores are
     q.k * scale, then with `softcap` > 0 softcap * tanh(score / softcap) (Gemma 2's
-    attn_logit_softcapping). Softmax in float32. Returns [T, H, D] in q's dtype.
+    attn_logit_softcapping). `sinks` (float32 [H], optional; gpt-oss's attention sinks):
+    query head h's softmax takes one more logit, sinks[h] (not scaled, not capped), which
+    takes probability mass but has no value: the softmax runs over the scores and the sink,
+    and the sink's column is dropped before the product with V. Softmax in float32. Returns
+    [T, H, D] in q's dtype.
     """
     T, H, D = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -113,17 +120,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if window > 0:
             hidden |= kpos <= qpos - window
         scores = scores.masked_fill(hidden, float("-inf"))
-        out[lo:hi] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(q.dtype)
+        if sinks is not None:  # the sinks' column, dropped after the softmax
+            scores = torch.cat((scores, sinks.float()[:, None, None].expand(H, n_new, 1)), -1)
+        probs = torch.softmax(scores, dim=-1)[..., :ctx]
+        out[lo:hi] = (probs @ v).transpose(0, 1).to(q.dtype)
     return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor,
-                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """Decode: one new token per sequence (q [B, H, D]); the twin of the Triton decode kernel."""
+                           scale: float, window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode: one new token per sequence (q [B, H, D]); the twin of the Triton decode kernel.
+    `window`, `softcap`, `sinks`: as `paged_attention`'s."""
     B = q.shape[0]
     return paged_attention(q, k_cache, v_cache, block_tables, list(range(B + 1)),
-                           [int(c) for c in ctx_lens], scale, window, softcap)
+                           [int(c) for c in ctx_lens], scale, window, softcap, sinks)
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -285,31 +297,64 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def route(h: torch.Tensor, router: torch.Tensor, k: int,
-          renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_oai_mul(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU over the concatenated [gate | up] output: g * sigmoid(alpha g)
+    * (u + 1) with g = min(gate, limit), u = up clamped to [-limit, limit], each op rounded to
+    the dtype as HF's eager ops round them."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class Glu(NamedTuple):
+    """A GLU activation over [gate | up] (ModelConfig.hidden_act, one of ACTIVATIONS), with
+    swiglu_oai's limit and alpha."""
+
+    act: str = "silu"
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.act == "swiglu_oai":
+            return swiglu_oai_mul(gate_up, self.limit, self.alpha)
+        return gelu_tanh_mul(gate_up) if self.act == "gelu_pytorch_tanh" else silu_mul(gate_up)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int, renormalise: bool,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A mixture of experts' routing: (each token's k picked experts' weights, float32 [T, k],
-    the experts [T, k]) from the router's softmax over the experts, in float32, its top k in
-    order of weight, renormalised to sum to 1 where `renormalise`."""
-    probs = torch.softmax(F.linear(h, router).float(), dim=-1)
+    the experts [T, k]) from the router's softmax over the experts (its logits h router^T +
+    bias, in h's dtype), in float32, its top k in order of weight, renormalised to sum to 1
+    where `renormalise`."""
+    probs = torch.softmax(F.linear(h, router, bias).float(), dim=-1)
     top, pick = probs.topk(k, dim=-1)
     return (top / top.sum(-1, keepdim=True) if renormalise else top), pick
 
 
 def experts_dense(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  weights: torch.Tensor, pick: torch.Tensor, act) -> torch.Tensor:
+                  weights: torch.Tensor, pick: torch.Tensor, act,
+                  gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' weighted sum, every expert on every token: gate_up [E, 2I, H] and down
-    [E, H, I] as two batched GEMMs, act ([n, 2I] -> [n, I]) between, each expert's output
-    times its weight (0 where not picked), summed in float32. Shapes independent of the
-    routing; E / k times the FLOPs of the picked experts."""
+    [E, H, I] as two batched GEMMs (each output plus its expert's bias [E, 2I] / [E, H], where
+    given), act ([n, 2I] -> [n, I]) between, each expert's output times its weight (0 where
+    not picked), summed in float32. Shapes independent of the routing; E / k times the FLOPs
+    of the picked experts."""
     share = torch.zeros(h.shape[0], gate_up.shape[0], dtype=torch.float32, device=h.device)
     share.scatter_(1, pick, weights)
     mid = torch.matmul(h, gate_up.transpose(1, 2))  # [E, T, 2I]
+    if gate_up_bias is not None:
+        mid = mid + gate_up_bias[:, None]
     out = torch.matmul(act(mid.flatten(0, 1)).view(*mid.shape[:2], -1), down.transpose(1, 2))
+    if down_bias is not None:
+        out = out + down_bias[:, None]
     return (out.float() * share.t()[:, :, None]).sum(0).to(h.dtype)
 
 
 def experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                    weights: torch.Tensor, pick: torch.Tensor, act) -> torch.Tensor:
+                    weights: torch.Tensor, pick: torch.Tensor, act,
+                    gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """`experts_dense`'s result from the picked experts alone: the T x k (token, expert)
     pairs sorted by expert, each expert's rows one group of a grouped GEMM
     (`torch._grouped_mm`, group ends from a device-side count), then each pair's output
@@ -322,8 +367,12 @@ def experts_grouped(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     counts.scatter_add_(0, flat.to(torch.int32), torch.ones_like(flat, dtype=torch.int32))
     ends = counts.cumsum(0, dtype=torch.int32)
     rows = h[order // k]  # [T k, H], by expert
-    mid = act(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends))
-    out = torch._grouped_mm(mid, down.transpose(1, 2), offs=ends)  # [T k, H], by expert
+    mid = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends)
+    if gate_up_bias is not None:
+        mid = mid + gate_up_bias[flat[order]]
+    out = torch._grouped_mm(act(mid), down.transpose(1, 2), offs=ends)  # [T k, H], by expert
+    if down_bias is not None:
+        out = out + down_bias[flat[order]]
     pairs = torch.empty(T * k, out.shape[1], dtype=torch.float32, device=h.device)
     pairs[order] = out.float() * weights.flatten()[order, None]
     return pairs.view(T, k, -1).sum(1).to(h.dtype)

@@ -68,11 +68,16 @@ def modules_of(groups) -> list[str]:
 class Experts:
     """A layer's mixture of experts (ModelConfig.num_experts): the router [experts, hidden];
     every expert's gate|up [experts, 2 expert_intermediate, hidden] and down [experts, hidden,
-    expert_intermediate], stacked, in the model dtype."""
+    expert_intermediate], stacked, in the model dtype; with ModelConfig.experts_bias the
+    router's bias [experts] and each expert's gate|up and down biases [experts, 2
+    expert_intermediate] and [experts, hidden]."""
 
     router: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -102,6 +107,8 @@ class LayerWeights:
     # A layer of experts (ModelConfig.experts_in); with a shared expert, its gate [1, hidden]
     experts: Experts | None = None
     shared_gate: torch.Tensor | None = None
+    # ModelConfig.attention_sinks: each query head's sink logit, float32 [num_heads]
+    sinks: torch.Tensor | None = None
 
 
 @dataclass
@@ -292,6 +299,10 @@ class LlamaModel:
             torch.tensor(cfg.embed_scale, dtype=weights.embed.dtype))
         self.act_mul = backend.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" \
             else backend.silu_mul
+        # the experts' GLU: the backend's where it has one (SwiGLU, GeGLU), else the twin
+        # (gpt-oss's clamped SwiGLU, whose model has no dense MLP), past the fused kernels' rows
+        self.glu = ref.Glu(cfg.hidden_act, cfg.swiglu_limit, cfg.swiglu_alpha)
+        self.experts_act = self.glu if cfg.hidden_act == "swiglu_oai" else self.act_mul
         # EngineConfig.moe_experts: a mixture of experts' picked experts in the backend's
         # few-rows kernels (`backend.experts`) for steps of up to `fused_experts_rows` rows,
         # past them as grouped GEMMs (`ref.experts_grouped`) or every expert on every token
@@ -370,7 +381,7 @@ class LlamaModel:
             inv_freq, scale = self.rope[layer]
             attn = be.rope_attention(qkv, inv_freq, kc, vc, b, scale, cfg.num_heads,
                                      cfg.num_kv_heads, window=cfg.window(layer),
-                                     softcap=cfg.attn_softcap or 0.0)
+                                     softcap=cfg.attn_softcap or 0.0, sinks=lw.sinks)
             o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
                                b.lora, layer, "o",
                                defer=lw.post_attn is None and not cfg.parallel_block)
@@ -431,10 +442,12 @@ class LlamaModel:
         cfg = self.cfg
         if h.shape[0] <= self.fused_experts_rows:
             return self.backend.experts(h, ex, cfg.experts_per_token, cfg.norm_topk_prob,
-                                        gelu=cfg.hidden_act == "gelu_pytorch_tanh")
-        weights, pick = ref.route(h, ex.router, cfg.experts_per_token, cfg.norm_topk_prob)
+                                        self.glu)
+        weights, pick = ref.route(h, ex.router, cfg.experts_per_token, cfg.norm_topk_prob,
+                                  ex.router_bias)
         run = ref.experts_grouped if self.grouped_experts else ref.experts_dense
-        return run(h, ex.gate_up, ex.down, weights, pick, self.act_mul)
+        return run(h, ex.gate_up, ex.down, weights, pick, self.experts_act, ex.gate_up_bias,
+                   ex.down_bias)
 
     def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         """q|k|v [T, q + 2 kv] with q and k RMS-normalised (ModelConfig.qk_norm: each head

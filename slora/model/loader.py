@@ -102,6 +102,9 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     def maybe(name: str) -> torch.Tensor | None:
         return get(name) if name in tensors else None
 
+    def raw(name: str) -> torch.Tensor | None:
+        return tensors[name].to(device) if name in tensors else None
+
     def norm(name: str) -> torch.Tensor:
         """An RMSNorm's weight. Gemma's scale by (1 + w): the 1 is folded in here, as float32
         w + 1 of w in the model dtype, the value HF computes at every call (1.0 + w.float()),
@@ -172,7 +175,9 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         gate_up = [mlp + "gate_up_proj"] if "gate_up_proj" in cfg.fused_modules \
             else [mlp + "gate_proj", mlp + "up_proj"]
         dense = cfg.dense_mlp(i)
-        experts = _load_experts(get, p, cfg, residual) if cfg.experts_in(i) else None
+        experts = None if not cfg.experts_in(i) else (
+            _gpt_oss_experts(get, raw, p + "mlp.") if cfg.architecture == "GptOssForCausalLM"
+            else _load_experts(get, p, cfg, residual))
         ln1, ln2, post_attn, post_mlp = (
             None if n is None else norm(f"{p}{n}.weight") for n in _norm_names(cfg))
         layers.append(LayerWeights(
@@ -191,6 +196,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
             k_norm=served_norm(a + "k_norm.weight"),
             post_attn=post_attn,
             post_mlp=post_mlp,
+            sinks=get(a + "sinks").float() if cfg.attention_sinks else None,
         ))
     embed = get("model.embed_tokens.weight")
     lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in tensors \
@@ -262,10 +268,20 @@ def _quant_scheme(path: Path) -> tuple[str, str, tuple[str, ...]] | None:
     file = path / "config.json"
     if not file.is_file():
         return None
-    qc = json.loads(file.read_text()).get("quantization_config")
-    if qc is None:
+    c = json.loads(file.read_text())
+    qc = c.get("quantization_config")
+    if qc is None or _mxfp4_experts(c):
         return None
     return parse_quantization_config(qc, str(file))
+
+
+def _mxfp4_experts(c: dict) -> bool:
+    """Whether a config.json is gpt-oss's with its experts in MXFP4 (quant_method "mxfp4"),
+    which the loader dequantizes to the model dtype (`_mxfp4`); the other weights are not
+    quantized."""
+    qc = c.get("quantization_config")
+    return (isinstance(qc, dict) and qc.get("quant_method") == "mxfp4"
+            and "GptOssForCausalLM" in (c.get("architectures") or ()))
 
 
 def parse_quantization_config(qc, source: str = "config") -> tuple[str, str, tuple[str, ...]]:
@@ -440,6 +456,48 @@ def _load_experts(get, p: str, cfg: ModelConfig, residual) -> Experts:
                    down=residual(torch.stack([get(x + d) for x in e])))
 
 
+# MXFP4's E2M1 values by their 4-bit code (sign, two exponent bits, one mantissa bit)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An MXFP4 weight dequantized: blocks uint8 [..., rows, G, 16] (two E2M1 codes a byte, the
+    low nibble first), scales uint8 [..., rows, G] (E8M0: 2^(s - 127), one per 32 elements
+    of a row) -> [..., rows, 32 G] in `dtype`. Exact in bfloat16 and float32 (an E2M1 value
+    times a power of two)."""
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]
+    values = lut[codes].flatten(-2)  # [..., G, 32]
+    values = torch.ldexp(values, (scales.long() - 127)[..., None].to(torch.float32))
+    return values.flatten(-2).to(dtype)
+
+
+def _gpt_oss_experts(get, raw, moe: str) -> Experts:
+    """gpt-oss's experts under `moe` (model.layers.N.mlp.): the router (`router.weight`,
+    `.bias`); gate_up_proj [E, hidden, 2I] with gate and up interleaved in its columns (gate
+    the even ones), or, in an MXFP4 checkpoint, gate_up_proj_blocks / _scales of its transpose
+    [E, 2I, hidden]; down_proj [E, I, hidden] (or blocks of [E, hidden, I]); their biases
+    [E, 2I] (interleaved alike) and [E, hidden]. Served as `Experts` stacks: gate|up [E, 2I,
+    hidden] with the gate rows first, down [E, hidden, I], in the model dtype. `get(name)`: a
+    tensor in the model dtype on the device; `raw(name)`: one as stored there, or None."""
+    router = get(moe + "router.weight")
+
+    def weight(name: str) -> torch.Tensor:  # [E, out, in]
+        blocks = raw(moe + f"experts.{name}_blocks")
+        if blocks is None:
+            return get(moe + f"experts.{name}").transpose(1, 2)
+        return _mxfp4(blocks, raw(moe + f"experts.{name}_scales"), router.dtype)
+
+    def halves(t: torch.Tensor) -> torch.Tensor:  # gate|up, interleaved on dim 1 -> stacked
+        return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1).contiguous()
+
+    return Experts(router=router, router_bias=get(moe + "router.bias"),
+                   gate_up=halves(weight("gate_up_proj")),
+                   down=weight("down_proj").contiguous(),
+                   gate_up_bias=halves(get(moe + "experts.gate_up_proj_bias")),
+                   down_bias=get(moe + "experts.down_proj_bias").contiguous())
+
+
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                    seed: int = 0) -> Weights:
     """Random weights of the right shapes (benchmarks on model shapes with no download)."""
@@ -457,6 +515,12 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         torch.ones(n, device=device, dtype=dtype) for n in width)
     ln1, ln2, post_attn, post_mlp = (None if n is None else ones for n in _norm_names(cfg))
     e, ei = cfg.num_experts, cfg.expert_intermediate_size
+
+    def experts() -> Experts:
+        ex = Experts(rnd(e, h), rnd(e, 2 * ei, h), rnd(e, h, ei))
+        if cfg.experts_bias:
+            ex.router_bias, ex.gate_up_bias, ex.down_bias = rnd(e), rnd(e, 2 * ei), rnd(e, h)
+        return ex
     layers = []
     for layer in range(cfg.num_layers):
         dense, moe = cfg.dense_mlp(layer), cfg.experts_in(layer)
@@ -466,8 +530,9 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
             o=rnd(h, cfg.q_size), o_bias=None, ln2=ln2,
             gate_up=rnd(2 * i, h) if dense else None, down=rnd(h, i) if dense else None,
             q_norm=q_norm, k_norm=k_norm, post_attn=post_attn, post_mlp=post_mlp,
-            experts=Experts(rnd(e, h), rnd(e, 2 * ei, h), rnd(e, h, ei)) if moe else None,
-            shared_gate=rnd(1, h) if moe and dense else None))
+            experts=experts() if moe else None,
+            shared_gate=rnd(1, h) if moe and dense else None,
+            sinks=rnd(cfg.num_heads, std=1.0).float() if cfg.attention_sinks else None))
     embed = rnd(cfg.vocab_size, h)
     return Weights(embed=embed, layers=layers, norm=ones,
                    lm_head=embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, h))

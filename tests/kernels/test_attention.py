@@ -22,6 +22,7 @@ from slora.kernels.attention import (  # noqa: E402
     paged_prefill_attention,
     rope_paged_decode_attention,
 )
+from slora.kernels.fused import rope_write_kv  # noqa: E402
 from slora.kernels.tiles import tile_rows, token_tiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -333,3 +334,183 @@ def test_prefill_attention_chunks_over_a_long_cached_prefix(dtype):
     expect = ref.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale)
     assert not torch.isnan(out).any()
     assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+# ----------------------------------------------------------------------------- sinks
+
+# Per-head sink logits: large (the sink takes most of each softmax's mass) and negative.
+SINK_RANGES = {"dominant": (8.0, 10.0), "negative": (-4.0, -1.0)}
+SINK_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _sinks(H, kind, gen):
+    lo, hi = SINK_RANGES[kind]
+    return (lo + (hi - lo) * torch.rand(H, generator=gen)).to(DEVICE)
+
+
+def _check_sinks_bite(expect, without, kind):
+    """The sinks change the answer; dominant ones shrink it (their mass has no value)."""
+    assert rel_err(expect, without) > 1e-2
+    if kind == "dominant":
+        assert expect.float().norm() < 0.5 * without.float().norm()
+
+
+@pytest.mark.parametrize("window", [0, 5, 40], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("kind", list(SINK_RANGES))
+def test_sinks_twin_is_hf_eager_attention(kind, window):
+    """The twin's sinks are HF's GptOssAttention eager path (the sink logit concatenated to
+    each row's scores, softmax, the sink's column dropped): a whole prompt and a chunk over
+    a cached prefix, GQA, with and without a sliding window."""
+    hf = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    H, kvh, D, bs = 4, 2, 8, 4
+    n_new, ctx_lens = [9, 5], [9, 14]
+    gen = torch.Generator().manual_seed(window + len(kind))
+    k_cache, v_cache, tables = make_cache(ctx_lens, bs, kvh, D, torch.float32, gen)
+    q = torch.randn(sum(n_new), H, D, generator=gen).to(DEVICE)
+    sinks = _sinks(H, kind, gen)
+    q_start = [0, n_new[0], sum(n_new)]
+    out = ref.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, 0.3, window,
+                              sinks=sinks)
+    module = type("Attn", (), dict(sinks=sinks, num_key_value_groups=H // kvh, training=False))
+    for s, (n, ctx) in enumerate(zip(n_new, ctx_lens)):
+        pages = tables[s, :-(-ctx // bs)].long()
+        k = k_cache[pages].reshape(-1, kvh, D)[:ctx].transpose(0, 1)[None]  # [1, KVH, ctx, D]
+        v = v_cache[pages].reshape(-1, kvh, D)[:ctx].transpose(0, 1)[None]
+        qpos = torch.arange(ctx - n, ctx, device=DEVICE)[:, None]
+        kpos = torch.arange(ctx, device=DEVICE)[None, :]
+        seen = (kpos <= qpos) & ((kpos > qpos - window) if window > 0 else True)
+        mask = torch.zeros(n, ctx, device=DEVICE).masked_fill(~seen, float("-inf"))
+        expect, _ = hf.eager_attention_forward(module, q[q_start[s]:q_start[s + 1]]
+                                               .transpose(0, 1)[None], k, v, mask[None, None],
+                                               0.3)
+        torch.testing.assert_close(out[q_start[s]:q_start[s + 1]], expect[0])
+
+
+@pytest.mark.parametrize("dtype", SINK_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(SINK_RANGES))
+@pytest.mark.parametrize("window", [0, 11], ids=lambda w: f"window{w}")
+def test_decode_attention_with_sinks_matches_twin(window, kind, dtype):
+    """Decode with sinks: one pass and split-K (a context of many pages over four splits,
+    the last of them past its end, and a one-token context whose later splits hold no key:
+    the sink enters the merge once), GQA 4:1, and the rotary folded in; against the twin."""
+    H, kvh, D, bs = 8, 2, 16, 8
+    gen = torch.Generator().manual_seed(window + 7 * len(kind))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    ctx_lens = [1, 9, 70]
+    k_cache, v_cache, tables = make_cache(ctx_lens, bs, kvh, D, dtype, gen)
+    q = torch.randn(len(ctx_lens), H, D, generator=gen).to(dtype).to(DEVICE)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    sinks = _sinks(H, kind, gen)
+    scale = D ** -0.5
+    expect = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, window,
+                                        sinks=sinks)
+    _check_sinks_bite(expect, ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx,
+                                                         scale, window), kind)
+    for splits in (1, 4):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, num_splits=splits,
+                                     window=window, sinks=sinks)
+        assert not torch.isnan(out).any()
+        assert rel_err(out, expect) < tol, splits
+
+    # the rotary folded in, against the twin over q and the cache as `fused.rope_write_kv`
+    # rotates them (in fp32, rounded once, as the fold does: a dominant sink leaves the
+    # softmax's sum free to follow the scores, so the twin's 16-bit rotary would show)
+    qkv, args, pool, _ = _rope_case((H, kvh, D), dtype, 3 + window)
+    positions, inv_freq, _, _, slots, tables, ctx, _ = args
+    kc_ref, vc_ref = ref.kv_views(pool.clone(), 8, kvh, D)
+    q_ref = rope_write_kv(qkv.clone(), positions, inv_freq, kc_ref, vc_ref, slots, H, kvh)
+    expect = ref.paged_decode_attention(q_ref, kc_ref, vc_ref, tables, ctx, scale, window,
+                                        sinks=sinks)
+    out = rope_paged_decode_attention(qkv, *args, H, kvh, num_splits=2, fold=True,
+                                      window=window, sinks=sinks)
+    assert rel_err(out, expect) < tol
+
+
+@pytest.mark.parametrize("dtype", SINK_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(SINK_RANGES))
+@pytest.mark.parametrize("window", [0, 11], ids=lambda w: f"window{w}")
+def test_prefill_attention_with_sinks_matches_twin(window, kind, dtype):
+    """Prefill with sinks: a whole prompt of several query tiles, a chunk over a cached
+    prefix, a decode row; GQA 4:1; against the twin."""
+    H, kvh, D, bs = 8, 2, 16, 8
+    n_new, ctx_lens = [20, 6, 1], [20, 26, 17]
+    gen = torch.Generator().manual_seed(window + 11 * len(kind))
+    k_cache, v_cache, tables = make_cache(ctx_lens, bs, kvh, D, dtype, gen)
+    q_start = [0, 20, 26, 27]
+    q = torch.randn(q_start[-1], H, D, generator=gen).to(dtype).to(DEVICE)
+    sinks = _sinks(H, kind, gen)
+    scale = D ** -0.5
+    expect = ref.paged_attention(q, k_cache, v_cache, tables, q_start, ctx_lens, scale, window,
+                                 sinks=sinks)
+    _check_sinks_bite(expect, ref.paged_attention(q, k_cache, v_cache, tables, q_start,
+                                                  ctx_lens, scale, window), kind)
+    out = paged_prefill_attention(
+        q, k_cache, v_cache, tables, torch.tensor(q_start, dtype=torch.int32, device=DEVICE),
+        torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), scale, window=window,
+        sinks=sinks)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def _step(n_new, ctx_lens, num_decode, tables, bs, dtype):
+    """The `Batch` of a step over sequences with n_new new tokens each and ctx_lens cached
+    (new ones included), the first num_decode of them decode rows, as the runner builds it."""
+    from slora.model.llama import Batch
+
+    q_start = [0]
+    for n in n_new:
+        q_start.append(q_start[-1] + n)
+    tcpu = tables.cpu().long()
+    positions = [p for n, c in zip(n_new, ctx_lens) for p in range(c - n, c)]
+    seq = [s for s, n in enumerate(n_new) for _ in range(n)]
+    slots = [int(tcpu[s, p // bs]) * bs + p % bs for s, p in zip(seq, positions)]
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    b = Batch(input_ids=torch.zeros(q_start[-1], dtype=torch.long, device=DEVICE),
+              positions=torch.tensor(positions, device=DEVICE),
+              slot_mapping=torch.tensor(slots, device=DEVICE), block_tables=tables,
+              ctx_lens=ctx, ctx_lens_list=list(ctx_lens), q_start_list=q_start,
+              q_start_tensor=torch.tensor(q_start, dtype=torch.int32, device=DEVICE),
+              num_decode=num_decode, logits_index=ctx.long(), lora=None)
+    if num_decode < len(n_new):
+        prompts = [s >= num_decode for s in range(len(n_new))]
+        b.tiles = torch.tensor(token_tiles(q_start, tile_rows(torch.device(DEVICE), dtype),
+                                           prompts), dtype=torch.int32, device=DEVICE)
+        if num_decode:
+            b.dec_ctx_lens = ctx[:num_decode]
+    return b
+
+
+@pytest.mark.parametrize("dtype", SINK_DTYPES, ids=str)
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode-only", "mixed"])
+def test_backend_attention_passes_sinks_to_every_path(mixed, dtype):
+    """TritonBackend.attention and .rope_attention with sinks (and a sliding window) equal
+    TorchBackend's, in a decode-only step (the decode kernel, the rotary folded in) and a
+    mixed one (decode rows through the decode kernel, the prompts' tiles through the
+    prefill kernel)."""
+    from slora.kernels.backend import TorchBackend, TritonBackend
+
+    H, kvh, D, bs, window = 4, 2, 16, 8, 11
+    n_new, ctx_lens = ([1, 1, 1], [3, 17, 30]) if not mixed else ([1, 1, 20, 5], [3, 30, 20, 24])
+    gen = torch.Generator().manual_seed(2 + mixed)
+    k_cache, v_cache, tables = make_cache(ctx_lens, bs, kvh, D, dtype, gen)
+    b = _step(n_new, ctx_lens, 2 if mixed else 3, tables, bs, dtype)
+    sinks = _sinks(H, "negative", gen)
+    sinks[1] = 9.0  # one head's sink dominant
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch_be, triton_be = TorchBackend(), TritonBackend(gemm_max_rows=16)
+    q = torch.randn(sum(n_new), H, D, generator=gen).to(dtype).to(DEVICE)
+    expect = torch_be.attention(q, k_cache, v_cache, b, 0.3, window, sinks=sinks)
+    out = triton_be.attention(q, k_cache, v_cache, b, 0.3, window, sinks=sinks)
+    assert rel_err(out, expect) < tol
+
+    pool = k_cache.as_strided((k_cache.shape[0], 2 * bs * kvh * D), (k_cache.stride(0), 1))
+    pool_ref = pool.clone()
+    kc_ref, vc_ref = ref.kv_views(pool_ref, bs, kvh, D)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, device=DEVICE).float() / D))
+    qkv = torch.randn(sum(n_new), (H + 2 * kvh) * D, generator=gen).to(dtype).to(DEVICE)
+    expect = torch_be.rope_attention(qkv.clone(), inv_freq, kc_ref, vc_ref, b, 0.3, H, kvh,
+                                     window, sinks=sinks)
+    out = triton_be.rope_attention(qkv, inv_freq, k_cache, v_cache, b, 0.3, H, kvh, window,
+                                   sinks=sinks)
+    assert rel_err(out, expect) < tol
+    torch.testing.assert_close(pool, pool_ref, atol=tol, rtol=tol, equal_nan=True)

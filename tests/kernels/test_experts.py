@@ -102,21 +102,61 @@ def test_fused_route_picks_the_twins_experts(T, E, k, device=TRITON):
         torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
+def _biases(E, H, I, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(*shape, generator=g) * 0.5).to(dtype=dtype, device=device)
+                 for shape in ((E,), (E, 2 * I), (E, H)))
+
+
+def test_swiglu_oai_clamps_as_gpt_oss_does():
+    """gpt-oss's GLU over [gate | up]: the gate clamped from above, up on both sides, then
+    gate sigmoid(alpha gate) (up + 1); as HF's interleaved form computes it."""
+    gate = torch.tensor([[-9.0, -1.0, 0.5, 3.0, 12.0]])
+    up = torch.tensor([[-9.0, 0.25, -0.5, 6.0, 9.0]])
+    limit, alpha = 2.0, 1.702
+    g = gate.clamp(max=limit)
+    want = g * torch.sigmoid(alpha * g) * (up.clamp(-limit, limit) + 1)
+    torch.testing.assert_close(ref.Glu("swiglu_oai", limit, alpha)(torch.cat((gate, up), 1)),
+                               want)
+    assert want[0, 4] == pytest.approx(2 * torch.sigmoid(torch.tensor(2 * alpha)) * 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_biases_in_the_grouped_and_dense_forms(device):
+    """A router's bias moves the routing (the logits h router^T + b); each expert's gate|up
+    and down biases are added to its products: the grouped form equals the dense one and a
+    loop over the tokens' picks."""
+    T, E, k, H, I = 9, 8, 2, 32, 24
+    act = ref.Glu("swiglu_oai", 1.5, 1.702)
+    h, router, gate_up, down = _experts(T, E, k, H, I, torch.float32, device, seed=3)
+    rb, gub, db = _biases(E, H, I, torch.float32, device, seed=4)
+    w, pick = ref.route(h, router, k, True, rb * 20)
+    assert not torch.equal(pick, ref.route(h, router, k, True)[1])
+    grouped = ref.experts_grouped(h, gate_up, down, w, pick, act, gub, db)
+    dense = ref.experts_dense(h, gate_up, down, w, pick, act, gub, db)
+    torch.testing.assert_close(grouped, dense, atol=1e-5, rtol=1e-5)
+    want = torch.stack([sum(w[t, j] * (act(h[t] @ gate_up[e].t() + gub[e]) @ down[e].t() + db[e])
+                            for j, e in enumerate(pick[t].tolist())) for t in range(T)])
+    torch.testing.assert_close(grouped, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "swiglu_oai"])
 @pytest.mark.parametrize("T,E,k,H,I", [(1, 4, 2, 64, 48), (3, 8, 2, 96, 40), (6, 16, 4, 64, 48),
                                        (2, 8, 8, 32, 24)])
-def test_fused_experts_equal_the_grouped_twin(gelu, T, E, k, H, I, device=TRITON):
+def test_fused_experts_equal_the_grouped_twin(act, T, E, k, H, I, device=TRITON):
     """Each pair's GLU and the weighted sum over its token's picks equal the grouped twin's
     (in float32 within rounding, in bfloat16 within its), H and I off the tiles' widths too;
-    every expert picked by some token (k = E) and by none."""
-    act = ref.gelu_tanh_mul if gelu else ref.silu_mul
+    every expert picked by some token (k = E) and by none; gpt-oss's clamped SwiGLU with the
+    experts' biases (a limit the products cross)."""
+    glu = ref.Glu(act, 1.0, 1.702)
     dtypes = ((torch.float32, 1e-5),) + (((torch.bfloat16, 3e-2),) if device == "cuda" else ())
     for dtype, tol in dtypes:
         h, router, gate_up, down = _experts(T, E, k, H, I, dtype, device, seed=T * E + k)
+        biases = _biases(E, H, I, dtype, device, seed=E)[1:] if act == "swiglu_oai" else ()
         w, pick = ref.route(h, router, k, renormalise=True)
-        out = experts.experts(h, gate_up, down, w, pick, gelu)
+        out = experts.experts(h, gate_up, down, w, pick, glu, *biases)
         assert out.dtype == dtype and out.shape == (T, H)
-        want = ref.experts_grouped(h, gate_up, down, w, pick, act)
+        want = ref.experts_grouped(h, gate_up, down, w, pick, glu, *biases)
         torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
 
 
@@ -126,7 +166,7 @@ def test_fused_experts_in_a_cuda_graph():
     inputs and new routings."""
     def run(h, router, gate_up, down):
         w, pick = experts.route(h @ router.t(), 4, True)
-        return experts.experts(h, gate_up, down, w, pick, False)
+        return experts.experts(h, gate_up, down, w, pick)
 
     _replays_follow(4, 16, 4, run, lambda *a: ref.experts_grouped(*a, ref.silu_mul))
 

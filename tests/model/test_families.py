@@ -141,6 +141,12 @@ ADAPTERS = {
         "attn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "o_proj"]),
     },
+    # gpt-oss: LoRA on the attention under its sinks (all-linear is q/k/v/o: the experts are
+    # parameters, the router takes none)
+    "gpt_oss": {
+        "attn": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+        "dora": dict(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "o_proj"]),
+    },
     "gemma3": {
         "all": dict(r=4, lora_alpha=8, target_modules="all-linear", rank_pattern={"up_proj": 6}),
         "mlp": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"],
@@ -545,6 +551,57 @@ def test_mixtral_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_pa
     assert e.list_adapters() == []
 
 
+def test_gpt_oss_config_and_its_mxfp4_experts(tiny_models, tmp_path):
+    """gpt-oss: sinks, biases and the clamped SwiGLU read from config.json (HF's defaults
+    where it is silent), a bad limit refused; an MXFP4 checkpoint (gpt-oss's released form:
+    the experts' E2M1 blocks and E8M0 scales) serves the tokens and log-probs of the same
+    experts as transformers dequantizes them, stored in float32."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    raw = _config(tiny_models, "gpt_oss")
+    m = ModelConfig.from_dict(raw)
+    assert (m.hidden_act, m.swiglu_limit, m.swiglu_alpha, m.experts_bias, m.attention_sinks,
+            m.attention_bias, m.o_bias, m.sliding_layers) == (
+        "swiglu_oai", 1.5, 1.702, True, True, True, True, (0,))
+    assert m.rope_scaling["truncate"] is False
+    bare = {k: v for k, v in raw.items() if k not in ("swiglu_limit", "swiglu_alpha",
+                                                       "attention_bias")}
+    d = ModelConfig.from_dict(bare)
+    assert (d.swiglu_limit, d.swiglu_alpha, d.attention_bias) == (7.0, 1.702, True)
+    with pytest.raises(ConfigError, match="swiglu_limit=-1 must be a number > 0"):
+        ModelConfig.from_dict(dict(raw, swiglu_limit=-1))
+
+    src = tiny_models("gpt_oss")
+    tensors = load_file(str(src / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    plain, packed = tmp_path / "plain", tmp_path / "mxfp4"
+    for d in (plain, packed):
+        shutil.copytree(src, d)
+    quantized = dict(tensors)
+    for key in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]:
+        E, rows_in, out = tensors[key].shape  # HF's [E, in, out]
+        blocks = torch.randint(0, 256, (E, out, rows_in // 32, 16), generator=g,
+                               dtype=torch.uint8)
+        scales = torch.randint(121, 125, (E, out, rows_in // 32), generator=g,
+                               dtype=torch.uint8)
+        tensors[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        del quantized[key]
+        quantized[key + "_blocks"], quantized[key + "_scales"] = blocks, scales
+    save_file(tensors, str(plain / "model.safetensors"))
+    save_file(quantized, str(packed / "model.safetensors"))
+    conf = json.loads((packed / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    (packed / "config.json").write_text(json.dumps(conf))
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = [Engine(EngineConfig(model=str(d), device="cpu", dtype="float32", num_pages=32))
+            .generate(PROMPTS, sp) for d in (plain, packed)]
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
 def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_path):
     """Qwen2-MoE, Qwen3-MoE (and OLMoE's config): experts, top-k, their width and
     renormalisation, the dense layers (mlp_only_layers, decoder_sparse_step) and Qwen2-MoE's
@@ -690,15 +747,16 @@ def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere", "mixtral",
-                                  "qwen2_moe"])
+                                  "qwen2_moe", "gpt_oss"])
 def test_triton_backend_matches_hf(tiny_models, kind):
     """The Triton kernels in Gemma 2 (sliding-window and soft-capped attention in decode and
     prefill, GeGLU, norms with float32 weights), OLMo 2 (residual adds without input norms,
     so no LoRA rows handed to them), SmolLM3 (a layer without rotary, in the fused decode
     kernel too), Cohere (LayerNorms in the fused norm kernel, attention and MLP side by
     side), Mixtral (the experts' GLU through the fused kernel; a decode step's experts
-    through slora.kernels.experts) and Qwen2-MoE (a shared expert through the LoRA GEMMs
-    beside its experts): a step mixing decode rows with prompts (longer than Gemma's window),
+    through slora.kernels.experts), Qwen2-MoE (a shared expert through the LoRA GEMMs
+    beside its experts) and gpt-oss (attention sinks in the decode and prefill kernels, the
+    experts' biases and clamped SwiGLU in the fused kernels): a step mixing decode rows with prompts (longer than Gemma's window),
     then
     decode past it, equal HF's greedy tokens and log-probs."""
     model_dir = tiny_models(kind)
