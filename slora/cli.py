@@ -141,7 +141,8 @@ def _add_serve(sub) -> None:
                    "Hermes and Qwen write them; llama3_json: an answer that is {\"name\", "
                    "\"parameters\"} JSON, as Llama 3.1+ writes it; mistral: [TOOL_CALLS] "
                    "and the calls; granite: <|tool_call|> and a JSON list; pythonic: an "
-                   "answer that is a Python list of calls, as Llama 3.2 and 4 write it); "
+                   "answer that is a Python list of calls, as Llama 3.2 and 4 write it; "
+                   "openai: gpt-oss's harmony commentary messages to functions.NAME); "
                    "enables tool_choice auto, "
                    "the default with tools")
     p.add_argument("--reasoning-parser", choices=REASONING,

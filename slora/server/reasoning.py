@@ -8,8 +8,10 @@ thinking model writes between `<think>` and `</think>` goes to the message's
   `</think>`; one that does not (thinking off) is content alone.
 - `gpt_oss` (gpt-oss's harmony format, whose markers are special tokens: the chat's output
   keeps them, `SPECIAL_TEXT`): the `analysis` channel's message is the reasoning, the `final`
-  channel's the content, up to the message's end marker; the rest (the `<|start|>assistant`
-  between them) is neither. An output that begins in neither channel is content alone.
+  channel's the content, up to the message's end marker; the `<|start|>assistant` between
+  them is neither. An output with no final message is content from the analysis message's
+  end on, once finished (a `commentary` message to a tool, which the `openai` tool-call
+  parser reads). An output that begins in neither channel is content alone.
 
 An output that ends before `</think>` (the analysis message's `<|end|>`) is reasoning alone. Streamed, each part's text goes out
 as it comes, less what may still be the start of a marker.
@@ -27,6 +29,7 @@ START, END = "<think>", "</think>"
 ANALYSIS, MESSAGE_END, FINAL = "<|channel|>analysis<|message|>", "<|end|>", \
     "<|channel|>final<|message|>"
 ENDS = ("<|return|>", "<|end|>", "<|call|>")
+NEXT = "<|start|>assistant"  # (the next message's header)
 # the parsers whose markers are special tokens, which the chat's output then keeps
 SPECIAL_TEXT = ("gpt_oss",)
 
@@ -81,8 +84,12 @@ def _harmony(text: str, finished: bool) -> Parts:
             return Parts(text[lead:max(keep, lead)], lead, "", len(text))
         reasoning = text[lead:end]
         start = text.find(FINAL, end)
-        if start < 0:  # (the final channel not yet opened, or never)
-            return Parts(reasoning, lead, "", len(text))
+        if start < 0:  # (the final channel not yet opened, or never: the rest, once finished)
+            if not finished:
+                return Parts(reasoning, lead, "", len(text))
+            rest = end + len(MESSAGE_END)
+            rest += len(NEXT) if text.startswith(NEXT, rest) else 0
+            return Parts(reasoning, lead, text[rest:], rest)
         at = start + len(FINAL)
     elif text.startswith(FINAL):
         at = len(FINAL)

@@ -13,7 +13,7 @@ from slora.config import BACKENDS, DTYPE_ALIASES, DTYPES, MOE_EXPERTS, POLICIES,
 from slora.server.adapters import AdapterResolver
 
 # tool-call parsers (slora.server.tools)
-PARSERS = ("hermes", "llama3_json", "mistral", "granite", "pythonic")
+PARSERS = ("hermes", "llama3_json", "mistral", "granite", "pythonic", "openai")
 REASONING = ("deepseek_r1", "qwen3", "gpt_oss")  # reasoning parsers (slora.server.reasoning)
 
 

@@ -21,6 +21,11 @@ the output follows `tool_choice`:
   - `pythonic` (Llama 3.2 and 4's, and others'): an output that is a Python list of calls
     with literal keyword arguments, `[get_weather(city="Paris"), get_time(zone="UTC")]`, is
     calls, with no content.
+  - `openai` (gpt-oss's harmony format; its markers are special tokens, kept as Mistral's
+    are): each `commentary` message to `functions.NAME` (the recipient before or after the
+    channel, `<|constrain|>json` or not) is a call of NAME, its message the arguments, the
+    text before the first the content. With `--reasoning-parser gpt_oss` the analysis
+    message is the reasoning.
 - "required": guided decoding holds the output to a JSON array of one or more
   `{"name": <a tool's name>, "parameters": <its parameters schema>}`; each item is a call.
 - {"type": "function", "function": {"name": N}}: the output is N's arguments, guided by its
@@ -46,6 +51,11 @@ _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 HERMES_START = "<tool_call>"
 MISTRAL_START = "[TOOL_CALLS]"
 GRANITE_START = "<|tool_call|>"
+# a harmony commentary message to a function: (recipient before the channel, recipient after
+# it, the message)
+_HARMONY = re.compile(r"(?:to=functions\.([^\s<]+)\s*)?<\|channel\|>commentary\s*"
+                      r"(?:to=functions\.([^\s<]+))?[^<]*(?:<\|constrain\|>[^<]*)?"
+                      r"<\|message\|>(.*?)(?:<\|call\|>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -120,9 +130,9 @@ class ToolChoice:
         if self.parser in WHOLE:  # a call is the whole output: wait for its start
             start = WHOLE[self.parser]
             return 0 if not text.strip() or text.lstrip().startswith(start) else len(text)
-        marker = MARKERS[self.parser]
-        at = text.find(marker)
-        return at if at >= 0 else holdback(text, [marker])
+        markers = MARKERS[self.parser]
+        at = min((text.find(m) for m in markers if m in text), default=-1)
+        return at if at >= 0 else holdback(text, markers)
 
     def split(self, text: str) -> tuple[str | None, list[dict], str | None]:
         """(content, calls, finish_reason or None to keep the output's) of a finished
@@ -192,6 +202,16 @@ def _granite(text: str):
     return at, _json_list(text[at + len(GRANITE_START):])
 
 
+def _openai(text: str):
+    """Harmony's calls: each commentary message with a `functions.` recipient (a commentary
+    message to no function, a preamble, is not one)."""
+    found = [(m.start(), m.group(1) or m.group(2), m.group(3)) for m in _HARMONY.finditer(text)
+             if m.group(1) or m.group(2)]
+    if not found:
+        return -1, []
+    return found[0][0], [(name, json.loads(args)) for _, name, args in found]
+
+
 def _pythonic(text: str):
     """A Python list of calls with literal keyword arguments (ValueError or SyntaxError when
     the output is not one)."""
@@ -210,12 +230,13 @@ def _pythonic(text: str):
 
 # parser -> text -> (where the calls begin, [(name, arguments)]): the calls found, if any
 _PARSE = {"hermes": _hermes, "llama3_json": _llama3_json, "mistral": _mistral,
-          "granite": _granite, "pythonic": _pythonic}
-# the other parsers: the marker their calls begin with, after any content
-MARKERS = {"hermes": HERMES_START, "mistral": MISTRAL_START, "granite": GRANITE_START}
-# the parsers whose marker is a special token of its model: a request they parse keeps special
+          "granite": _granite, "pythonic": _pythonic, "openai": _openai}
+# the other parsers: the markers their calls may begin with, after any content
+MARKERS = {"hermes": (HERMES_START,), "mistral": (MISTRAL_START,), "granite": (GRANITE_START,),
+           "openai": ("to=functions.", "<|channel|>commentary")}
+# the parsers whose markers are special tokens of its model: a request they parse keeps special
 # tokens in its text
-SPECIAL_MARKERS = ("mistral", "granite")
+SPECIAL_MARKERS = ("mistral", "granite", "openai")
 # the parsers whose calls are the whole output, and how such an output begins
 WHOLE = {"llama3_json": "{", "pythonic": "["}
 

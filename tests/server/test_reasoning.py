@@ -74,18 +74,28 @@ def test_chat_answers_carry_reasoning_content(serve):
 
 
 def test_harmony_channels_through_the_chat_api(serve):
-    """gpt-oss's parser: the analysis channel's message as reasoning_content, the final
-    channel's as content, whole and streamed (its markers kept in the output's text)."""
+    """gpt-oss's parsers: the analysis channel's message as reasoning_content, the final
+    channel's as content, whole and streamed (its markers kept in the output's text); a
+    commentary message to a function after the analysis is a tool call (`openai`)."""
     force = (r"<\|channel\|>analysis<\|message\|>Paris\.<\|end\|><\|start\|>assistant"
              r"<\|channel\|>final<\|message\|>Sunny\.<\|return\|>")
-    with serve(reasoning_parser="gpt_oss") as live:
+    call = (r"<\|channel\|>analysis<\|message\|>Look\.<\|end\|><\|start\|>assistant"
+            r"<\|channel\|>commentary to=functions\.get_weather <\|constrain\|>json"
+            r'<\|message\|>\{"city": "Paris"\}<\|call\|>')
+    with serve(reasoning_parser="gpt_oss", tool_call_parser="openai") as live:
         client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
-        kw = dict(model="tiny-llama", messages=CHAT, max_tokens=240, temperature=0,
-                  extra_body={"guided_regex": force})
-        whole = client.chat.completions.create(**kw)
-        chunks = list(client.chat.completions.create(**kw, stream=True))
+        kw = dict(model="tiny-llama", messages=CHAT, max_tokens=240, temperature=0)
+        whole = client.chat.completions.create(**kw, extra_body={"guided_regex": force})
+        chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                     extra_body={"guided_regex": force}))
+        tool = client.chat.completions.create(**kw, tools=[WEATHER],
+                                              extra_body={"guided_regex": call})
     message = whole.choices[0].message
     assert (message.reasoning_content, message.content) == ("Paris.", "Sunny.")
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Paris."
     assert "".join(d.content or "" for d in deltas) == "Sunny."
+    message = tool.choices[0].message
+    assert (message.reasoning_content, message.content) == ("Look.", None)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]

@@ -92,6 +92,27 @@ def test_pythonic_output_is_calls_when_it_is_a_list_of_calls():
     assert [py.sendable(t) for t in (" ", " [get", "Hi [")] == [0, 0, 4]
 
 
+def test_openai_calls_are_harmony_commentary_messages_to_functions():
+    """gpt-oss's calls: commentary messages to functions.NAME, the recipient after the channel
+    (with <|constrain|>) or before it; a commentary message to no function (a preamble) is
+    not a call; the text before the first call is the content."""
+    oai = ToolChoice("auto", parser="openai")
+    text = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+            '{"city": "Paris"}<|call|>'
+            '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>'
+            '{"zone": "UTC"}<|call|>')
+    content, calls, reason = oai.split("Checking." + text)
+    assert content == "Checking." and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]
+    preamble = "<|channel|>commentary<|message|>Let me look.<|end|>"
+    assert oai.split(preamble) == (preamble, [], None)
+    broken = "<|channel|>commentary to=functions.f<|message|>{oops"
+    assert oai.split(broken) == (broken, [], None)
+    assert [oai.sendable(t) for t in ("ok <|channel|>comm", "ok to=functions.f", "ok")] == [
+        3, 3, 2]
+
+
 def test_requests_that_cannot_be_answered_are_400():
     def error(*args):
         with pytest.raises(APIError) as e:
