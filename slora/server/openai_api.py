@@ -332,6 +332,8 @@ def _render_chat(state: ServerState, adapter: str | None, messages: list[dict],
         tokenizer = copy.copy(tokenizer)
         tokenizer.chat_template = own
     variables = dict(body.chat_template_kwargs or {})
+    if getattr(body, "reasoning_effort", None):
+        variables.setdefault("reasoning_effort", body.reasoning_effort)
     if getattr(body, "tools", None):
         variables["tools"] = body.tools
     try:

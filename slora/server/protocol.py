@@ -104,6 +104,9 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     # vLLM's: the text ends in the last message, for the model to go on with it
     continue_final_message: bool = False
+    # OpenAI's: how hard a reasoning model thinks, the chat template's `reasoning_effort`
+    # variable (gpt-oss's template reads it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     add_special_tokens: bool = False  # (the template writes them)
     chat_template_kwargs: dict | None = None  # more variables for the template
     chat_template: str | None = None  # refused: templates come from the model or adapter

@@ -7,13 +7,16 @@ and `instructions` (a system message first) become chat messages; `max_output_to
 `tools`, `tool_choice` and `parallel_tool_calls` become the chat request's fields
 (`openai_api.open_chat`). The output is an assistant message of one `output_text` part, and a
 `function_call` item per tool call (`slora.server.tools`). Status "incomplete" with reason
-max_output_tokens where the output reached its length. A server's `--reasoning-parser` does
-not apply here: the output text is whole, a thinking model's `<think>` text in it (no
-reasoning items are made).
+max_output_tokens where the output reached its length. With a server's `--reasoning-parser`
+a thinking model's reasoning comes first, as a `reasoning` item of one `reasoning_text` part
+(streamed as `response.reasoning_text.delta` events), and the message holds the content after
+it; `usage.output_tokens_details.reasoning_tokens` counts the reasoning text's tokens (encoded
+again).
 
 Stateless: nothing is stored (the answer says `store: false`), so `previous_response_id` is
-refused, as are `reasoning`, `include`, `background`, `truncation: auto`, `conversation`,
-`prompt`, and tools other than functions.
+refused, as are `reasoning` other than its `effort` (the chat's `reasoning_effort`),
+`include`, `background`, `truncation: auto`, `conversation`, `prompt`, and tools other than
+functions.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from slora.server.errors import APIError, sse_error
 from slora.server.generation import EventStream, Generation, until_disconnected
 from slora.server.openai_api import open_chat
 from slora.server.protocol import ChatCompletionRequest, ResponsesRequest
+from slora.server.reasoning import Parts, Reasoning
 from slora.server.state import ServerState
 from slora.server.tools import ToolChoice
 
-REFUSED = {"previous_response_id": lambda v: v is not None, "reasoning": lambda v: bool(v),
+REFUSED = {"previous_response_id": lambda v: v is not None,
+           "reasoning": lambda v: bool(set(v or {}) - {"effort"}),
            "include": lambda v: bool(v), "background": bool, "conversation": lambda v: bool(v),
            "prompt": lambda v: v is not None, "truncation": lambda v: v not in (None, "disabled")}
 
@@ -96,7 +101,8 @@ def _chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
             model=body.model, messages=messages, max_tokens=body.max_output_tokens,
             temperature=body.temperature, top_p=body.top_p, tools=tools or None,
             tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls,
-            response_format=response_format, user=body.user)
+            response_format=response_format, user=body.user,
+            reasoning_effort=(body.reasoning or {}).get("effort"))
     except ValidationError as e:
         raise APIError(400, f"input: {e.errors()[0]['msg']}", "input") from None
 
@@ -140,6 +146,9 @@ class _Turn:
         self.state, self.body, self.gen, self.tools = state, body, gen, tools
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+        parser = state.settings.reasoning_parser
+        self.reasoning = Reasoning(parser) if parser else None
         self.created = int(time.time())
         self.seq = 0
 
@@ -150,7 +159,14 @@ class _Turn:
         incomplete = done and out.finish_reason == "length"
         output, usage = [], None
         if done:
-            content, calls, _ = self.tools.split(out.text)
+            parts = self.parts(out.text, True)
+            thought = 0
+            if parts.reasoning is not None:
+                output.append(self.reasoning_item(parts.reasoning, "completed"))
+                tok = self.state.tokenizer
+                thought = len(tok.encode(parts.reasoning, add_special_tokens=False)) if tok \
+                    else 0
+            content, calls, _ = self.tools.split(parts.content)
             if content or not calls:
                 output.append(self.message(content or "", "completed"))
             output += [self.call_item(c) for c in calls]
@@ -158,7 +174,7 @@ class _Turn:
             usage = {"input_tokens": n_in, "output_tokens": n_out,
                      "total_tokens": n_in + n_out,
                      "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
-                     "output_tokens_details": {"reasoning_tokens": 0}}
+                     "output_tokens_details": {"reasoning_tokens": min(thought, n_out)}}
         return {"id": self.id, "object": "response", "created_at": self.created,
                 "status": status or ("incomplete" if incomplete else "completed"),
                 "model": b.model or self.state.settings.model_name, "output": output,
@@ -168,8 +184,19 @@ class _Turn:
                 "top_p": b.top_p, "parallel_tool_calls": b.parallel_tool_calls,
                 "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
                 "text": b.text or {"format": {"type": "text"}}, "store": False,
-                "previous_response_id": None, "reasoning": None, "truncation": "disabled",
+                "previous_response_id": None, "reasoning": b.reasoning,
+                "truncation": "disabled",
                 "metadata": b.metadata or {}, "user": b.user, "usage": usage}
+
+    def parts(self, text: str, finished: bool) -> Parts:
+        """An output's reasoning and content (all content without a reasoning parser)."""
+        if self.reasoning is None:
+            return Parts(None, 0, text, 0)
+        return self.reasoning.parts(text, finished)
+
+    def reasoning_item(self, text: str, status: str) -> dict:
+        return {"type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
 
     def message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self.message_id, "status": status,
@@ -189,43 +216,80 @@ class _Turn:
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
     async def events(self):
-        """The typed events: created, in progress, the message's text deltas (none past
-        where a tool call may begin), then each call's item, then completed / incomplete."""
-        gen, ev, mid = self.gen, self.event, self.message_id
+        """The typed events: created, in progress, the reasoning item's text deltas (with a
+        reasoning parser), the message's text deltas (none past where a tool call may begin),
+        then each call's item, then completed / incomplete. Text already sent is never taken
+        back."""
+        gen, ev = self.gen, self.event
         part = {"type": "output_text", "text": "", "annotations": []}
-        at = {"item_id": mid, "output_index": 0, "content_index": 0}
-        sent, opened, out = 0, False, None
+        sent, opened, out = 0, False, None  # the message's text sent; whether it is open
+        said, thinking = 0, None  # the reasoning's text sent; its item: None, "open", "done"
+
+        def at() -> dict:  # the message's place: after the reasoning item, if there is one
+            return {"item_id": self.message_id, "output_index": int(thinking is not None),
+                    "content_index": 0}
+
+        def think(text: str, close: bool) -> list[str]:  # the reasoning item's events
+            nonlocal said, thinking
+            where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+            events = []
+            if thinking is None:
+                thinking = "open"
+                events.append(ev("response.output_item.added", output_index=0,
+                                 item=self.reasoning_item("", "in_progress") | {"content": []}))
+            if len(text) > said:
+                events.append(ev("response.reasoning_text.delta", **where, delta=text[said:]))
+                said = len(text)
+            if close and thinking == "open":
+                thinking = "done"
+                events += [ev("response.reasoning_text.done", **where, text=text),
+                           ev("response.output_item.done", output_index=0,
+                              item=self.reasoning_item(text, "completed"))]
+            return events
 
         def opening() -> list[str]:  # the message item and its text part, once
-            return [ev("response.output_item.added", output_index=0,
+            return [ev("response.output_item.added", output_index=at()["output_index"],
                        item=self.message("", "in_progress") | {"content": []}),
-                    ev("response.content_part.added", **at, part=part)]
+                    ev("response.content_part.added", **at(), part=part)]
 
         try:
             yield ev("response.created", response=self.response(None, "in_progress"))
             yield ev("response.in_progress", response=self.response(None, "in_progress"))
             async for _, out in gen.outputs():
-                end = self.tools.sendable(out.text)
+                parts = self.parts(out.text, out.finished)
+                end = self.tools.sendable(parts.content)
+                visible = end > sent and (opened or parts.content[:end].strip())
+                if parts.reasoning is not None and not out.finished:
+                    for event in think(parts.reasoning, close=bool(visible)):
+                        yield event
                 # (the message opens at its first visible text: blank text before a tool call
                 # is no content)
-                if end > sent and (opened or out.text[:end].strip()):
+                if visible and not out.finished:
                     if not opened:
                         opened = True
                         for event in opening():
                             yield event
-                    yield ev("response.output_text.delta", **at, delta=out.text[sent:end])
+                    yield ev("response.output_text.delta", **at(),
+                             delta=parts.content[sent:end])
                     sent = end
             final = self.response(out)
             items = final["output"]
-            if items and items[0]["type"] == "message":
-                text = items[0]["content"][0]["text"]
+            if items and items[0]["type"] == "reasoning":
+                for event in think(items[0]["content"][0]["text"], close=True):
+                    yield event
+            first = int(thinking is not None)
+            message = items[first] if len(items) > first and items[first]["type"] == "message" \
+                else None
+            if message is not None:
+                text = message["content"][0]["text"]
                 for event in [] if opened else opening():
                     yield event
-                if len(text) > sent and text.startswith(out.text[:sent]):
-                    yield ev("response.output_text.delta", **at, delta=text[sent:])
-                yield ev("response.output_text.done", **at, text=text)
-                yield ev("response.content_part.done", **at, part=items[0]["content"][0])
-                yield ev("response.output_item.done", output_index=0, item=items[0])
+                shown = self.parts(out.text, True).content[:sent]
+                if len(text) > sent and text.startswith(shown):
+                    yield ev("response.output_text.delta", **at(), delta=text[sent:])
+                yield ev("response.output_text.done", **at(), text=text)
+                yield ev("response.content_part.done", **at(), part=message["content"][0])
+                yield ev("response.output_item.done", output_index=first, item=message)
             for k, item in enumerate(items):
                 if item["type"] != "function_call":
                     continue

@@ -70,3 +70,65 @@ def test_responses_equal_the_chat_path(serve, reference):
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "previous_response_id"
     assert bad_tool.status_code == 400 and bad_tool.json()["error"]["param"] == "tools.0"
+
+
+def test_reasoning_comes_first_as_a_reasoning_item():
+    """With a reasoning parser the reasoning is an item of its own before the message, whole
+    and streamed (its deltas, then the message's at output index 1); tool calls are found in
+    the content after it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from slora.request import RequestOutput
+    from slora.server.protocol import ResponsesRequest
+    from slora.server.responses_api import _Turn
+    from slora.server.tools import ToolChoice
+
+    class Gen:  # the outputs of one request, a token of text at a time
+        def __init__(self, pieces):
+            self.pieces = pieces
+
+        async def outputs(self):
+            for k in range(1, len(self.pieces) + 1):
+                done = k == len(self.pieces)
+                yield 0, RequestOutput("r", None, [1, 2], "".join(self.pieces[:k]),
+                                       list(range(k)), None, "stop" if done else None, done,
+                                       None)
+
+        def close(self):
+            pass
+
+    def run(pieces, tools=ToolChoice("none")):
+        state = SimpleNamespace(settings=SimpleNamespace(reasoning_parser="qwen3",
+                                                         model_name="m"),
+                                tokenizer=None)
+        turn = _Turn(state, ResponsesRequest(input="Hi"), Gen(pieces), tools)
+        events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(_collect(turn))]
+        return turn.response(RequestOutput("r", None, [1, 2], "".join(pieces), [0], None,
+                                           "stop", True, None)), events
+
+    async def _collect(turn):
+        return [e async for e in turn.events()]
+
+    final, events = run(["<think>", "Pa", "ris", ".</think>", "\n\nSun", "ny."])
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "Paris."}]
+    assert final["output"][1]["content"][0]["text"] == "Sunny."
+
+    def deltas(kind):
+        return [e for e in events if e["type"] == kind]
+    assert "".join(e["delta"] for e in deltas("response.reasoning_text.delta")) == "Paris."
+    assert all(e["output_index"] == 0 for e in deltas("response.reasoning_text.delta"))
+    text = deltas("response.output_text.delta")
+    assert "".join(e["delta"] for e in text) == "Sunny." and {e["output_index"] for e in text} \
+        == {1}
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_text.delta")
+    assert kinds[-1] == "response.completed" and [e["sequence_number"] for e in events] == \
+        list(range(len(events)))
+    final, events = run(["<think>Look.</think> ", '<tool_call>{"name": "get_weather", ',
+                         '"arguments": {"city": "Paris"}}</tool_call>'], ToolChoice("auto"))
+    assert [i["type"] for i in final["output"]] == ["reasoning", "function_call"]
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [0, 1]

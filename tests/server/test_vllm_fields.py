@@ -241,3 +241,30 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(serve):
     assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"]
                + c["usage"]["completion_tokens"] for c in chunks)
     assert events[-1]["usage"]["completion_tokens"] == 4 and not events[-1]["choices"]
+
+
+def test_reasoning_effort_is_the_templates_variable(serve, reference):
+    """Chat's reasoning_effort and the Responses API's reasoning.effort reach the chat
+    template as `reasoning_effort` (gpt-oss's template reads it); a value OpenAI does not
+    define, and the Responses API's reasoning fields other than effort, are 400."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %} effort {{ reasoning_effort }}"
+    tok = reference.tokenizer
+
+    def prompt_tokens(effort: str) -> int:
+        return len(tok.encode(f"Hi effort {effort}", add_special_tokens=False))
+
+    messages = [{"role": "user", "content": "Hi"}]
+    with serve(chat_template=template) as live:
+        chat = [post(live, "/v1/chat/completions", {
+            "messages": messages, "max_tokens": 1, **effort}).json()["usage"]["prompt_tokens"]
+            for effort in ({"reasoning_effort": "high"}, {})]
+        responses = post(live, "/v1/responses", {"input": "Hi", "max_output_tokens": 1,
+                                                 "reasoning": {"effort": "low"}}).json()
+        bad = post(live, "/v1/chat/completions", {"messages": messages,
+                                                  "reasoning_effort": "extreme"})
+        summary = post(live, "/v1/responses", {"input": "Hi", "reasoning": {"summary": "auto"}})
+    assert chat == [prompt_tokens("high"), prompt_tokens("")]
+    assert responses["usage"]["input_tokens"] == prompt_tokens("low")
+    assert responses["reasoning"] == {"effort": "low"}
+    assert bad.status_code == 400 and "reasoning_effort" in bad.text
+    assert summary.status_code == 400 and summary.json()["error"]["param"] == "reasoning"
