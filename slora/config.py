@@ -12,7 +12,7 @@ import json
 import math
 import numbers
 from os import PathLike
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
@@ -310,6 +310,8 @@ class ModelConfig:
     o_bias: bool  # bias on o_proj (Llama's attention_bias covers o too; Qwen2 has none)
     mlp_bias: bool
     bos_token_id: int | None
+    # config.json's eos_token_id, and generation_config.json's beside it (vLLM's stop ids:
+    # gpt-oss ends a tool call with <|call|>, which only the latter names)
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # An RMSNorm on q and on k after the projection, before rotary: "head" (Qwen3, Gemma 3
     # and EXAONE 4) over each head's head_dim elements (weights q_norm, k_norm [head_dim]);
@@ -466,7 +468,19 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise ConfigError(f"model directory {path}: no config.json (expected a Hugging Face "
                               "model directory with config.json, *.safetensors and tokenizer.json)")
-        return cls.from_dict(json.loads(cfg_file.read_text()), source=str(cfg_file))
+        cfg = cls.from_dict(json.loads(cfg_file.read_text()), source=str(cfg_file))
+        gen_file = path / "generation_config.json"
+        if not gen_file.is_file():
+            return cfg
+        try:
+            eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ConfigError(f"{gen_file}: not a JSON object ({e})") from None
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if not all(is_int(t) and t >= 0 for t in eos):
+            raise ConfigError(f"{gen_file}: eos_token_id={eos!r} must be a token id or a list "
+                              "of them")
+        return replace(cfg, eos_token_ids=tuple(sorted(set(cfg.eos_token_ids) | set(eos))))
 
     @classmethod
     def from_dict(cls, c: dict, source: str = "config") -> "ModelConfig":

@@ -602,6 +602,26 @@ def test_gpt_oss_config_and_its_mxfp4_experts(tiny_models, tmp_path):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
+def test_generation_config_eos_ids_stop_generation(tiny_models, tmp_path):
+    """generation_config.json's eos_token_id joins config.json's as stop ids (gpt-oss ends a
+    tool call with <|call|>, named there alone); one that is not token ids is refused."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_models("llama"), model)
+    sp = SamplingParams(max_tokens=8)
+    free = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                               num_pages=32)).generate(PROMPTS[0], sp)[0]
+    stop = free.token_ids[2]
+    assert stop not in free.token_ids[:2] and free.finish_reason == "length"
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, stop]}))
+    assert stop in ModelConfig.from_dir(model).eos_token_ids
+    out = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                              num_pages=32)).generate(PROMPTS[0], sp)[0]
+    assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop"
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id"):
+        ModelConfig.from_dir(model)
+
+
 def test_qwen_moe_config_and_what_it_refuses(tiny_models, adapter_factory, tmp_path):
     """Qwen2-MoE, Qwen3-MoE (and OLMoE's config): experts, top-k, their width and
     renormalisation, the dense layers (mlp_only_layers, decoder_sparse_step) and Qwen2-MoE's
