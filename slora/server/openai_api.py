@@ -294,13 +294,16 @@ GUIDED = ("guided_choice", "guided_regex", "guided_json")
 def _messages(messages) -> list[dict]:
     """A request's chat messages as the chat template takes them: text content, and an
     assistant's tool calls (arguments as JSON text, as OpenAI sends them) or the call a tool
-    message answers, where given."""
+    message answers, where given; an assistant's reasoning_content under that name (Qwen3's
+    templates read it) and as `thinking` (gpt-oss's)."""
     out = []
     for i, m in enumerate(messages):
         message = {"role": m.role, "content": _content(m.content, i)}
-        for key in ("tool_calls", "tool_call_id", "name"):
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
+        if m.reasoning_content is not None:
+            message["thinking"] = m.reasoning_content
         out.append(message)
     return out
 

@@ -89,6 +89,8 @@ class ChatMessage(_Body):
     tool_calls: list[dict] | None = None  # an assistant's calls, as answers give them
     tool_call_id: str | None = None  # a tool message's: the call it answers
     name: str | None = None
+    # an assistant's reasoning, as answers give it (vLLM's field)
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):

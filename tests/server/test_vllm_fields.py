@@ -268,3 +268,17 @@ def test_reasoning_effort_is_the_templates_variable(serve, reference):
     assert responses["reasoning"] == {"effort": "low"}
     assert bad.status_code == 400 and "reasoning_effort" in bad.text
     assert summary.status_code == 400 and summary.json()["error"]["param"] == "reasoning"
+
+
+def test_an_assistants_reasoning_reaches_the_template(serve, reference):
+    """An assistant message's reasoning_content goes to the template under that name and as
+    `thinking` (Qwen3's and gpt-oss's names)."""
+    template = ("{% for m in messages %}{{ m.content }}|{{ m.reasoning_content }}|"
+                "{{ m.thinking }};{% endfor %}")
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Yes", "reasoning_content": "why"},
+                {"role": "user", "content": "Go"}]
+    with serve(chat_template=template) as live:
+        got = post(live, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    want = reference.tokenizer.encode("Hi||;Yes|why|why;Go||;", add_special_tokens=False)
+    assert got.json()["usage"]["prompt_tokens"] == len(want)
