@@ -904,7 +904,7 @@ def run_experts(cfg, device, dtype, gen) -> list[dict]:
             for form, run in forms.items():
                 def fn(run=run, form=form):
                     if run is None:  # the engine's few-rows path: router GEMM, then the kernels
-                        out[form] = fused.experts(x, layer, k, True, gelu=False)
+                        out[form] = fused.experts(x, layer, k, True, ref.Glu())
                         return
                     w, pick = ref.route(x, router, k, True)
                     out[form] = run(x, gate_up, down, w, pick, ref.silu_mul)
