@@ -466,10 +466,15 @@ def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> to
     of a row) -> [..., rows, 32 G] in `dtype`. Exact in bfloat16 and float32 (an E2M1 value
     times a power of two)."""
     lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]
-    values = lut[codes].flatten(-2)  # [..., G, 32]
-    values = torch.ldexp(values, (scales.long() - 127)[..., None].to(torch.float32))
-    return values.flatten(-2).to(dtype)
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype,
+                      device=blocks.device)
+    # a matrix (an expert) at a time: the temporaries, 12 bytes an element, stay one expert's
+    for o, b, s in zip(out.view(-1, *out.shape[-2:]), blocks.reshape(-1, *blocks.shape[-3:]),
+                       scales.reshape(-1, *scales.shape[-2:])):
+        codes = torch.stack((b & 0x0F, b >> 4), dim=-1).long()  # [rows, G, 16, 2]
+        values = lut[codes].flatten(-2)  # [rows, G, 32]
+        o.copy_(torch.ldexp(values, (s.long() - 127)[..., None].float()).flatten(-2))
+    return out
 
 
 def _gpt_oss_experts(get, raw, moe: str) -> Experts:
