@@ -17,13 +17,13 @@ tiles are shaped for many rows. Here:
   GeGLU or gpt-oss's clamped SwiGLU) into the pair's row of `mid`.
 - `_down_kernel`: program (column block, token): each of the token's k pairs against its
   expert's down rows of that block, the outputs rounded to the model dtype (plus the expert's
-  bias, rounded again), times the pair's
-  weight and summed over the k in float32, in pick order: deterministic, no atomics.
+  bias, rounded again), times the pair's weight and summed over the k in float32, in pick
+  order: deterministic, no atomics.
 
 The rounding points are the twins': gate, up and each pair's down output rounded to the model
 dtype, a bias added to the rounded product and rounded again, the GLU as `fused.glu` /
-`fused.swiglu_oai`, the weighted sum in float32. No host sync and no shape that
-depends on the routing: a CUDA graph captures them. Each pair reads its expert's weights, so a
+`fused.swiglu_oai`, the weighted sum in float32. No host sync and no shape that depends on
+the routing: a CUDA graph captures them. Each pair reads its expert's weights, so a
 batch whose pairs share experts reads them more than once: `few_rows` says where the grouped
 GEMM, which reads each picked expert once, takes over (docs/performance.md).
 """
@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .reference import Glu
 from .fused import glu, swiglu_oai
+from .reference import Glu
 from .tuning import pow2
 
 # EngineConfig.moe_experts "auto": a step's layer of experts runs here while its pairs (rows x
