@@ -1,10 +1,12 @@
 """OpenAI's Responses API: POST /v1/responses, one model turn answered as a Response object
 (streamed as its typed events when `stream` is true), served through the chat path.
 
-`input` (a string, or a list of messages and `function_call` / `function_call_output` items)
-and `instructions` (a system message first) become chat messages; `max_output_tokens`,
-`temperature`, `top_p`, `text.format` (text, json_object, json_schema: guided JSON), function
-`tools`, `tool_choice` and `parallel_tool_calls` become the chat request's fields
+`input` (a string, or a list of messages, `function_call` / `function_call_output` items and
+`reasoning` items, whose text goes to the assistant message after them as its
+reasoning_content) and `instructions` (a system message first) become chat messages;
+`max_output_tokens`, `temperature`, `top_p`, `text.format` (text, json_object, json_schema:
+guided JSON), function `tools`, `tool_choice` and `parallel_tool_calls` become the chat
+request's fields
 (`openai_api.open_chat`). The output is an assistant message of one `output_text` part, and a
 `function_call` item per tool call (`slora.server.tools`). Status "incomplete" with reason
 max_output_tokens where the output reached its length. With a server's `--reasoning-parser`
@@ -76,8 +78,19 @@ def _chat_body(body: ResponsesRequest) -> ChatCompletionRequest:
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
         else body.input
+    thought = None  # a reasoning item's text, for the assistant message after it
     for i, item in enumerate(items):
-        messages.append(_message(item, f"input.{i}"))
+        if isinstance(item, dict) and item.get("type") == "reasoning":
+            parts = item.get("content") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+                raise APIError(400, "a reasoning item's content is a list of reasoning_text "
+                               "parts", f"input.{i}.content")
+            thought = (thought or "") + "".join(str(p.get("text", "")) for p in parts)
+            continue
+        message = _message(item, f"input.{i}")
+        if thought is not None and message["role"] == "assistant":
+            message["reasoning_content"], thought = thought, None
+        messages.append(message)
     fmt = (body.text or {}).get("format") or {"type": "text"}
     if fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise APIError(400, f"text.format type {fmt.get('type')!r}: expected text, json_object "

@@ -132,3 +132,28 @@ def test_reasoning_comes_first_as_a_reasoning_item():
     assert [i["type"] for i in final["output"]] == ["reasoning", "function_call"]
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     assert added == [0, 1]
+
+
+def test_reasoning_items_in_the_input_go_to_the_next_assistant_message():
+    """A reasoning item's text is the reasoning_content of the assistant message (or function
+    call) after it; a reasoning item whose content is not a list of parts is a 400."""
+    import pytest
+
+    from slora.server.errors import APIError
+    from slora.server.protocol import ResponsesRequest
+    from slora.server.responses_api import _chat_body
+
+    body = ResponsesRequest(input=[
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    messages = _chat_body(body).messages
+    assert [m.role for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1].reasoning_content == "Look it up." and messages[1].tool_calls
+    assert messages[0].reasoning_content is None
+    with pytest.raises(APIError) as e:
+        _chat_body(ResponsesRequest(input=[{"type": "reasoning", "content": "text"}]))
+    assert e.value.param == "input.0.content"
