@@ -11,7 +11,8 @@ thinking model writes between `<think>` and `</think>` goes to the message's
   channel's the content, up to the message's end marker; the `<|start|>assistant` between
   them is neither. An output with no final message is content from the analysis message's
   end on, once finished (a `commentary` message to a tool, which the `openai` tool-call
-  parser reads). An output that begins in neither channel is content alone.
+  parser reads); so is one that begins in another channel (`commentary`: a preamble or a
+  call) and has no final message. An output that begins in no channel is content alone.
 
 An output that ends before `</think>` (the analysis message's `<|end|>`) is reasoning alone. Streamed, each part's text goes out
 as it comes, less what may still be the start of a marker.
@@ -30,6 +31,7 @@ ANALYSIS, MESSAGE_END, FINAL = "<|channel|>analysis<|message|>", "<|end|>", \
     "<|channel|>final<|message|>"
 ENDS = ("<|return|>", "<|end|>", "<|call|>")
 NEXT = "<|start|>assistant"  # (the next message's header)
+CHANNEL = "<|channel|>"
 # the parsers whose markers are special tokens, which the chat's output then keeps
 SPECIAL_TEXT = ("gpt_oss",)
 
@@ -93,6 +95,11 @@ def _harmony(text: str, finished: bool) -> Parts:
         at = start + len(FINAL)
     elif text.startswith(FINAL):
         at = len(FINAL)
+    elif text.startswith(CHANNEL):  # another channel first (a commentary preamble, or a call)
+        start = text.find(FINAL)
+        if start < 0:  # (the rest, once finished: a call for the tool-call parser)
+            return Parts(None, 0, text if finished else "", 0 if finished else len(text))
+        at = start + len(FINAL)
     else:
         return Parts(None, 0, text, 0)
     body = text[at:]

@@ -31,6 +31,10 @@ HARMONY = ("<|channel|>analysis<|message|>The user asks about Paris.<|end|><|sta
     ("gpt_oss", "<|channel|>analysis<|message|>cut short", ("cut short", "")),
     ("gpt_oss", "<|channel|>analysis<|message|>a<|end|>", ("a", "")),  # no final message
     ("gpt_oss", "A plain answer.", (None, "A plain answer.")),
+    ("gpt_oss", "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant"
+                "<|channel|>final<|message|>Done.<|return|>", (None, "Done.")),  # a preamble
+    ("gpt_oss", "<|channel|>commentary to=functions.f<|message|>{}<|call|>",
+     (None, "<|channel|>commentary to=functions.f<|message|>{}<|call|>")),  # a call
 ])
 def test_each_parser_cuts_reasoning_from_content(parser, text, want):
     parts = Reasoning(parser).parts(text, finished=True)
