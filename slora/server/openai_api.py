@@ -24,7 +24,7 @@ from slora.server.errors import APIError, sse_error
 from slora.server.generation import EventStream, Generation, holdback, until_disconnected
 from slora.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, _Sampling)
-from slora.server.reasoning import SPECIAL_TEXT, Parts, Reasoning
+from slora.server.reasoning import SPECIAL_TEXT, Reasoning
 from slora.server.state import ServerState
 from slora.server.tools import SPECIAL_MARKERS, ToolChoice
 
@@ -234,11 +234,10 @@ async def _chat(state: ServerState, body: ChatCompletionRequest):
     gen, tools = await open_chat(state, body)
     reply = _Reply(state, body, "chatcmpl", "chat.completion")
     reply.tools = tools if tools.parses else None
-    parser = state.settings.reasoning_parser
-    reply.reasoning = Reasoning(parser) if parser else None
+    reply.reasoning = Reasoning(state.settings.reasoning_parser)
 
     def choice(out: RequestOutput) -> dict:
-        parts = reply.parts(out.text, True)
+        parts = reply.reasoning.parts(out.text, True)
         content, calls, reason = tools.split(parts.content)
         message = {"role": "assistant", "content": content}
         if parts.reasoning is not None:  # (vLLM's field; content None when the answer is empty)
@@ -462,13 +461,7 @@ class _Reply:
         self.model = body.model or state.settings.model_name
         self.echo: list[str] | None = None  # completions' echo: each choice's prompt text
         self.tools: ToolChoice | None = None  # chat's tool calls, when its output may hold them
-        self.reasoning: Reasoning | None = None  # chat's reasoning parser, if the server has one
-
-    def parts(self, text: str, finished: bool) -> Parts:
-        """An output's reasoning and content (all content without a reasoning parser)."""
-        if self.reasoning is None:
-            return Parts(None, 0, text, 0)
-        return self.reasoning.parts(text, finished)
+        self.reasoning = Reasoning(None)  # chat's: the server's reasoning parser
 
     def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -528,7 +521,7 @@ class _Reply:
                 yield _event(self.envelope(obj, role))
             async for i, out in gen.outputs():
                 limit = len(out.text) if out.finished else holdback(out.text, stops)
-                parts = self.parts(out.text, out.finished)
+                parts = self.reasoning.parts(out.text, out.finished)
                 end = max(0, limit - parts.content_at)  # (in the content)
                 if self.tools is not None:  # (no content past where a call begins)
                     end = min(end, self.tools.sendable(parts.content))

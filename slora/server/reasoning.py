@@ -14,8 +14,9 @@ thinking model writes between `<think>` and `</think>` goes to the message's
   parser reads); so is one that begins in another channel (`commentary`: a preamble or a
   call) and has no final message. An output that begins in no channel is content alone.
 
-An output that ends before `</think>` (the analysis message's `<|end|>`) is reasoning alone. Streamed, each part's text goes out
-as it comes, less what may still be the start of a marker.
+An output that ends before `</think>` (the analysis message's `<|end|>`) is reasoning alone.
+Without a parser (None) the whole output is content. Streamed, each part's text goes out as it
+comes, less what may still be the start of a marker.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ class Parts:
 
 @dataclass(frozen=True)
 class Reasoning:
-    parser: str
+    parser: str | None  # one of settings.REASONING; None: no reasoning, all content
 
     def parts(self, text: str, finished: bool) -> Parts:
+        if self.parser is None:
+            return Parts(None, 0, text, 0)
         if self.parser == "gpt_oss":
             return _harmony(text, finished)
         body = text.lstrip()

@@ -6,8 +6,7 @@
 reasoning_content) and `instructions` (a system message first) become chat messages;
 `max_output_tokens`, `temperature`, `top_p`, `text.format` (text, json_object, json_schema:
 guided JSON), function `tools`, `tool_choice` and `parallel_tool_calls` become the chat
-request's fields
-(`openai_api.open_chat`). The output is an assistant message of one `output_text` part, and a
+request's fields (`openai_api.open_chat`). The output is an assistant message of one `output_text` part, and a
 `function_call` item per tool call (`slora.server.tools`). Status "incomplete" with reason
 max_output_tokens where the output reached its length. With a server's `--reasoning-parser`
 a thinking model's reasoning comes first, as a `reasoning` item of one `reasoning_text` part
@@ -36,7 +35,7 @@ from slora.server.errors import APIError, sse_error
 from slora.server.generation import EventStream, Generation, until_disconnected
 from slora.server.openai_api import open_chat
 from slora.server.protocol import ChatCompletionRequest, ResponsesRequest
-from slora.server.reasoning import Parts, Reasoning
+from slora.server.reasoning import Reasoning
 from slora.server.state import ServerState
 from slora.server.tools import ToolChoice
 
@@ -160,8 +159,7 @@ class _Turn:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
-        parser = state.settings.reasoning_parser
-        self.reasoning = Reasoning(parser) if parser else None
+        self.reasoning = Reasoning(state.settings.reasoning_parser)
         self.created = int(time.time())
         self.seq = 0
 
@@ -172,7 +170,7 @@ class _Turn:
         incomplete = done and out.finish_reason == "length"
         output, usage = [], None
         if done:
-            parts = self.parts(out.text, True)
+            parts = self.reasoning.parts(out.text, True)
             thought = 0
             if parts.reasoning is not None:
                 output.append(self.reasoning_item(parts.reasoning, "completed"))
@@ -200,12 +198,6 @@ class _Turn:
                 "previous_response_id": None, "reasoning": b.reasoning,
                 "truncation": "disabled",
                 "metadata": b.metadata or {}, "user": b.user, "usage": usage}
-
-    def parts(self, text: str, finished: bool) -> Parts:
-        """An output's reasoning and content (all content without a reasoning parser)."""
-        if self.reasoning is None:
-            return Parts(None, 0, text, 0)
-        return self.reasoning.parts(text, finished)
 
     def reasoning_item(self, text: str, status: str) -> dict:
         return {"type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [],
@@ -269,7 +261,7 @@ class _Turn:
             yield ev("response.created", response=self.response(None, "in_progress"))
             yield ev("response.in_progress", response=self.response(None, "in_progress"))
             async for _, out in gen.outputs():
-                parts = self.parts(out.text, out.finished)
+                parts = self.reasoning.parts(out.text, out.finished)
                 end = self.tools.sendable(parts.content)
                 visible = end > sent and (opened or parts.content[:end].strip())
                 if parts.reasoning is not None and not out.finished:
@@ -297,7 +289,7 @@ class _Turn:
                 text = message["content"][0]["text"]
                 for event in [] if opened else opening():
                     yield event
-                shown = self.parts(out.text, True).content[:sent]
+                shown = self.reasoning.parts(out.text, True).content[:sent]
                 if len(text) > sent and text.startswith(shown):
                     yield ev("response.output_text.delta", **at(), delta=text[sent:])
                 yield ev("response.output_text.done", **at(), text=text)
