@@ -52,7 +52,8 @@ ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"
 FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "l_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
          "out_ptr": "*bf16", "qkv_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
-         "eps": "fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+         "eps": "fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "qw_ptr": "*bf16",
+         "kw_ptr": "*bf16"}
 # attention without a sliding window, a softcap or sinks (every layer of a Llama)
 PLAIN = dict(SLIDING=False, SOFTCAP=False, SINKS=False)
 GEMM = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
@@ -163,6 +164,12 @@ def variants():
           for what, lora in (("", False), (", LoRA rows added", True))],
         ("rope_write_kv, 16 tokens a program", fused._rope_kv_kernel, FUSED,
          dict(BLOCK=64, TB=16, LORA=False), opts),
+        # q's and k's norms: a head of 128 a program under one weight (Qwen3's), and a
+        # token's whole q or k of 4,096 under its own (OLMo 2's)
+        ("qk_norm, per head", fused._qk_norm_kernel, FUSED,
+         dict(OWN=False, CENTER=False, BLOCK=128), dict(opts, num_warps=1)),
+        ("qk_norm, whole q and k", fused._qk_norm_kernel, FUSED,
+         dict(OWN=True, CENTER=False, BLOCK=4096), dict(opts, num_warps=8)),
         *[(f"{name}{what}", fused._act_mul_kernel, FUSED,
            dict(BLOCK=16384 if quant else 1024, GELU=gelu, HAS_LORA=lora, QUANT=quant,
                 **fp8.ROUNDING), dict(opts, num_warps=16) if quant else opts)

@@ -126,6 +126,7 @@ class TorchBackend:
     rms_norm = _ignoring_feeds(ref.rms_norm)
     add_rms_norm = _ignoring_feeds(ref.add_rms_norm)
     rope_write_kv = staticmethod(ref.rope_write_kv)
+    qk_norm = staticmethod(ref.qk_norm)
     silu_mul = _ignoring_feeds(ref.silu_mul)
     gelu_tanh_mul = _ignoring_feeds(ref.gelu_tanh_mul)
 
@@ -264,6 +265,7 @@ class TritonBackend(TorchBackend):
         self._fused = fused
         self.rms_norm = fused.rms_norm
         self.rope_write_kv = fused.rope_write_kv
+        self.qk_norm = fused.qk_norm
 
     def add_rms_norm(self, x, delta, weight, eps, feeds=None, center=False):
         delta, lora = self._ready(delta)

@@ -3,6 +3,8 @@ costs a few microseconds however little it does; these fold the chains into one 
 
 - `add_rms_norm`: residual add + RMSNorm (7 launches -> 1), twin `reference.add_rms_norm`.
 - `rms_norm`: the same without the add, twin `reference.rms_norm`.
+- `qk_norm`: the RMSNorms of q's and k's heads inside the fused qkv output, in place (about
+  12 launches -> 1), twin `reference.qk_norm`.
 - `rope_write_kv`: rotary on q and k of the fused qkv output (cos/sin computed in the kernel
   from positions) + K/V store into their pool pages (about 16 launches -> 1), twin
   `reference.rope_write_kv`. q is rotated in place inside qkv and returned as a view.
@@ -111,6 +113,59 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     """(x + delta, its RMSNorm); `feeds` and `center` as `rms_norm`'s. `lora`: delta's LoRA
     rows, not yet added (`with_lora`): delta + lora takes delta's place."""
     return _norm(x, delta, weight, eps, feeds, lora, center)
+
+
+@triton.jit
+def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, stride_t, eps, Q_SIZE, QG, KG, N_QG,
+                    OWN: tl.constexpr, CENTER: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    """Program (token, group): one of the token's N_QG q groups of QG elements (a head, or
+    the whole q) or of its k groups of KG, normalised in place under its weight (OWN: the
+    group's own slice of the weight, else the one weight all groups share)."""
+    pdl.wait(PDL)
+    pdl.launch_next(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    if g < N_QG:
+        n = QG
+        j = g
+        col = j * QG
+        w_ptr = qw_ptr
+    else:
+        n = KG
+        j = g - N_QG
+        col = Q_SIZE + j * KG
+        w_ptr = kw_ptr
+    m = offs < n
+    ptrs = qkv_ptr + t * stride_t + col + offs
+    x = tl.load(ptrs, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    if CENTER:  # a LayerNorm without bias (padding stays 0)
+        xf = tl.where(m, xf - tl.sum(xf, axis=0) / n, 0.0)
+    var = tl.sum(xf * xf, axis=0) / n
+    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + (j * n if OWN else 0) + offs, mask=m, other=0.0)
+    tl.store(ptrs, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=m)
+
+
+def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+            q_size: int, kv_size: int, head_dim: int | None,
+            center: bool = False) -> torch.Tensor:
+    """`reference.qk_norm` in one launch, in place: q and k inside qkv take their norms;
+    returns qkv. A program a head of a token (or a token's whole q or k, head_dim None)."""
+    T = qkv.shape[0]
+    assert qkv.stride(1) == 1 and qkv.shape[1] == q_size + 2 * kv_size
+    assert q_weight.dtype == k_weight.dtype
+    qg, kg = (head_dim, head_dim) if head_dim else (q_size, kv_size)
+    own = q_weight.numel() == q_size
+    if T:
+        block = pow2(max(qg, kg))
+        _qk_norm_kernel[(T, q_size // qg + kv_size // kg)](
+            qkv, q_weight, k_weight, qkv.stride(0), eps, q_size, qg, kg, q_size // qg,
+            OWN=own, CENTER=center, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+            **pdl.options(qkv.device))
+    return qkv
 
 
 @triton.jit

@@ -284,6 +284,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (weight * xf.to(x.dtype)).to(x.dtype)
 
 
+def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+            q_size: int, kv_size: int, head_dim: int | None, center: bool = False) -> torch.Tensor:
+    """q|k|v [T, q_size + 2 kv_size] with q and k RMS-normalised (`rms_norm`) and v as it is,
+    as a new tensor. `head_dim`: each head over its head_dim elements, under a weight
+    [head_dim] all heads share (Qwen3's, Gemma 3's) or one of each head's own ([q_size] and
+    [kv_size]: Cohere's); None: a token's whole q and whole k (OLMo 2's, weights [q_size] and
+    [kv_size]). `center`: LayerNorms without bias (Cohere's)."""
+    T = qkv.shape[0]
+    q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+    q, k = (rms_norm(t.reshape(T, -1, head_dim or t.shape[-1]),
+                     w.view(-1, head_dim or t.shape[-1]), eps, center=center)
+            for t, w in ((q, q_weight), (k, k_weight)))
+    return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v), dim=-1)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up over the concatenated [gate | up] output."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -453,17 +453,12 @@ class LlamaModel:
         """q|k|v [T, q + 2 kv] with q and k RMS-normalised (ModelConfig.qk_norm: each head
         over its head_dim elements, under one weight (Qwen3's and Gemma 3's q_norm, k_norm)
         or a weight of each head's own (Cohere's, a LayerNorm: `layer_norm`); or a token's
-        whole q and whole k, OLMo 2's), after the projection and its LoRA, before rotary.
-        Runs in torch on every backend (no fused kernel folds it into the rope kernels): a
-        new tensor of plain torch ops, so a CUDA graph captures it like the rest of the step."""
+        whole q and whole k, OLMo 2's), after the projection and its LoRA, before rotary
+        (the backend's `qk_norm`, twin `reference.qk_norm`)."""
         cfg = self.cfg
-        T = qkv.shape[0]
-        d = None if cfg.qk_norm == "all" else cfg.head_dim
-        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        q, k = (ref.rms_norm(t.reshape(T, -1, d or t.shape[-1]), w.view(-1, d or t.shape[-1]),
-                             cfg.rms_norm_eps, center=cfg.layer_norm)
-                for t, w in ((q, lw.q_norm), (k, lw.k_norm)))
-        return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v), dim=-1)
+        return self.backend.qk_norm(qkv, lw.q_norm, lw.k_norm, cfg.rms_norm_eps, cfg.q_size,
+                                    cfg.kv_size, None if cfg.qk_norm == "all" else cfg.head_dim,
+                                    center=cfg.layer_norm)
 
     @torch.inference_mode()
     def head(self, b: Batch, h: Hidden, pool: torch.Tensor,

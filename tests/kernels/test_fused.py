@@ -36,6 +36,28 @@ def test_add_rms_norm(dtype, N, center):
                                   atol=0.05)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["head", "heads", "all"])
+def test_qk_norm(dtype, mode):
+    # head: one weight all heads share (Qwen3); heads: each head's own, centred (Cohere);
+    # all: a token's whole q and whole k (OLMo 2); 3 query heads of 40 and 1 KV head, so the
+    # groups' widths differ from their blocks and, under "all", q's from k's
+    T, H, KVH, D = 5, 3, 1, 40
+    qkv = _rand(T, (H + 2 * KVH) * D, dtype=dtype) + 0.5
+    qw, kw = (_rand(D, dtype=dtype), _rand(D, dtype=dtype)) if mode == "head" else \
+        (_rand(H * D, dtype=dtype), _rand(KVH * D, dtype=dtype))
+    args = (qw, kw, 1e-6, H * D, KVH * D, None if mode == "all" else D)
+    want = ref.qk_norm(qkv, *args, center=mode == "heads")
+    got = fused.qk_norm(qkv.clone(), *args, center=mode == "heads")
+    torch.testing.assert_close(got, want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    assert torch.equal(got[:, -KVH * D:], qkv[:, -KVH * D:])  # v untouched
+    # each group is its own: the whole-q norm differs from the per-head one
+    other = ref.qk_norm(qkv, *args[:5], D if mode == "all" else None, center=mode == "heads") \
+        if mode != "head" else None
+    if other is not None:
+        assert not torch.allclose(got.float(), other.float(), atol=0.05)
+
+
 @pytest.mark.parametrize("tb", [1, 16], ids=["token", "token-block"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,KVH,D", [(4, 2, 16), (3, 1, 40), (2, 2, 8)])

@@ -766,19 +766,20 @@ def test_gemma_norms_fold_one_plus_w_exactly(tiny_models):
         assert w.embed.dtype == dtype
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere", "mixtral",
-                                  "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["gemma2", "olmo2", "smollm3", "cohere", "cohere_qk_norm",
+                                  "qwen3", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_triton_backend_matches_hf(tiny_models, kind):
     """The Triton kernels in Gemma 2 (sliding-window and soft-capped attention in decode and
     prefill, GeGLU, norms with float32 weights), OLMo 2 (residual adds without input norms,
-    so no LoRA rows handed to them), SmolLM3 (a layer without rotary, in the fused decode
-    kernel too), Cohere (LayerNorms in the fused norm kernel, attention and MLP side by
-    side), Mixtral (the experts' GLU through the fused kernel; a decode step's experts
-    through slora.kernels.experts), Qwen2-MoE (a shared expert through the LoRA GEMMs
-    beside its experts) and gpt-oss (attention sinks in the decode and prefill kernels, the
-    experts' biases and clamped SwiGLU in the fused kernels): a step mixing decode rows with prompts (longer than Gemma's window),
-    then
-    decode past it, equal HF's greedy tokens and log-probs."""
+    so no LoRA rows handed to them; q and k normed whole), SmolLM3 (a layer without rotary,
+    in the fused decode kernel too), Cohere (LayerNorms in the fused norm kernel, attention
+    and MLP side by side; with use_qk_norm, q's and k's heads LayerNormed under weights of
+    their own), Qwen3 (q's and k's heads normed under one weight), Mixtral (the experts' GLU
+    through the fused kernel; a decode step's experts through slora.kernels.experts),
+    Qwen2-MoE (a shared expert through the LoRA GEMMs beside its experts) and gpt-oss
+    (attention sinks in the decode and prefill kernels, the experts' biases and clamped
+    SwiGLU in the fused kernels): a step mixing decode rows with prompts (longer than
+    Gemma's window), then decode past it, equal HF's greedy tokens and log-probs."""
     model_dir = tiny_models(kind)
     engine = Engine(EngineConfig(model=str(model_dir), device=DEVICE, dtype="float32",
                                  num_pages=48, backend="triton", cuda_graphs=False))
