@@ -290,16 +290,29 @@ def make_adapter(model_dir: Path, path: Path, seed: int = 0, **lora_kwargs) -> P
     return path
 
 
+def hf_model(model_dir):
+    """The HF transformers model at model_dir in fp32, as the references run it: eager
+    attention, the one HF implementation that applies every family's attention options
+    (Gemma 2's soft-capping is skipped by some versions' SDPA path); gpt-oss's experts under
+    the config's swiglu_limit and swiglu_alpha, which slora reads and some transformers
+    versions replace by the released model's 7.0 and 1.702."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager")
+    for m in model.modules():
+        if type(m).__name__ == "GptOssExperts":
+            m.limit = model.config.swiglu_limit
+            m.alpha = getattr(model.config, "swiglu_alpha", 1.702)
+    return model
+
+
 def peft_greedy(model_dir, adapter_path, ids, n, device="cpu", transform=None):
     """PEFT's (or, without an adapter, HF's) greedy tokens and their log-probs for one prompt
     run alone, in fp32 on `device`; `transform(model)` edits the base model first."""
     import peft
-    import transformers
 
-    # eager attention: the one HF implementation that applies every family's attention
-    # options (Gemma 2's soft-capping is skipped by some versions' SDPA path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager")
+    model = hf_model(model_dir)
     if transform is not None:
         transform(model)
     if adapter_path is not None:

@@ -8,27 +8,11 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 from slora import Engine, EngineConfig, SamplingParams
-from tests.conftest import TINY
+from tests.conftest import TINY, peft_greedy
 
 PROMPTS = ["The quick brown fox", "Hello", "Serving many LoRA adapters from one GPU needs",
            "Paris is the capital of France. Berlin is"]
 NEW = 32
-
-
-def hf_greedy(model_dir, prompt_ids, new_tokens):
-    """HF's own greedy decode of one prompt; returns tokens and chosen-token log-probs."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager").to(DEVICE).eval()
-    ids = torch.tensor([prompt_ids], device=DEVICE)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         do_sample=False,
-                         eos_token_id=None, pad_token_id=0, output_logits=True,
-                         return_dict_in_generate=True)
-    toks = out.sequences[0, len(prompt_ids):].tolist()
-    lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, toks)]
-    return toks, lps
 
 
 @pytest.mark.parametrize("kind", sorted(TINY))
@@ -40,7 +24,7 @@ def test_greedy_matches_transformers(tiny_models, kind):
     outs = engine.generate(PROMPTS, sp)
     for prompt, out in zip(PROMPTS, outs):
         ids = engine.tokenizer.encode(prompt)
-        toks, lps = hf_greedy(model_dir, ids, NEW)
+        toks, lps = peft_greedy(model_dir, None, ids, NEW, DEVICE)
         assert out.token_ids == toks, f"{kind}: {prompt!r}"
         mine = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
         assert mine == pytest.approx(lps, abs=1e-3)
