@@ -166,10 +166,11 @@ def variants():
          dict(BLOCK=64, TB=16, LORA=False), opts),
         # q's and k's norms: a head of 128 a program under one weight (Qwen3's), and a
         # token's whole q or k of 4,096 under its own (OLMo 2's)
-        ("qk_norm, per head", fused._qk_norm_kernel, FUSED,
-         dict(OWN=False, CENTER=False, BLOCK=128), dict(opts, num_warps=1)),
+        *[(f"qk_norm, per head{what}", fused._qk_norm_kernel, FUSED,
+           dict(OWN=False, CENTER=False, LORA=lora, BLOCK=128), dict(opts, num_warps=1))
+          for what, lora in (("", False), (", LoRA rows added", True))],
         ("qk_norm, whole q and k", fused._qk_norm_kernel, FUSED,
-         dict(OWN=True, CENTER=False, BLOCK=4096), dict(opts, num_warps=8)),
+         dict(OWN=True, CENTER=False, LORA=False, BLOCK=4096), dict(opts, num_warps=8)),
         *[(f"{name}{what}", fused._act_mul_kernel, FUSED,
            dict(BLOCK=16384 if quant else 1024, GELU=gelu, HAS_LORA=lora, QUANT=quant,
                 **fp8.ROUNDING), dict(opts, num_warps=16) if quant else opts)

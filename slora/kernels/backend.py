@@ -91,8 +91,8 @@ class Pending(NamedTuple):
     """A linear layer's output whose LoRA rows are still being added on the side stream of a
     decode step (`TritonBackend.linear_lora` with `defer`): `out`, the base GEMM's output,
     and `lora`, the rows the expand added into zeros (zero on rows without an adapter). Only
-    the kernels its layer's output goes to take it (`rope_attention`, `add_rms_norm`, the
-    GLUs): they wait for the side stream and add `lora` as the expand would have added it
+    the kernels its layer's output goes to take it (`rope_attention`, `qk_norm`,
+    `add_rms_norm`, the GLUs): they wait for the side stream and add `lora` as the expand would have added it
     into `out`."""
 
     out: torch.Tensor
@@ -151,8 +151,8 @@ class TorchBackend:
         x @ w^T (+ bias) + each row's own adapter's (x @ A^T) @ B^T, then rescaled per output
         channel on the rows of DoRA adapters (`dora`). x may carry its FP8 rounding
         (`quant.Fp8Rows`): the base GEMM takes it, LoRA its 16-bit rows. `defer`: the output
-        goes only to this backend's `rope_attention`, `add_rms_norm` or GLU, which may then be
-        given a `Pending` (this backend adds the rows here, always)."""
+        goes only to this backend's `rope_attention`, `qk_norm`, `add_rms_norm` or GLU, which
+        may then be given a `Pending` (this backend adds the rows here, always)."""
         out = self.linear(x, w, bias)
         if meta is not None:
             self.lora(out, quant.rows(x), pool_l, meta, layer, group)
@@ -265,11 +265,15 @@ class TritonBackend(TorchBackend):
         self._fused = fused
         self.rms_norm = fused.rms_norm
         self.rope_write_kv = fused.rope_write_kv
-        self.qk_norm = fused.qk_norm
 
     def add_rms_norm(self, x, delta, weight, eps, feeds=None, center=False):
         delta, lora = self._ready(delta)
         return self._fused.add_rms_norm(x, delta, weight, eps, feeds, lora=lora, center=center)
+
+    def qk_norm(self, qkv, q_weight, k_weight, eps, q_size, kv_size, head_dim, center=False):
+        qkv, lora = self._ready(qkv)
+        return self._fused.qk_norm(qkv, q_weight, k_weight, eps, q_size, kv_size, head_dim,
+                                   center, lora=lora)
 
     def silu_mul(self, gate_up, feeds=None):
         gate_up, lora = self._ready(gate_up)

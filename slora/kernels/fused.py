@@ -116,12 +116,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 @triton.jit
-def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, stride_t, eps, Q_SIZE, QG, KG, N_QG,
-                    OWN: tl.constexpr, CENTER: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr):
+def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, l_ptr, stride_t, stride_l, eps, Q_SIZE, KV_SIZE,
+                    QG, KG, N_QG, N_KG, OWN: tl.constexpr, CENTER: tl.constexpr,
+                    LORA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (token, group): one of the token's N_QG q groups of QG elements (a head, or
-    the whole q) or of its k groups of KG, normalised in place under its weight (OWN: the
-    group's own slice of the weight, else the one weight all groups share)."""
+    the whole q) or of its N_KG k groups of KG, normalised in place under its weight (OWN:
+    the group's own slice of the weight, else the one weight all groups share). With LORA,
+    qkv's LoRA rows at l_ptr added first (`with_lora`), and the programs past the k groups
+    write v's groups of KG with theirs."""
     pdl.wait(PDL)
     pdl.launch_next(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -132,39 +134,53 @@ def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, stride_t, eps, Q_SIZE, QG, KG, N_QG
         j = g
         col = j * QG
         w_ptr = qw_ptr
-    else:
+    elif g < N_QG + N_KG:
         n = KG
         j = g - N_QG
         col = Q_SIZE + j * KG
         w_ptr = kw_ptr
+    else:  # (LORA only) a v group: its rows added, no norm
+        n = KG
+        j = g - N_QG - N_KG
+        col = Q_SIZE + KV_SIZE + j * KG
+        w_ptr = kw_ptr
     m = offs < n
     ptrs = qkv_ptr + t * stride_t + col + offs
     x = tl.load(ptrs, mask=m, other=0.0)
-    xf = x.to(tl.float32)
-    if CENTER:  # a LayerNorm without bias (padding stays 0)
-        xf = tl.where(m, xf - tl.sum(xf, axis=0) / n, 0.0)
-    var = tl.sum(xf * xf, axis=0) / n
-    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
-    w = tl.load(w_ptr + (j * n if OWN else 0) + offs, mask=m, other=0.0)
-    tl.store(ptrs, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=m)
+    if LORA:
+        x = with_lora(x, l_ptr + t * stride_l + col + offs, m)
+    if g < N_QG + N_KG:
+        xf = x.to(tl.float32)
+        if CENTER:  # a LayerNorm without bias (padding stays 0)
+            xf = tl.where(m, xf - tl.sum(xf, axis=0) / n, 0.0)
+        var = tl.sum(xf * xf, axis=0) / n
+        y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+        w = tl.load(w_ptr + (j * n if OWN else 0) + offs, mask=m, other=0.0)
+        x = (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
+    tl.store(ptrs, x, mask=m)
 
 
 def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-            q_size: int, kv_size: int, head_dim: int | None,
-            center: bool = False) -> torch.Tensor:
+            q_size: int, kv_size: int, head_dim: int | None, center: bool = False,
+            lora: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.qk_norm` in one launch, in place: q and k inside qkv take their norms;
-    returns qkv. A program a head of a token (or a token's whole q or k, head_dim None)."""
+    returns qkv. A program a head of a token (or a token's whole q or k, head_dim None).
+    `lora`: qkv's LoRA rows, not yet added (as `add_rms_norm`'s): q, k and v are qkv + lora."""
     T = qkv.shape[0]
     assert qkv.stride(1) == 1 and qkv.shape[1] == q_size + 2 * kv_size
     assert q_weight.dtype == k_weight.dtype
+    assert lora is None or (lora.shape == qkv.shape and lora.dtype == qkv.dtype
+                            and lora.stride(1) == 1)
     qg, kg = (head_dim, head_dim) if head_dim else (q_size, kv_size)
     own = q_weight.numel() == q_size
     if T:
         block = pow2(max(qg, kg))
-        _qk_norm_kernel[(T, q_size // qg + kv_size // kg)](
-            qkv, q_weight, k_weight, qkv.stride(0), eps, q_size, qg, kg, q_size // qg,
-            OWN=own, CENTER=center, BLOCK=block, num_warps=max(1, min(8, block // 256)),
-            **pdl.options(qkv.device))
+        groups = q_size // qg + kv_size // kg * (2 if lora is not None else 1)
+        _qk_norm_kernel[(T, groups)](
+            qkv, q_weight, k_weight, lora if lora is not None else qkv, qkv.stride(0),
+            lora.stride(0) if lora is not None else 0, eps, q_size, kv_size, qg, kg,
+            q_size // qg, kv_size // kg, OWN=own, CENTER=center, LORA=lora is not None,
+            BLOCK=block, num_warps=max(1, min(8, block // 256)), **pdl.options(qkv.device))
     return qkv
 
 

@@ -371,11 +371,11 @@ class LlamaModel:
             kc, vc = ref.kv_views(pool[layer], self.block_size, cfg.num_kv_heads, cfg.head_dim)
             x, h = self._add_norm(x, down, lw.ln1, lw.qkv)
             # qkv, o, gate_up and down may come back `Pending` (their LoRA rows added by the
-            # kernel they go to) where that kernel is attention, the residual add or the GLU,
-            # as here; down's goes to the next layer's residual add, so not from the last layer
-            # of this call (a graph piece hands on a tensor)
+            # kernel they go to) where that kernel is the q/k norm, attention, the residual
+            # add or the GLU, as here; down's goes to the next layer's residual add, so not
+            # from the last layer of this call (a graph piece hands on a tensor)
             qkv = be.linear_lora(h, lw.qkv, lw.qkv_bias, pool[layer], b.lora, layer, "qkv",
-                                 defer=lw.q_norm is None)
+                                 defer=True)
             if lw.q_norm is not None:
                 qkv = self._qk_norm(qkv, lw)
             inv_freq, scale = self.rope[layer]

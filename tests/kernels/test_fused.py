@@ -111,6 +111,24 @@ def test_lora_rows_are_added_as_the_expand_adds_them(dtype):
         assert torch.equal(getattr(fused, act)(gu, lora=delta2), getattr(fused, act)(added2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["head", "all"])
+def test_qk_norm_adds_the_lora_rows(dtype, mode):
+    """qkv's LoRA rows handed over unadded give, bit for bit, the normed q and k and the v of
+    qkv with the rows added as the expand adds them."""
+    T, H, KVH, D = 5, 4, 2, 16
+    qkv = _rand(T, (H + 2 * KVH) * D, dtype=dtype)
+    lora = (torch.randn(qkv.shape, device=DEVICE) * 0.5).to(dtype)
+    lora[3] = 0.0  # a row without an adapter
+    added = (qkv.float() + lora.float()).to(dtype)
+    qw, kw = (_rand(D, dtype=dtype), _rand(D, dtype=dtype)) if mode == "head" else \
+        (_rand(H * D, dtype=dtype), _rand(KVH * D, dtype=dtype))
+    args = (qw, kw, 1e-6, H * D, KVH * D, D if mode == "head" else None)
+    got = fused.qk_norm(qkv.clone(), *args, lora=lora)
+    assert torch.equal(got, fused.qk_norm(added.clone(), *args))
+    assert torch.equal(got[:, -KVH * D:], added[:, -KVH * D:])
+
+
 @pytest.mark.parametrize("tb", [1, 16], ids=["token", "token-block"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_write_kv_adds_the_lora_rows(dtype, tb, monkeypatch):

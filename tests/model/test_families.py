@@ -168,6 +168,17 @@ def test_adapters_in_one_batch_match_peft(tiny_models, adapter_factory, kind):
                    for t in by_prompt.values()), name
 
 
+def test_qk_norm_adds_the_deferred_lora_rows(tiny_models, adapter_factory):
+    """On the Triton backend a decode step hands Qwen3's q|k|v output to the q/k norm kernel
+    with its LoRA rows not yet added (`backend.Pending`, where every decode row runs MBGMV):
+    a batch of adapters and base rows still equals PEFT."""
+    model_dir = tiny_models("qwen3")
+    paths = {name: adapter_factory(model_dir, seed=i, **kw)
+             for i, (name, kw) in enumerate(ADAPTERS["qwen3"].items())}
+    batch_against_peft(model_dir, paths, PROMPTS, NEW, DEVICE, backend="triton",
+                       decode_lora="mbgmv", cuda_graphs=False)
+
+
 def test_fused_adapter_is_split_by_rows(tiny_models, peft_files, tmp_path):
     """A LoRA on Phi-3's qkv_proj is q, k and v LoRAs with its A and B's row slices, and its
     pack holds exactly those (scaled by alpha / r)."""
