@@ -48,7 +48,8 @@ ATTN = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16"
         "bt_ptr": "*i32", "ctx_ptr": "*i32", "part_ptr": "*fp32", "ml_ptr": "*fp32",
         "q_start_ptr": "*i32", "tiles_ptr": "*i32", "qk_scale": "fp32", "cap_scale": "fp32",
         "pos_ptr": "*i64",
-        "inv_ptr": "*fp32", "slot_ptr": "*i64", "l_ptr": "*bf16", "sink_ptr": "*fp32"}
+        "inv_ptr": "*fp32", "slot_ptr": "*i64", "l_ptr": "*bf16", "sink_ptr": "*fp32",
+        "qw_ptr": "*bf16", "kw_ptr": "*bf16", "norm_eps": "fp32"}
 FUSED = {"x_ptr": "*bf16", "d_ptr": "*bf16", "l_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16",
          "out_ptr": "*bf16", "qkv_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
          "pos_ptr": "*i64", "inv_ptr": "*fp32", "slot_ptr": "*i64", "gu_ptr": "*bf16",
@@ -125,8 +126,13 @@ def variants():
               ROPE=False, **PLAIN, **KV7B), dict(opts, num_stages=2)),
         *[(f"decode attention, rotary + K/V store{what}", attention._decode_kernel, ATTN,
            dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
-                ROPE=True, LORA=lora, **PLAIN, **KV7B), dict(opts, num_stages=2))
+                ROPE=True, LORA=lora, NORM=False, **PLAIN, **KV7B), dict(opts, num_stages=2))
           for what, lora in (("", False), (", LoRA rows added", True))],
+        # Qwen3-8B's layer (32 heads, 8 KV heads of 128): q and k normed first
+        ("decode attention, q/k norms + rotary, LoRA", attention._decode_kernel, ATTN,
+         dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
+              ROPE=True, LORA=True, NORM=True, **PLAIN, **kv_layout(8, 128)),
+         dict(opts, num_stages=2)),
         ("decode attention, split", attention._decode_kernel, ATTN,
          dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=True, DOT_F32=False,
               ROPE=False, **PLAIN, **kv_layout(8, 128)), dict(opts, num_stages=2)),

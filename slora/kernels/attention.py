@@ -23,7 +23,9 @@ Decode tiling, and why:
   * `rope_paged_decode_attention` folds the rotary + K/V store (`fused.rope_write_kv`) into
     the same launch for decode-only steps while the programs fit one wave (`fold_rope`): each
     program rotates its q rows from the token's [q | k | v] row, and the program whose split
-    holds the new position rotates and stores the new K and V before it reads keys.
+    holds the new position rotates and stores the new K and V before it reads keys. A
+    family's per-head q and k norms under one shared weight (Qwen3's) fold in the same way,
+    before the rotary (`norm`).
 
 Prefill (`paged_prefill_attention`, flash-attention style): programs per (query tile, query
 head), the tiles taken from a host-built work list (`tiles.py`); keys walked BLOCK_N at a time
@@ -54,7 +56,7 @@ import triton
 import triton.language as tl
 
 from . import pdl, tuning
-from .fused import rope_write_kv, tanh, with_lora
+from .fused import qk_norm, rope_write_kv, tanh, with_lora
 from .tiles import as_tiles, tile_rows
 from .tuning import pow2
 
@@ -126,10 +128,12 @@ def _sink_state(sink_ptr, heads, mask):
 
 
 @triton.jit
-def _rotary(ptr, offs_d, mask, half, c, s, l_ptr, LORA: tl.constexpr):
+def _rotary(ptr, offs_d, mask, half, c, s, l_ptr, LORA: tl.constexpr, w_ptr, eps,
+            NORM: tl.constexpr, AXIS: tl.constexpr):
     """HF's rotary (x * cos + rotate_half(x) * sin) of the rows at ptr (columns offs_d), in
     fp32 and rounded to ptr's dtype, as `fused.rope_write_kv` computes it; with LORA the rows
-    at l_ptr added first (`fused.with_lora`)."""
+    at l_ptr added first (`fused.with_lora`); with NORM each row (a head, along AXIS) first
+    RMS-normalised under the weight at w_ptr as `fused.qk_norm` does it."""
     first = offs_d < half
     other = tl.where(first, offs_d + half, offs_d - half)
     x = tl.load(ptr + offs_d, mask=mask, other=0.0)
@@ -137,16 +141,30 @@ def _rotary(ptr, offs_d, mask, half, c, s, l_ptr, LORA: tl.constexpr):
     if LORA:
         x = with_lora(x, l_ptr + offs_d, mask)
         y = with_lora(y, l_ptr + other, mask)
+    if NORM:  # y holds x's elements in another order: one statistic for both
+        xf = x.to(tl.float32)
+        r = tl.rsqrt(tl.sum(xf * xf, axis=AXIS, keep_dims=True) / (2 * half) + eps)
+        x = _normed(x, r, w_ptr + offs_d, offs_d < 2 * half)
+        y = _normed(y, r, w_ptr + other, offs_d < 2 * half)
     x = x.to(tl.float32)
     y = y.to(tl.float32)
     return (x * c + tl.where(first, -y, y) * s).to(ptr.dtype.element_ty)
 
 
+@triton.jit
+def _normed(v, r, w_ptrs, w_mask):
+    """v times its row's 1 / rms r, rounded to v's dtype, then times the weight at w_ptrs,
+    rounded again (`reference.rms_norm`'s rounding points)."""
+    n = (v.to(tl.float32) * r).to(v.dtype)
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    return (w.to(tl.float32) * n.to(tl.float32)).to(v.dtype)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, part_ptr, ml_ptr,
-    pos_ptr, inv_ptr, slot_ptr, l_ptr, sink_ptr,
-    qk_scale, window, cap_scale,
+    pos_ptr, inv_ptr, slot_ptr, l_ptr, sink_ptr, qw_ptr, kw_ptr,
+    qk_scale, window, cap_scale, norm_eps,
     stride_qb, stride_qh, stride_lb,
     stride_kp: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
     stride_vp: tl.constexpr, stride_vs: tl.constexpr, stride_vh: tl.constexpr,
@@ -156,7 +174,7 @@ def _decode_kernel(
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-    LORA: tl.constexpr = False,
+    LORA: tl.constexpr = False, NORM: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -196,14 +214,16 @@ def _decode_kernel(
         # added to q, k and v as they are read.
         l_row = l_ptr + b.to(tl.int64) * stride_lb
         q = _rotary(q_row + heads[:, None] * stride_qh, offs_d[None, :], qmask, half,
-                    c[None, :], s[None, :], l_row + heads[:, None] * stride_qh, LORA)
+                    c[None, :], s[None, :], l_row + heads[:, None] * stride_qh, LORA, qw_ptr,
+                    norm_eps, NORM, 1)
         if (lo < ctx) & (ctx <= hi):
             k_col = (QH * tl.num_programs(1) + kvh) * stride_qh  # past the H q heads
             v_col = k_col + tl.num_programs(1) * stride_qh  # past the KV k heads
             slot = tl.load(slot_ptr + b).to(tl.int64)
             page, r = slot // block_size, slot % block_size
             tl.store(k_ptr + page * stride_kp + r * stride_ks + kvh * stride_kh + offs_d,
-                     _rotary(q_row + k_col, offs_d, d_ok, half, c, s, l_row + k_col, LORA),
+                     _rotary(q_row + k_col, offs_d, d_ok, half, c, s, l_row + k_col, LORA,
+                             kw_ptr, norm_eps, NORM, 0),
                      mask=d_ok)
             v = tl.load(q_row + v_col + offs_d, mask=d_ok)
             if LORA:
@@ -339,7 +359,8 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
                                 fold: bool | None = None, window: int = 0,
                                 softcap: float = 0.0,
                                 lora: torch.Tensor | None = None,
-                                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                sinks: torch.Tensor | None = None,
+                                norm=None) -> torch.Tensor:
     """`fused.rope_write_kv` and `paged_decode_attention`, in one launch where that is faster
     (twin: `reference.rope_write_kv`, then `reference.paged_decode_attention`): qkv [B, (H + 2
     KVH) * D] is each sequence's new token, unrotated; its K and V are stored at slot_mapping,
@@ -347,15 +368,17 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
     rotated (in two launches `rope_write_kv` rotates them in place). `fold` (optional, for
     tests and benchmarks) overrides `fold_rope`'s choice of one launch or two. `window`,
     `softcap`, `sinks`: as `paged_decode_attention`'s. `lora`: qkv's LoRA rows, not yet added,
-    as `fused.rope_write_kv` takes them."""
+    as `fused.rope_write_kv` takes them. `norm`: the heads' q and k norms, before rotary (a
+    `reference.QkNorm` whose heads share one weight; twin `reference.qk_norm` first)."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D
     assert k_cache.shape[2] == num_kv_heads and D % 2 == 0 and inv_freq.dtype == torch.float32
     q = qkv[:, : num_heads * D].view(B, num_heads, D)
+    assert norm is None or (norm.shared and not norm.center and norm.head_dim == D)
     return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
-                   rope=(qkv, positions, inv_freq, slot_mapping, lora), fold=fold, window=window,
-                   softcap=softcap, sinks=sinks)
+                   rope=(qkv, positions, inv_freq, slot_mapping, lora, norm), fold=fold,
+                   window=window, softcap=softcap, sinks=sinks)
 
 
 def fold_rope(programs: int, device: torch.device) -> bool:
@@ -388,8 +411,10 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
                                      cfg["BLOCK_N"], q.device)
     if rope is not None and fold is None:
         fold = fold_rope(B * kvh * num_splits, q.device)
-    if rope is not None and not fold:  # two launches: rotate and store, then attend
-        qkv, positions, inv_freq, slot_mapping, lora = rope
+    if rope is not None and not fold:  # two or three launches: norm, rotate and store, attend
+        qkv, positions, inv_freq, slot_mapping, lora, norm = rope
+        if norm is not None:
+            qkv, lora = qk_norm(qkv, H * D, kvh * D, norm, lora=lora), None
         q, rope = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, H,
                                 kvh, lora=lora), None
     dot_f32 = q.device.type != "cuda" or q.dtype == torch.float32
@@ -399,7 +424,8 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
     else:
         part = ml = out  # unused
     # (without ROPE the kernel reads none of these: any int tensor stands in)
-    _, positions, inv_freq, slot_mapping, lora = rope or (None, ctx_lens, ctx_lens, ctx_lens, None)
+    _, positions, inv_freq, slot_mapping, lora, norm = rope or (None, ctx_lens, ctx_lens,
+                                                                ctx_lens, None, None)
     if lora is not None:
         assert lora.shape == rope[0].shape and lora.dtype == q.dtype and lora.stride(1) == 1
     assert sinks is None or (sinks.shape == (H,) and sinks.stride(0) == 1)
@@ -408,7 +434,8 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
         q, k_cache, v_cache, block_tables, ctx_lens, out, part, ml,
         positions, inv_freq, slot_mapping, lora if lora is not None else q,
         sinks if sinks is not None else q,
-        qk_scale, window, cap_scale,
+        *((norm.q_weight, norm.k_weight) if norm is not None else (q, q)),
+        qk_scale, window, cap_scale, norm.eps if norm is not None else 0.0,
         q.stride(0), q.stride(1), lora.stride(0) if lora is not None else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -417,7 +444,8 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
         D, num_splits,
         QH=qh, BLOCK_H=block_h, BLOCK_D=block_d, SPLIT=num_splits > 1, DOT_F32=dot_f32,
         ROPE=rope is not None, SLIDING=window > 0, SOFTCAP=softcap > 0,
-        SINKS=sinks is not None, LORA=lora is not None, **pdl.options(q.device), **cfg)
+        SINKS=sinks is not None, LORA=lora is not None, NORM=norm is not None,
+        **pdl.options(q.device), **cfg)
     if num_splits > 1:
         _merge_kernel[(B, H)](part, ml, out, out.stride(0), out.stride(1), H, D, num_splits,
                               BLOCK_S=pow2(num_splits), BLOCK_D=block_d,

@@ -91,8 +91,8 @@ class Pending(NamedTuple):
     """A linear layer's output whose LoRA rows are still being added on the side stream of a
     decode step (`TritonBackend.linear_lora` with `defer`): `out`, the base GEMM's output,
     and `lora`, the rows the expand added into zeros (zero on rows without an adapter). Only
-    the kernels its layer's output goes to take it (`rope_attention`, `qk_norm`,
-    `add_rms_norm`, the GLUs): they wait for the side stream and add `lora` as the expand would have added it
+    the kernels its layer's output goes to take it (`rope_attention`, `add_rms_norm`, the
+    GLUs): they wait for the side stream and add `lora` as the expand would have added it
     into `out`."""
 
     out: torch.Tensor
@@ -138,9 +138,12 @@ class TorchBackend:
                                    b.ctx_lens_list, scale, window, softcap, sinks)
 
     def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
-                       num_kv_heads, window=0, softcap=0.0, sinks=None):
+                       num_kv_heads, window=0, softcap=0.0, sinks=None, qk_norm=None):
         """Rotary on q and k of the fused qkv output, K/V stored at the tokens' slots, then
-        attention: [T, H, D]."""
+        attention: [T, H, D]. `qk_norm` (a `reference.QkNorm`): q and k normed first."""
+        if qk_norm is not None:
+            D = k_cache.shape[-1]
+            qkv = self.qk_norm(qkv, num_heads * D, num_kv_heads * D, qk_norm)
         q = self.rope_write_kv(qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping,
                                num_heads, num_kv_heads)
         return self.attention(q, k_cache, v_cache, b, scale, window, softcap, sinks)
@@ -151,8 +154,8 @@ class TorchBackend:
         x @ w^T (+ bias) + each row's own adapter's (x @ A^T) @ B^T, then rescaled per output
         channel on the rows of DoRA adapters (`dora`). x may carry its FP8 rounding
         (`quant.Fp8Rows`): the base GEMM takes it, LoRA its 16-bit rows. `defer`: the output
-        goes only to this backend's `rope_attention`, `qk_norm`, `add_rms_norm` or GLU, which
-        may then be given a `Pending` (this backend adds the rows here, always)."""
+        goes only to this backend's `rope_attention`, `add_rms_norm` or GLU, which may then be
+        given a `Pending` (this backend adds the rows here, always)."""
         out = self.linear(x, w, bias)
         if meta is not None:
             self.lora(out, quant.rows(x), pool_l, meta, layer, group)
@@ -270,10 +273,9 @@ class TritonBackend(TorchBackend):
         delta, lora = self._ready(delta)
         return self._fused.add_rms_norm(x, delta, weight, eps, feeds, lora=lora, center=center)
 
-    def qk_norm(self, qkv, q_weight, k_weight, eps, q_size, kv_size, head_dim, center=False):
+    def qk_norm(self, qkv, q_size, kv_size, norm):
         qkv, lora = self._ready(qkv)
-        return self._fused.qk_norm(qkv, q_weight, k_weight, eps, q_size, kv_size, head_dim,
-                                   center, lora=lora)
+        return self._fused.qk_norm(qkv, q_size, kv_size, norm, lora=lora)
 
     def silu_mul(self, gate_up, feeds=None):
         gate_up, lora = self._ready(gate_up)
@@ -305,16 +307,24 @@ class TritonBackend(TorchBackend):
         return t.out, t.lora
 
     def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
-                       num_kv_heads, window=0, softcap=0.0, sinks=None):
-        qkv, lora = self._ready(qkv)  # (a `Pending` comes from decode-only steps alone)
-        if b.num_decode == len(b.q_start_list) - 1:  # decode only: rotary and K/V store folded in
+                       num_kv_heads, window=0, softcap=0.0, sinks=None, qk_norm=None):
+        if b.num_decode == len(b.q_start_list) - 1:
+            # decode only: rotary and K/V store folded in, and q and k norms whose heads share
+            # one weight (others run first, in their own kernel)
+            qkv, lora = self._ready(qkv)
+            if qk_norm is not None and not (qk_norm.shared and not qk_norm.center):
+                D = k_cache.shape[-1]
+                qkv = self._fused.qk_norm(qkv, num_heads * D, num_kv_heads * D, qk_norm,
+                                          lora=lora)
+                lora = qk_norm = None
             return self._attn.rope_paged_decode_attention(
                 qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping, b.block_tables,
                 b.ctx_lens, scale, num_heads, num_kv_heads, window=window, softcap=softcap,
-                lora=lora, sinks=sinks)
-        assert lora is None
+                lora=lora, sinks=sinks, norm=qk_norm)
+        # (a `Pending` comes from decode-only steps alone)
+        assert not isinstance(qkv, Pending)
         return super().rope_attention(qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
-                                      num_kv_heads, window, softcap, sinks)
+                                      num_kv_heads, window, softcap, sinks, qk_norm)
 
     def attention(self, q, k_cache, v_cache, b, scale, window=0, softcap=0.0, sinks=None):
         layer = dict(window=window, softcap=softcap, sinks=sinks)  # (every path takes them)

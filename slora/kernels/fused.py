@@ -160,27 +160,27 @@ def _qk_norm_kernel(qkv_ptr, qw_ptr, kw_ptr, l_ptr, stride_t, stride_l, eps, Q_S
     tl.store(ptrs, x, mask=m)
 
 
-def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-            q_size: int, kv_size: int, head_dim: int | None, center: bool = False,
+def qk_norm(qkv: torch.Tensor, q_size: int, kv_size: int, norm,
             lora: torch.Tensor | None = None) -> torch.Tensor:
-    """`reference.qk_norm` in one launch, in place: q and k inside qkv take their norms;
-    returns qkv. A program a head of a token (or a token's whole q or k, head_dim None).
-    `lora`: qkv's LoRA rows, not yet added (as `add_rms_norm`'s): q, k and v are qkv + lora."""
+    """`reference.qk_norm` in one launch, in place: q and k inside qkv take their norms
+    (`norm`, a `reference.QkNorm`); returns qkv. A program a head of a token (or a token's
+    whole q or k, head_dim None). `lora`: qkv's LoRA rows, not yet added (as
+    `add_rms_norm`'s): q, k and v are qkv + lora."""
     T = qkv.shape[0]
     assert qkv.stride(1) == 1 and qkv.shape[1] == q_size + 2 * kv_size
-    assert q_weight.dtype == k_weight.dtype
+    assert norm.q_weight.dtype == norm.k_weight.dtype
     assert lora is None or (lora.shape == qkv.shape and lora.dtype == qkv.dtype
                             and lora.stride(1) == 1)
-    qg, kg = (head_dim, head_dim) if head_dim else (q_size, kv_size)
-    own = q_weight.numel() == q_size
+    qg, kg = (norm.head_dim,) * 2 if norm.head_dim else (q_size, kv_size)
     if T:
         block = pow2(max(qg, kg))
         groups = q_size // qg + kv_size // kg * (2 if lora is not None else 1)
         _qk_norm_kernel[(T, groups)](
-            qkv, q_weight, k_weight, lora if lora is not None else qkv, qkv.stride(0),
-            lora.stride(0) if lora is not None else 0, eps, q_size, kv_size, qg, kg,
-            q_size // qg, kv_size // kg, OWN=own, CENTER=center, LORA=lora is not None,
-            BLOCK=block, num_warps=max(1, min(8, block // 256)), **pdl.options(qkv.device))
+            qkv, norm.q_weight, norm.k_weight, lora if lora is not None else qkv,
+            qkv.stride(0), lora.stride(0) if lora is not None else 0, norm.eps, q_size,
+            kv_size, qg, kg, q_size // qg, kv_size // kg, OWN=not norm.shared,
+            CENTER=norm.center, LORA=lora is not None, BLOCK=block,
+            num_warps=max(1, min(8, block // 256)), **pdl.options(qkv.device))
     return qkv
 
 

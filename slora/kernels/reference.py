@@ -284,18 +284,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (weight * xf.to(x.dtype)).to(x.dtype)
 
 
-def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-            q_size: int, kv_size: int, head_dim: int | None, center: bool = False) -> torch.Tensor:
-    """q|k|v [T, q_size + 2 kv_size] with q and k RMS-normalised (`rms_norm`) and v as it is,
-    as a new tensor. `head_dim`: each head over its head_dim elements, under a weight
-    [head_dim] all heads share (Qwen3's, Gemma 3's) or one of each head's own ([q_size] and
-    [kv_size]: Cohere's); None: a token's whole q and whole k (OLMo 2's, weights [q_size] and
-    [kv_size]). `center`: LayerNorms without bias (Cohere's)."""
-    T = qkv.shape[0]
+class QkNorm(NamedTuple):
+    """The RMSNorms on q and k of a family that has them (ModelConfig.qk_norm), applied after
+    the q|k|v projection and its LoRA, before rotary (`qk_norm`). `head_dim`: each head over
+    its head_dim elements, under a weight [head_dim] all heads share (Qwen3's, Gemma 3's) or
+    one of each head's own ([q_size] and [kv_size]: Cohere's); None: a token's whole q and
+    whole k (OLMo 2's, weights [q_size] and [kv_size]). `center`: LayerNorms without bias
+    (Cohere's)."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    head_dim: int | None
+    center: bool = False
+
+    @property
+    def shared(self) -> bool:
+        """Each head normed under the one weight all heads share."""
+        return self.head_dim is not None and self.q_weight.numel() == self.head_dim
+
+
+def qk_norm(qkv: torch.Tensor, q_size: int, kv_size: int, norm: QkNorm) -> torch.Tensor:
+    """q|k|v [T, q_size + 2 kv_size] with q and k RMS-normalised as `norm` says (`rms_norm`)
+    and v as it is, as a new tensor."""
+    T, d = qkv.shape[0], norm.head_dim
     q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-    q, k = (rms_norm(t.reshape(T, -1, head_dim or t.shape[-1]),
-                     w.view(-1, head_dim or t.shape[-1]), eps, center=center)
-            for t, w in ((q, q_weight), (k, k_weight)))
+    q, k = (rms_norm(t.reshape(T, -1, d or t.shape[-1]), w.view(-1, d or t.shape[-1]),
+                     norm.eps, center=norm.center)
+            for t, w in ((q, norm.q_weight), (k, norm.k_weight)))
     return torch.cat((q.reshape(T, -1), k.reshape(T, -1), v), dim=-1)
 
 

@@ -371,17 +371,17 @@ class LlamaModel:
             kc, vc = ref.kv_views(pool[layer], self.block_size, cfg.num_kv_heads, cfg.head_dim)
             x, h = self._add_norm(x, down, lw.ln1, lw.qkv)
             # qkv, o, gate_up and down may come back `Pending` (their LoRA rows added by the
-            # kernel they go to) where that kernel is the q/k norm, attention, the residual
-            # add or the GLU, as here; down's goes to the next layer's residual add, so not
-            # from the last layer of this call (a graph piece hands on a tensor)
+            # kernel they go to) where that kernel is attention (the q/k norm first, where the
+            # family has one), the residual add or the GLU, as here; down's goes to the next
+            # layer's residual add, so not from the last layer of this call (a graph piece
+            # hands on a tensor)
             qkv = be.linear_lora(h, lw.qkv, lw.qkv_bias, pool[layer], b.lora, layer, "qkv",
                                  defer=True)
-            if lw.q_norm is not None:
-                qkv = self._qk_norm(qkv, lw)
             inv_freq, scale = self.rope[layer]
             attn = be.rope_attention(qkv, inv_freq, kc, vc, b, scale, cfg.num_heads,
                                      cfg.num_kv_heads, window=cfg.window(layer),
-                                     softcap=cfg.attn_softcap or 0.0, sinks=lw.sinks)
+                                     softcap=cfg.attn_softcap or 0.0, sinks=lw.sinks,
+                                     qk_norm=self._qk_norm(lw))
             o = be.linear_lora(attn.reshape(-1, cfg.q_size), lw.o, lw.o_bias, pool[layer],
                                b.lora, layer, "o",
                                defer=lw.post_attn is None and not cfg.parallel_block)
@@ -449,16 +449,17 @@ class LlamaModel:
         return run(h, ex.gate_up, ex.down, weights, pick, self.experts_act, ex.gate_up_bias,
                    ex.down_bias)
 
-    def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        """q|k|v [T, q + 2 kv] with q and k RMS-normalised (ModelConfig.qk_norm: each head
-        over its head_dim elements, under one weight (Qwen3's and Gemma 3's q_norm, k_norm)
-        or a weight of each head's own (Cohere's, a LayerNorm: `layer_norm`); or a token's
-        whole q and whole k, OLMo 2's), after the projection and its LoRA, before rotary
-        (the backend's `qk_norm`, twin `reference.qk_norm`)."""
+    def _qk_norm(self, lw: LayerWeights) -> ref.QkNorm | None:
+        """The layer's q and k norms (ModelConfig.qk_norm), which attention applies to q|k|v
+        after the projection and its LoRA, before rotary: each head over its head_dim
+        elements under one weight (Qwen3's and Gemma 3's q_norm, k_norm) or a weight of each
+        head's own (Cohere's, a LayerNorm: `layer_norm`); or a token's whole q and whole k
+        (OLMo 2's). None where the family has none."""
         cfg = self.cfg
-        return self.backend.qk_norm(qkv, lw.q_norm, lw.k_norm, cfg.rms_norm_eps, cfg.q_size,
-                                    cfg.kv_size, None if cfg.qk_norm == "all" else cfg.head_dim,
-                                    center=cfg.layer_norm)
+        if lw.q_norm is None:
+            return None
+        return ref.QkNorm(lw.q_norm, lw.k_norm, cfg.rms_norm_eps,
+                          None if cfg.qk_norm == "all" else cfg.head_dim, cfg.layer_norm)
 
     @torch.inference_mode()
     def head(self, b: Batch, h: Hidden, pool: torch.Tensor,

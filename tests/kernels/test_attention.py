@@ -156,6 +156,40 @@ def test_rope_decode_attention_adds_the_lora_rows(dtype, num_splits, fold):
         assert torch.equal(qkv[:, :H * D], added[:, :H * D])
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["one-launch", "two-launches"])
+@pytest.mark.parametrize("num_splits", [None, 3], ids=["one-split", "3-splits"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(4, 2, 16), (3, 1, 40)], ids=lambda s: "H%d-KV%d-D%d" % s)
+def test_rope_decode_attention_norms_q_and_k(shape, dtype, num_splits, fold):
+    """Qwen3's q and k norms (one weight all heads share), with qkv's LoRA rows handed over
+    unadded, folded into the decode kernel and in their own launch first: the twins in turn
+    (reference.qk_norm of qkv + the rows, rope_write_kv, paged_decode_attention) give the
+    output and the cache."""
+    H, kvh, D = shape
+    qkv, args, pool, block_size = _rope_case(shape, dtype, 5 + D + (num_splits or 0))
+    positions, inv_freq, _, _, slots, tables, ctx, scale = args
+    lora = (torch.randn(qkv.shape, device=DEVICE) * 0.5).to(dtype)
+    lora[1] = 0.0  # a row without an adapter
+    norm = ref.QkNorm((torch.rand(D, device=DEVICE) + 0.5).to(dtype),
+                      (torch.rand(D, device=DEVICE) + 0.5).to(dtype), 1e-6, D)
+    added = (qkv.float() + lora.float()).to(dtype)
+    pool_ref = pool.clone()
+    kc_ref, vc_ref = ref.kv_views(pool_ref, block_size, kvh, D)
+    normed = ref.qk_norm(added, H * D, kvh * D, norm)
+    q_ref = ref.rope_write_kv(normed, positions, inv_freq, kc_ref, vc_ref, slots, H, kvh)
+    expect = ref.paged_decode_attention(q_ref, kc_ref, vc_ref, tables, ctx, scale)
+    out = rope_paged_decode_attention(qkv, *args, H, kvh, num_splits=num_splits, fold=fold,
+                                      lora=lora, norm=norm)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, expect) < tol
+    torch.testing.assert_close(pool, pool_ref, atol=tol, rtol=tol, equal_nan=True)
+    # the norms matter here: without them the output is another
+    plain = ref.rope_write_kv(added.clone(), positions, inv_freq,
+                              *ref.kv_views(pool.clone(), block_size, kvh, D), slots, H, kvh)
+    assert rel_err(ref.paged_decode_attention(plain, kc_ref, vc_ref, tables, ctx, scale),
+                   expect) > 0.01
+
+
 def test_decode_attention_long_context_splits_agree():
     """Split-K and one pass give the same answer over a context of many pages."""
     gen = torch.Generator().manual_seed(5)

@@ -36,26 +36,30 @@ def test_add_rms_norm(dtype, N, center):
                                   atol=0.05)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mode", ["head", "heads", "all"])
-def test_qk_norm(dtype, mode):
-    # head: one weight all heads share (Qwen3); heads: each head's own, centred (Cohere);
-    # all: a token's whole q and whole k (OLMo 2); 3 query heads of 40 and 1 KV head, so the
-    # groups' widths differ from their blocks and, under "all", q's from k's
-    T, H, KVH, D = 5, 3, 1, 40
+def _qk_case(mode, T, H, KVH, D, dtype):
+    """(qkv, the `reference.QkNorm` of `mode`): head, one weight all heads share (Qwen3);
+    heads, each head's own, centred (Cohere); all, a token's whole q and whole k (OLMo 2)."""
     qkv = _rand(T, (H + 2 * KVH) * D, dtype=dtype) + 0.5
     qw, kw = (_rand(D, dtype=dtype), _rand(D, dtype=dtype)) if mode == "head" else \
         (_rand(H * D, dtype=dtype), _rand(KVH * D, dtype=dtype))
-    args = (qw, kw, 1e-6, H * D, KVH * D, None if mode == "all" else D)
-    want = ref.qk_norm(qkv, *args, center=mode == "heads")
-    got = fused.qk_norm(qkv.clone(), *args, center=mode == "heads")
+    return qkv, ref.QkNorm(qw, kw, 1e-6, None if mode == "all" else D, mode == "heads")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["head", "heads", "all"])
+def test_qk_norm(dtype, mode):
+    # 3 query heads of 40 and 1 KV head, so the groups' widths differ from their blocks and,
+    # under "all", q's from k's
+    T, H, KVH, D = 5, 3, 1, 40
+    qkv, norm = _qk_case(mode, T, H, KVH, D, dtype)
+    want = ref.qk_norm(qkv, H * D, KVH * D, norm)
+    got = fused.qk_norm(qkv.clone(), H * D, KVH * D, norm)
     torch.testing.assert_close(got, want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
     assert torch.equal(got[:, -KVH * D:], qkv[:, -KVH * D:])  # v untouched
-    # each group is its own: the whole-q norm differs from the per-head one
-    other = ref.qk_norm(qkv, *args[:5], D if mode == "all" else None, center=mode == "heads") \
-        if mode != "head" else None
-    if other is not None:
-        assert not torch.allclose(got.float(), other.float(), atol=0.05)
+    if mode != "head":  # each group is its own: the whole-q norm differs from the per-head one
+        other = norm._replace(head_dim=D if mode == "all" else None)
+        assert not torch.allclose(got.float(), ref.qk_norm(qkv, H * D, KVH * D, other).float(),
+                                  atol=0.05)
 
 
 @pytest.mark.parametrize("tb", [1, 16], ids=["token", "token-block"])
@@ -117,15 +121,12 @@ def test_qk_norm_adds_the_lora_rows(dtype, mode):
     """qkv's LoRA rows handed over unadded give, bit for bit, the normed q and k and the v of
     qkv with the rows added as the expand adds them."""
     T, H, KVH, D = 5, 4, 2, 16
-    qkv = _rand(T, (H + 2 * KVH) * D, dtype=dtype)
+    qkv, norm = _qk_case(mode, T, H, KVH, D, dtype)
     lora = (torch.randn(qkv.shape, device=DEVICE) * 0.5).to(dtype)
     lora[3] = 0.0  # a row without an adapter
     added = (qkv.float() + lora.float()).to(dtype)
-    qw, kw = (_rand(D, dtype=dtype), _rand(D, dtype=dtype)) if mode == "head" else \
-        (_rand(H * D, dtype=dtype), _rand(KVH * D, dtype=dtype))
-    args = (qw, kw, 1e-6, H * D, KVH * D, D if mode == "head" else None)
-    got = fused.qk_norm(qkv.clone(), *args, lora=lora)
-    assert torch.equal(got, fused.qk_norm(added.clone(), *args))
+    got = fused.qk_norm(qkv.clone(), H * D, KVH * D, norm, lora=lora)
+    assert torch.equal(got, fused.qk_norm(added.clone(), H * D, KVH * D, norm))
     assert torch.equal(got[:, -KVH * D:], added[:, -KVH * D:])
 
 

@@ -169,9 +169,10 @@ def test_adapters_in_one_batch_match_peft(tiny_models, adapter_factory, kind):
 
 
 def test_qk_norm_adds_the_deferred_lora_rows(tiny_models, adapter_factory):
-    """On the Triton backend a decode step hands Qwen3's q|k|v output to the q/k norm kernel
-    with its LoRA rows not yet added (`backend.Pending`, where every decode row runs MBGMV):
-    a batch of adapters and base rows still equals PEFT."""
+    """On the Triton backend a decode step hands Qwen3's q|k|v output to attention, which
+    norms q and k in its decode kernel, with its LoRA rows not yet added (`backend.Pending`,
+    where every decode row runs MBGMV): a batch of adapters and base rows still equals
+    PEFT."""
     model_dir = tiny_models("qwen3")
     paths = {name: adapter_factory(model_dir, seed=i, **kw)
              for i, (name, kw) in enumerate(ADAPTERS["qwen3"].items())}
