@@ -3,8 +3,9 @@ costs a few microseconds however little it does; these fold the chains into one 
 
 - `add_rms_norm`: residual add + RMSNorm (7 launches -> 1), twin `reference.add_rms_norm`.
 - `rms_norm`: the same without the add, twin `reference.rms_norm`.
-- `qk_norm`: the RMSNorms of q's and k's heads inside the fused qkv output, in place (about
-  12 launches -> 1), twin `reference.qk_norm`.
+- `qk_norm`: the RMSNorms of q and k inside the fused qkv output, in place (a chain of small
+  torch ops -> 1 launch), twin `reference.qk_norm`. A decode step whose heads share one
+  weight norms them inside decode attention instead (`attention.rope_paged_decode_attention`).
 - `rope_write_kv`: rotary on q and k of the fused qkv output (cos/sin computed in the kernel
   from positions) + K/V store into their pool pages (about 16 launches -> 1), twin
   `reference.rope_write_kv`. q is rotated in place inside qkv and returned as a view.
