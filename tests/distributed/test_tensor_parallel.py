@@ -208,13 +208,16 @@ def test_under_torchrun_rank_0_serves_and_the_others_are_workers(models, tmp_pat
                     "shared_expert.down_proj", "layers.1.mlp.up_proj"],
                    ["q_proj", "shared_expert.up_proj"])),
     ("mixtral", (["q_proj", "v_proj", "o_proj"], ["k_proj"])),
-    ("gpt_oss", (["q_proj", "k_proj", "o_proj"], ["v_proj"]))])
+    ("gpt_oss", (["q_proj", "k_proj", "o_proj"], ["v_proj"])),
+    ("qwen3_moe", (["q_proj", "k_proj", "o_proj"], ["v_proj"]))])
 def test_a_mixture_of_experts_splits_like_one_device(tiny_models, tmp_path, kind, targets):
     """A mixture of experts over 2 ranks (each expert's intermediate rows split, the router
     and a shared expert's gate whole): Qwen2-MoE (a layer of experts and a shared expert
-    beside a dense layer), Mixtral (experts alone) and gpt-oss (the experts' biases, each
-    rank's heads' sinks) give one device's tokens and log-probs, base rows and adapters (on the attention, the shared expert and the dense
-    MLP) in one batch; experts whose width does not split are refused by name."""
+    beside a dense layer), Mixtral (experts alone), gpt-oss (the experts' biases, each rank's
+    heads' sinks) and Qwen3-MoE (each rank's heads under the q and k norms' one weight) give
+    one device's tokens and log-probs, base rows and adapters (on the attention, the shared
+    expert and the dense MLP) in one batch; experts whose width does not split are refused
+    by name."""
     model = tiny_models(kind)
     adapters = {"r8": make_adapter(model, tmp_path / "r8", seed=1, r=8,
                                    target_modules=targets[0]),
