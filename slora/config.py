@@ -816,11 +816,11 @@ def _experts(c: dict, arch: str, source: str) -> dict:
     """ModelConfig's mixture-of-experts fields as HF reads a config: Mixtral's, Granite
     MoE's, gpt-oss's and OLMoE's experts in every layer, each of intermediate_size, the picked
     ones' weights renormalised (Granite MoE's and gpt-oss's softmax over the top k's logits is
-    that; OLMoE's where norm_topk_prob); Qwen2-MoE's and Qwen3-MoE's of moe_intermediate_size in each layer
-    i with (i + 1) % decoder_sparse_step == 0 that mlp_only_layers leaves out (the others
-    dense), renormalised where norm_topk_prob; Qwen2-MoE's shared expert beside them
-    (shared_expert_intermediate_size, which a dense layer's MLP must then equal: one MLP width
-    a model)."""
+    that; OLMoE's where norm_topk_prob); Qwen2-MoE's and Qwen3-MoE's of
+    moe_intermediate_size in each layer i with (i + 1) % decoder_sparse_step == 0 that
+    mlp_only_layers leaves out (the others dense), renormalised where norm_topk_prob;
+    Qwen2-MoE's shared expert beside them (shared_expert_intermediate_size, which a dense
+    layer's MLP must then equal: one MLP width a model)."""
     none = dict(num_experts=0, experts_per_token=0, expert_intermediate_size=0,
                 norm_topk_prob=True, dense_layers=(), shared_expert=False)
     if arch not in MOE:

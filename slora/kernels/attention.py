@@ -368,14 +368,14 @@ def rope_paged_decode_attention(qkv: torch.Tensor, positions: torch.Tensor,
     rotated (in two launches `rope_write_kv` rotates them in place). `fold` (optional, for
     tests and benchmarks) overrides `fold_rope`'s choice of one launch or two. `window`,
     `softcap`, `sinks`: as `paged_decode_attention`'s. `lora`: qkv's LoRA rows, not yet added,
-    as `fused.rope_write_kv` takes them. `norm`: the heads' q and k norms, before rotary (a
-    `reference.QkNorm` whose heads share one weight; twin `reference.qk_norm` first)."""
+    as `fused.rope_write_kv` takes them. `norm` (a `reference.QkNorm`): q and k normed before
+    rotary (twin `reference.qk_norm` first), in the same launch where the heads share one
+    weight, else in `fused.qk_norm`'s first."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * D
     assert k_cache.shape[2] == num_kv_heads and D % 2 == 0 and inv_freq.dtype == torch.float32
     q = qkv[:, : num_heads * D].view(B, num_heads, D)
-    assert norm is None or (norm.shared and not norm.center and norm.head_dim == D)
     return _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
                    rope=(qkv, positions, inv_freq, slot_mapping, lora, norm), fold=fold,
                    window=window, softcap=softcap, sinks=sinks)
@@ -411,12 +411,16 @@ def _decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, num_splits, cfg,
                                      cfg["BLOCK_N"], q.device)
     if rope is not None and fold is None:
         fold = fold_rope(B * kvh * num_splits, q.device)
-    if rope is not None and not fold:  # two or three launches: norm, rotate and store, attend
+    if rope is not None:
         qkv, positions, inv_freq, slot_mapping, lora, norm = rope
-        if norm is not None:
-            qkv, lora = qk_norm(qkv, H * D, kvh * D, norm, lora=lora), None
-        q, rope = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, H,
-                                kvh, lora=lora), None
+        if norm is not None and not (fold and norm.shared and not norm.center):
+            # norms the kernel does not take (a weight of each head's own, or over all heads),
+            # or two launches: their own launch first (in place, so q's view sees it)
+            qkv, lora, norm = qk_norm(qkv, H * D, kvh * D, norm, lora=lora), None, None
+        rope = (qkv, positions, inv_freq, slot_mapping, lora, norm)
+        if not fold:  # rotate and store, then attend
+            q, rope = rope_write_kv(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, H,
+                                    kvh, lora=lora), None
     dot_f32 = q.device.type != "cuda" or q.dtype == torch.float32
     if num_splits > 1:
         part = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)

@@ -268,14 +268,11 @@ class TritonBackend(TorchBackend):
         self._fused = fused
         self.rms_norm = fused.rms_norm
         self.rope_write_kv = fused.rope_write_kv
+        self.qk_norm = fused.qk_norm
 
     def add_rms_norm(self, x, delta, weight, eps, feeds=None, center=False):
         delta, lora = self._ready(delta)
         return self._fused.add_rms_norm(x, delta, weight, eps, feeds, lora=lora, center=center)
-
-    def qk_norm(self, qkv, q_size, kv_size, norm):
-        qkv, lora = self._ready(qkv)
-        return self._fused.qk_norm(qkv, q_size, kv_size, norm, lora=lora)
 
     def silu_mul(self, gate_up, feeds=None):
         gate_up, lora = self._ready(gate_up)
@@ -309,14 +306,8 @@ class TritonBackend(TorchBackend):
     def rope_attention(self, qkv, inv_freq, k_cache, v_cache, b, scale, num_heads,
                        num_kv_heads, window=0, softcap=0.0, sinks=None, qk_norm=None):
         if b.num_decode == len(b.q_start_list) - 1:
-            # decode only: rotary and K/V store folded in, and q and k norms whose heads share
-            # one weight (others run first, in their own kernel)
+            # decode only: the q and k norms, rotary and K/V store folded in where they fold
             qkv, lora = self._ready(qkv)
-            if qk_norm is not None and not (qk_norm.shared and not qk_norm.center):
-                D = k_cache.shape[-1]
-                qkv = self._fused.qk_norm(qkv, num_heads * D, num_kv_heads * D, qk_norm,
-                                          lora=lora)
-                lora = qk_norm = None
             return self._attn.rope_paged_decode_attention(
                 qkv, b.positions, inv_freq, k_cache, v_cache, b.slot_mapping, b.block_tables,
                 b.ctx_lens, scale, num_heads, num_kv_heads, window=window, softcap=softcap,

@@ -160,18 +160,20 @@ def test_rope_decode_attention_adds_the_lora_rows(dtype, num_splits, fold):
 @pytest.mark.parametrize("num_splits", [None, 3], ids=["one-split", "3-splits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(4, 2, 16), (3, 1, 40)], ids=lambda s: "H%d-KV%d-D%d" % s)
-def test_rope_decode_attention_norms_q_and_k(shape, dtype, num_splits, fold):
-    """Qwen3's q and k norms (one weight all heads share), with qkv's LoRA rows handed over
-    unadded, folded into the decode kernel and in their own launch first: the twins in turn
-    (reference.qk_norm of qkv + the rows, rope_write_kv, paged_decode_attention) give the
-    output and the cache."""
+@pytest.mark.parametrize("own", [False, True], ids=["shared", "own"])
+def test_rope_decode_attention_norms_q_and_k(shape, dtype, num_splits, fold, own):
+    """Qwen3's q and k norms (one weight all heads share: folded into the decode kernel in
+    one launch) and Cohere's (a weight of each head's own, centred: in their own launch
+    first), with qkv's LoRA rows handed over unadded: the twins in turn (reference.qk_norm of
+    qkv + the rows, rope_write_kv, paged_decode_attention) give the output and the cache."""
     H, kvh, D = shape
     qkv, args, pool, block_size = _rope_case(shape, dtype, 5 + D + (num_splits or 0))
     positions, inv_freq, _, _, slots, tables, ctx, scale = args
     lora = (torch.randn(qkv.shape, device=DEVICE) * 0.5).to(dtype)
     lora[1] = 0.0  # a row without an adapter
-    norm = ref.QkNorm((torch.rand(D, device=DEVICE) + 0.5).to(dtype),
-                      (torch.rand(D, device=DEVICE) + 0.5).to(dtype), 1e-6, D)
+    weight = lambda n: (torch.rand(n, device=DEVICE) + 0.5).to(dtype)  # noqa: E731
+    norm = ref.QkNorm(weight(H * D), weight(kvh * D), 1e-6, D, True) if own else \
+        ref.QkNorm(weight(D), weight(D), 1e-6, D)
     added = (qkv.float() + lora.float()).to(dtype)
     pool_ref = pool.clone()
     kc_ref, vc_ref = ref.kv_views(pool_ref, block_size, kvh, D)
