@@ -21,8 +21,11 @@ Configurations, all of one model:
                  token: the GPU's FP8 tensor-core path (prefill and decode batches past
                  `gemm_max_rows` rows), emulated on the CPU (`w8a8_linear`)
   fp8-float32    the same FP8 weights in fp32 arithmetic: the weights' own error alone
+  fp8-block      a block-wise FP8 checkpoint of the model (128 x 128 blocks, a scale each, as
+                 DeepSeek-V3's and Qwen3-FP8's), written to a temporary folder and loaded:
+                 each weight's values quantized again per row; bf16 arithmetic
 The headline is fp8 / bfloat16 (target: within 2%); fp8-w8a8 / bfloat16 bounds the GPU's
-prefill path.
+prefill path; fp8-block / bfloat16 is what a block-wise checkpoint costs on top.
 
 Text: each ShareGPT conversation's first human turn and its reply, rendered with the model's
 chat template, cut to `--window` tokens; conversations in file order until `--tokens` tokens
@@ -53,7 +56,47 @@ CONFIGS = {  # name -> (dtype, quantization, activations quantized per token)
     "fp8": ("bfloat16", "fp8", False),
     "fp8-w8a8": ("bfloat16", "fp8", True),
     "fp8-float32": ("float32", "fp8", False),
+    "fp8-block": ("bfloat16", None, False),
 }
+BLOCK = (128, 128)  # fp8-block's scale blocks (rows, columns)
+
+
+def write_block_fp8(src: Path, dst: Path, block=BLOCK) -> Path:
+    """The model directory `src` as a block-wise FP8 checkpoint in `dst`: every linear weight
+    of the layers in E4M3 with one `weight_scale_inv` per block (its largest magnitude ->
+    448), quant_method "fp8" with `weight_block_size`; everything else as it is."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from slora.model.quant import FP8_DTYPE, FP8_MAX
+    from slora.model.loader import _LINEAR_PATH
+
+    r, c = block
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    state = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(f))
+    for key in [k for k in state if k.endswith(".weight") and _LINEAR_PATH.match(k[:-7])]:
+        w = state[key].float()
+        n, k = w.shape
+        pad = torch.zeros(-(-n // r) * r, -(-k // c) * c)
+        pad[:n, :k] = w
+        blocks = pad.view(pad.shape[0] // r, r, pad.shape[1] // c, c)
+        amax = blocks.abs().amax(dim=(1, 3))
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        state[key] = q.view(pad.shape)[:n, :k].contiguous()
+        state[key[:-7] + ".weight_scale_inv"] = scale
+    save_file(state, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def w8a8_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,11 +168,19 @@ def measure(model: str | None, windows: list[list[int]] | None, tokens: int, win
             configs=tuple(CONFIGS), log=print) -> dict:
     """{name: {"ppl", "nll", "tokens", "seconds"}} for each configuration, the perplexity
     ratios "fp8_vs_bf16", "w8a8_vs_bf16" and "fp8_vs_fp32", and how many windows."""
+    import tempfile
+
+    from slora.model.smollm import default_model_dir
+
     results: dict = {"model": model or "SmolLM2-135M-Instruct (embedded)", "window": window}
+    tmp = tempfile.TemporaryDirectory()
     for name in configs:
         dtype, quantization, w8a8 = CONFIGS[name]
         t0 = time.perf_counter()
-        engine = Engine(EngineConfig(model=model, device="cpu", dtype=dtype,
+        path = model
+        if name == "fp8-block":
+            path = str(write_block_fp8(Path(model or default_model_dir()), Path(tmp.name)))
+        engine = Engine(EngineConfig(model=path, device="cpu", dtype=dtype,
                                      quantization=quantization))
         if w8a8:
             engine.runner.backend.linear = w8a8_linear
@@ -141,8 +192,10 @@ def measure(model: str | None, windows: list[list[int]] | None, tokens: int, win
                          "seconds": round(time.perf_counter() - t0, 1)}
         log(f"{name:12s} ppl {results[name]['ppl']:.4f} over {count} tokens "
             f"({results[name]['seconds']} s)")
+    tmp.cleanup()
     results["windows"] = len(windows)
     for key, name, base in (("fp8_vs_bf16", "fp8", "bfloat16"),
+                            ("block_vs_bf16", "fp8-block", "bfloat16"),
                             ("w8a8_vs_bf16", "fp8-w8a8", "bfloat16"),
                             ("fp8_vs_fp32", "fp8", "float32")):
         if name in results and base in results:
@@ -165,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = measure(args.model, None, args.tokens, args.window)
     print("perplexity ratios: " + "; ".join(
         f"{key.replace('_vs_', ' / ')} {results[key]:.4f} ({(results[key] - 1) * 100:+.2f}%)"
-        for key in ("fp8_vs_bf16", "w8a8_vs_bf16", "fp8_vs_fp32")))
+        for key in ("fp8_vs_bf16", "w8a8_vs_bf16", "block_vs_bf16", "fp8_vs_fp32")))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

@@ -118,7 +118,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         w = tensors.get(module + ".weight")
         if w is None or w.dtype not in _FP8_DTYPES:
             return get(module + ".weight")
-        return _fp8_linear(tensors, module, path).to(device)
+        return _fp8_linear(tensors, module, path, scheme[3]).to(device)
 
     def residual(w):
         """A residual branch's output weight (o_proj, down_proj; o's bias) times Granite's
@@ -210,7 +210,8 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
                torch.float8_e5m2fnuz)
 SUPPORTED_QUANTIZATION = (
     "slora loads FP8 E4M3 checkpoints in vLLM's 'fp8' format (quant_method 'fp8', per-tensor "
-    "weight_scale, activation_scheme 'dynamic' or 'static') and the compressed-tensors float8 "
+    "weight_scale or block-wise weight_scale_inv with weight_block_size, activation_scheme "
+    "'dynamic' or 'static') and the compressed-tensors float8 "
     "format (quant_method 'compressed-tensors', format 'float-quantized' or 'naive-quantized', "
     "weights num_bits 8 type 'float' strategy 'tensor' or 'channel', input_activations null, "
     "dynamic per 'token' or 'tensor', or static per 'tensor'), FP8 on the q/k/v/o/gate/up/down "
@@ -235,16 +236,23 @@ class Fp8Checkpoint:
         config groups is static. slora quantizes activations dynamically, per token, whatever
         this says: a static scale is recorded, not applied.
     ignore: the modules the checkpoint leaves unquantized (`ignored_layers` / `ignore`).
+    block: (rows, columns) of a block-wise checkpoint's scale blocks (`weight_block_size`:
+        DeepSeek-V3's and Qwen3-FP8's [128, 128]); None for one scale per tensor or channel.
     input_scales: module path (model.layers.N.self_attn.q_proj) -> its static activation scale.
 
     The weights: each linear weight stored as float8_e4m3fn comes with a `weight_scale` of one
     element (per tensor, repeated over the rows) or one per output row ([N] or [N, 1], per
-    channel), in any float dtype, finite and > 0; W = weight * scale.
+    channel), in any float dtype, finite and > 0; W = weight * scale. In a block-wise
+    checkpoint it comes with a `weight_scale_inv` instead, one per block ([ceil(N / rows),
+    ceil(K / columns)]): W = weight * weight_scale_inv of its block. slora's FP8 kernels take
+    one scale per output row, so such a weight is dequantized and quantized again per row
+    (`quant.quantize_fp8`): its values move by at most half an E4M3 step of the row's scale.
     """
 
     method: str
     activations: str
     ignore: tuple[str, ...] = ()
+    block: tuple[int, int] | None = None
     input_scales: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -263,8 +271,9 @@ class Fp8Checkpoint:
         return cls(*scheme, input_scales=_input_scales(scales, path))
 
 
-def _quant_scheme(path: Path) -> tuple[str, str, tuple[str, ...]] | None:
-    """(method, activations, ignore) of the directory's quantization_config; None without one."""
+def _quant_scheme(path: Path) -> tuple[str, str, tuple[str, ...], tuple[int, int] | None] | None:
+    """(method, activations, ignore, block) of the directory's quantization_config; None
+    without one."""
     file = path / "config.json"
     if not file.is_file():
         return None
@@ -284,10 +293,11 @@ def _mxfp4_experts(c: dict) -> bool:
             and "GptOssForCausalLM" in (c.get("architectures") or ()))
 
 
-def parse_quantization_config(qc, source: str = "config") -> tuple[str, str, tuple[str, ...]]:
-    """(method, activations, ignore) of a config.json's `quantization_config` (see
+def parse_quantization_config(qc, source: str = "config"
+                              ) -> tuple[str, str, tuple[str, ...], tuple[int, int] | None]:
+    """(method, activations, ignore, block) of a config.json's `quantization_config` (see
     `Fp8Checkpoint`). ConfigError naming the format, and what slora supports, for anything
-    else: GPTQ, AWQ, bitsandbytes, int8/int4, block-wise FP8, FP4, asymmetric or sparse."""
+    else: GPTQ, AWQ, bitsandbytes, int8/int4, FP4, group-wise, asymmetric or sparse."""
     def fail(why: str):
         raise ConfigError(f"{source}: quantization_config {why}; {SUPPORTED_QUANTIZATION}")
 
@@ -298,11 +308,12 @@ def parse_quantization_config(qc, source: str = "config") -> tuple[str, str, tup
         scheme = qc.get("activation_scheme")
         if scheme not in ("dynamic", "static"):
             fail(f"activation_scheme {scheme!r} is not 'dynamic' or 'static'")
-        if qc.get("weight_block_size") is not None:
-            fail(f"weight_block_size {qc['weight_block_size']!r}: block-wise FP8 "
-                 "(weight_scale_inv per block) is not supported, only one weight scale per "
-                 "tensor or per output channel")
-        return "fp8", scheme, _names(qc.get("ignored_layers"), "ignored_layers", fail)
+        block = qc.get("weight_block_size")
+        if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            fail(f"weight_block_size {block!r} is not [rows, columns] of two integers > 0")
+        return ("fp8", scheme, _names(qc.get("ignored_layers"), "ignored_layers", fail),
+                None if block is None else tuple(block))
     if method != "compressed-tensors":
         fail(f"quant_method {method!r} is not supported")
     sparsity = qc.get("sparsity_config")
@@ -321,7 +332,7 @@ def parse_quantization_config(qc, source: str = "config") -> tuple[str, str, tup
             fail(f"format {fmt!r} (config group {name!r}) is not supported")
         schemes.append(_ct_group(name, g, fail))
     activations = next((s for s in ("static", "dynamic") if s in schemes), "none")
-    return "compressed-tensors", activations, _names(qc.get("ignore"), "ignore", fail)
+    return "compressed-tensors", activations, _names(qc.get("ignore"), "ignore", fail), None
 
 
 def _ct_group(name: str, g: dict, fail) -> str:
@@ -393,14 +404,20 @@ def _check_quantized_modules(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
     _input_scales(tensors, path)
 
 
-def _fp8_linear(tensors: dict[str, torch.Tensor], module: str, path: Path) -> Fp8Weight:
+def _fp8_linear(tensors: dict[str, torch.Tensor], module: str, path: Path,
+                block: tuple[int, int] | None = None) -> Fp8Weight:
     """A linear module's FP8 weight with its scale as one per output row: a per-tensor scale
-    repeated, a per-channel one ([N] or [N, 1]) as is."""
+    repeated, a per-channel one ([N] or [N, 1]) as is, block-wise scales (`weight_scale_inv`,
+    blocks of `block`) dequantized and quantized again per row (`_block_dequantized`)."""
     w = tensors[module + ".weight"]
     where = f"model directory {path}: {module}"
     if module + ".weight_scale_inv" in tensors:
-        raise ValueError(f"{where}: weight_scale_inv is block-wise FP8, which is not supported. "
-                         f"{SUPPORTED_QUANTIZATION}")
+        if block is None:
+            raise ValueError(f"{where}: weight_scale_inv (block-wise FP8) in a checkpoint whose "
+                             "quantization_config has no weight_block_size. "
+                             f"{SUPPORTED_QUANTIZATION}")
+        return quantize_fp8(_block_dequantized(w, tensors[module + ".weight_scale_inv"], block,
+                                               where))
     zero = tensors.get(module + ".weight_zero_point")
     if zero is not None and bool((zero != 0).any()):
         raise ValueError(f"{where}: a non-zero weight_zero_point (asymmetric FP8) is not "
@@ -413,12 +430,34 @@ def _fp8_linear(tensors: dict[str, torch.Tensor], module: str, path: Path) -> Fp
             or s.numel() not in (1, n) or (s.numel() == n and s.dim() > 1 and s.shape[1:] != (1,)):
         raise ValueError(f"{where}: weight {list(w.shape)} with weight_scale {list(s.shape)} "
                          f"({s.dtype}); expected one scale per tensor ([] or [1]) or per output "
-                         f"row ([{n}] or [{n}, 1]) in a float dtype (group- or block-wise scales "
-                         "are not supported)")
+                         f"row ([{n}] or [{n}, 1]) in a float dtype (group-wise scales are not "
+                         "supported; block-wise ones are a weight_scale_inv beside "
+                         "quantization_config's weight_block_size)")
     scale = s.float().reshape(-1).expand(n).contiguous()
     if not bool((torch.isfinite(scale) & (scale > 0)).all()):
         raise ValueError(f"{where}: weight_scale holds values that are not finite numbers > 0")
     return Fp8Weight(w, scale)
+
+
+def _block_dequantized(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
+                       where: str) -> torch.Tensor:
+    """W in float32 of an E4M3 weight w [N, K] and its scales s [ceil(N / rows), ceil(K /
+    columns)] (`weight_scale_inv`, in any float dtype, finite and > 0): each element times
+    its block's scale, exact in float32 (a product of an E4M3 value and a 16- or 32-bit one)."""
+    rows, cols = block
+    if w.dim() != 2:
+        raise ValueError(f"{where}: weight of shape {list(w.shape)} is not a matrix")
+    n, k = w.shape
+    grid = (-(-n // rows), -(-k // cols))
+    if not s.is_floating_point() or s.dtype in _FP8_DTYPES or tuple(s.shape) != grid:
+        raise ValueError(f"{where}: weight {[n, k]} with weight_scale_inv {list(s.shape)} "
+                         f"({s.dtype}); weight_block_size {list(block)} needs {list(grid)} "
+                         "scales in a float dtype")
+    s = s.float()
+    if not bool((torch.isfinite(s) & (s > 0)).all()):
+        raise ValueError(f"{where}: weight_scale_inv holds values that are not finite numbers > 0")
+    full = s.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    return w.float() * full
 
 
 def _input_scales(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, float]:

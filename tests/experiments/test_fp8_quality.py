@@ -61,6 +61,10 @@ def test_smoke_run_reports_every_configuration(experiment, tiny_models, tmp_path
     assert res["fp8_vs_bf16"] == pytest.approx(res["fp8"]["ppl"] / res["bfloat16"]["ppl"])
     assert res["w8a8_vs_bf16"] == pytest.approx(res["fp8-w8a8"]["ppl"] / res["bfloat16"]["ppl"])
     assert res["fp8_vs_fp32"] == pytest.approx(res["fp8"]["ppl"] / res["float32"]["ppl"])
+    assert res["block_vs_bf16"] == pytest.approx(res["fp8-block"]["ppl"]
+                                                 / res["bfloat16"]["ppl"])
+    # the block-wise checkpoint's weights are not the model's: it was written and loaded
+    assert res["fp8-block"]["nll"] not in (res["bfloat16"]["nll"], res["fp8"]["nll"])
     # quantized activations change the logits: the emulated GPU path really ran
     assert res["fp8-w8a8"]["nll"] != res["fp8"]["nll"]
     assert json.loads(out.read_text()) == res

@@ -1,12 +1,15 @@
 """Pre-quantized FP8 checkpoints load as is: vLLM's `fp8` format and the compressed-tensors
-float8 format, per-tensor or per-channel weight scales, dynamic or static activation scales.
+float8 format, per-tensor or per-channel weight scales, dynamic or static activation scales;
+block-wise FP8 (`weight_block_size`, DeepSeek-V3's and Qwen3-FP8's) quantized again per row.
 
 The checkpoints are written here from tiny fp32 models. A per-channel checkpoint is written
 with `quant.quantize_fp8` itself, so it must equal on-the-fly quantization bit for bit (and the
 FP8 engine on it must give the tokens of `EngineConfig(quantization="fp8")` on the source). A
 per-tensor checkpoint has other scales than on-the-fly quantization: it must equal the model
 whose linear weights are the checkpoint's own dequantized values, which HF transformers runs as
-the reference. Formats slora does not serve fail with an error naming the format.
+the reference. A block-wise checkpoint must equal the model whose linear weights are its
+exact values quantized again per row (`quant.quantize_fp8`), which HF transformers runs. Formats
+slora does not serve fail with an error naming the format.
 """
 
 from __future__ import annotations
@@ -62,9 +65,15 @@ CT_DYNAMIC = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": Tr
               "symmetric": True}
 CT_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
              "symmetric": True}
-# name -> (quantization_config, weight scales per "tensor" or "channel", static input scales)
+# blocks of the block-wise format: the tiny models' 64- and 128-wide weights in whole and
+# partial blocks
+BLOCK = [24, 40]
+# name -> (quantization_config, weight scales per "tensor", "channel" or "block", static input
+# scales)
 FORMATS = {
     "fp8_dynamic": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "tensor", False),
+    "fp8_block": ({"quant_method": "fp8", "activation_scheme": "dynamic",
+                   "weight_block_size": BLOCK}, "block", False),
     "fp8_static": ({"quant_method": "fp8", "activation_scheme": "static"}, "tensor", True),
     "ct_channel_dynamic": (ct_config("channel", CT_DYNAMIC), "channel", False),
     "ct_channel_weight_only": (ct_config("channel", None), "channel", False),
@@ -72,6 +81,31 @@ FORMATS = {
     "ct_tensor_dynamic": (ct_config("tensor", dict(CT_DYNAMIC, strategy="tensor")), "tensor",
                           False),
 }
+
+
+def quantize_per_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scale per BLOCK of w (largest magnitude -> 448), as DeepSeek-V3's checkpoints: the E4M3
+    weight and its weight_scale_inv (W = weight * weight_scale_inv of the element's block)."""
+    r, c = BLOCK
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=FP8)
+    s = torch.empty(-(-n // r), -(-k // c))
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = w[i * r:(i + 1) * r, j * c:(j + 1) * c].float()
+            s[i, j] = blk.abs().max() / quant.FP8_MAX
+            q[i * r:(i + 1) * r, j * c:(j + 1) * c] = (blk / s[i, j]).to(FP8)
+    return q, s
+
+
+def block_values(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The exact fp32 values of a block-wise weight, block by block."""
+    r, c = BLOCK
+    w = q.float()
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            w[i * r:(i + 1) * r, j * c:(j + 1) * c] *= s[i, j].float()
+    return w
 
 
 def input_scale(module: str) -> torch.Tensor:
@@ -98,6 +132,8 @@ def write_checkpoint(src: Path, dst: Path, fmt: str, skip=(), tensors=None, conf
         if strategy == "channel":
             q = quant.quantize_fp8(w)
             state[module + ".weight"], state[module + ".weight_scale"] = q.weight, q.scale[:, None]
+        elif strategy == "block":
+            state[module + ".weight"], state[module + ".weight_scale_inv"] = quantize_per_block(w)
         else:
             state[module + ".weight"], scale = quantize_per_tensor(w)
             # vLLM's fp8 format stores a 0-d scale; compressed-tensors one of shape [1]
@@ -185,7 +221,7 @@ def test_per_channel_checkpoint_equals_on_the_fly_quantization(tiny_models, tmp_
         assert isinstance(t, torch.Tensor) and t.dtype == torch.float32
         assert torch.equal(t, getattr(ref, name)), name
     assert Fp8Checkpoint.from_dir(ckpt) == Fp8Checkpoint("compressed-tensors", "dynamic",
-                                                         ("lm_head",), {})
+                                                         ("lm_head",), input_scales={})
 
 
 @pytest.mark.parametrize("fmt", ["fp8_dynamic", "fp8_static", "ct_tensor_static",
@@ -293,6 +329,42 @@ def test_scales_in_bf16_and_sharded_files_load(tiny_models, tmp_path):
             assert same_fp8(getattr(lw, group), want), (i, group)
 
 
+def test_block_checkpoint_loads_as_its_values_quantized_per_row(tiny_models, tmp_path):
+    """Each block-wise weight loads as its exact values (weight times its block's scale)
+    quantized again with one scale per output row, bit for bit."""
+    src = tiny_models("llama")
+    ckpt = write_checkpoint(src, tmp_path / "ckpt", "fp8_block")
+    state = load_file(ckpt / "model.safetensors")
+    cfg, w = load(ckpt)
+    for i, lw in enumerate(w.layers):
+        for group, modules in SPLITS.items():
+            paths = [m for m in linear_modules(cfg) if m.startswith(f"model.layers.{i}.")
+                     and m.endswith(modules)]
+            want = quant.cat([quant.quantize_fp8(block_values(state[m + ".weight"],
+                                                              state[m + ".weight_scale_inv"]))
+                              for m in paths])
+            assert same_fp8(getattr(lw, group), want), (i, group)
+    assert Fp8Checkpoint.from_dir(ckpt).block == tuple(BLOCK)
+
+
+def requantized_copy(ckpt: Path, dst: Path) -> Path:
+    """A block-wise checkpoint as the unquantized model slora serves for it: every weight's
+    exact values quantized per row, dequantized to fp32; no quantization_config."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(ckpt, dst)
+    state = load_file(ckpt / "model.safetensors")
+    out = {k: t for k, t in state.items() if t.dtype != FP8 and not k.endswith("_scale_inv")}
+    for k, t in state.items():
+        if t.dtype == FP8:
+            out[k] = quant.quantize_fp8(block_values(t, state[k + "_scale_inv"])).dequantize(
+                torch.float32)
+    save_file(out, dst / "model.safetensors")
+    c = json.loads((ckpt / "config.json").read_text())
+    del c["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
 # ----------------------------------------------------------------------------- the engine
 
 def greedy(model_dir: Path, **config):
@@ -341,6 +413,28 @@ def test_per_tensor_checkpoint_serves_the_model_it_stands_for(tiny_models, tmp_p
         assert out[0, ids.shape[1]:].tolist() == got, prompt
 
 
+@needs_fp8_engine
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_block_checkpoint_serves_the_model_it_stands_for(tiny_models, tmp_path, kind):
+    """The engine on a block-wise checkpoint equals HF transformers on its weights quantized
+    again per row (and slora on that unquantized copy, log-prob for log-prob)."""
+    import transformers
+
+    ckpt = write_checkpoint(tiny_models(kind), tmp_path / "ckpt", "fp8_block")
+    plain = requantized_copy(ckpt, tmp_path / "plain")
+    toks, lps, engine = greedy(ckpt)
+    plain_toks, plain_lps, _ = greedy(plain)
+    assert toks == plain_toks
+    for got, want in zip(lps, plain_lps):
+        assert got == pytest.approx(want, abs=1e-5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    for prompt, got in zip(PROMPTS, toks):
+        ids = torch.tensor([engine.tokenizer.encode(prompt)])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, ids.shape[1]:].tolist() == got, prompt
+
+
 # ----------------------------------------------------------------------------- refused formats
 
 BAD_CONFIGS = {
@@ -348,8 +442,9 @@ BAD_CONFIGS = {
     "awq": ({"quant_method": "awq", "bits": 4, "version": "gemm"}, r"quant_method 'awq'"),
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True},
                      r"quant_method 'bitsandbytes'"),
-    "fp8_block": ({"quant_method": "fp8", "activation_scheme": "dynamic",
-                   "weight_block_size": [128, 128]}, r"block-wise FP8"),
+    "fp8_block_size": ({"quant_method": "fp8", "activation_scheme": "dynamic",
+                        "weight_block_size": [128]},
+                       r"weight_block_size \[128\] is not \[rows, columns\]"),
     "fp8_no_scheme": ({"quant_method": "fp8"}, r"activation_scheme None"),
     "ct_int8": (dict(ct_config("channel", CT_DYNAMIC), format="int-quantized"),
                 r"format 'int-quantized'"),
@@ -406,7 +501,15 @@ BAD_TENSORS = {
     # name -> (format, tensors (None drops one), what the error says)
     "block_scale_inv": ("fp8_dynamic",
                         {"model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(1, 1)},
-                        r"weight_scale_inv is block-wise FP8"),
+                        r"q_proj: weight_scale_inv \(block-wise FP8\) in a checkpoint whose "
+                        r"quantization_config has no weight_block_size"),
+    "block_scale_shape": ("fp8_block",
+                          {"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(3, 3)},
+                          r"o_proj: weight \[64, 64\] with weight_scale_inv \[3, 3\] "
+                          r"\(torch.float32\); weight_block_size \[24, 40\] needs \[3, 2\]"),
+    "block_scale_zero": ("fp8_block",
+                         {"model.layers.1.mlp.up_proj.weight_scale_inv": torch.zeros(6, 2)},
+                         r"up_proj: weight_scale_inv holds values that are not finite numbers"),
     "e5m2_weight": ("fp8_dynamic",
                     {"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64).to(
                         torch.float8_e5m2)}, r"float8_e5m2; only float8_e4m3fn"),
