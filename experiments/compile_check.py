@@ -233,6 +233,10 @@ def compile_variant(kernel, types, constexprs, options, arch: int):
     if not hasattr(kernel, "fn"):
         raise RuntimeError("the kernel is not compilable here: unset TRITON_INTERPRET")
     params = list(inspect.signature(kernel.fn).parameters)
+    # a constexpr the variant leaves out takes its default, as a launch does
+    constexprs = {**{p.name: p.default for p in kernel.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty},
+                  **constexprs}
     sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
     div16 = [i for i, p in enumerate(params) if sig[p] != "constexpr"
              and (sig[p].startswith("*") or p in DIV16)
