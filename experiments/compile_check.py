@@ -128,6 +128,10 @@ def variants():
            dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
                 ROPE=True, LORA=lora, NORM=False, **PLAIN, **KV7B), dict(opts, num_stages=2))
           for what, lora in (("", False), (", LoRA rows added", True))],
+        # a table rule's PREFETCH: the first keys' K and V asked of L2 before the PDL wait
+        ("decode attention, rotary + K/V store, first keys prefetched", attention._decode_kernel,
+         ATTN, dict(QH=1, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
+                    ROPE=True, PREFETCH=64, **PLAIN, **KV7B), dict(opts, num_stages=2)),
         # Qwen3-8B's layer (32 heads, 8 KV heads of 128): q and k normed first
         ("decode attention, q/k norms + rotary, LoRA", attention._decode_kernel, ATTN,
          dict(QH=4, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, SPLIT=False, DOT_F32=False,
@@ -205,6 +209,10 @@ def variants():
         ("few-rows gemm, K split", gemm._skinny_kernel, GEMM,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=False,
               BLOCK_M=32, BLOCK_N=64, BLOCK_K=128), dict(opts, num_stages=4)),
+        # a table rule's PREFETCH: each W row's first bytes asked of L2 before the PDL wait
+        ("few-rows gemm, W rows prefetched", gemm._skinny_kernel, GEMM,
+         dict(SPLIT_K=False, HAS_BIAS=False, EVEN_K=True, DOT_F32=False, UNPACK=False,
+              BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, PREFETCH=1024), dict(opts, num_stages=3)),
         # FP8 W (configs' w_bytes 1 rule): read as words and unpacked, and converted (UNPACK off)
         ("fp8 gemm, words unpacked, K split", gemm._skinny_kernel, GEMM_FP8,
          dict(SPLIT_K=True, HAS_BIAS=True, EVEN_K=True, DOT_F32=False, UNPACK=True,
@@ -260,10 +268,11 @@ def resources(compiled) -> str:
     return f"{found[1]:>5}{found[2]:>7}" if found else ""
 
 
-def pdl_order(ptx: str) -> str:
+def pdl_order(ptx: str, prefetch: bool = False) -> str:
     """'' if a PDL variant's PTX keeps `slora.kernels.pdl`'s rule in program order, else why
     not: a `griddepcontrol.wait` before any store, atomic or async copy (what the kernel
-    before may still read or write) and before every `ret`, and a `launch_dependents`.
+    before may still read or write) and before every `ret`, and a `launch_dependents`; with
+    `prefetch` (a PREFETCH variant), L2 prefetches before the wait.
     (Loads before the wait are allowed: the step's metadata, and in small MBGMV launches the
     first adapter tile; which pointer a load reads is not visible here.)"""
     lines = ptx.splitlines()
@@ -278,6 +287,8 @@ def pdl_order(ptx: str) -> str:
         return f"before the wait: {early[0]}"
     if any(re.search(r"\bret;", l) for l in lines[:waits[0]]):
         return "a ret before the wait"
+    if prefetch and not any("prefetch.global.L2" in l for l in lines[:waits[0]]):
+        return "no prefetch.global.L2 before the wait"
     return ""
 
 
@@ -303,7 +314,8 @@ def main(argv=None) -> int:
     for name, kernel, types, constexprs, options in variants():
         try:
             k = compile_variant(kernel, types, constexprs, options, args.arch)
-            bad = pdl_order(k.asm["ptx"]) if constexprs.get("PDL") else ""
+            bad = pdl_order(k.asm["ptx"], constexprs.get("PREFETCH", 0) > 0) \
+                if constexprs.get("PDL") else ""
             if bad:
                 raise RuntimeError(f"PDL order: {bad}")
             print(f"{name:<42}{k.metadata.shared:>10}{resources(k) or ' ' * 12}  ok"

@@ -174,7 +174,7 @@ def _decode_kernel(
     QH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-    LORA: tl.constexpr = False, NORM: tl.constexpr = False,
+    LORA: tl.constexpr = False, NORM: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -205,6 +205,21 @@ def _decode_kernel(
         dt = q_ptr.dtype.element_ty
         c = tl.cos(f).to(dt).to(tl.float32)
         s = tl.sin(f).to(dt).to(tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    ELEM: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+    if PDL and PREFETCH > 0 and BLOCK_D * ELEM >= 128:
+        # the K and V rows of this head for the split's first PREFETCH keys (earlier tokens'
+        # KV and the block table: what the kernel before does not change) on their way to L2
+        pf_n = lo + tl.arange(0, PREFETCH)
+        pf_ok = (pf_n < hi)[:, None]
+        pf_page = tl.load(bt_row + pf_n // block_size, mask=pf_n < hi, other=0).to(tl.int64)
+        pf_slot = pf_n % block_size
+        pf_cols = tl.arange(0, BLOCK_D * ELEM // 128) * (128 // ELEM)
+        pf_cols = tl.where(pf_cols < D, pf_cols, 0)[None, :]
+        pf_k = k_ptr + (pf_page * stride_kp + pf_slot * stride_ks + kvh * stride_kh)[:, None]
+        pf_v = v_ptr + (pf_page * stride_vp + pf_slot * stride_vs + kvh * stride_vh)[:, None]
+        pdl.prefetch(tl.where(pf_ok, pf_k + pf_cols, k_ptr), PDL)
+        pdl.prefetch(tl.where(pf_ok, pf_v + pf_cols, v_ptr), PDL)
     pdl.wait(PDL)
     if ROPE:
         # q_row is the token's [q | k | v] row, unrotated: rotate q (every split) and the new
@@ -242,7 +257,6 @@ def _decode_kernel(
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, bt_row, lo, hi, None, offs_d, d_ok, kvh, qk_scale,
                             window, cap_scale, m_i, l_i, acc, stride_kp, stride_ks, stride_kh,
                             stride_vp, stride_vs, stride_vh, block_size, BLOCK_N, False,
@@ -296,8 +310,9 @@ def _default_splits(B: int, kvh: int, max_ctx: int, block_n: int, device: torch.
 
 def decode_config(D: int, device: torch.device) -> dict:
     """The decode kernel's tiles: BLOCK_N keys a step, num_warps, num_stages (scores and P.V
-    are tl.dot on a q tile of the head group padded to 16 rows); table entry
-    `decode_attention`, by `head_dim`."""
+    are tl.dot on a q tile of the head group padded to 16 rows), and PREFETCH (0 when the
+    rule gives none): keys, a power of two, whose K and V each program asks of L2 before its
+    PDL wait (`pdl.prefetch`); table entry `decode_attention`, by `head_dim`."""
     return dict(_decode_config(tuning.kind(device), D))
 
 

@@ -82,7 +82,7 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, out_ptr, part
                    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_F32: tl.constexpr, PDL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UNPACK: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     # An FP8 W (float8_e4m3fn) comes with its scales: W = w * scale[:, None]. The pointer's
     # type decides at compile time; scale_ptr is unused otherwise. UNPACK (FP8 W, K and
     # stride_w multiples of 4): W read as 32-bit words, in 16-byte loads, and unpacked by bit
@@ -117,6 +117,12 @@ def _skinny_kernel(x_ptr, w_ptr, scale_ptr, x_scale_ptr, bias_ptr, out_ptr, part
     else:
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
         x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x + (k_lo + offs_k)[:, None]  # x^T
+    if PDL and PREFETCH > 0:  # this slice's first PREFETCH bytes a W row (rows past N: row 0's)
+        nbytes = tl.minimum(k_split, K - k_lo) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        lines = tl.arange(0, PREFETCH // 128) * 128
+        wrow = w_ptr + tl.where(n_ok, offs_n, 0).to(tl.int64) * stride_w + k_lo
+        pdl.prefetch(wrow.to(tl.pointer_type(tl.uint8))[:, None]
+                     + tl.where(lines < nbytes, lines, 0)[None, :], PDL)
     pdl.wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BLOCK_K):
@@ -203,8 +209,11 @@ def skinny_cfg(M: int, N: int, K: int, device: torch.device, w_bytes: int = 2) -
     BLOCK_M holds every row of x (a power of two, at least 16 on the GPU, where tl.dot needs
     it). K is cut so that output tiles x slices reach about the rule's `programs_per_sm` (1
     unless it says) programs per SM: SPLIT slices (`k_slices`), each a whole number of BLOCK_K
-    steps. The interpreter's tiles shrink to the data (its cost grows with a tile's elements);
-    a GPU's stay as the table gives them."""
+    steps. A rule's `PREFETCH` (bytes, a multiple of 128; 0 when it gives none) has each
+    program ask L2 for that many bytes of each of its W rows before its PDL wait
+    (`pdl.prefetch`), so the stream starts while the kernel before still runs. The
+    interpreter's tiles shrink to the data (its cost grows with a tile's elements); a GPU's
+    stay as the table gives them."""
     return dict(_skinny_cfg(tuning.kind(device), device.type == "cuda", tuning.sms(device), M, N,
                             K, w_bytes))
 

@@ -9,7 +9,8 @@ Launched with PDL, the next kernel may launch before the one before it has compl
   kernel writes; before it, only what the step's kernels never write is read: the step's
   metadata (context lengths, positions, adapter slots, ranks, offsets and page ids:
   host-built, copied in before the step) and, in small MBGMV launches, the first tile of the
-  adapter pages (copied in before the step; `mbgmv.PRE_WAIT_ROWS`). Each kernel
+  adapter pages (copied in before the step; `mbgmv.PRE_WAIT_ROWS`). `prefetch` hints may
+  precede it too: they ask L2 for lines and load nothing into a register. Each kernel
   waits for the one before it, which waited for the one before that, so every earlier
   kernel's writes are visible; a kernel launched without PDL (a torch op, cuBLAS) waits for
   full completion as always, so the chain may mix both. Programs that return early wait
@@ -65,3 +66,15 @@ def wait(PDL: tl.constexpr):
     without PDL)."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def prefetch(ptrs, PDL: tl.constexpr):
+    """Ask L2 for the 128-byte line at each pointer of `ptrs` (`prefetch.global.L2`: a hint,
+    no register waits on it; a no-op without PDL). Called before `wait` for bytes the kernel
+    before does not change (weights, the KV of earlier tokens), so that they come from HBM
+    while it still runs. L2 is where the GPU's writes meet, so a line written after its
+    prefetch is read as written."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)

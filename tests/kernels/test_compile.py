@@ -22,8 +22,8 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
     assert "FAILED" not in res.stdout
     # every variant of the 17 kernels (`compile_check.variants`), those of a decode or mixed
     # step's kernels also with PDL (every kernel but prefill attention)
-    assert len(compiled) == 89, res.stdout
-    assert sum(", PDL " in l for l in compiled) == 43, res.stdout
+    assert len(compiled) == 93, res.stdout
+    assert sum(", PDL " in l for l in compiled) == 45, res.stdout
 
 
 def test_pdl_order_flags_what_the_kernel_before_may_still_touch():
@@ -38,6 +38,10 @@ def test_pdl_order_flags_what_the_kernel_before_may_still_touch():
     assert "no griddepcontrol.wait" in pdl_order("\n".join([load, store, launch]))
     assert "launch_dependents" in pdl_order("\n".join([wait, store]))
     assert "st.global" in pdl_order("\n".join([store, wait, launch]))
+    # a PREFETCH variant asks L2 for its lines before the wait
+    hint = "prefetch.global.L2 [%rd3];"
+    assert pdl_order("\n".join([hint, load, wait, store, launch]), prefetch=True) == ""
+    assert "no prefetch" in pdl_order("\n".join([load, wait, hint, store, launch]), prefetch=True)
     assert "atom." in pdl_order("\n".join(["atom.global.add.u32 %r3, [%rd3], 1;", wait, launch]))
     assert "cp.async" in pdl_order("\n".join(["cp.async.ca.shared.global [%r4], [%rd4], 16;",
                                              wait, launch]))
