@@ -70,7 +70,7 @@ def write_block_fp8(src: Path, dst: Path, block=BLOCK) -> Path:
     from safetensors.torch import load_file, save_file
 
     from slora.model.quant import FP8_DTYPE, FP8_MAX
-    from slora.model.loader import _LINEAR_PATH
+    from slora.model.loader import LINEAR_PATH
 
     r, c = block
     dst.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,7 @@ def write_block_fp8(src: Path, dst: Path, block=BLOCK) -> Path:
     state = {}
     for f in sorted(src.glob("*.safetensors")):
         state.update(load_file(f))
-    for key in [k for k in state if k.endswith(".weight") and _LINEAR_PATH.match(k[:-7])]:
+    for key in [k for k in state if k.endswith(".weight") and LINEAR_PATH.match(k[:-7])]:
         w = state[key].float()
         n, k = w.shape
         pad = torch.zeros(-(-n // r) * r, -(-k // c) * c)

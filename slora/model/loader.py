@@ -75,7 +75,9 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     """The model's weights on `device`: norms, embeddings, lm_head and biases in `dtype`; each
     linear layer (q|k|v and gate|up fused) in `dtype`, or an `Fp8Weight` where the checkpoint
     is a supported FP8 one (`Fp8Checkpoint`) and holds it in FP8. The FP8 parts keep the
-    checkpoint's own values and scales. A fused layer whose other parts the checkpoint leaves
+    checkpoint's own values and scales (a block-wise one's quantized again per row); a
+    mixture of experts' FP8 checkpoint loads dequantized, every weight in `dtype`. A fused
+    layer whose other parts the checkpoint leaves
     unquantized (its `ignore` list) is FP8 whole, those parts quantized per output channel
     (`quantize_fp8`, as EngineConfig.quantization="fp8" does); an unquantized layer on its own
     stays in `dtype`."""
@@ -83,11 +85,11 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     if cfg.mlp_bias:
         raise ValueError(f"{path}: mlp_bias=True is not supported")
     scheme = _quant_scheme(path)
-    if scheme is not None and cfg.num_experts:
-        raise ConfigError(f"model directory {path}: an FP8 checkpoint of a mixture-of-experts "
-                          "model is not supported (its experts are served in the model dtype)")
     tensors = _read_tensors(path)
     _check_quantized_modules(tensors, cfg, path, fp8=scheme is not None)
+    if scheme is not None and cfg.num_experts:
+        # a mixture of experts is served in the model dtype, experts and all
+        tensors, scheme = _dequantized(tensors, path, scheme[3]), None
 
     def get(name: str) -> torch.Tensor:
         t = tensors.get(name)
@@ -218,8 +220,11 @@ SUPPORTED_QUANTIZATION = (
     "projections only; a float32/float16/bfloat16 checkpoint is quantized at load with "
     "EngineConfig(quantization='fp8')")
 # the module path of a linear layer FP8 may quantize, e.g. model.layers.3.mlp.down_proj
-_LINEAR_PATH = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(?:"
-                          + "|".join((*LORA_MODULES, *FUSED_MODULES)) + r")$")
+LINEAR_PATH = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(?:"
+                         + "|".join((*LORA_MODULES, *FUSED_MODULES)) + r")$")
+# and in a mixture of experts an expert's, e.g. model.layers.3.mlp.experts.7.down_proj
+EXPERT_PATH = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:experts\.\d+|"
+                         r"shared_expert)\.(?:gate_proj|up_proj|down_proj|w1|w2|w3)$")
 # tensors beside a quantized weight: its scale, a static activation scale, a zero point
 _QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".weight_zero_point",
                    ".input_zero_point")
@@ -385,7 +390,8 @@ def _check_quantized_modules(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
                              fp8: bool) -> None:
     """ValueError naming the first tensor that makes the checkpoint one slora does not serve
     as FP8: a float8 tensor in a checkpoint without quantization_config, a quantized module
-    other than the linear projections (embeddings, lm_head, norms), an FP8 E5M2 weight."""
+    other than the linear projections and a mixture's experts (embeddings, lm_head, norms, the
+    router), an FP8 E5M2 weight."""
     for key, t in tensors.items():
         if key.endswith(_QUANT_SUFFIXES) or t.dtype in _FP8_DTYPES:
             module = _module_of(key)
@@ -393,11 +399,12 @@ def _check_quantized_modules(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
                 raise ConfigError(f"model directory {path}: tensor {key!r} ({t.dtype}) is a "
                                   "quantized weight but config.json has no quantization_config; "
                                   f"{SUPPORTED_QUANTIZATION}")
-            if not _LINEAR_PATH.match(module):
+            if not (LINEAR_PATH.match(module) or cfg.num_experts and EXPERT_PATH.match(module)):
                 raise ValueError(f"model directory {path}: tensor {key!r}: module {module!r} is "
                                  "quantized, but only the linear projections (q/k/v/o/gate/up/"
-                                 "down_proj) may be FP8; embeddings, lm_head and norms stay in "
-                                 f"the model dtype. {SUPPORTED_QUANTIZATION}")
+                                 "down_proj, and a mixture's experts) may be FP8; embeddings, "
+                                 "lm_head, norms and routers stay in the model dtype. "
+                                 f"{SUPPORTED_QUANTIZATION}")
             if t.dtype in _FP8_DTYPES and t.dtype != FP8_DTYPE:
                 raise ValueError(f"model directory {path}: tensor {key!r} is {t.dtype}; only "
                                  f"float8_e4m3fn weights are supported. {SUPPORTED_QUANTIZATION}")
@@ -412,12 +419,7 @@ def _fp8_linear(tensors: dict[str, torch.Tensor], module: str, path: Path,
     w = tensors[module + ".weight"]
     where = f"model directory {path}: {module}"
     if module + ".weight_scale_inv" in tensors:
-        if block is None:
-            raise ValueError(f"{where}: weight_scale_inv (block-wise FP8) in a checkpoint whose "
-                             "quantization_config has no weight_block_size. "
-                             f"{SUPPORTED_QUANTIZATION}")
-        return quantize_fp8(_block_dequantized(w, tensors[module + ".weight_scale_inv"], block,
-                                               where))
+        return quantize_fp8(_block_values(tensors, module, path, block))
     zero = tensors.get(module + ".weight_zero_point")
     if zero is not None and bool((zero != 0).any()):
         raise ValueError(f"{where}: a non-zero weight_zero_point (asymmetric FP8) is not "
@@ -437,6 +439,32 @@ def _fp8_linear(tensors: dict[str, torch.Tensor], module: str, path: Path,
     if not bool((torch.isfinite(scale) & (scale > 0)).all()):
         raise ValueError(f"{where}: weight_scale holds values that are not finite numbers > 0")
     return Fp8Weight(w, scale)
+
+
+def _dequantized(tensors: dict[str, torch.Tensor], path: Path,
+                 block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with every FP8 weight as its exact values in float32 (weight
+    times its scale, or its block's) and the scales dropped."""
+    out = {k: t for k, t in tensors.items()
+           if t.dtype not in _FP8_DTYPES and not k.endswith(_QUANT_SUFFIXES)}
+    for key, t in tensors.items():
+        if t.dtype in _FP8_DTYPES:
+            module = _module_of(key)
+            out[key] = (_block_values(tensors, module, path, block)
+                        if module + ".weight_scale_inv" in tensors
+                        else _fp8_linear(tensors, module, path).dequantize(torch.float32))
+    return out
+
+
+def _block_values(tensors: dict[str, torch.Tensor], module: str, path: Path,
+                  block: tuple[int, int] | None) -> torch.Tensor:
+    """The exact float32 values of a block-wise FP8 module (`_block_dequantized`)."""
+    where = f"model directory {path}: {module}"
+    if block is None:
+        raise ValueError(f"{where}: weight_scale_inv (block-wise FP8) in a checkpoint whose "
+                         f"quantization_config has no weight_block_size. {SUPPORTED_QUANTIZATION}")
+    return _block_dequantized(tensors[module + ".weight"], tensors[module + ".weight_scale_inv"],
+                              block, where)
 
 
 def _block_dequantized(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int],

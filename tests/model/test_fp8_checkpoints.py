@@ -8,14 +8,16 @@ FP8 engine on it must give the tokens of `EngineConfig(quantization="fp8")` on t
 per-tensor checkpoint has other scales than on-the-fly quantization: it must equal the model
 whose linear weights are the checkpoint's own dequantized values, which HF transformers runs as
 the reference. A block-wise checkpoint must equal the model whose linear weights are its
-exact values quantized again per row (`quant.quantize_fp8`), which HF transformers runs. Formats
-slora does not serve fail with an error naming the format.
+exact values quantized again per row (`quant.quantize_fp8`), which HF transformers runs. A
+mixture of experts' checkpoint, experts quantized too, must equal its exact values in fp32.
+Formats slora does not serve fail with an error naming the format.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -36,6 +38,13 @@ NEW = 16
 HAS_FP8_ENGINE = "quantization" in {f.name for f in dataclasses.fields(EngineConfig)}
 needs_fp8_engine = pytest.mark.skipif(not HAS_FP8_ENGINE,
                                       reason="EngineConfig.quantization is not available")
+
+
+def quantized_modules(state: dict[str, torch.Tensor]) -> list[str]:
+    """The modules an FP8 checkpoint quantizes: every linear projection of the layers, a
+    mixture's experts' and shared expert's included (not its router)."""
+    return [k[:-len(".weight")] for k in state
+            if re.search(r"\.(?:[qkvo]|gate|up|down)_proj\.weight$|\.w[123]\.weight$", k)]
 
 
 def linear_modules(cfg: ModelConfig) -> list[str]:
@@ -123,9 +132,8 @@ def write_checkpoint(src: Path, dst: Path, fmt: str, skip=(), tensors=None, conf
     for f in src.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, dst / f.name)
-    cfg = ModelConfig.from_dir(src)
     state = load_file(src / "model.safetensors")
-    for module in linear_modules(cfg):
+    for module in quantized_modules(state):
         if module in skip:
             continue
         w = state[module + ".weight"]
@@ -153,16 +161,19 @@ def write_checkpoint(src: Path, dst: Path, fmt: str, skip=(), tensors=None, conf
 
 
 def dequantized_copy(ckpt: Path, dst: Path) -> Path:
-    """The checkpoint with every FP8 weight replaced by its exact value weight * scale in fp32
-    and no quantization_config: the unquantized model the checkpoint stands for."""
+    """The checkpoint with every FP8 weight replaced by its exact value weight * scale (or its
+    block's) in fp32 and no quantization_config: the unquantized model the checkpoint stands
+    for."""
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(ckpt, dst)
     state = load_file(ckpt / "model.safetensors")
     out = {}
     for k, t in state.items():
-        if k.endswith((".weight_scale", ".input_scale")):
+        if k.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
             continue
-        if t.dtype == FP8:
+        if t.dtype == FP8 and k + "_scale_inv" in state:
+            t = block_values(t, state[k + "_scale_inv"])
+        elif t.dtype == FP8:
             s = state[k + "_scale"].float().reshape(-1)
             t = t.float() * (s[:, None] if s.numel() > 1 else s)
         out[k] = t
@@ -433,6 +444,36 @@ def test_block_checkpoint_serves_the_model_it_stands_for(tiny_models, tmp_path, 
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
                           do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out[0, ids.shape[1]:].tolist() == got, prompt
+
+
+@pytest.mark.parametrize("kind,fmt", [("qwen3_moe", "fp8_block"), ("mixtral", "fp8_block"),
+                                      ("qwen2_moe", "ct_channel_dynamic")])
+def test_mixture_of_experts_checkpoint_serves_its_values(tiny_models, tmp_path, kind, fmt):
+    """A mixture of experts' FP8 checkpoint, experts (and Qwen2-MoE's shared expert) quantized
+    too, loads dequantized: the engine's tokens and log-probs are those of its exact values in
+    fp32, which HF transformers' tokens equal too."""
+    import transformers
+
+    ckpt = write_checkpoint(tiny_models(kind), tmp_path / "ckpt", fmt)
+    assert any(".experts." in m for m in quantized_modules(load_file(ckpt / "model.safetensors")))
+    plain = dequantized_copy(ckpt, tmp_path / "plain")
+    toks, lps, engine = greedy(ckpt)
+    assert (toks, lps) == greedy(plain)[:2]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    for prompt, got in zip(PROMPTS, toks):
+        ids = torch.tensor([engine.tokenizer.encode(prompt)])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, ids.shape[1]:].tolist() == got, prompt
+
+
+def test_quantized_router_is_refused(tiny_models, tmp_path):
+    q, s = quantize_per_tensor(torch.randn(4, 64))
+    ckpt = write_checkpoint(tiny_models("qwen3_moe"), tmp_path / "ckpt", "fp8_dynamic",
+                            tensors={"model.layers.0.mlp.gate.weight": q,
+                                     "model.layers.0.mlp.gate.weight_scale": s})
+    with pytest.raises(ValueError, match=r"module 'model.layers.0.mlp.gate' is quantized"):
+        load(ckpt)
 
 
 # ----------------------------------------------------------------------------- refused formats
