@@ -76,7 +76,8 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     linear layer (q|k|v and gate|up fused) in `dtype`, or an `Fp8Weight` where the checkpoint
     is a supported FP8 one (`Fp8Checkpoint`) and holds it in FP8. The FP8 parts keep the
     checkpoint's own values and scales (a block-wise one's quantized again per row); a
-    mixture of experts' FP8 checkpoint loads dequantized, every weight in `dtype`. A fused
+    mixture of experts' FP8 checkpoint loads dequantized (`_fp8_values`), one tensor at a
+    time, every weight in `dtype`. A fused
     layer whose other parts the checkpoint leaves
     unquantized (its `ignore` list) is FP8 whole, those parts quantized per output channel
     (`quantize_fp8`, as EngineConfig.quantization="fp8" does); an unquantized layer on its own
@@ -87,14 +88,17 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     scheme = _quant_scheme(path)
     tensors = _read_tensors(path)
     _check_quantized_modules(tensors, cfg, path, fp8=scheme is not None)
-    if scheme is not None and cfg.num_experts:
-        # a mixture of experts is served in the model dtype, experts and all
-        tensors, scheme = _dequantized(tensors, path, scheme[3]), None
+    block = scheme[3] if scheme is not None else None
+    # a mixture of experts is served in the model dtype, experts and all
+    dequantize = scheme is not None and bool(cfg.num_experts)
 
     def get(name: str) -> torch.Tensor:
         t = tensors.get(name)
         if t is None:
             raise KeyError(f"model directory {path}: weight {name!r} not found")
+        if dequantize and t.dtype in _FP8_DTYPES:  # (a linear weight: checked above)
+            return _fp8_values(tensors, _module_of(name), path, block).to(device=device,
+                                                                          dtype=dtype)
         if not t.is_floating_point() or t.dtype in _FP8_DTYPES:
             raise ValueError(f"model directory {path}: weight {name!r} is {t.dtype}; slora keeps "
                              "embeddings, lm_head, norms and biases in the model dtype (a "
@@ -118,9 +122,9 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
 
     def linear(module: str) -> Fp8Weight | torch.Tensor:
         w = tensors.get(module + ".weight")
-        if w is None or w.dtype not in _FP8_DTYPES:
+        if w is None or w.dtype not in _FP8_DTYPES or dequantize:
             return get(module + ".weight")
-        return _fp8_linear(tensors, module, path, scheme[3]).to(device)
+        return _fp8_linear(tensors, module, path, block).to(device)
 
     def residual(w):
         """A residual branch's output weight (o_proj, down_proj; o's bias) times Granite's
@@ -217,7 +221,8 @@ SUPPORTED_QUANTIZATION = (
     "format (quant_method 'compressed-tensors', format 'float-quantized' or 'naive-quantized', "
     "weights num_bits 8 type 'float' strategy 'tensor' or 'channel', input_activations null, "
     "dynamic per 'token' or 'tensor', or static per 'tensor'), FP8 on the q/k/v/o/gate/up/down "
-    "projections only; a float32/float16/bfloat16 checkpoint is quantized at load with "
+    "projections (and a mixture's experts) only; a float32/float16/bfloat16 checkpoint is "
+    "quantized at load with "
     "EngineConfig(quantization='fp8')")
 # the module path of a linear layer FP8 may quantize, e.g. model.layers.3.mlp.down_proj
 LINEAR_PATH = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(?:"
@@ -441,24 +446,18 @@ def _fp8_linear(tensors: dict[str, torch.Tensor], module: str, path: Path,
     return Fp8Weight(w, scale)
 
 
-def _dequantized(tensors: dict[str, torch.Tensor], path: Path,
-                 block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors with every FP8 weight as its exact values in float32 (weight
-    times its scale, or its block's) and the scales dropped."""
-    out = {k: t for k, t in tensors.items()
-           if t.dtype not in _FP8_DTYPES and not k.endswith(_QUANT_SUFFIXES)}
-    for key, t in tensors.items():
-        if t.dtype in _FP8_DTYPES:
-            module = _module_of(key)
-            out[key] = (_block_values(tensors, module, path, block)
-                        if module + ".weight_scale_inv" in tensors
-                        else _fp8_linear(tensors, module, path).dequantize(torch.float32))
-    return out
+def _fp8_values(tensors: dict[str, torch.Tensor], module: str, path: Path,
+               block: tuple[int, int] | None) -> torch.Tensor:
+    """An FP8 linear module's weight as float32 values: weight times its scale, or its
+    block's."""
+    if module + ".weight_scale_inv" in tensors:
+        return _block_values(tensors, module, path, block)
+    return _fp8_linear(tensors, module, path).dequantize(torch.float32)
 
 
 def _block_values(tensors: dict[str, torch.Tensor], module: str, path: Path,
                   block: tuple[int, int] | None) -> torch.Tensor:
-    """The exact float32 values of a block-wise FP8 module (`_block_dequantized`)."""
+    """The float32 values of a block-wise FP8 module (`_block_dequantized`)."""
     where = f"model directory {path}: {module}"
     if block is None:
         raise ValueError(f"{where}: weight_scale_inv (block-wise FP8) in a checkpoint whose "
@@ -471,7 +470,8 @@ def _block_dequantized(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
                        where: str) -> torch.Tensor:
     """W in float32 of an E4M3 weight w [N, K] and its scales s [ceil(N / rows), ceil(K /
     columns)] (`weight_scale_inv`, in any float dtype, finite and > 0): each element times
-    its block's scale, exact in float32 (a product of an E4M3 value and a 16- or 32-bit one)."""
+    its block's scale in float32, as HF transformers dequantizes it (exact for 16-bit
+    scales: an E4M3 value has 4 significant bits)."""
     rows, cols = block
     if w.dim() != 2:
         raise ValueError(f"{where}: weight of shape {list(w.shape)} is not a matrix")

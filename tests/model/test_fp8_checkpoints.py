@@ -8,9 +8,9 @@ FP8 engine on it must give the tokens of `EngineConfig(quantization="fp8")` on t
 per-tensor checkpoint has other scales than on-the-fly quantization: it must equal the model
 whose linear weights are the checkpoint's own dequantized values, which HF transformers runs as
 the reference. A block-wise checkpoint must equal the model whose linear weights are its
-exact values quantized again per row (`quant.quantize_fp8`), which HF transformers runs. A
-mixture of experts' checkpoint, experts quantized too, must equal its exact values in fp32.
-Formats slora does not serve fail with an error naming the format.
+values (weight times its block's scale) quantized again per row (`quant.quantize_fp8`), which
+HF transformers runs. A mixture of experts' checkpoint, experts quantized too, must equal its
+values in fp32. Formats slora does not serve fail with an error naming the format.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def quantize_per_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_values(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The exact fp32 values of a block-wise weight, block by block."""
+    """The fp32 values of a block-wise weight, block by block: each times its block's scale."""
     r, c = BLOCK
     w = q.float()
     for i in range(s.shape[0]):
@@ -341,7 +341,7 @@ def test_scales_in_bf16_and_sharded_files_load(tiny_models, tmp_path):
 
 
 def test_block_checkpoint_loads_as_its_values_quantized_per_row(tiny_models, tmp_path):
-    """Each block-wise weight loads as its exact values (weight times its block's scale)
+    """Each block-wise weight loads as its values (weight times its block's scale)
     quantized again with one scale per output row, bit for bit."""
     src = tiny_models("llama")
     ckpt = write_checkpoint(src, tmp_path / "ckpt", "fp8_block")
@@ -360,7 +360,7 @@ def test_block_checkpoint_loads_as_its_values_quantized_per_row(tiny_models, tmp
 
 def requantized_copy(ckpt: Path, dst: Path) -> Path:
     """A block-wise checkpoint as the unquantized model slora serves for it: every weight's
-    exact values quantized per row, dequantized to fp32; no quantization_config."""
+    values quantized per row, dequantized to fp32; no quantization_config."""
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(ckpt, dst)
     state = load_file(ckpt / "model.safetensors")
@@ -450,7 +450,7 @@ def test_block_checkpoint_serves_the_model_it_stands_for(tiny_models, tmp_path, 
                                       ("qwen2_moe", "ct_channel_dynamic")])
 def test_mixture_of_experts_checkpoint_serves_its_values(tiny_models, tmp_path, kind, fmt):
     """A mixture of experts' FP8 checkpoint, experts (and Qwen2-MoE's shared expert) quantized
-    too, loads dequantized: the engine's tokens and log-probs are those of its exact values in
+    too, loads dequantized: the engine's tokens and log-probs are those of its values in
     fp32, which HF transformers' tokens equal too."""
     import transformers
 
