@@ -401,49 +401,34 @@ def test_per_channel_checkpoint_serves_on_the_fly_tokens(tiny_models, tmp_path, 
     assert lps == want_lps
 
 
+def assert_hf_tokens(plain: Path, engine, toks) -> None:
+    """HF transformers' greedy tokens on the unquantized model `plain` are `toks`."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    for prompt, got in zip(PROMPTS, toks):
+        ids = torch.tensor([engine.tokenizer.encode(prompt)])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, ids.shape[1]:].tolist() == got, prompt
+
+
 @needs_fp8_engine
-@pytest.mark.parametrize("fmt", ["fp8_static", "ct_tensor_dynamic"])
-def test_per_tensor_checkpoint_serves_the_model_it_stands_for(tiny_models, tmp_path, fmt):
+@pytest.mark.parametrize("kind,fmt", [("llama", "fp8_static"), ("llama", "ct_tensor_dynamic"),
+                                      ("llama", "fp8_block"), ("qwen2", "fp8_block")])
+def test_checkpoint_serves_the_model_it_stands_for(tiny_models, tmp_path, kind, fmt):
     """The FP8 engine on a per-tensor checkpoint equals HF transformers on the checkpoint's
-    dequantized weights (and slora on that unquantized copy, log-prob for log-prob)."""
-    import transformers
-
-    src = tiny_models("llama")
-    ckpt = write_checkpoint(src, tmp_path / "ckpt", fmt)
-    plain = dequantized_copy(ckpt, tmp_path / "plain")
+    dequantized weights, on a block-wise one HF on its weights quantized again per row (and
+    slora on that unquantized copy, log-prob for log-prob)."""
+    ckpt = write_checkpoint(tiny_models(kind), tmp_path / "ckpt", fmt)
+    copy = requantized_copy if FORMATS[fmt][1] == "block" else dequantized_copy
+    plain = copy(ckpt, tmp_path / "plain")
     toks, lps, engine = greedy(ckpt)
     plain_toks, plain_lps, _ = greedy(plain)
     assert toks == plain_toks
     for got, want in zip(lps, plain_lps):
         assert got == pytest.approx(want, abs=1e-5)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    for prompt, got in zip(PROMPTS, toks):
-        ids = torch.tensor([engine.tokenizer.encode(prompt)])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out[0, ids.shape[1]:].tolist() == got, prompt
-
-
-@needs_fp8_engine
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_block_checkpoint_serves_the_model_it_stands_for(tiny_models, tmp_path, kind):
-    """The engine on a block-wise checkpoint equals HF transformers on its weights quantized
-    again per row (and slora on that unquantized copy, log-prob for log-prob)."""
-    import transformers
-
-    ckpt = write_checkpoint(tiny_models(kind), tmp_path / "ckpt", "fp8_block")
-    plain = requantized_copy(ckpt, tmp_path / "plain")
-    toks, lps, engine = greedy(ckpt)
-    plain_toks, plain_lps, _ = greedy(plain)
-    assert toks == plain_toks
-    for got, want in zip(lps, plain_lps):
-        assert got == pytest.approx(want, abs=1e-5)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    for prompt, got in zip(PROMPTS, toks):
-        ids = torch.tensor([engine.tokenizer.encode(prompt)])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out[0, ids.shape[1]:].tolist() == got, prompt
+    assert_hf_tokens(plain, engine, toks)
 
 
 @pytest.mark.parametrize("kind,fmt", [("qwen3_moe", "fp8_block"), ("mixtral", "fp8_block"),
@@ -452,19 +437,12 @@ def test_mixture_of_experts_checkpoint_serves_its_values(tiny_models, tmp_path, 
     """A mixture of experts' FP8 checkpoint, experts (and Qwen2-MoE's shared expert) quantized
     too, loads dequantized: the engine's tokens and log-probs are those of its values in
     fp32, which HF transformers' tokens equal too."""
-    import transformers
-
     ckpt = write_checkpoint(tiny_models(kind), tmp_path / "ckpt", fmt)
     assert any(".experts." in m for m in quantized_modules(load_file(ckpt / "model.safetensors")))
     plain = dequantized_copy(ckpt, tmp_path / "plain")
     toks, lps, engine = greedy(ckpt)
     assert (toks, lps) == greedy(plain)[:2]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    for prompt, got in zip(PROMPTS, toks):
-        ids = torch.tensor([engine.tokenizer.encode(prompt)])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out[0, ids.shape[1]:].tolist() == got, prompt
+    assert_hf_tokens(plain, engine, toks)
 
 
 def test_quantized_router_is_refused(tiny_models, tmp_path):
