@@ -784,6 +784,12 @@ def _read_whole(file: Path, tries: int = 3) -> tuple[bytearray, os.stat_result]:
     raise OSError(f"{file} kept changing while it was read ({tries} tries)")
 
 
+# PEFT's init_lora_weights values that change the base weights at the start of training
+# (PiSSA, CorDA, Astra and their variants, OLoRA, LoftQ, LoRA-GA): such an adapter fits the
+# changed base until it is converted to a standard one, whose config says true
+_BASE_CHANGING_INITS = ("pissa", "corda", "astra", "olora", "loftq", "lora_ga")
+
+
 def _safetensors_entries(text: bytes) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], int]:
     """A safetensors header's tensors, name -> (dtype, shape, offset of its data), and the
     bytes of data it describes. ValueError names what is wrong: not a JSON object, an entry
@@ -918,6 +924,14 @@ class PeftAdapter:
         if c.get("modules_to_save"):
             self._fail(f, f"modules_to_save={c['modules_to_save']!r} is not supported "
                        "(only LoRA weights are served)")
+        init = c.get("init_lora_weights")
+        if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+            self._fail(f, f"init_lora_weights={init!r}: this initialisation changes the base "
+                       "model's weights (W - B A at the start of training), so the adapter "
+                       "needs that changed base, not this one: convert it to a standard LoRA "
+                       "adapter first (PEFT: model.save_pretrained(out, "
+                       "path_initial_model_for_weight_conversion=<the adapter as initialised>); "
+                       "LoftQ: serve the base model LoftQ saved)")
         if c.get("target_parameters"):
             self._fail(f, f"target_parameters={c['target_parameters']!r} is not supported "
                        "(LoRA on parameters, such as a mixture of experts' stacked experts; "

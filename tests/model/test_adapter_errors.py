@@ -103,7 +103,28 @@ BAD = {
     "config_not_object": (dict(files=lambda d: (d / "adapter_config.json").write_text("[4]")),
                           "not an object"),
     "bin_not_pickle": (dict(files=_bin_not_pickle), "torch.load"),
+    # initialisations that change the base weights: the adapter fits that changed base
+    "pissa": (dict(config=lambda c: c.update(init_lora_weights="pissa_niter_16")),
+              "init_lora_weights='pissa_niter_16': this initialisation changes the base"),
+    "olora": (dict(config=lambda c: c.update(init_lora_weights="olora")),
+              "path_initial_model_for_weight_conversion"),
+    "loftq": (dict(config=lambda c: c.update(init_lora_weights="loftq")),
+              "serve the base model LoftQ saved"),
 }
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
+def test_initialisations_that_keep_the_base_serve(tiny_model_dir, good, tmp_path, init):
+    """An adapter whose initialisation left the base weights as they are (or one converted
+    to a standard LoRA adapter, whose config says true) serves as its tensors say."""
+    d = _variant(good, tmp_path, "init", lambda c: c.update(init_lora_weights=init))
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=32))
+    engine.add_adapter("good", good)
+    engine.add_adapter("init", d)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    a, b = engine.generate(["Hello", "Hello"], sp, adapters=["good", "init"])
+    assert a.token_ids == b.token_ids
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
