@@ -217,13 +217,12 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
 SUPPORTED_QUANTIZATION = (
     "slora loads FP8 E4M3 checkpoints in vLLM's 'fp8' format (quant_method 'fp8', per-tensor "
     "weight_scale or block-wise weight_scale_inv with weight_block_size, activation_scheme "
-    "'dynamic' or 'static') and the compressed-tensors float8 "
-    "format (quant_method 'compressed-tensors', format 'float-quantized' or 'naive-quantized', "
-    "weights num_bits 8 type 'float' strategy 'tensor' or 'channel', input_activations null, "
-    "dynamic per 'token' or 'tensor', or static per 'tensor'), FP8 on the q/k/v/o/gate/up/down "
+    "'dynamic' or 'static') and the compressed-tensors float8 format (quant_method "
+    "'compressed-tensors', format 'float-quantized' or 'naive-quantized', weights num_bits 8 "
+    "type 'float' strategy 'tensor', 'channel' or 'block', input_activations null, dynamic per "
+    "'token', 'tensor' or 'group', or static per 'tensor'), FP8 on the q/k/v/o/gate/up/down "
     "projections (and a mixture's experts) only; a float32/float16/bfloat16 checkpoint is "
-    "quantized at load with "
-    "EngineConfig(quantization='fp8')")
+    "quantized at load with EngineConfig(quantization='fp8')")
 # the module path of a linear layer FP8 may quantize, e.g. model.layers.3.mlp.down_proj
 LINEAR_PATH = re.compile(r"^model\.layers\.\d+\.(?:self_attn|mlp)\.(?:"
                          + "|".join((*LORA_MODULES, *FUSED_MODULES)) + r")$")
@@ -246,15 +245,17 @@ class Fp8Checkpoint:
         config groups is static. slora quantizes activations dynamically, per token, whatever
         this says: a static scale is recorded, not applied.
     ignore: the modules the checkpoint leaves unquantized (`ignored_layers` / `ignore`).
-    block: (rows, columns) of a block-wise checkpoint's scale blocks (`weight_block_size`:
-        DeepSeek-V3's and Qwen3-FP8's [128, 128]); None for one scale per tensor or channel.
+    block: (rows, columns) of a block-wise checkpoint's scale blocks (`weight_block_size`,
+        compressed-tensors' `block_structure`: DeepSeek-V3's and Qwen3-FP8's [128, 128]);
+        None for one scale per tensor or channel.
     input_scales: module path (model.layers.N.self_attn.q_proj) -> its static activation scale.
 
     The weights: each linear weight stored as float8_e4m3fn comes with a `weight_scale` of one
     element (per tensor, repeated over the rows) or one per output row ([N] or [N, 1], per
     channel), in any float dtype, finite and > 0; W = weight * scale. In a block-wise
-    checkpoint it comes with a `weight_scale_inv` instead, one per block ([ceil(N / rows),
-    ceil(K / columns)]): W = weight * weight_scale_inv of its block. slora's FP8 kernels take
+    checkpoint it comes with a `weight_scale_inv` instead (compressed-tensors' block strategy:
+    a `weight_scale`), one per block ([ceil(N / rows), ceil(K / columns)]): W = weight * the
+    scale of its block. slora's FP8 kernels take
     one scale per output row, so such a weight is dequantized and quantized again per row
     (`quant.quantize_fp8`): its values move by at most half an E4M3 step of the row's scale.
     """
@@ -318,12 +319,8 @@ def parse_quantization_config(qc, source: str = "config"
         scheme = qc.get("activation_scheme")
         if scheme not in ("dynamic", "static"):
             fail(f"activation_scheme {scheme!r} is not 'dynamic' or 'static'")
-        block = qc.get("weight_block_size")
-        if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
-                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-            fail(f"weight_block_size {block!r} is not [rows, columns] of two integers > 0")
         return ("fp8", scheme, _names(qc.get("ignored_layers"), "ignored_layers", fail),
-                None if block is None else tuple(block))
+                _block(qc.get("weight_block_size"), "weight_block_size", fail))
     if method != "compressed-tensors":
         fail(f"quant_method {method!r} is not supported")
     sparsity = qc.get("sparsity_config")
@@ -333,21 +330,35 @@ def parse_quantization_config(qc, source: str = "config"
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         fail(f"config_groups {groups!r} is not a non-empty object")
-    schemes = []
+    schemes, blocks = [], set()
     for name, g in groups.items():
         if not isinstance(g, dict):
             fail(f"config_groups[{name!r}] is not an object")
         fmt = g.get("format") or qc.get("format")
         if fmt not in ("float-quantized", "naive-quantized"):
             fail(f"format {fmt!r} (config group {name!r}) is not supported")
-        schemes.append(_ct_group(name, g, fail))
+        activations, block = _ct_group(name, g, fail)
+        schemes.append(activations)
+        blocks.add(block)
+    if len(blocks - {None}) > 1:
+        fail(f"config groups of different block_structure {sorted(blocks - {None})}")
     activations = next((s for s in ("static", "dynamic") if s in schemes), "none")
-    return "compressed-tensors", activations, _names(qc.get("ignore"), "ignore", fail), None
+    return ("compressed-tensors", activations, _names(qc.get("ignore"), "ignore", fail),
+            next(iter(blocks - {None}), None))
 
 
-def _ct_group(name: str, g: dict, fail) -> str:
-    """A compressed-tensors config group's activation scheme, once its weights are checked to
-    be symmetric float8 per tensor or per channel."""
+def _block(v, key: str, fail) -> tuple[int, int] | None:
+    """A block-wise checkpoint's (rows, columns) of a scale's block; None when `v` is."""
+    if v is not None and not (isinstance(v, list) and len(v) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in v)):
+        fail(f"{key} {v!r} is not [rows, columns] of two integers > 0")
+    return None if v is None else tuple(v)
+
+
+def _ct_group(name: str, g: dict, fail) -> tuple[str, tuple[int, int] | None]:
+    """A compressed-tensors config group's (activation scheme, block), once its weights are
+    checked to be symmetric float8 per tensor, per channel or per block (`block_structure`;
+    block None otherwise)."""
     w = g.get("weights")
     if not isinstance(w, dict):
         fail(f"config group {name!r} has no weights scheme")
@@ -355,25 +366,28 @@ def _ct_group(name: str, g: dict, fail) -> str:
     if kind != "float" or bits != 8:
         fail(f"config group {name!r}: weights of type {kind!r} with num_bits {bits!r} "
              f"({'int' + str(bits) if kind == 'int' else 'fp' + str(bits)}) are not supported")
-    if w.get("strategy") not in ("tensor", "channel") or w.get("block_structure"):
-        fail(f"config group {name!r}: weights strategy {w.get('strategy')!r} is not supported "
-             "(group- or block-wise scales)")
+    strategy = w.get("strategy")
+    if strategy not in ("tensor", "channel", "block") \
+            or (strategy == "block") != (w.get("block_structure") is not None):
+        fail(f"config group {name!r}: weights strategy {strategy!r} with block_structure "
+             f"{w.get('block_structure')!r} is not supported (group-wise scales)")
+    block = _block(w.get("block_structure"), f"config group {name!r}: block_structure", fail)
     if w.get("dynamic") or not w.get("symmetric", True):
         fail(f"config group {name!r}: dynamic or asymmetric weight scales are not supported")
     if g.get("output_activations"):
         fail(f"config group {name!r}: output_activations quantization is not supported")
     a = g.get("input_activations")
     if a is None:
-        return "none"
+        return "none", block
     if not isinstance(a, dict) or a.get("type", "int") != "float" or a.get("num_bits") != 8:
         fail(f"config group {name!r}: input_activations {a!r} are not float8")
     if not a.get("symmetric", True):
         fail(f"config group {name!r}: asymmetric input_activations are not supported")
     dynamic, strategy = a.get("dynamic"), a.get("strategy")
-    if dynamic is True and strategy in ("token", "tensor"):
-        return "dynamic"
+    if dynamic is True and strategy in ("token", "tensor", "group"):
+        return "dynamic", block
     if dynamic is False and strategy == "tensor":
-        return "static"
+        return "static", block
     fail(f"config group {name!r}: input_activations dynamic={dynamic!r} strategy={strategy!r} "
          "are not supported")
 
@@ -419,11 +433,11 @@ def _check_quantized_modules(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
 def _fp8_linear(tensors: dict[str, torch.Tensor], module: str, path: Path,
                 block: tuple[int, int] | None = None) -> Fp8Weight:
     """A linear module's FP8 weight with its scale as one per output row: a per-tensor scale
-    repeated, a per-channel one ([N] or [N, 1]) as is, block-wise scales (`weight_scale_inv`,
-    blocks of `block`) dequantized and quantized again per row (`_block_dequantized`)."""
+    repeated, a per-channel one ([N] or [N, 1]) as is, block-wise scales (blocks of `block`,
+    `_blockwise`) dequantized and quantized again per row (`_block_dequantized`)."""
     w = tensors[module + ".weight"]
     where = f"model directory {path}: {module}"
-    if module + ".weight_scale_inv" in tensors:
+    if _blockwise(tensors, module, block):
         return quantize_fp8(_block_values(tensors, module, path, block))
     zero = tensors.get(module + ".weight_zero_point")
     if zero is not None and bool((zero != 0).any()):
@@ -438,8 +452,8 @@ def _fp8_linear(tensors: dict[str, torch.Tensor], module: str, path: Path,
         raise ValueError(f"{where}: weight {list(w.shape)} with weight_scale {list(s.shape)} "
                          f"({s.dtype}); expected one scale per tensor ([] or [1]) or per output "
                          f"row ([{n}] or [{n}, 1]) in a float dtype (group-wise scales are not "
-                         "supported; block-wise ones are a weight_scale_inv beside "
-                         "quantization_config's weight_block_size)")
+                         "supported; block-wise ones need quantization_config's "
+                         "weight_block_size or block_structure)")
     scale = s.float().reshape(-1).expand(n).contiguous()
     if not bool((torch.isfinite(scale) & (scale > 0)).all()):
         raise ValueError(f"{where}: weight_scale holds values that are not finite numbers > 0")
@@ -450,20 +464,33 @@ def _fp8_values(tensors: dict[str, torch.Tensor], module: str, path: Path,
                block: tuple[int, int] | None) -> torch.Tensor:
     """An FP8 linear module's weight as float32 values: weight times its scale, or its
     block's."""
-    if module + ".weight_scale_inv" in tensors:
+    if _blockwise(tensors, module, block):
         return _block_values(tensors, module, path, block)
     return _fp8_linear(tensors, module, path).dequantize(torch.float32)
 
 
+def _blockwise(tensors: dict[str, torch.Tensor], module: str,
+               block: tuple[int, int] | None) -> bool:
+    """Whether the module's scales are per block: a `weight_scale_inv` (vLLM's and HF's
+    block-wise `fp8`), or in a block-wise checkpoint a 2-D `weight_scale` other than one per
+    row ([N, 1]; compressed-tensors' block strategy)."""
+    if module + ".weight_scale_inv" in tensors:
+        return True
+    s, w = tensors.get(module + ".weight_scale"), tensors[module + ".weight"]
+    return (block is not None and s is not None and s.dim() == 2 and w.dim() == 2
+            and tuple(s.shape) != (w.shape[0], 1))
+
+
 def _block_values(tensors: dict[str, torch.Tensor], module: str, path: Path,
                   block: tuple[int, int] | None) -> torch.Tensor:
-    """The float32 values of a block-wise FP8 module (`_block_dequantized`)."""
+    """The float32 values of a block-wise FP8 module (`_block_dequantized`): its weight and
+    its `weight_scale_inv`, or its block-shaped `weight_scale`."""
     where = f"model directory {path}: {module}"
     if block is None:
         raise ValueError(f"{where}: weight_scale_inv (block-wise FP8) in a checkpoint whose "
                          f"quantization_config has no weight_block_size. {SUPPORTED_QUANTIZATION}")
-    return _block_dequantized(tensors[module + ".weight"], tensors[module + ".weight_scale_inv"],
-                              block, where)
+    s = tensors.get(module + ".weight_scale_inv", tensors.get(module + ".weight_scale"))
+    return _block_dequantized(tensors[module + ".weight"], s, block, where)
 
 
 def _block_dequantized(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int],

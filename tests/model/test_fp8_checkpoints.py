@@ -59,14 +59,14 @@ def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).clamp(-quant.FP8_MAX, quant.FP8_MAX).to(FP8), scale
 
 
-def ct_config(weights: str, activations: dict | None, ignore=("lm_head",)) -> dict:
+def ct_config(weights: str, activations: dict | None, ignore=("lm_head",), block=None) -> dict:
     """A compressed-tensors float8 quantization_config of one config group over Linear."""
     return {"quant_method": "compressed-tensors", "format": "float-quantized",
             "quantization_status": "compressed", "ignore": list(ignore), "kv_cache_scheme": None,
             "config_groups": {"group_0": {
                 "targets": ["Linear"],
                 "weights": {"num_bits": 8, "type": "float", "strategy": weights, "dynamic": False,
-                            "symmetric": True, "group_size": None, "block_structure": None},
+                            "symmetric": True, "group_size": None, "block_structure": block},
                 "input_activations": activations, "output_activations": None}}}
 
 
@@ -83,6 +83,9 @@ FORMATS = {
     "fp8_dynamic": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "tensor", False),
     "fp8_block": ({"quant_method": "fp8", "activation_scheme": "dynamic",
                    "weight_block_size": BLOCK}, "block", False),
+    # llm-compressor's FP8_BLOCK: the block scales named weight_scale, activations per group
+    "ct_block": (ct_config("block", dict(CT_DYNAMIC, strategy="group", group_size=128),
+                           block=BLOCK), "block", False),
     "fp8_static": ({"quant_method": "fp8", "activation_scheme": "static"}, "tensor", True),
     "ct_channel_dynamic": (ct_config("channel", CT_DYNAMIC), "channel", False),
     "ct_channel_weight_only": (ct_config("channel", None), "channel", False),
@@ -105,6 +108,15 @@ def quantize_per_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             s[i, j] = blk.abs().max() / quant.FP8_MAX
             q[i * r:(i + 1) * r, j * c:(j + 1) * c] = (blk / s[i, j]).to(FP8)
     return q, s
+
+
+SCALES = (".weight_scale", ".weight_scale_inv", ".input_scale")  # tensors beside FP8 weights
+
+
+def block_scale(state: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
+    """The block scales of FP8 weight `key` (either format's name), None for other scales."""
+    s = state.get(key + "_scale_inv", state.get(key + "_scale"))
+    return s if s is not None and s.dim() == 2 and s.shape[1] > 1 else None
 
 
 def block_values(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -140,8 +152,9 @@ def write_checkpoint(src: Path, dst: Path, fmt: str, skip=(), tensors=None, conf
         if strategy == "channel":
             q = quant.quantize_fp8(w)
             state[module + ".weight"], state[module + ".weight_scale"] = q.weight, q.scale[:, None]
-        elif strategy == "block":
-            state[module + ".weight"], state[module + ".weight_scale_inv"] = quantize_per_block(w)
+        elif strategy == "block":  # fp8's scales are weight_scale_inv, compressed-tensors'
+            suffix = ".weight_scale_inv" if qc["quant_method"] == "fp8" else ".weight_scale"
+            state[module + ".weight"], state[module + suffix] = quantize_per_block(w)
         else:
             state[module + ".weight"], scale = quantize_per_tensor(w)
             # vLLM's fp8 format stores a 0-d scale; compressed-tensors one of shape [1]
@@ -169,10 +182,10 @@ def dequantized_copy(ckpt: Path, dst: Path) -> Path:
     state = load_file(ckpt / "model.safetensors")
     out = {}
     for k, t in state.items():
-        if k.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+        if k.endswith(SCALES):
             continue
-        if t.dtype == FP8 and k + "_scale_inv" in state:
-            t = block_values(t, state[k + "_scale_inv"])
+        if t.dtype == FP8 and block_scale(state, k) is not None:
+            t = block_values(t, block_scale(state, k))
         elif t.dtype == FP8:
             s = state[k + "_scale"].float().reshape(-1)
             t = t.float() * (s[:, None] if s.numel() > 1 else s)
@@ -340,20 +353,20 @@ def test_scales_in_bf16_and_sharded_files_load(tiny_models, tmp_path):
             assert same_fp8(getattr(lw, group), want), (i, group)
 
 
-def test_block_checkpoint_loads_as_its_values_quantized_per_row(tiny_models, tmp_path):
+@pytest.mark.parametrize("fmt", ["fp8_block", "ct_block"])
+def test_block_checkpoint_loads_as_its_values_quantized_per_row(tiny_models, tmp_path, fmt):
     """Each block-wise weight loads as its values (weight times its block's scale)
     quantized again with one scale per output row, bit for bit."""
     src = tiny_models("llama")
-    ckpt = write_checkpoint(src, tmp_path / "ckpt", "fp8_block")
+    ckpt = write_checkpoint(src, tmp_path / "ckpt", fmt)
     state = load_file(ckpt / "model.safetensors")
     cfg, w = load(ckpt)
     for i, lw in enumerate(w.layers):
         for group, modules in SPLITS.items():
             paths = [m for m in linear_modules(cfg) if m.startswith(f"model.layers.{i}.")
                      and m.endswith(modules)]
-            want = quant.cat([quant.quantize_fp8(block_values(state[m + ".weight"],
-                                                              state[m + ".weight_scale_inv"]))
-                              for m in paths])
+            want = quant.cat([quant.quantize_fp8(block_values(
+                state[m + ".weight"], block_scale(state, m + ".weight"))) for m in paths])
             assert same_fp8(getattr(lw, group), want), (i, group)
     assert Fp8Checkpoint.from_dir(ckpt).block == tuple(BLOCK)
 
@@ -364,10 +377,10 @@ def requantized_copy(ckpt: Path, dst: Path) -> Path:
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(ckpt, dst)
     state = load_file(ckpt / "model.safetensors")
-    out = {k: t for k, t in state.items() if t.dtype != FP8 and not k.endswith("_scale_inv")}
+    out = {k: t for k, t in state.items() if t.dtype != FP8 and not k.endswith(SCALES)}
     for k, t in state.items():
         if t.dtype == FP8:
-            out[k] = quant.quantize_fp8(block_values(t, state[k + "_scale_inv"])).dequantize(
+            out[k] = quant.quantize_fp8(block_values(t, block_scale(state, k))).dequantize(
                 torch.float32)
     save_file(out, dst / "model.safetensors")
     c = json.loads((ckpt / "config.json").read_text())
@@ -415,7 +428,8 @@ def assert_hf_tokens(plain: Path, engine, toks) -> None:
 
 @needs_fp8_engine
 @pytest.mark.parametrize("kind,fmt", [("llama", "fp8_static"), ("llama", "ct_tensor_dynamic"),
-                                      ("llama", "fp8_block"), ("qwen2", "fp8_block")])
+                                      ("llama", "fp8_block"), ("qwen2", "fp8_block"),
+                                      ("llama", "ct_block")])
 def test_checkpoint_serves_the_model_it_stands_for(tiny_models, tmp_path, kind, fmt):
     """The FP8 engine on a per-tensor checkpoint equals HF transformers on the checkpoint's
     dequantized weights, on a block-wise one HF on its weights quantized again per row (and
@@ -479,12 +493,13 @@ BAD_CONFIGS = {
                                                         "strategy": "group", "group_size": 128,
                                                         "dynamic": False}}}},
                  r"strategy 'group'"),
-    "ct_block": ({**ct_config("channel", None), "config_groups": {"g": {
-                     "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
-                                                        "strategy": "block",
-                                                        "block_structure": [128, 128],
-                                                        "dynamic": False}}}},
-                 r"strategy 'block'"),
+    "ct_block_no_structure": ({**ct_config("channel", None), "config_groups": {"g": {
+                                  "targets": ["Linear"], "weights": {
+                                      "num_bits": 8, "type": "float", "strategy": "block",
+                                      "dynamic": False}}}},
+                              r"strategy 'block' with block_structure None"),
+    "ct_block_structure": (ct_config("block", None, block=[128, 0]),
+                           r"block_structure \[128, 0\] is not \[rows, columns\]"),
     "ct_nvfp4": (dict(ct_config("channel", None), format="nvfp4-pack-quantized"),
                  r"format 'nvfp4-pack-quantized'"),
     "ct_asymmetric": ({**ct_config("channel", None), "config_groups": {"g": {
