@@ -69,8 +69,8 @@ def write_block_fp8(src: Path, dst: Path, block=BLOCK) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from slora.model.quant import FP8_DTYPE, FP8_MAX
     from slora.model.loader import LINEAR_PATH
+    from slora.model.quant import FP8_DTYPE, FP8_MAX
 
     r, c = block
     dst.mkdir(parents=True, exist_ok=True)
@@ -167,32 +167,32 @@ def nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
 def measure(model: str | None, windows: list[list[int]] | None, tokens: int, window: int,
             configs=tuple(CONFIGS), log=print) -> dict:
     """{name: {"ppl", "nll", "tokens", "seconds"}} for each configuration, the perplexity
-    ratios "fp8_vs_bf16", "w8a8_vs_bf16" and "fp8_vs_fp32", and how many windows."""
+    ratios "fp8_vs_bf16", "block_vs_bf16", "w8a8_vs_bf16" and "fp8_vs_fp32", and how many
+    windows."""
     import tempfile
 
     from slora.model.smollm import default_model_dir
 
     results: dict = {"model": model or "SmolLM2-135M-Instruct (embedded)", "window": window}
-    tmp = tempfile.TemporaryDirectory()
-    for name in configs:
-        dtype, quantization, w8a8 = CONFIGS[name]
-        t0 = time.perf_counter()
-        path = model
-        if name == "fp8-block":
-            path = str(write_block_fp8(Path(model or default_model_dir()), Path(tmp.name)))
-        engine = Engine(EngineConfig(model=path, device="cpu", dtype=dtype,
-                                     quantization=quantization))
-        if w8a8:
-            engine.runner.backend.linear = w8a8_linear
-        if windows is None:
-            windows = sharegpt_windows(engine.tokenizer, tokens, window)
-        total, count = nll(engine, windows)
-        engine.close()
-        results[name] = {"ppl": math.exp(total / count), "nll": total / count, "tokens": count,
-                         "seconds": round(time.perf_counter() - t0, 1)}
-        log(f"{name:12s} ppl {results[name]['ppl']:.4f} over {count} tokens "
-            f"({results[name]['seconds']} s)")
-    tmp.cleanup()
+    with tempfile.TemporaryDirectory() as tmp:  # fp8-block's checkpoint
+        for name in configs:
+            dtype, quantization, w8a8 = CONFIGS[name]
+            t0 = time.perf_counter()
+            path = model
+            if name == "fp8-block":
+                path = str(write_block_fp8(Path(model or default_model_dir()), Path(tmp)))
+            engine = Engine(EngineConfig(model=path, device="cpu", dtype=dtype,
+                                         quantization=quantization))
+            if w8a8:
+                engine.runner.backend.linear = w8a8_linear
+            if windows is None:
+                windows = sharegpt_windows(engine.tokenizer, tokens, window)
+            total, count = nll(engine, windows)
+            engine.close()
+            results[name] = {"ppl": math.exp(total / count), "nll": total / count,
+                             "tokens": count, "seconds": round(time.perf_counter() - t0, 1)}
+            log(f"{name:12s} ppl {results[name]['ppl']:.4f} over {count} tokens "
+                f"({results[name]['seconds']} s)")
     results["windows"] = len(windows)
     for key, name, base in (("fp8_vs_bf16", "fp8", "bfloat16"),
                             ("block_vs_bf16", "fp8-block", "bfloat16"),
