@@ -105,7 +105,7 @@ def quantize_per_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
             blk = w[i * r:(i + 1) * r, j * c:(j + 1) * c].float()
-            s[i, j] = blk.abs().max() / quant.FP8_MAX
+            s[i, j] = blk.abs().max() / quant.FP8_MAX if blk.abs().max() > 0 else 1.0
             q[i * r:(i + 1) * r, j * c:(j + 1) * c] = (blk / s[i, j]).to(FP8)
     return q, s
 
@@ -116,7 +116,7 @@ SCALES = (".weight_scale", ".weight_scale_inv", ".input_scale")  # tensors besid
 def block_scale(state: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
     """The block scales of FP8 weight `key` (either format's name), None for other scales."""
     s = state.get(key + "_scale_inv", state.get(key + "_scale"))
-    return s if s is not None and s.dim() == 2 and s.shape[1] > 1 else None
+    return s if s is not None and s.dim() == 2 and s.shape != (state[key].shape[0], 1) else None
 
 
 def block_values(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
