@@ -43,6 +43,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "CohereForCausalLM", "Cohere2ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                            "GraniteMoeForCausalLM", "GptOssForCausalLM")
+# Vision-language checkpoints whose text model slora serves -> that model's architecture:
+# config.json's text_config, the language model's weights (`ModelConfig.multimodal`)
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# config.json's keys outside a text_config that the text model reads where it lacks them
+_SHARED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
@@ -398,6 +403,10 @@ class ModelConfig:
     # GLM, Helium, Ernie 4.5: rotary pairs element 2i with 2i + 1 (HF's interleaved
     # rotate_half), served by the same permutation.
     interleaved_rope: bool = False
+    # The text model of a vision-language checkpoint (`MULTIMODAL`): its weights and adapters'
+    # are named under the language model (`loader.text_tensors`), and its vision tower and
+    # projector, which text never reaches, are neither loaded nor served.
+    multimodal: bool = False
 
     @property
     def rope_attention_factor(self) -> float:
@@ -485,10 +494,19 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, c: dict, source: str = "config") -> "ModelConfig":
         archs = c.get("architectures") or []
+        wrapper = next((a for a in archs if a in MULTIMODAL), None)
+        if wrapper is not None:
+            text = c.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(f"{source}: {wrapper} without a text_config object")
+            text = {**{k: c[k] for k in _SHARED_KEYS if k in c}, **text,
+                    "architectures": [MULTIMODAL[wrapper]]}
+            return replace(cls.from_dict(text, f"{source} (text_config)"), multimodal=True)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(f"{source}: architecture {archs or c.get('model_type')!r} is not "
-                              f"supported; slora serves {', '.join(SUPPORTED_ARCHITECTURES)}")
+                              f"supported; slora serves {', '.join(SUPPORTED_ARCHITECTURES)}, "
+                              f"and the text model of {', '.join(MULTIMODAL)}")
         heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         head_dim = c.get("head_dim") or hidden // heads

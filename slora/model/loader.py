@@ -61,6 +61,33 @@ def _safetensor_files(path: Path) -> list[Path]:
     return files
 
 
+# A vision-language checkpoint's names for its language model (two transformers versions'),
+# and the parts that read images (ModelConfig.multimodal)
+_LANGUAGE = (("model.language_model.", "model."), ("language_model.model.", "model."),
+             ("language_model.lm_head.", "lm_head."))
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+           "model.multi_modal_projector.")
+
+
+def text_tensors(named: dict, prefix: str = "") -> dict:
+    """A vision-language checkpoint's (or adapter's: `prefix` "base_model.model.") entries
+    under the text model's names: the language model's renamed (model.language_model.X and
+    language_model.model.X to model.X), the vision tower's and projector's left out (text never
+    reaches them, so LoRA on them changes no output)."""
+    out = {}
+    for key, value in named.items():
+        head = prefix if key.startswith(prefix) else ""
+        body = key[len(head):]
+        if body.startswith(_VISION):
+            continue
+        for old, new in _LANGUAGE:
+            if body.startswith(old):
+                body = new + body[len(old):]
+                break
+        out[head + body] = value
+    return out
+
+
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in _safetensor_files(path):
@@ -87,6 +114,8 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
         raise ValueError(f"{path}: mlp_bias=True is not supported")
     scheme = _quant_scheme(path)
     tensors = _read_tensors(path)
+    if cfg.multimodal:
+        tensors = text_tensors(tensors)
     _check_quantized_modules(tensors, cfg, path, fp8=scheme is not None)
     block = scheme[3] if scheme is not None else None
     # a mixture of experts is served in the model dtype, experts and all
@@ -735,6 +764,7 @@ def served_qk(cfg: ModelConfig, heads: int, tail: int = 0
     scale = [1.0 if i < r else 1.0 / m for _ in range(heads) for i in perm] + [1.0] * tail
     return torch.tensor(rows), torch.tensor(scale)
 
+PEFT_PREFIX = "base_model.model."  # what PEFT puts before a module's path in its files
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16}  # the weight dtypes an adapter file may hold
 _MAX_HEADER = 100 << 20  # safetensors' own bound on a header's JSON
@@ -912,12 +942,14 @@ class PeftAdapter:
                 shapes = {k: shape for k, (_, shape, _) in entries.items()}
         except OSError as e:
             self._fail(self.weights_file, f"cannot be read ({e})")
+        if cfg.multimodal:  # (the text model's names; the vision tower's LoRA left out)
+            shapes = text_tensors(shapes, PEFT_PREFIX)
         self._shapes = shapes  # every tensor of the file: what `pack` finds there again
         self._stamp = _stamp(st)
         self.digest = hashlib.sha256(text + b"\0" + weights).hexdigest()
         self._match(shapes)
         if self.weights_file.suffix == ".bin":
-            self._check_finite(tensors)
+            self._check_finite(text_tensors(tensors, PEFT_PREFIX) if cfg.multimodal else tensors)
         self._check_vocab(base_vocab, max_added)
 
     def _fail(self, file: Path, why: str):
@@ -1280,6 +1312,8 @@ class PeftAdapter:
                                            offset=start + offset).view(shape)
                        if math.prod(shape) else torch.empty(shape, dtype=_DTYPES[dtype])
                        for k, (dtype, shape, offset) in entries.items()}
+        if self.cfg.multimodal:
+            tensors = text_tensors(tensors, PEFT_PREFIX)
         shapes = {k: tuple(t.shape) for k, t in tensors.items()}
         if shapes != self._shapes:
             key = sorted(set(shapes.items()) ^ set(self._shapes.items()))[0][0]

@@ -391,10 +391,15 @@ def test_unsupported_gemma_configs_say_why(tiny_models):
         ModelConfig.from_dict(_config(tiny_models, "gemma2", layer_types=["sliding_attention"]))
     with pytest.raises(ConfigError, match="sliding_window=0 must be an integer >= 1"):
         ModelConfig.from_dict(_config(tiny_models, "gemma2", sliding_window=0))
-    with pytest.raises(ConfigError, match="architecture.*Gemma3ForConditionalGeneration.*not "
-                                          "supported.*Gemma3ForCausalLM"):
+    # a vision-language checkpoint's text model is its text_config
+    with pytest.raises(ConfigError, match="Gemma3ForConditionalGeneration without a text_config"):
         ModelConfig.from_dict(_config(tiny_models, "gemma3",
                                       architectures=["Gemma3ForConditionalGeneration"]))
+    with pytest.raises(ConfigError, match="architecture.*PaliGemmaForConditionalGeneration.*not "
+                                          "supported.*Gemma3ForCausalLM.*and the text model of "
+                                          "Gemma3ForConditionalGeneration"):
+        ModelConfig.from_dict(_config(tiny_models, "gemma3",
+                                      architectures=["PaliGemmaForConditionalGeneration"]))
 
 
 def test_gemma1_smollm3_olmo_configs(tiny_models):
