@@ -113,18 +113,23 @@ BAD = {
 }
 
 
+def _serves_as(tiny_model_dir, good, other) -> None:
+    """Adapter directory `other` gives `good`'s tokens."""
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=32))
+    engine.add_adapter("good", good)
+    engine.add_adapter("other", other)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    a, b = engine.generate(["Hello", "Hello"], sp, adapters=["good", "other"])
+    assert a.token_ids == b.token_ids
+
+
 @pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
 def test_initialisations_that_keep_the_base_serve(tiny_model_dir, good, tmp_path, init):
     """An adapter whose initialisation left the base weights as they are (or one converted
     to a standard LoRA adapter, whose config says true) serves as its tensors say."""
-    d = _variant(good, tmp_path, "init", lambda c: c.update(init_lora_weights=init))
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
-                                 num_pages=32))
-    engine.add_adapter("good", good)
-    engine.add_adapter("init", d)
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    a, b = engine.generate(["Hello", "Hello"], sp, adapters=["good", "init"])
-    assert a.token_ids == b.token_ids
+    _serves_as(tiny_model_dir, good,
+               _variant(good, tmp_path, "init", lambda c: c.update(init_lora_weights=init)))
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -151,13 +156,7 @@ def test_bin_weights_load_like_safetensors(tiny_model_dir, good, tmp_path):
     d = _variant(good, tmp_path, "bin")
     torch.save(load_file(d / "adapter_model.safetensors"), d / "adapter_model.bin")
     (d / "adapter_model.safetensors").unlink()
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32",
-                                 num_pages=32))
-    engine.add_adapter("st", good)
-    engine.add_adapter("bin", d)
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    a, b = engine.generate(["Hello", "Hello"], sp, adapters=["st", "bin"])
-    assert a.token_ids == b.token_ids
+    _serves_as(tiny_model_dir, good, d)
 
 
 def test_remove_adapter(tiny_model_dir, good):
