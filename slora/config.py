@@ -501,7 +501,14 @@ class ModelConfig:
                 raise ConfigError(f"{source}: {wrapper} without a text_config object")
             text = {**{k: c[k] for k in _SHARED_KEYS if k in c}, **text,
                     "architectures": [MULTIMODAL[wrapper]]}
-            return replace(cls.from_dict(text, f"{source} (text_config)"), multimodal=True)
+            cfg = cls.from_dict(text, f"{source} (text_config)")
+            eos = c.get("eos_token_id")  # (the outer config's stop ids count too)
+            eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+            if not all(is_int(t) and t >= 0 for t in eos):
+                raise ConfigError(f"{source}: eos_token_id={eos!r} must be a token id or a "
+                                  "list of them")
+            return replace(cfg, multimodal=True,
+                           eos_token_ids=tuple(sorted(set(cfg.eos_token_ids) | set(eos))))
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(f"{source}: architecture {archs or c.get('model_type')!r} is not "

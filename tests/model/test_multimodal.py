@@ -75,8 +75,13 @@ def greedy(model_dir: Path, adapter: Path | None = None):
 def test_config_is_the_text_models(vlm):
     cfg = ModelConfig.from_dir(vlm)
     assert cfg.multimodal and cfg.architecture == "Gemma3ForCausalLM"
-    text = json.loads((vlm / "config.json").read_text())["text_config"]
+    c = json.loads((vlm / "config.json").read_text())
+    text = c["text_config"]
     assert (cfg.hidden_size, cfg.num_layers) == (text["hidden_size"], text["num_hidden_layers"])
+    # the outer config's stop ids beside the text model's (Gemma 3's <end_of_turn>)
+    outer = ModelConfig.from_dict({**c, "eos_token_id": [7, 9],
+                                   "text_config": {**text, "eos_token_id": 1}})
+    assert outer.eos_token_ids == (1, 7, 9)
 
 
 def test_text_model_equals_transformers(vlm):
