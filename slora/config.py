@@ -45,7 +45,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GraniteMoeForCausalLM", "GptOssForCausalLM")
 # Vision-language checkpoints whose text model slora serves -> that model's architecture:
 # config.json's text_config, the language model's weights (`ModelConfig.multimodal`)
-MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+              "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 # config.json's keys outside a text_config that the text model reads where it lacks them
 _SHARED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")

@@ -1,7 +1,8 @@
 """The text model of a vision-language checkpoint (`config.MULTIMODAL`: Gemma 3 4B and up ship
-as Gemma3ForConditionalGeneration): slora serves its language model, and an adapter trained on
-the whole model (its LoRA on the vision tower too) serves as PEFT runs it on text. The
-reference is HF transformers' and PEFT's Gemma3ForConditionalGeneration, fed text alone."""
+as Gemma3ForConditionalGeneration, Mistral Small 3.1 as Mistral3ForConditionalGeneration):
+slora serves its language model, and an adapter trained on the whole model (its LoRA on the
+vision tower too) serves as PEFT runs it on text. The reference is HF transformers' and PEFT's
+model of the whole checkpoint, fed text alone."""
 
 from __future__ import annotations
 
@@ -20,32 +21,46 @@ PROMPTS = ["The quick brown fox", "Serving many LoRA adapters from one GPU needs
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def vlm(tiny_models, tmp_path_factory) -> Path:
-    """A tiny Gemma3ForConditionalGeneration: the tiny Gemma 3 text model's shape beside a
-    one-layer SigLIP vision tower, random weights, saved as transformers saves it."""
+def _model_class(kind: str):
     import transformers
 
-    text = json.loads((tiny_models("gemma3") / "config.json").read_text())
+    return {"gemma3": transformers.Gemma3ForConditionalGeneration,
+            "mistral": transformers.Mistral3ForConditionalGeneration}[kind]
+
+
+@pytest.fixture(scope="module", params=["gemma3", "mistral"])
+def vlm(request, tiny_models, tmp_path_factory) -> Path:
+    """A tiny vision-language model: the tiny text model's shape (Gemma 3's or Mistral's)
+    beside a one-layer vision tower (SigLIP's or Pixtral's), random weights, saved as
+    transformers saves it."""
+    import transformers
+
+    kind = request.param
+    text = json.loads((tiny_models(kind) / "config.json").read_text())
     text = {k: v for k, v in text.items()
             if k not in ("architectures", "model_type", "transformers_version")}
-    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=2,
-                                             image_size=28, patch_size=14)
     vocab = text["vocab_size"]
-    cfg = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**text),
-                                    vision_config=vision, mm_tokens_per_image=4,
-                                    image_token_index=vocab - 1, boi_token_index=vocab - 2,
-                                    eoi_token_index=vocab - 3)
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, image_size=28, patch_size=14)
+    if kind == "gemma3":
+        cfg = transformers.Gemma3Config(
+            text_config=transformers.Gemma3TextConfig(**text),
+            vision_config=transformers.SiglipVisionConfig(**tower), mm_tokens_per_image=4,
+            image_token_index=vocab - 1, boi_token_index=vocab - 2, eoi_token_index=vocab - 3)
+    else:
+        cfg = transformers.Mistral3Config(
+            text_config=transformers.MistralConfig(**text),
+            vision_config=transformers.PixtralVisionConfig(**tower, head_dim=16),
+            image_token_index=vocab - 1)
     torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    model = _model_class(kind)(cfg).eval()
     with torch.no_grad():  # norms away from their zero init, so they matter
         for name, p in model.named_parameters():
             if "norm" in name and "vision" not in name:
                 p.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp("vlm") / "gemma3-vlm"
+    path = tmp_path_factory.mktemp("vlm") / f"{kind}-vlm"
     model.save_pretrained(path)
-    for f in tiny_models("gemma3").iterdir():  # its tokenizer
+    for f in tiny_models(kind).iterdir():  # its tokenizer
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, path / f.name)
     return path
@@ -72,9 +87,15 @@ def greedy(model_dir: Path, adapter: Path | None = None):
     return [o.token_ids for o in outs], [o.logprobs for o in outs], engine
 
 
+def hf_model(vlm: Path):
+    arch = json.loads((vlm / "config.json").read_text())["architectures"][0]
+    cls = _model_class("gemma3" if arch.startswith("Gemma3") else "mistral")
+    return cls.from_pretrained(vlm, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def test_config_is_the_text_models(vlm):
     cfg = ModelConfig.from_dir(vlm)
-    assert cfg.multimodal and cfg.architecture == "Gemma3ForCausalLM"
+    assert cfg.multimodal and cfg.architecture in ("Gemma3ForCausalLM", "MistralForCausalLM")
     c = json.loads((vlm / "config.json").read_text())
     text = c["text_config"]
     assert (cfg.hidden_size, cfg.num_layers) == (text["hidden_size"], text["num_hidden_layers"])
@@ -85,12 +106,8 @@ def test_config_is_the_text_models(vlm):
 
 
 def test_text_model_equals_transformers(vlm):
-    import transformers
-
     toks, _, engine = greedy(vlm)
-    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(
-        vlm, dtype=torch.float32, attn_implementation="eager").eval()
-    assert toks == hf_tokens(hf, engine)
+    assert toks == hf_tokens(hf_model(vlm), engine)
 
 
 def test_the_other_naming_loads_alike(vlm, tmp_path):
@@ -112,12 +129,9 @@ def test_adapter_on_the_whole_model_serves_as_peft_runs_it(vlm, tmp_path):
     """PEFT's q_proj / v_proj match the vision tower's attention as well as the language
     model's: slora serves the language model's rows, and text never reaches the others."""
     import peft
-    import transformers
 
-    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(
-        vlm, dtype=torch.float32, attn_implementation="eager").eval()
     torch.manual_seed(1)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16,
+    model = peft.get_peft_model(hf_model(vlm), peft.LoraConfig(r=8, lora_alpha=16,
                                                       target_modules=["q_proj", "v_proj"],
                                                       init_lora_weights=False))
     with torch.no_grad():
