@@ -48,7 +48,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
               "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 # config.json's keys outside a text_config that the text model reads where it lacks them
-_SHARED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+_SHARED_KEYS = ("bos_token_id", "pad_token_id", "tie_word_embeddings")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The families whose rotary pairs a head's elements (2i, 2i + 1), not (i, i + D/2)
 INTERLEAVED_ROPE = ("HeliumForCausalLM", "Ernie4_5ForCausalLM", "GlmForCausalLM",
