@@ -208,8 +208,9 @@ def _decode_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     ELEM: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
     if PDL and PREFETCH > 0 and BLOCK_D * ELEM >= 128:
-        # the K and V rows of this head for the split's first PREFETCH keys (earlier tokens'
-        # KV and the block table: what the kernel before does not change) on their way to L2
+        # the K and V rows of this head for the split's first PREFETCH keys on their way to
+        # L2 (the block table is step metadata; a line the kernel before writes, the new
+        # token's, is read as written: `pdl.prefetch`)
         pf_n = lo + tl.arange(0, PREFETCH)
         pf_ok = (pf_n < hi)[:, None]
         pf_page = tl.load(bt_row + pf_n // block_size, mask=pf_n < hi, other=0).to(tl.int64)
