@@ -486,11 +486,17 @@ class ModelConfig:
             eos = json.loads(gen_file.read_text()).get("eos_token_id")
         except (json.JSONDecodeError, AttributeError) as e:
             raise ConfigError(f"{gen_file}: not a JSON object ({e})") from None
+        return cfg.with_eos(eos, str(gen_file))
+
+    def with_eos(self, eos, source: str) -> "ModelConfig":
+        """This config with `eos` (a token id, a list of them, or None) among its stop ids:
+        another config file's `eos_token_id` (generation_config.json's, a vision-language
+        config's outside its text_config). ConfigError naming `source` for anything else."""
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         if not all(is_int(t) and t >= 0 for t in eos):
-            raise ConfigError(f"{gen_file}: eos_token_id={eos!r} must be a token id or a list "
+            raise ConfigError(f"{source}: eos_token_id={eos!r} must be a token id or a list "
                               "of them")
-        return replace(cfg, eos_token_ids=tuple(sorted(set(cfg.eos_token_ids) | set(eos))))
+        return replace(self, eos_token_ids=tuple(sorted(set(self.eos_token_ids) | set(eos))))
 
     @classmethod
     def from_dict(cls, c: dict, source: str = "config") -> "ModelConfig":
@@ -503,13 +509,7 @@ class ModelConfig:
             text = {**{k: c[k] for k in _SHARED_KEYS if k in c}, **text,
                     "architectures": [MULTIMODAL[wrapper]]}
             cfg = cls.from_dict(text, f"{source} (text_config)")
-            eos = c.get("eos_token_id")  # (the outer config's stop ids count too)
-            eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
-            if not all(is_int(t) and t >= 0 for t in eos):
-                raise ConfigError(f"{source}: eos_token_id={eos!r} must be a token id or a "
-                                  "list of them")
-            return replace(cfg, multimodal=True,
-                           eos_token_ids=tuple(sorted(set(cfg.eos_token_ids) | set(eos))))
+            return replace(cfg, multimodal=True).with_eos(c.get("eos_token_id"), source)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ConfigError(f"{source}: architecture {archs or c.get('model_type')!r} is not "

@@ -88,12 +88,15 @@ def text_tensors(named: dict, prefix: str = "") -> dict:
     return out
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, multimodal: bool = False) -> dict[str, torch.Tensor]:
+    """The directory's tensors by name; `multimodal`: its text model's alone, under the text
+    model's names (`text_tensors`; the vision tower's are not read)."""
     tensors: dict[str, torch.Tensor] = {}
     for f in _safetensor_files(path):
         with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                tensors[key] = fh.get_tensor(key)
+            names = {key: key for key in fh.keys()}  # name -> the file's key
+            for name, key in (text_tensors(names) if multimodal else names).items():
+                tensors[name] = fh.get_tensor(key)
     return tensors
 
 
@@ -113,9 +116,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     if cfg.mlp_bias:
         raise ValueError(f"{path}: mlp_bias=True is not supported")
     scheme = _quant_scheme(path)
-    tensors = _read_tensors(path)
-    if cfg.multimodal:
-        tensors = text_tensors(tensors)
+    tensors = _read_tensors(path, cfg.multimodal)
     _check_quantized_modules(tensors, cfg, path, fp8=scheme is not None)
     block = scheme[3] if scheme is not None else None
     # a mixture of experts is served in the model dtype, experts and all
